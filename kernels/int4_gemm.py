@@ -1,0 +1,320 @@
+"""out = x @ W^T with W stored as group-wise affine INT4 (GGUF Q4_1 layout), dequantized in registers.
+
+  x      : [M, K] fp16 / bf16 / fp32
+  codes  : uint8 [N, K // 2]; k = 2j is the LOW nibble of codes[n, j], k = 2j + 1 the HIGH nibble
+  scale  : fp16 [N, K // G],  min : fp16 [N, K // G]
+  W[n, k] = scale[n, k // G] * q[n, k] + min[n, k // G]   (Q4_0 is min = -8 * scale), G in {32, 64, 128}
+  out    : [M, N] in x's dtype, fp32 accumulation
+
+Two kernels, both with optional split-K over a fp32 workspace (deterministic, no atomics):
+  * GEMV (M <= 8, decode): pure weight streaming, no tensor cores. A program owns BLOCK_N output
+    columns for all M rows; each [BLOCK_N, BLOCK_K] weight tile is loaded K-contiguous (128-byte
+    rows of codes), dequantized once in fp32 and reduced against every x row with tl.sum.
+  * GEMM (M > 8): classic tiled tl.dot with grouped tile ordering for L2 reuse; the weight tile is
+    loaded as [BLOCK_K/2, BLOCK_N] bytes, unpacked with join/permute/reshape into [BLOCK_K, BLOCK_N]
+    and scaled per group by a reshape-broadcast (BLOCK_K is a multiple of G).
+Split-K is picked when the output tiles alone cannot fill the SMs (small N, small M); the partial
+sums are reduced and cast by _splitk_reduce_kernel.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["int4_matmul", "int4_launch_config"]
+
+GEMV_MAX_M = 8
+_X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def _int4_gemv_kernel(
+    x_ptr,
+    codes_ptr,
+    scale_ptr,
+    min_ptr,
+    out_ptr,  # [M, N] (SPLIT_K == False) or fp32 workspace [S, M, N]
+    M,
+    N,
+    K,
+    k_per_split,  # multiple of BLOCK_K
+    stride_xm,
+    stride_xk,
+    stride_cn,
+    stride_cj,
+    stride_sn,
+    stride_sg,
+    stride_zn,
+    stride_zg,
+    stride_om,
+    stride_on,
+    GROUP_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # M padded to a power of two (<= 8): rows are unrolled
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_valid = offs_n < N
+    n64 = offs_n.to(tl.int64)
+    offs_m = tl.arange(0, BLOCK_M)
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        offs_j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        offs_g = k0 // GROUP_SIZE + tl.arange(0, BLOCK_K // GROUP_SIZE)
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_valid = offs_k < k_hi
+        c = tl.load(
+            codes_ptr + n64[:, None] * stride_cn + offs_j[None, :] * stride_cj,
+            mask=n_valid[:, None] & (offs_j[None, :] < k_hi // 2),
+            other=0,
+        )
+        q = tl.interleave(c & 0xF, c >> 4).to(tl.float32)  # [BLOCK_N, BLOCK_K] in k order
+        g_mask = n_valid[:, None] & (offs_g[None, :] < tl.cdiv(k_hi, GROUP_SIZE))
+        s = tl.load(scale_ptr + n64[:, None] * stride_sn + offs_g[None, :] * stride_sg, mask=g_mask, other=0.0)
+        z = tl.load(min_ptr + n64[:, None] * stride_zn + offs_g[None, :] * stride_zg, mask=g_mask, other=0.0)
+        q = tl.reshape(q, [BLOCK_N, BLOCK_K // GROUP_SIZE, GROUP_SIZE])
+        w = q * s.to(tl.float32)[:, :, None] + z.to(tl.float32)[:, :, None]
+        w = tl.reshape(w, [BLOCK_N, BLOCK_K])
+        for m in tl.static_range(BLOCK_M):
+            x_mask = k_valid & (tl.full([BLOCK_K], m, tl.int32) < M)  # rows past M read as 0
+            xm = tl.load(x_ptr + m * stride_xm + offs_k * stride_xk, mask=x_mask, other=0.0)
+            part = tl.sum(w * xm.to(tl.float32)[None, :], 1)  # [BLOCK_N]
+            acc = tl.where(offs_m[:, None] == m, acc + part[None, :], acc)
+
+    mask = (offs_m[:, None] < M) & n_valid[None, :]
+    if SPLIT_K:
+        ws = out_ptr + (pid_k.to(tl.int64) * M + offs_m[:, None]) * N + n64[None, :]
+        tl.store(ws, acc, mask=mask)
+    else:
+        o = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + n64[None, :] * stride_on
+        tl.store(o, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _int4_gemm_kernel(
+    x_ptr,
+    codes_ptr,
+    scale_ptr,
+    min_ptr,
+    out_ptr,  # [M, N] (SPLIT_K == False) or fp32 workspace [S, M, N]
+    M,
+    N,
+    K,
+    k_per_split,  # multiple of BLOCK_K
+    stride_xm,
+    stride_xk,
+    stride_cn,
+    stride_cj,
+    stride_sn,
+    stride_sg,
+    stride_zn,
+    stride_zg,
+    stride_om,
+    stride_on,
+    GROUP_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    COMPUTE_F32: tl.constexpr,  # fp32 x (or bf16 under the interpreter): fp32 operands, IEEE dot
+):
+    # Grouped ordering: GROUP_M row-tiles sweep the same weight columns back to back (L2 reuse).
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    first_m = (pid // num_pid_in_group) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % num_pid_in_group) % group_rows
+    pid_n = (pid % num_pid_in_group) // group_rows
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_valid = offs_m < M
+    n_valid = offs_n < N
+    m64 = offs_m.to(tl.int64)
+    n64 = offs_n.to(tl.int64)
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        offs_j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        offs_g = k0 // GROUP_SIZE + tl.arange(0, BLOCK_K // GROUP_SIZE)
+        x = tl.load(
+            x_ptr + m64[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+            mask=m_valid[:, None] & (offs_k[None, :] < k_hi),
+            other=0.0,
+        )
+        c = tl.load(  # [BLOCK_K // 2, BLOCK_N], bytes contiguous along dim 0
+            codes_ptr + n64[None, :] * stride_cn + offs_j[:, None] * stride_cj,
+            mask=n_valid[None, :] & (offs_j[:, None] < k_hi // 2),
+            other=0,
+        )
+        # (j, nibble, n) -> row k = 2j + nibble
+        q = tl.reshape(tl.permute(tl.join(c & 0xF, c >> 4), (0, 2, 1)), [BLOCK_K, BLOCK_N]).to(tl.float32)
+        g_mask = n_valid[None, :] & (offs_g[:, None] < tl.cdiv(k_hi, GROUP_SIZE))
+        s = tl.load(scale_ptr + n64[None, :] * stride_sn + offs_g[:, None] * stride_sg, mask=g_mask, other=0.0)
+        z = tl.load(min_ptr + n64[None, :] * stride_zn + offs_g[:, None] * stride_zg, mask=g_mask, other=0.0)
+        q = tl.reshape(q, [BLOCK_K // GROUP_SIZE, GROUP_SIZE, BLOCK_N])
+        w = q * s.to(tl.float32)[:, None, :] + z.to(tl.float32)[:, None, :]
+        w = tl.reshape(w, [BLOCK_K, BLOCK_N])
+        if COMPUTE_F32:
+            acc += tl.dot(x.to(tl.float32), w, input_precision="ieee")
+        else:
+            acc += tl.dot(x, w.to(x_ptr.dtype.element_ty))
+
+    mask = m_valid[:, None] & n_valid[None, :]
+    if SPLIT_K:
+        ws = out_ptr + (pid_k.to(tl.int64) * M + m64[:, None]) * N + n64[None, :]
+        tl.store(ws, acc, mask=mask)
+    else:
+        o = out_ptr + m64[:, None] * stride_om + n64[None, :] * stride_on
+        tl.store(o, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _splitk_reduce_kernel(ws_ptr, out_ptr, M, N, num_splits, stride_om, stride_on, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    valid = offs < M * N
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in range(num_splits):  # fixed order: bitwise reproducible
+        acc += tl.load(ws_ptr + s * M * N + offs, mask=valid, other=0.0)
+    m = offs // N
+    n = offs % N
+    tl.store(out_ptr + m * stride_om + n * stride_on, acc.to(out_ptr.dtype.element_ty), mask=valid)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 1
+
+
+def int4_launch_config(M: int, N: int, K: int, group_size: int, num_sms: int) -> dict[str, int | bool]:
+    """Tile shape and split-K count (not yet tuned on a GPU; see docs/kernels.md)."""
+    if M <= GEMV_MAX_M:
+        block_m = triton.next_power_of_2(M)
+        block_n = 16 if block_m <= 2 else 8  # keep BLOCK_N x BLOCK_K fp32 weights ~ 32 regs/thread
+        block_k = max(256, group_size)
+        tiles = triton.cdiv(N, block_n)
+        cfg: dict[str, int | bool] = dict(gemv=True, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                                          num_warps=4, num_stages=2)
+        target = 4 * num_sms  # streaming kernel: want several programs per SM for bytes in flight
+    else:
+        block_m = 16 if M <= 16 else 32 if M <= 32 else 64 if M <= 64 else 128
+        block_n = 64 if M <= 64 else 128
+        block_k = max(64, group_size)
+        tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
+        cfg = dict(gemv=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
+                   num_warps=8 if block_m * block_n >= 128 * 128 else 4, num_stages=3)
+        target = 2 * num_sms
+    k_iters = triton.cdiv(K, block_k)
+    # Only split when the tiles alone leave SMs idle; keep >= 4 K-iterations per split.
+    split = 1 if tiles >= num_sms else max(1, min(triton.cdiv(target, tiles), k_iters // 4, 32))
+    cfg["split_k"] = split
+    return cfg
+
+
+def _split_plan(K: int, block_k: int, split_k: int) -> tuple[int, int]:
+    """(number of K slices, K per slice); slices are whole BLOCK_K tiles and never empty."""
+    k_iters = triton.cdiv(K, block_k)
+    split = max(1, min(split_k, k_iters))
+    k_per_split = triton.cdiv(k_iters, split) * block_k
+    return triton.cdiv(K, k_per_split), k_per_split
+
+
+def int4_matmul(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    min: torch.Tensor,
+    group_size: int = 32,
+    *,
+    out: torch.Tensor | None = None,
+    split_k: int | None = None,
+) -> torch.Tensor:
+    """x [M, K] @ W^T -> [M, N] in x's dtype, W dequantized on the fly from INT4 codes (see module doc).
+
+    split_k: None = automatic, 1 = off, n = exactly n K-slices (rounded to whole BLOCK_K tiles).
+    out: optional preallocated [M, N] output (x's dtype).
+    """
+    mins = min  # the parameter name follows the brief/GGUF; builtin min() is not used below
+    if x.dim() != 2:
+        raise ValueError(f"x must be [M, K]; got shape {tuple(x.shape)}")
+    if x.dtype not in _X_DTYPES:
+        raise ValueError(f"x must be float16/bfloat16/float32; got {x.dtype}")
+    if group_size not in (32, 64, 128):
+        raise ValueError(f"group_size must be 32, 64 or 128; got {group_size}")
+    M, K = x.shape
+    if K % group_size:
+        raise ValueError(f"K={K} must be a multiple of group_size={group_size}")
+    if codes.dtype != torch.uint8 or codes.dim() != 2 or codes.shape[1] * 2 != K:
+        raise ValueError(f"codes must be uint8 [N, K//2={K // 2}]; got {codes.dtype} {tuple(codes.shape)}")
+    N = codes.shape[0]
+    for name, t in (("scale", scale), ("min", mins)):
+        if t.shape != (N, K // group_size):
+            raise ValueError(f"{name} must be [N={N}, K//G={K // group_size}]; got {tuple(t.shape)}")
+        if t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise ValueError(f"{name} must be a float tensor (fp16 in GGUF); got {t.dtype}")
+    if out is None:
+        out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    elif out.shape != (M, N) or out.dtype != x.dtype:
+        raise ValueError(f"out must be [{M}, {N}] {x.dtype}; got {tuple(out.shape)} {out.dtype}")
+    devices = {t.device for t in (x, codes, scale, mins, out)}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device; got {sorted(str(d) for d in devices)}")
+    if M == 0 or N == 0:
+        return out
+    if K == 0:
+        return out.zero_()
+
+    cfg = int4_launch_config(M, N, K, group_size, _num_sms(x.device))
+    if split_k is not None:
+        if split_k < 1:
+            raise ValueError(f"split_k must be >= 1 or None; got {split_k}")
+        cfg["split_k"] = split_k
+    block_k = int(cfg["BLOCK_K"])
+    split, k_per_split = _split_plan(K, block_k, int(cfg["split_k"]))
+    use_ws = split > 1
+    target = torch.empty((split, M, N), dtype=torch.float32, device=x.device) if use_ws else out
+    args = (
+        x, codes, scale, mins, target, M, N, K, k_per_split,
+        *x.stride(), *codes.stride(), *scale.stride(), *mins.stride(), *out.stride(),
+    )
+    if cfg["gemv"]:
+        grid = (triton.cdiv(N, int(cfg["BLOCK_N"])), split)
+        _int4_gemv_kernel[grid](
+            *args,
+            GROUP_SIZE=group_size, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k,
+            SPLIT_K=use_ws, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
+    else:
+        interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+        grid = (triton.cdiv(M, int(cfg["BLOCK_M"])) * triton.cdiv(N, int(cfg["BLOCK_N"])), split)
+        _int4_gemm_kernel[grid](
+            *args,
+            GROUP_SIZE=group_size, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k,
+            GROUP_M=cfg["GROUP_M"], SPLIT_K=use_ws,
+            COMPUTE_F32=x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and interp),
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
+    if use_ws:
+        block = 1024
+        _splitk_reduce_kernel[(triton.cdiv(M * N, block),)](
+            target, out, M, N, split, *out.stride(), BLOCK=block, num_warps=4
+        )
+    return out

@@ -1,0 +1,438 @@
+"""Causal attention over a paged KV cache for mixed prefill/decode batches.
+
+Inputs (see kvcli/attention/base.py for the cache layout):
+  q            : [num_tokens, num_q_heads, head_dim]; request b owns rows [cu_seqlens_q[b], cu_seqlens_q[b+1])
+  k/v_cache    : [num_blocks, block_size, num_kv_heads, head_dim]
+  seq_lens     : [batch] KV length of request b *including* this step's tokens (already in the cache)
+  block_tables : [batch, max_blocks] physical block ids
+Query row i of request b sits at absolute position seq_lens[b] - q_len + i and sees keys 0..that position.
+
+Main kernel, grid (num_q_blocks, num_kv_heads, num_splits):
+  * A program owns BLOCK_Q consecutive query tokens of one request times all GROUP = q_heads/kv_heads
+    query heads that share one KV head, i.e. a BLOCK_M = BLOCK_Q * GROUP (padded) row tile. Each
+    K/V tile is therefore read once for the whole GQA group and used by one tl.dot (M >= 16).
+  * q-blocks of all requests are numbered globally without a host-side table: request b owns
+    q-blocks [cu[b] // BLOCK_Q + b, ...), which needs at most num_tokens // BLOCK_Q + batch
+    programs; a program finds its request by binary search over cu_seqlens_q and surplus
+    programs exit at once. Decode (1 row) and prefill chunks (many rows) share one launch.
+  * KV is walked in tiles of BLOCK_N tokens (a multiple of the page size), gathering physical block
+    ids from the block table; online softmax in the exp2 domain, fp32 statistics and accumulator.
+  * All pool offsets are int64 (block id * block stride exceeds 2^31 on large pools).
+Split-K ("flash decoding"): when too few (request, kv-head) programs exist to fill the GPU, the
+KV range of every program is cut into num_splits segments (grid axis 2); each writes unnormalised
+(max, sum, acc) partials in fp32 and _merge_kernel combines them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["paged_attention", "choose_num_splits", "attention_launch_config"]
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_LOG2E = 1.4426950408889634
+MAX_SPLITS = 64
+# A split below this many KV tokens costs more in partial traffic + merge than it gains.
+MIN_TOKENS_PER_SPLIT = 256
+
+
+@triton.jit
+def _find_request(cu_seqlens_q_ptr, q_block_id, batch, BLOCK_Q: tl.constexpr):
+    """Largest b with cu[b] // BLOCK_Q + b <= q_block_id (those starts strictly increase in b)."""
+    lo = 0
+    hi = batch
+    while lo < hi:
+        mid = (lo + hi) // 2
+        start = tl.load(cu_seqlens_q_ptr + mid) // BLOCK_Q + mid
+        if start <= q_block_id:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    cu_seqlens_q_ptr,
+    seq_lens_ptr,
+    block_tables_ptr,
+    out_ptr,  # [T, Hq, D] final output (SPLIT=False)
+    part_acc_ptr,  # [T, Hq, S, D] fp32 (SPLIT=True)
+    part_ml_ptr,  # [T, Hq, S, 2] fp32 running max (log2 domain) and sum (SPLIT=True)
+    qk_scale,  # softmax scale * log2(e)
+    batch,
+    num_splits,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_vd,
+    stride_btb,
+    stride_btn,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    GROUP: tl.constexpr,  # query heads per KV head
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # HEAD_DIM padded to a power of two
+    BLOCK_SIZE: tl.constexpr,  # page size
+    BLOCK_M: tl.constexpr,  # rows per program = BLOCK_Q tokens x GROUP heads, padded to pow2 >= 16
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # KV tokens per iteration
+    SPLIT: tl.constexpr,
+    COMPUTE_F32: tl.constexpr,  # upcast tiles and run the dots in fp32 (fp32 KV, or bf16 in the interpreter)
+    DOT_PRECISION: tl.constexpr,
+):
+    q_block_id = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split_id = tl.program_id(2)
+
+    b = _find_request(cu_seqlens_q_ptr, q_block_id, batch, BLOCK_Q)
+    q_start = tl.load(cu_seqlens_q_ptr + b)
+    q_len = tl.load(cu_seqlens_q_ptr + b + 1) - q_start
+    q_block_local = q_block_id - (q_start // BLOCK_Q + b)
+    if q_block_local * BLOCK_Q >= q_len:  # surplus program of the global numbering
+        return
+    seq_len = tl.load(seq_lens_ptr + b)
+    context_len = seq_len - q_len  # tokens cached before this step
+
+    # Row r of the tile = query token r // GROUP, query head kv_head * GROUP + r % GROUP.
+    offs_m = tl.arange(0, BLOCK_M)
+    tok_in_block = offs_m // GROUP
+    q_tok = q_block_local * BLOCK_Q + tok_in_block
+    row_valid = (tok_in_block < BLOCK_Q) & (q_tok < q_len)
+    q_head = kv_head * GROUP + offs_m % GROUP
+    q_pos = context_len + q_tok  # absolute position: sees keys 0..q_pos
+
+    offs_d = tl.arange(0, BLOCK_D)
+    d_valid = offs_d < HEAD_DIM
+    d64 = offs_d.to(tl.int64)
+
+    q_row = (q_start + q_tok).to(tl.int64) * stride_qt + q_head.to(tl.int64) * stride_qh
+    q = tl.load(
+        q_ptr + q_row[:, None] + d64[None, :] * stride_qd,
+        mask=row_valid[:, None] & d_valid[None, :],
+        other=0.0,
+    )
+    if COMPUTE_F32:
+        q = q.to(tl.float32)
+    else:
+        q = q.to(k_cache_ptr.dtype.element_ty)
+
+    # Keys this program needs: up to the last position among its rows.
+    kv_end = tl.minimum(seq_len, context_len + (q_block_local + 1) * BLOCK_Q)
+    num_tiles = tl.cdiv(kv_end, BLOCK_N)
+    if SPLIT:
+        tiles_per_split = tl.cdiv(num_tiles, num_splits)
+        tile_lo = split_id * tiles_per_split
+        tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+    else:
+        tile_lo = 0
+        tile_hi = num_tiles
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    bt_row = block_tables_ptr + b.to(tl.int64) * stride_btb
+    k_head = kv_head.to(tl.int64) * stride_kh
+    v_head = kv_head.to(tl.int64) * stride_vh
+    offs_n_base = tl.arange(0, BLOCK_N)
+    for tile in range(tile_lo, tile_hi):
+        offs_n = tile * BLOCK_N + offs_n_base
+        n_valid = offs_n < kv_end
+        # BLOCK_N spans whole pages: the gathered ids repeat BLOCK_SIZE times and hit in L1.
+        phys = tl.load(bt_row + (offs_n // BLOCK_SIZE) * stride_btn, mask=n_valid, other=0).to(tl.int64)
+        slot_in_page = (offs_n % BLOCK_SIZE).to(tl.int64)
+        k_off = phys * stride_kb + slot_in_page * stride_kt + k_head
+        v_off = phys * stride_vb + slot_in_page * stride_vt + v_head
+
+        # K is loaded transposed ([D, N]) so the score tile is a plain q @ k.
+        k = tl.load(
+            k_cache_ptr + k_off[None, :] + d64[:, None] * stride_kd,
+            mask=n_valid[None, :] & d_valid[:, None],
+            other=0.0,
+        )
+        if COMPUTE_F32:
+            k = k.to(tl.float32)
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
+        visible = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
+        s = tl.where(visible, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row with nothing visible yet keeps m = -inf; subtract 0 instead to avoid inf - inf.
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_ref[:, None])
+        alpha = tl.exp2(m_i - m_ref)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+
+        v = tl.load(
+            v_cache_ptr + v_off[:, None] + d64[None, :] * stride_vd,
+            mask=n_valid[:, None] & d_valid[None, :],
+            other=0.0,
+        )
+        if COMPUTE_F32:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+
+    store_mask = row_valid[:, None] & d_valid[None, :]
+    if SPLIT:
+        # Unnormalised partials; empty segments write (-inf, 0, 0) which the merge weights to 0.
+        row = ((q_start + q_tok).to(tl.int64) * (GROUP * tl.num_programs(1)) + q_head) * num_splits + split_id
+        tl.store(part_acc_ptr + row[:, None] * HEAD_DIM + d64[None, :], acc, mask=store_mask)
+        tl.store(part_ml_ptr + row * 2, m_i, mask=row_valid)
+        tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=row_valid)
+    else:
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # only padding rows can have l == 0
+        out = acc / l_safe[:, None]
+        o_row = (q_start + q_tok).to(tl.int64) * stride_ot + q_head.to(tl.int64) * stride_oh
+        tl.store(
+            out_ptr + o_row[:, None] + d64[None, :] * stride_od,
+            out.to(out_ptr.dtype.element_ty),
+            mask=store_mask,
+        )
+
+
+@triton.jit
+def _merge_kernel(
+    part_acc_ptr,
+    part_ml_ptr,
+    out_ptr,
+    num_q_heads,
+    num_splits,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """out[t, h] = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the num_splits partials."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_valid = offs_s < num_splits
+    row = (t * num_q_heads + h) * num_splits + offs_s
+    m = tl.load(part_ml_ptr + row * 2, mask=s_valid, other=float("-inf"))
+    l = tl.load(part_ml_ptr + row * 2 + 1, mask=s_valid, other=0.0)
+    m_max = tl.max(m, 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.exp2(m - m_max)  # empty segments (m = -inf) get weight 0
+    denom = tl.sum(w * l, 0)
+    acc = tl.load(
+        part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
+        mask=s_valid[:, None] & (offs_d[None, :] < HEAD_DIM),
+        other=0.0,
+    )
+    out = tl.sum(acc * w[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
+    tl.store(
+        out_ptr + t * stride_ot + h * stride_oh + offs_d * stride_od,
+        out.to(out_ptr.dtype.element_ty),
+        mask=offs_d < HEAD_DIM,
+    )
+
+
+def attention_launch_config(
+    group: int, head_dim: int, block_size: int, max_seqlen_q: int, kv_dtype: torch.dtype
+) -> dict[str, int]:
+    """Tile sizes: BLOCK_M rows (= BLOCK_Q tokens x GROUP heads), BLOCK_N KV tokens per iteration.
+
+    Decode-only batches use the smallest tensor-core tile (16 rows); batches with prefill rows use
+    64 rows so each K/V tile is reused by more query tokens. BLOCK_N covers whole pages.
+    """
+    min_rows = 16 if max_seqlen_q <= 1 else 64
+    block_m = max(min_rows, triton.next_power_of_2(group))
+    block_q = max(1, block_m // group)
+    block_d = triton.next_power_of_2(max(head_dim, 16))
+    # 64 tokens of K and V per iteration (16 KiB each at D=128 fp16); fewer when fp32 or D=256.
+    per_tile = 64 if block_d * (4 if kv_dtype == torch.float32 else 2) <= 256 else 32
+    block_n = max(triton.next_power_of_2(block_size), per_tile)
+    num_warps = 8 if block_m >= 128 or (block_m >= 64 and block_d >= 256) else 4
+    num_stages = 3 if block_d <= 128 and kv_dtype != torch.float32 else 2
+    return dict(BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_D=block_d, BLOCK_N=block_n,
+                num_warps=num_warps, num_stages=num_stages)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 1  # interpreter: nothing to fill
+
+
+def choose_num_splits(num_programs: int, max_seq_len: int, num_sms: int, block_n: int) -> int:
+    """Split-K only when the (q-block, kv-head) programs are fewer than the SMs.
+
+    Aim for ~2 programs per SM in total, but keep every split >= MIN_TOKENS_PER_SPLIT keys (and
+    >= one tile) so the partial write + merge stays small next to the KV read.
+    """
+    if num_programs >= num_sms or max_seq_len <= 0:
+        return 1
+    want = triton.cdiv(2 * num_sms, max(num_programs, 1))
+    useful = max_seq_len // max(MIN_TOKENS_PER_SPLIT, block_n)
+    return max(1, min(want, useful, MAX_SPLITS))
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _check(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    out: torch.Tensor | None,
+) -> None:
+    if q.dim() != 3:
+        raise ValueError(f"q must be [num_tokens, q_heads, head_dim]; got shape {tuple(q.shape)}")
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            "k_cache/v_cache must both be [num_blocks, block_size, kv_heads, head_dim]; "
+            f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache and v_cache dtypes differ: {k_cache.dtype} vs {v_cache.dtype}")
+    for name, t in (("q", q), ("k_cache", k_cache)):
+        if t.dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"{name} must be float16/bfloat16/float32; got {t.dtype}")
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"head_dim mismatch: q has {head_dim}, cache has {k_cache.shape[3]}")
+    if num_kv_heads == 0 or num_q_heads % num_kv_heads != 0:
+        raise ValueError(f"q_heads ({num_q_heads}) must be a multiple of kv_heads ({num_kv_heads})")
+    if num_q_heads // num_kv_heads > 128:
+        raise ValueError(f"at most 128 query heads per KV head are supported; got {num_q_heads // num_kv_heads}")
+    if head_dim > 256:
+        raise ValueError(f"head_dim <= 256 supported; got {head_dim}")
+    if cu_seqlens_q.dim() != 1 or seq_lens.dim() != 1 or cu_seqlens_q.shape[0] != seq_lens.shape[0] + 1:
+        raise ValueError(
+            f"cu_seqlens_q must be [batch + 1] and seq_lens [batch]; got {tuple(cu_seqlens_q.shape)} "
+            f"and {tuple(seq_lens.shape)}"
+        )
+    if block_tables.dim() != 2 or block_tables.shape[0] != seq_lens.shape[0]:
+        raise ValueError(f"block_tables must be [batch={seq_lens.shape[0]}, max_blocks]; got {tuple(block_tables.shape)}")
+    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("seq_lens", seq_lens), ("block_tables", block_tables)):
+        if t.dtype != torch.int32:
+            raise ValueError(f"{name} must be int32; got {t.dtype}")
+    tensors = [q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables]
+    if out is not None:
+        if out.shape != q.shape or out.dtype != q.dtype:
+            raise ValueError(f"out must be {tuple(q.shape)} {q.dtype}; got {tuple(out.shape)} {out.dtype}")
+        tensors.append(out)
+    devices = {t.device for t in tensors}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device; got {sorted(str(d) for d in devices)}")
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    max_seqlen_q: int,
+    max_seq_len: int,
+    num_splits: int | None = None,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal paged attention for a packed batch of decode and prefill rows.
+
+    Returns out [num_tokens, q_heads, head_dim] in q's dtype (written into `out` if given).
+    max_seqlen_q / max_seq_len are host-side upper bounds (no device sync is done): max_seqlen_q
+    picks the tile shape, max_seq_len the split count. num_splits: None = automatic (split-K only
+    when batch x kv_heads cannot fill the GPU), 1 = never split, n > 1 = exactly n KV segments.
+    """
+    _check(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out)
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    batch = seq_lens.shape[0]
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if num_tokens == 0 or batch == 0:
+        return out
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1 or None; got {num_splits}")
+
+    group = num_q_heads // num_kv_heads
+    cfg = attention_launch_config(group, head_dim, block_size, max_seqlen_q, k_cache.dtype)
+    num_q_blocks = num_tokens // cfg["BLOCK_Q"] + batch
+    if num_splits is None:
+        num_splits = choose_num_splits(num_q_blocks * num_kv_heads, max_seq_len, _num_sms(q.device), cfg["BLOCK_N"])
+    split = num_splits > 1
+
+    compute_f32 = k_cache.dtype == torch.float32 or (k_cache.dtype == torch.bfloat16 and _interpreting())
+    common = dict(
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_D=cfg["BLOCK_D"],
+        BLOCK_SIZE=block_size,
+        BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_Q=cfg["BLOCK_Q"],
+        BLOCK_N=cfg["BLOCK_N"],
+        COMPUTE_F32=compute_f32,
+        DOT_PRECISION="ieee" if compute_f32 else "tf32",  # tf32 is ignored for 16-bit operands
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
+    if split:
+        part_acc = torch.empty((num_tokens, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+        part_ml = torch.empty((num_tokens, num_q_heads, num_splits, 2), dtype=torch.float32, device=q.device)
+    else:
+        part_acc = part_ml = out  # unused placeholders
+    grid = (num_q_blocks, num_kv_heads, num_splits)
+    _paged_attention_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        cu_seqlens_q,
+        seq_lens,
+        block_tables,
+        out,
+        part_acc,
+        part_ml,
+        float(scale) * _LOG2E,
+        batch,
+        num_splits,
+        *q.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        *block_tables.stride(),
+        *out.stride(),
+        SPLIT=split,
+        **common,
+    )
+    if split:
+        _merge_kernel[(num_tokens, num_q_heads)](
+            part_acc,
+            part_ml,
+            out,
+            num_q_heads,
+            num_splits,
+            *out.stride(),
+            HEAD_DIM=head_dim,
+            BLOCK_D=cfg["BLOCK_D"],
+            BLOCK_S=triton.next_power_of_2(num_splits),
+            num_warps=4 if num_splits * cfg["BLOCK_D"] >= 2048 else 2,
+        )
+    return out

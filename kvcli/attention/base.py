@@ -1,0 +1,60 @@
+"""The attention backend interface: what the model runner hands to attention.
+
+Layouts (shared by every backend and by the Triton kernels):
+  k_cache, v_cache : [num_blocks, block_size, num_kv_heads, head_dim], one pair per layer
+  q                : [num_tokens, num_q_heads, head_dim], the step's tokens of all requests packed
+  key, value       : [num_tokens, num_kv_heads, head_dim]
+A request's token at absolute position p lives in slot block_table[p // block_size] * block_size
++ p % block_size. The step's K/V are written to the cache first, then attention reads everything
+(cached prefix + this step's tokens) through the block table, causally.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Per-step attention inputs, built once by the runner and shared by all layers."""
+
+    slot_mapping: torch.Tensor  # int64 [num_tokens]; negative = do not write
+    cu_seqlens_q: torch.Tensor  # int32 [batch + 1]; request b's query rows are [cu[b], cu[b+1])
+    seq_lens: torch.Tensor  # int32 [batch]; KV length of request b after this step's tokens
+    block_tables: torch.Tensor  # int32 [batch, max_blocks]; padded with 0 past the used blocks
+    max_seqlen_q: int
+    max_seq_len: int
+    # Host copies, so the torch path can loop without device syncs.
+    seq_lens_list: tuple[int, ...] = ()
+    query_lens_list: tuple[int, ...] = ()
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> None:
+        """Store the step's K/V rows into their slots (slot_mapping < 0 skipped)."""
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Causal attention of q over each request's cached KV; returns [num_tokens, q_heads, head_dim]."""

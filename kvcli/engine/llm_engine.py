@@ -1,0 +1,288 @@
+"""The engine loop: schedule -> run the model -> sample -> update requests -> snapshot metrics."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvcli.attention.base import AttentionBackend
+from kvcli.config import SamplingParams, SchedulerConfig
+from kvcli.engine.detokenizer import IncrementalDetokenizer
+from kvcli.engine.outputs import CompletionOutput, RequestOutput
+from kvcli.engine.request import Request
+from kvcli.engine.scheduler import Scheduler
+from kvcli.kvcache.block_manager import KVCacheManager
+from kvcli.kvcache.block_pool import BlockPool
+from kvcli.kvcache.kv_cache import KVCache, allocate_kv_cache, bytes_per_block, num_blocks_for_budget
+from kvcli.metrics.stats import EngineSnapshot
+from kvcli.model.llama import LlamaModel
+from kvcli.model.loader import LoadedWeights
+from kvcli.model.tokenizer import Tokenizer
+from kvcli.runner.model_runner import ModelRunner
+from kvcli.sampler import sample
+
+
+class ConfigError(ValueError):
+    """Engine options that cannot work together; the message is meant for the user as is."""
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    device: str | None = None  # None: cuda when available, else cpu
+    block_size: int = 16
+    kv_budget: str | None = None  # "2GiB", "512MB", a fraction of free memory "0.5", or None (auto)
+    dequantize: bool = False  # dense fp32 weights: exact, 8x the bytes
+    max_model_len: int | None = None
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    attention_backend: str = "auto"  # auto | torch | triton
+
+
+SUPPORTED_BLOCK_SIZES = (8, 16, 32, 64, 128)
+DEFAULT_CPU_KV_BUDGET = 1 << 30
+
+
+def parse_bytes(text: str) -> int:
+    units = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 1024, "m": 1e6, "mb": 1e6, "mib": 1 << 20,
+             "g": 1e9, "gb": 1e9, "gib": 1 << 30, "t": 1e12, "tb": 1e12, "tib": 1 << 40}
+    s = text.strip().lower().replace(" ", "")
+    num = s.rstrip("kmgtib")
+    unit = s[len(num):]
+    try:
+        value = float(num)
+    except ValueError:
+        raise ConfigError(f"cannot read {text!r} as a size (e.g. 2GiB, 512MB)") from None
+    if unit not in units or value <= 0:
+        raise ConfigError(f"cannot read {text!r} as a size (e.g. 2GiB, 512MB)")
+    return int(value * units[unit])
+
+
+def resolve_device(device: str | None) -> torch.device:
+    if device is None or device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda asked for, but torch sees no CUDA device")
+    return dev
+
+
+def pick_backend(name: str, device: torch.device) -> AttentionBackend:
+    if name == "auto":
+        name = "triton" if device.type == "cuda" and _triton_available() else "torch"
+    if name == "torch":
+        from kvcli.attention.torch_backend import TorchAttentionBackend
+
+        return TorchAttentionBackend()
+    if name == "triton":
+        if device.type != "cuda":
+            raise ConfigError("--attention-backend triton needs a CUDA device (the CPU uses the torch path)")
+        from kvcli.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    raise ConfigError(f"unknown attention backend {name!r} (choose auto, torch or triton)")
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class LLMEngine:
+    def __init__(self, loaded: LoadedWeights, options: EngineOptions = EngineOptions()) -> None:
+        self.options = options
+        self.config = loaded.config
+        self.tokenizer: Tokenizer = loaded.tokenizer
+        self.source = loaded.source
+        self.load_seconds = loaded.load_seconds
+        self.device = resolve_device(options.device)
+        if options.block_size not in SUPPORTED_BLOCK_SIZES:
+            raise ConfigError(f"--block-size must be one of {', '.join(map(str, SUPPORTED_BLOCK_SIZES))} "
+                              f"(got {options.block_size})")
+        self.backend = pick_backend(options.attention_backend, self.device)
+
+        cpu = self.device.type == "cpu"
+        dtype = torch.float32 if cpu else (torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16)
+        if options.dequantize:
+            mode, head_dtype = "dense", dtype
+        elif loaded.dense_linears == "nf4":
+            mode, head_dtype = "nf4", dtype
+        elif cpu:
+            mode, head_dtype = "int4-cpu", torch.bfloat16
+        else:
+            mode, head_dtype = ("triton" if self.backend.name == "triton" else "int4-torch"), dtype
+        self.linear_mode = mode
+        self.formats = dict(loaded.formats)
+        try:
+            self.model = LlamaModel(loaded.config, loaded.weights, linear_mode=mode, dtype=dtype,
+                                    device=self.device, lm_head_dtype=head_dtype)
+        except KeyError as e:
+            raise ConfigError(f"{loaded.source}: missing weight {e.args[0]}") from None
+
+        c = loaded.config
+        self.max_model_len = min(options.max_model_len or c.max_position_embeddings, c.max_position_embeddings)
+        budget = self._kv_budget_bytes(options.kv_budget, dtype)
+        bs = options.block_size
+        num_blocks = num_blocks_for_budget(c, bs, dtype, budget)
+        per_block = bytes_per_block(c, bs, dtype)
+        if num_blocks < 1:
+            raise ConfigError(f"--kv-budget {budget} B holds no KV block: one block of {bs} tokens over "
+                              f"{c.num_layers} layers needs {per_block} B")
+        self.kv_cache: KVCache = allocate_kv_cache(c, num_blocks, bs, dtype, self.device)
+        self.bytes_per_block = per_block
+        self.pool = BlockPool(num_blocks)
+        self.kv = KVCacheManager(self.pool, bs)
+        self.scheduler = Scheduler(
+            SchedulerConfig(options.max_num_seqs, options.max_num_batched_tokens, self.max_model_len), self.kv)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.backend)
+        self.requests: dict[str, Request] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._gens: dict[str, torch.Generator | None] = {}
+        self._ids = itertools.count()
+        self._step = 0
+        self._peak_blocks = 0
+        self._prompt_tokens = 0
+        self._generated = 0
+        self._decode_tokens = 0
+        self._prefill_s = 0.0
+        self._decode_s = 0.0
+
+    def _kv_budget_bytes(self, spec: str | None, dtype: torch.dtype) -> int:
+        if spec is None or spec == "auto":
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                return int(free * 0.9)
+            # Enough for a few full contexts of this model, at most 1 GiB.
+            return min(DEFAULT_CPU_KV_BUDGET, 4 * self.max_model_len * self.config.kv_bytes_per_token(dtype))
+        try:
+            frac = float(spec)
+        except ValueError:
+            return parse_bytes(spec)
+        if not 0 < frac <= 1:
+            raise ConfigError(f"--kv-budget {spec}: a fraction must be in (0, 1]; sizes take a unit (e.g. 2GiB)")
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+        else:
+            import os
+
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return int(free * frac)
+
+    # --- requests -------------------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams, req_id: str | None = None) -> Request:
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise ConfigError("empty prompt")
+        if len(ids) >= self.max_model_len:
+            raise ConfigError(f"prompt has {len(ids)} tokens; the context holds {self.max_model_len}")
+        req = Request(req_id or f"r{next(self._ids)}", ids, params)
+        self.scheduler.add(req)
+        self.requests[req.req_id] = req
+        self._detok[req.req_id] = IncrementalDetokenizer(self.tokenizer)
+        self._gens[req.req_id] = (torch.Generator().manual_seed(params.seed) if params.seed is not None
+                                  else None)
+        return req
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def abort(self, req_id: str) -> None:
+        req = self.requests[req_id]
+        if not req.finished:
+            self.scheduler.finish(req, "abort")
+
+    # --- one iteration ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        t0 = time.perf_counter()
+        result = self.runner.execute(out)
+        logits = result.logits
+        outputs: list[RequestOutput] = []
+        decode_only = True
+        for chunk in out.chunks:
+            req = self.requests[chunk.req_id]
+            req.num_computed_tokens += len(chunk.token_ids)
+            if chunk.start_pos < req.num_prompt_tokens:
+                decode_only = False
+                self._prompt_tokens += min(req.num_prompt_tokens, chunk.start_pos + len(chunk.token_ids)) - chunk.start_pos
+        now = time.perf_counter()
+        for row, rid in enumerate(result.req_ids):
+            req = self.requests[rid]
+            tok = sample(logits[row], req.params, self._gens[rid])
+            outputs.append(self._append(req, tok, now))
+        dt = time.perf_counter() - t0
+        if decode_only:
+            self._decode_s += dt
+            self._decode_tokens += len(result.req_ids)
+        else:
+            self._prefill_s += dt
+        self._step += 1
+        self._peak_blocks = max(self._peak_blocks, self.pool.num_used)
+        return outputs
+
+    def _append(self, req: Request, tok: int, now: float) -> RequestOutput:
+        req.output_token_ids.append(tok)
+        req.token_times.append(now)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        self._generated += 1
+        p = req.params
+        reason = None
+        text = ""
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.tokenizer.eos_token_ids):
+            reason = "stop"
+        else:
+            text = self._detok[req.req_id].push(tok)
+            if p.stop:
+                joined = req.output_text + text
+                hits = [joined.find(s, max(0, len(req.output_text) - len(s))) for s in p.stop]
+                hits = [h for h in hits if h >= 0]
+                if hits:
+                    cut = min(hits)
+                    text = joined[len(req.output_text):cut] if cut >= len(req.output_text) else ""
+                    req.output_text = joined[:cut]
+                    reason = "stop"
+            if reason is None:
+                req.output_text += text
+        if reason is None and (len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len):
+            reason = "length"
+        if reason:
+            self.scheduler.finish(req, reason)
+        return RequestOutput(req.req_id, (tok,), text, reason is not None, reason)
+
+    # --- results and metrics --------------------------------------------------------------------------
+    def completion(self, req_id: str) -> CompletionOutput:
+        r = self.requests[req_id]
+        ttft = None if r.first_token_time is None else r.first_token_time - r.arrival_time
+        return CompletionOutput(r.req_id, r.prompt_token_ids, list(r.output_token_ids), r.output_text,
+                                r.finish_reason, ttft, r.num_preemptions)
+
+    def weight_bytes(self) -> dict[str, int]:
+        return self.model.weight_bytes()
+
+    def snapshot(self) -> EngineSnapshot:
+        tokens = sum(r.num_computed_tokens for r in self.scheduler.running)
+        return EngineSnapshot(
+            step=self._step,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_blocks=self.pool.num_blocks,
+            block_size=self.kv.block_size,
+            blocks_used=self.pool.num_used,
+            peak_blocks_used=self._peak_blocks,
+            tokens_in_cache=tokens,
+            bytes_per_block=self.bytes_per_block,
+            kv_pool_bytes=self.kv_cache.nbytes,
+            weight_bytes=sum(self.weight_bytes().values()),
+            prompt_tokens=self._prompt_tokens,
+            generated_tokens=self._generated,
+            prefill_seconds=self._prefill_s,
+            decode_seconds=self._decode_s,
+            num_preemptions=self.scheduler.num_preemptions,
+            decode_tokens=self._decode_tokens,
+        )

@@ -1,0 +1,25 @@
+"""What the engine hands back: per-step deltas for streaming, final results per request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    req_id: str
+    new_token_ids: tuple[int, ...]
+    new_text: str
+    finished: bool
+    finish_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class CompletionOutput:
+    req_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    ttft_s: float | None
+    num_preemptions: int = 0

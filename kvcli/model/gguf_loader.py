@@ -1,0 +1,151 @@
+"""Read a GGUF file's config and tensors directly with the `gguf` package.
+
+Q4_0 / Q4_1 / Q8_0 tensors stay quantized (canonical QuantTensor layouts, lossless); F32 / F16 /
+BF16 load as dense tensors; any other GGML type is dequantized by gguf-py (and said so in the report).
+llama.cpp stores q/k rows permuted for its rope kernel; they are permuted back to Hugging Face order.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvcli.config import ModelConfig
+from kvcli.model.quant import QuantTensor, from_gguf_q4_0, from_gguf_q4_1, from_gguf_q8_0
+
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_TOP_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+class GGUFError(ValueError):
+    pass
+
+
+def _field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    v = f.contents()
+    return v
+
+
+def read_config(reader, path: Path) -> ModelConfig:
+    arch = _field(reader, "general.architecture")
+    if arch not in ("llama", "qwen2"):
+        raise GGUFError(f"{path.name}: unsupported architecture {arch!r} (kvcli runs llama-family GGUFs: llama, qwen2)")
+    a = arch
+    heads = int(_field(reader, f"{a}.attention.head_count"))
+    hidden = int(_field(reader, f"{a}.embedding_length"))
+    n_vocab = _field(reader, f"{a}.vocab_size")
+    if n_vocab is None:
+        n_vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    names = {t.name for t in reader.tensors}
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    head_dim = _field(reader, f"{a}.attention.key_length") or hidden // heads
+    return ModelConfig(
+        name=str(_field(reader, "general.name", path.stem)),
+        architecture=arch,
+        vocab_size=int(n_vocab),
+        hidden_size=hidden,
+        intermediate_size=int(_field(reader, f"{a}.feed_forward_length")),
+        num_layers=int(_field(reader, f"{a}.block_count")),
+        num_heads=heads,
+        num_kv_heads=int(_field(reader, f"{a}.attention.head_count_kv", heads)),
+        head_dim=int(head_dim),
+        rope_theta=float(_field(reader, f"{a}.rope.freq_base", 10000.0)),
+        rms_norm_eps=float(_field(reader, f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
+        max_position_embeddings=int(_field(reader, f"{a}.context_length", 4096)),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=() if eos is None else (int(eos),),
+    )
+
+
+def _unpermute_index(rows: int, n_head: int) -> torch.Tensor:
+    """Row order that undoes llama.cpp's q/k permutation (pairs of rotary halves interleaved)."""
+    half = rows // n_head // 2
+    # llama.cpp wrote gguf[h, j, s] = hf[h, s, j] (shape [n_head, half, 2] vs [n_head, 2, half]).
+    return torch.arange(rows).reshape(n_head, half, 2).transpose(1, 2).reshape(-1)
+
+
+def _tensor(t) -> QuantTensor | torch.Tensor:
+    import gguf
+
+    qt = t.tensor_type
+    dims = [int(x) for x in t.shape]  # GGUF order: ne0 (in_features) first
+    raw = torch.from_numpy(np.array(t.data, copy=True))  # the reader hands out a read-only memmap
+    if len(dims) == 1:
+        n, k = 1, dims[0]
+    else:
+        k, n = dims[0], int(np.prod(dims[1:]))
+    T = gguf.GGMLQuantizationType
+    if qt == T.Q4_1:
+        return from_gguf_q4_1(raw, n, k)
+    if qt == T.Q4_0:
+        return from_gguf_q4_0(raw, n, k)
+    if qt == T.Q8_0:
+        return from_gguf_q8_0(raw, n, k)
+    if qt in (T.F32, T.F16):
+        out = raw.float() if qt == T.F16 else raw
+    elif qt == T.BF16:
+        out = raw.view(torch.int16).to(torch.int32).bitwise_left_shift(16).view(torch.float32)
+    else:
+        out = torch.from_numpy(gguf.quants.dequantize(t.data, qt).astype(np.float32))
+    return out.reshape(k) if len(dims) == 1 else out.reshape(n, k)
+
+
+def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, QuantTensor | torch.Tensor], dict[str, int]]:
+    """Returns (config, weights by Hugging Face name, count of tensors per GGML type)."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path), "r")
+    except Exception as e:  # gguf raises ValueError / struct errors / OSError on corrupt files
+        raise GGUFError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+    config = read_config(reader, path)
+    weights: dict[str, QuantTensor | torch.Tensor] = {}
+    types: dict[str, int] = {}
+    for t in reader.tensors:
+        name = t.name
+        if name in _TOP_NAMES:
+            hf = _TOP_NAMES[name]
+        elif name.startswith("blk."):
+            _, idx, rest = name.split(".", 2)
+            if rest not in _LAYER_NAMES:
+                continue  # e.g. rope_freqs: not used by these architectures
+            hf = f"model.layers.{idx}.{_LAYER_NAMES[rest]}"
+        else:
+            continue
+        types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
+        w = _tensor(t)
+        if config.architecture == "llama" and (".q_proj." in hf or ".k_proj." in hf):
+            n_head = config.num_heads if ".q_proj." in hf else config.num_kv_heads
+            rows = w.shape[0]
+            idx = _unpermute_index(rows, n_head)
+            w = w.rows(idx) if isinstance(w, QuantTensor) else w[idx].contiguous()
+        weights[hf] = w
+    missing = [f"model.layers.{i}.self_attn.q_proj.weight" for i in range(config.num_layers)
+               if f"model.layers.{i}.self_attn.q_proj.weight" not in weights]
+    if "model.embed_tokens.weight" not in weights or missing:
+        raise GGUFError(f"{path.name}: incomplete model (missing tensors)")
+    return config, weights, types

@@ -1,0 +1,170 @@
+"""Model building blocks: linears over INT4 / dense weights, embedding, RMSNorm, rotary embedding.
+
+An INT4 linear is built from a canonical QuantTensor and keeps only the form its matmul path needs:
+  "int4-cpu"    torch's packed int4 CPU kernel (bf16 activations, bf16 scale/zero): 4-bit resident,
+                not bit-exact (activations and scales rounded to bf16).
+  "triton"      kvcli_kernels.int4_matmul on the canonical layout (CUDA).
+  "int4-torch"  dequantize per call in plain torch: 4-bit resident, exact, slow (fallback).
+  "dense"       weights dequantized once to the compute dtype (`--dequantize`): exact, 8x the bytes.
+  "nf4"         a dense checkpoint weight quantized by bitsandbytes to NF4 (blocksize 64).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvcli.model.quant import QuantTensor
+
+
+def _nbytes(*tensors: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+class Linear:
+    """y = x @ W^T (+ b). Holds exactly one resident form of W."""
+
+    def __init__(self, weight: QuantTensor | torch.Tensor, bias: torch.Tensor | None, mode: str,
+                 dtype: torch.dtype) -> None:
+        self.mode = mode
+        self.bias = None if bias is None else bias.to(dtype)
+        self.quantized = isinstance(weight, QuantTensor)
+        if mode == "nf4" and not self.quantized:
+            try:
+                import bitsandbytes.functional as bnbf
+            except ImportError:
+                raise ValueError("--quant nf4 needs bitsandbytes (pip install bitsandbytes), or use --quant int4|none") from None
+            self.out_features, self.in_features = weight.shape
+            self.nf4, self.nf4_state = bnbf.quantize_4bit(weight.to(dtype), blocksize=64, quant_type="nf4")
+            return
+        if not self.quantized or mode == "dense" or weight.kind != "q4":
+            w = weight.dequantize(dtype) if isinstance(weight, QuantTensor) else weight.to(dtype)
+            self.mode, self.weight = "dense", w.contiguous()
+            return
+        self.out_features, self.in_features = weight.shape
+        self.group_size = weight.group_size
+        if mode == "int4-cpu" and self.out_features % 16 == 0:
+            q = weight.unpack_codes().to(torch.int32)
+            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
+            # torch's kernel computes (q - 8) * scale + zero, so zero = min + 8 * scale.
+            s = weight.scale.float()
+            zero = weight.min.float() + 8.0 * s  # type: ignore[union-attr]
+            self.scale_zero = torch.stack([s, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+        elif mode in ("triton", "int4-torch", "int4-cpu"):
+            self.mode = "int4-torch" if mode == "int4-cpu" else mode
+            self.q = weight
+        else:
+            raise ValueError(f"unknown linear mode {mode!r}")
+
+    @property
+    def nbytes(self) -> int:
+        if self.mode == "dense":
+            return _nbytes(self.weight, self.bias)
+        if self.mode == "int4-cpu":
+            return _nbytes(self.packed, self.scale_zero, self.bias)
+        if self.mode == "nf4":
+            return _nbytes(self.nf4, self.nf4_state.absmax, self.bias)
+        return self.q.nbytes + _nbytes(self.bias)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mode == "dense":
+            return F.linear(x, self.weight, self.bias)
+        if self.mode == "int4-cpu":
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x.to(torch.bfloat16), self.packed, self.group_size, self.scale_zero
+            ).to(x.dtype)
+        elif self.mode == "nf4":
+            import bitsandbytes as bnb
+
+            y = bnb.matmul_4bit(x, self.nf4.t(), quant_state=self.nf4_state).to(x.dtype)
+        elif self.mode == "triton":
+            from kvcli_kernels.int4_gemm import int4_matmul
+
+            y = int4_matmul(x, self.q.codes, self.q.scale, self.q.min, group_size=self.group_size)
+        else:
+            y = F.linear(x, self.q.dequantize(x.dtype))
+        return y if self.bias is None else y + self.bias
+
+
+class Embedding:
+    """Token embedding; a Q8_0 table stays int8 and rows are dequantized on lookup (exactly)."""
+
+    def __init__(self, weight: QuantTensor | torch.Tensor, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        if isinstance(weight, QuantTensor) and weight.kind == "q8":
+            self.q: QuantTensor | None = weight
+            self.weight = None
+        else:
+            self.q = None
+            self.weight = weight.dequantize(dtype) if isinstance(weight, QuantTensor) else weight.to(dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.nbytes if self.q is not None else _nbytes(self.weight)
+
+    def dense(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.q.dequantize(dtype) if self.q is not None else self.weight.to(dtype)  # type: ignore[union-attr]
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.q is None:
+            return F.embedding(ids, self.weight)  # type: ignore[arg-type]
+        q = self.q
+        g = q.group_size
+        rows = q.codes[ids].to(torch.float32).reshape(ids.shape[0], -1, g)
+        return (rows * q.scale[ids].to(torch.float32).unsqueeze(-1)).reshape(ids.shape[0], -1).to(self.dtype)
+
+
+class RMSNorm:
+    def __init__(self, weight: torch.Tensor, eps: float, dtype: torch.dtype) -> None:
+        self.weight = weight.to(dtype)
+        self.eps = eps
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class Rotary:
+    """Rotate-half RoPE with a precomputed cos/sin table indexed by absolute position."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None,
+                 device: torch.device) -> None:
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        inv_freq = _apply_rope_scaling(inv_freq, scaling)
+        t = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.cos = emb.cos().to(device)
+        self.sin = emb.sin().to(device)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def _apply_rope_scaling(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Tensor:
+    if not scaling:
+        return inv_freq
+    kind = scaling.get("rope_type") or scaling.get("type")
+    if kind in (None, "default"):
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "llama3":  # Llama 3.1: smooth interpolation between low and high frequency bands
+        import math
+
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(is_mid, mid, scaled)
+    raise ValueError(f"unsupported rope scaling {kind!r}")

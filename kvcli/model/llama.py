@@ -1,0 +1,126 @@
+"""kvcli's Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) over a paged KV cache.
+
+The model sees a flat batch: every scheduled token of every request packed into one [T] tensor, with
+absolute positions and an AttentionMetadata that tells attention where each request's KV lives.
+Weights use Hugging Face names (model.layers.N.self_attn.q_proj.weight, ...); q/k/v and gate/up are
+fused into one matmul each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvcli.attention.base import AttentionBackend, AttentionMetadata
+from kvcli.config import ModelConfig
+from kvcli.model.layers import Embedding, Linear, RMSNorm, Rotary
+from kvcli.model.quant import QuantTensor
+
+Weights = dict[str, "QuantTensor | torch.Tensor"]
+
+
+def _fuse(parts: list[QuantTensor | torch.Tensor]) -> QuantTensor | torch.Tensor:
+    if all(isinstance(p, QuantTensor) for p in parts) and len({p.kind for p in parts}) == 1:  # type: ignore[union-attr]
+        return QuantTensor.cat(parts)  # type: ignore[arg-type]
+    return torch.cat([p.dequantize() if isinstance(p, QuantTensor) else p.float() for p in parts])
+
+
+@dataclass
+class DecoderLayer:
+    attn_norm: RMSNorm
+    qkv: Linear
+    o: Linear
+    ffn_norm: RMSNorm
+    gate_up: Linear
+    down: Linear
+
+
+class LlamaModel:
+    def __init__(self, config: ModelConfig, weights: Weights, *, linear_mode: str, dtype: torch.dtype,
+                 device: torch.device, lm_head_dtype: torch.dtype | None = None) -> None:
+        self.config = config
+        self.dtype = dtype
+        self.device = device
+        c = config
+        self.q_size = c.num_heads * c.head_dim
+        self.kv_size = c.num_kv_heads * c.head_dim
+        self.scale = c.head_dim ** -0.5
+
+        def take(name: str) -> QuantTensor | torch.Tensor:
+            t = weights.pop(name)
+            return t.to(device) if isinstance(t, (QuantTensor, torch.Tensor)) else t
+
+        self.embed = Embedding(take("model.embed_tokens.weight"), dtype)
+        self.layers: list[DecoderLayer] = []
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            qkv = _fuse([take(a + "q_proj.weight"), take(a + "k_proj.weight"), take(a + "v_proj.weight")])
+            bias = None
+            if c.attention_bias:
+                bias = torch.cat([take(a + "q_proj.bias"), take(a + "k_proj.bias"), take(a + "v_proj.bias")])
+            gate_up = _fuse([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+            self.layers.append(DecoderLayer(
+                attn_norm=RMSNorm(take(p + "input_layernorm.weight"), c.rms_norm_eps, dtype),
+                qkv=Linear(qkv, bias, linear_mode, dtype),
+                o=Linear(take(a + "o_proj.weight"), None, linear_mode, dtype),
+                ffn_norm=RMSNorm(take(p + "post_attention_layernorm.weight"), c.rms_norm_eps, dtype),
+                gate_up=Linear(gate_up, None, linear_mode, dtype),
+                down=Linear(take(p + "mlp.down_proj.weight"), None, linear_mode, dtype),
+            ))
+        self.norm = RMSNorm(take("model.norm.weight"), c.rms_norm_eps, dtype)
+        # The output projection is a dense matmul over the whole vocabulary. With tied weights the
+        # (possibly int8) embedding table is expanded once into lm_head_dtype for it.
+        head_dtype = lm_head_dtype or dtype
+        if c.tie_word_embeddings or "lm_head.weight" not in weights:
+            head = self.embed.dense(head_dtype)
+        else:
+            w = take("lm_head.weight")
+            head = w.dequantize(head_dtype) if isinstance(w, QuantTensor) else w.to(head_dtype)
+        self.lm_head = head.contiguous()
+        weights.pop("lm_head.weight", None)
+        self.rotary = Rotary(c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling, device)
+
+    # ---------------------------------------------------------------------------------------------
+    def weight_bytes(self) -> dict[str, int]:
+        layers = sum(l.qkv.nbytes + l.o.nbytes + l.gate_up.nbytes + l.down.nbytes
+                     + 2 * l.attn_norm.weight.numel() * l.attn_norm.weight.element_size() for l in self.layers)
+        return {
+            "layers": layers,
+            "embedding": self.embed.nbytes,
+            "lm_head": self.lm_head.numel() * self.lm_head.element_size(),
+        }
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+        logits_indices: torch.Tensor | None = None,  # rows whose next-token logits are wanted
+    ) -> torch.Tensor:
+        c = self.config
+        t = input_ids.shape[0]
+        h = self.embed(input_ids)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            x = layer.attn_norm(h)
+            qkv = layer.qkv(x)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(t, c.num_heads, c.head_dim)
+            k = k.view(t, c.num_kv_heads, c.head_dim)
+            v = v.view(t, c.num_kv_heads, c.head_dim)
+            q, k = self.rotary(q, k, positions)
+            backend.write_kv(k, v, k_cache, v_cache, meta)
+            attn = backend.forward(q, k_cache, v_cache, meta, self.scale)
+            h = h + layer.o(attn.reshape(t, self.q_size))
+            x = layer.ffn_norm(h)
+            gate, up = layer.gate_up(x).chunk(2, dim=-1)
+            h = h + layer.down(F.silu(gate) * up)
+        if logits_indices is not None:
+            h = h[logits_indices]
+        h = self.norm(h)
+        return F.linear(h.to(self.lm_head.dtype), self.lm_head).float()

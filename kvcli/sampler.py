@@ -1,0 +1,25 @@
+"""Next-token choice from logits: greedy, or temperature with top-k / top-p, seeded per request."""
+
+from __future__ import annotations
+
+import torch
+
+from kvcli.config import SamplingParams
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """logits: [vocab] float32."""
+    if params.greedy:
+        return int(torch.argmax(logits))
+    x = logits / params.temperature
+    if params.top_k and params.top_k < x.shape[-1]:
+        kth = torch.topk(x, params.top_k).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_x, order = torch.sort(x, descending=True)
+        probs = torch.softmax(sorted_x, dim=-1)
+        # Drop a token when the tokens ranked above it already cover top_p (the first always stays).
+        drop = probs.cumsum(-1) - probs >= params.top_p
+        x = x.scatter(-1, order, sorted_x.masked_fill(drop, float("-inf")))
+    probs = torch.softmax(x, dim=-1)
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
