@@ -65,17 +65,21 @@ def _int4_gemv_kernel(
     n64 = offs_n.to(tl.int64)
     offs_m = tl.arange(0, BLOCK_M)
     k_lo = pid_k * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, K)
+    # Both bounds are multiples of GROUP_SIZE (>= 32): telling the compiler keeps the K masks
+    # constant over 16-byte vectors, so the loads vectorise instead of going byte by byte.
+    k_hi = tl.multiple_of(tl.minimum(k_lo + k_per_split, K), GROUP_SIZE)
+    j_hi = tl.multiple_of(k_hi // 2, GROUP_SIZE // 2)
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        offs_j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    for kt in range(0, tl.cdiv(k_hi - k_lo, BLOCK_K)):
+        k0 = tl.multiple_of(k_lo + kt * BLOCK_K, BLOCK_K)
+        offs_j = tl.max_contiguous(tl.multiple_of(k0 // 2 + tl.arange(0, BLOCK_K // 2), BLOCK_K // 2), BLOCK_K // 2)
         offs_g = k0 // GROUP_SIZE + tl.arange(0, BLOCK_K // GROUP_SIZE)
-        offs_k = k0 + tl.arange(0, BLOCK_K)
+        offs_k = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
         k_valid = offs_k < k_hi
         c = tl.load(
             codes_ptr + n64[:, None] * stride_cn + offs_j[None, :] * stride_cj,
-            mask=n_valid[:, None] & (offs_j[None, :] < k_hi // 2),
+            mask=n_valid[:, None] & (offs_j[None, :] < j_hi),
             other=0,
         )
         q = tl.interleave(c & 0xF, c >> 4).to(tl.float32)  # [BLOCK_N, BLOCK_K] in k order
@@ -86,7 +90,7 @@ def _int4_gemv_kernel(
         w = q * s.to(tl.float32)[:, :, None] + z.to(tl.float32)[:, :, None]
         w = tl.reshape(w, [BLOCK_N, BLOCK_K])
         for m in tl.static_range(BLOCK_M):
-            x_mask = k_valid & (tl.full([BLOCK_K], m, tl.int32) < M)  # rows past M read as 0
+            x_mask = k_valid & (tl.full([BLOCK_K], m, tl.int32) < M)  # rows past M read as 0 (vector form for the interpreter)
             xm = tl.load(x_ptr + m * stride_xm + offs_k * stride_xk, mask=x_mask, other=0.0)
             part = tl.sum(w * xm.to(tl.float32)[None, :], 1)  # [BLOCK_N]
             acc = tl.where(offs_m[:, None] == m, acc + part[None, :], acc)
@@ -124,11 +128,17 @@ def _int4_gemm_kernel(
     GROUP_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # a multiple of GROUP_SIZE; each group is one tl.dot
     GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr,
     COMPUTE_F32: tl.constexpr,  # fp32 x (or bf16 under the interpreter): fp32 operands, IEEE dot
 ):
+    """Per quantization group: acc += scale * (x_g @ q_g) + min * rowsum(x_g)   (as llama.cpp's Q4_1 dot).
+
+    The raw codes 0..15 are exact in fp16/bf16, so the tensor-core dot runs on the codes themselves
+    and the affine part is applied to the [BLOCK_M, BLOCK_N] partial in fp32: no per-weight
+    dequantization and no rounding of dequantized weights to 16 bits.
+    """
     # Grouped ordering: GROUP_M row-tiles sweep the same weight columns back to back (L2 reuse).
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -148,34 +158,39 @@ def _int4_gemm_kernel(
     n64 = offs_n.to(tl.int64)
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
+    dot_ty = tl.float32 if COMPUTE_F32 else x_ptr.dtype.element_ty
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        offs_j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        offs_g = k0 // GROUP_SIZE + tl.arange(0, BLOCK_K // GROUP_SIZE)
-        x = tl.load(
-            x_ptr + m64[:, None] * stride_xm + offs_k[None, :] * stride_xk,
-            mask=m_valid[:, None] & (offs_k[None, :] < k_hi),
-            other=0.0,
-        )
-        c = tl.load(  # [BLOCK_K // 2, BLOCK_N], bytes contiguous along dim 0
-            codes_ptr + n64[None, :] * stride_cn + offs_j[:, None] * stride_cj,
-            mask=n_valid[None, :] & (offs_j[:, None] < k_hi // 2),
-            other=0,
-        )
-        # (j, nibble, n) -> row k = 2j + nibble
-        q = tl.reshape(tl.permute(tl.join(c & 0xF, c >> 4), (0, 2, 1)), [BLOCK_K, BLOCK_N]).to(tl.float32)
-        g_mask = n_valid[None, :] & (offs_g[:, None] < tl.cdiv(k_hi, GROUP_SIZE))
-        s = tl.load(scale_ptr + n64[None, :] * stride_sn + offs_g[:, None] * stride_sg, mask=g_mask, other=0.0)
-        z = tl.load(min_ptr + n64[None, :] * stride_zn + offs_g[:, None] * stride_zg, mask=g_mask, other=0.0)
-        q = tl.reshape(q, [BLOCK_K // GROUP_SIZE, GROUP_SIZE, BLOCK_N])
-        w = q * s.to(tl.float32)[:, None, :] + z.to(tl.float32)[:, None, :]
-        w = tl.reshape(w, [BLOCK_K, BLOCK_N])
-        if COMPUTE_F32:
-            acc += tl.dot(x.to(tl.float32), w, input_precision="ieee")
-        else:
-            acc += tl.dot(x, w.to(x_ptr.dtype.element_ty))
+    for kt in range(0, tl.cdiv(k_hi - k_lo, BLOCK_K)):
+        k0 = tl.multiple_of(k_lo + kt * BLOCK_K, BLOCK_K)
+        for gi in tl.static_range(BLOCK_K // GROUP_SIZE):
+            kg = k0 + gi * GROUP_SIZE  # K is a multiple of GROUP_SIZE: a group is all valid or all masked
+            offs_k = tl.max_contiguous(tl.multiple_of(kg + tl.arange(0, GROUP_SIZE), GROUP_SIZE), GROUP_SIZE)
+            offs_j = tl.max_contiguous(
+                tl.multiple_of(kg // 2 + tl.arange(0, GROUP_SIZE // 2), GROUP_SIZE // 2), GROUP_SIZE // 2
+            )
+            # Group-granular K masks (splats): constant along K, so the loads stay vectorised.
+            k_ok = tl.full([GROUP_SIZE], kg, tl.int32) < k_hi
+            j_ok = tl.full([GROUP_SIZE // 2], kg, tl.int32) < k_hi
+            x = tl.load(
+                x_ptr + m64[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+                mask=m_valid[:, None] & k_ok[None, :],
+                other=0.0,
+            )
+            c = tl.load(  # [GROUP_SIZE // 2, BLOCK_N], bytes contiguous along dim 0
+                codes_ptr + n64[None, :] * stride_cn + offs_j[:, None] * stride_cj,
+                mask=n_valid[None, :] & j_ok[:, None],
+                other=0,
+            )
+            # (j, nibble, n) -> row k = 2j + nibble
+            q = tl.reshape(tl.permute(tl.join(c & 0xF, c >> 4), (0, 2, 1)), [GROUP_SIZE, BLOCK_N])
+            g_mask = n_valid & (tl.full([BLOCK_N], kg, tl.int32) < k_hi)  # (vector form: the interpreter rejects scalar masks)
+            g = kg // GROUP_SIZE
+            s = tl.load(scale_ptr + n64 * stride_sn + g * stride_sg, mask=g_mask, other=0.0).to(tl.float32)
+            z = tl.load(min_ptr + n64 * stride_zn + g * stride_zg, mask=g_mask, other=0.0).to(tl.float32)
+            xq = tl.dot(x.to(dot_ty), q.to(dot_ty), input_precision="ieee" if COMPUTE_F32 else "tf32")
+            x_sum = tl.sum(x.to(tl.float32), 1)
+            acc += xq * s[None, :] + x_sum[:, None] * z[None, :]
 
     mask = m_valid[:, None] & n_valid[None, :]
     if SPLIT_K:
@@ -205,26 +220,39 @@ def _num_sms(device: torch.device) -> int:
 
 
 def int4_launch_config(M: int, N: int, K: int, group_size: int, num_sms: int) -> dict[str, int | bool]:
-    """Tile shape and split-K count (not yet tuned on a GPU; see docs/kernels.md)."""
+    """Tile shape and split-K count.
+
+    Chosen from sm_90 compiles (no spills, vectorised/async loads), not yet timed on a GPU; see
+    docs/kernels.md.
+    """
     if M <= GEMV_MAX_M:
         block_m = triton.next_power_of_2(M)
-        block_n = 16 if block_m <= 2 else 8  # keep BLOCK_N x BLOCK_K fp32 weights ~ 32 regs/thread
-        block_k = max(256, group_size)
-        tiles = triton.cdiv(N, block_n)
+        # 512 K per iteration = 256 code bytes per row: one or two 16-byte loads per thread.
+        block_k = max(512, group_size)
+        block_n, warps = (16, 4) if block_m <= 2 else (16, 8)
         cfg: dict[str, int | bool] = dict(gemv=True, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                                          num_warps=4, num_stages=2)
-        target = 4 * num_sms  # streaming kernel: want several programs per SM for bytes in flight
+                                          num_warps=warps, num_stages=2)
+        tiles = triton.cdiv(N, block_n)
+        target = 4 * num_sms  # pure streaming: several CTAs per SM keep enough bytes in flight
+        min_iters = 2
     else:
-        block_m = 16 if M <= 16 else 32 if M <= 32 else 64 if M <= 64 else 128
-        block_n = 64 if M <= 64 else 128
-        block_k = max(64, group_size)
-        tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
+        if M <= 16:
+            block_m, block_n, block_k, warps = 16, 64, 128, 4
+        elif M <= 32:
+            block_m, block_n, block_k, warps = 32, 64, 128, 4
+        elif M <= 64:
+            block_m, block_n, block_k, warps = 64, 64, 64, 4
+        else:
+            block_m, block_n, block_k, warps = 128, 64, 64, 8
+        block_k = max(block_k, group_size)
         cfg = dict(gemv=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
-                   num_warps=8 if block_m * block_n >= 128 * 128 else 4, num_stages=3)
+                   num_warps=warps, num_stages=3)
+        tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
         target = 2 * num_sms
-    k_iters = triton.cdiv(K, block_k)
-    # Only split when the tiles alone leave SMs idle; keep >= 4 K-iterations per split.
-    split = 1 if tiles >= num_sms else max(1, min(triton.cdiv(target, tiles), k_iters // 4, 32))
+        min_iters = 4
+    k_iters = triton.cdiv(K, int(cfg["BLOCK_K"]))
+    # Split K only when the output tiles alone leave SMs idle; keep a few K-iterations per split.
+    split = 1 if tiles >= target else max(1, min(triton.cdiv(target, tiles), k_iters // min_iters, 32))
     cfg["split_k"] = split
     return cfg
 

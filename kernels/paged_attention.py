@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["paged_attention", "choose_num_splits", "attention_launch_config"]
+__all__ = ["paged_attention", "auto_num_splits", "choose_num_splits", "attention_launch_config"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = 1.4426950408889634
@@ -287,6 +287,15 @@ def choose_num_splits(num_programs: int, max_seq_len: int, num_sms: int, block_n
     return max(1, min(want, useful, MAX_SPLITS))
 
 
+def auto_num_splits(q: torch.Tensor, k_cache: torch.Tensor, batch: int, max_seqlen_q: int, max_seq_len: int) -> int:
+    """The split count paged_attention(num_splits=None) uses for these inputs."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    cfg = attention_launch_config(num_q_heads // num_kv_heads, head_dim, block_size, max_seqlen_q, k_cache.dtype)
+    num_programs = (num_tokens // cfg["BLOCK_Q"] + batch) * num_kv_heads
+    return choose_num_splits(num_programs, max_seq_len, _num_sms(q.device), cfg["BLOCK_N"])
+
+
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -378,7 +387,7 @@ def paged_attention(
     cfg = attention_launch_config(group, head_dim, block_size, max_seqlen_q, k_cache.dtype)
     num_q_blocks = num_tokens // cfg["BLOCK_Q"] + batch
     if num_splits is None:
-        num_splits = choose_num_splits(num_q_blocks * num_kv_heads, max_seq_len, _num_sms(q.device), cfg["BLOCK_N"])
+        num_splits = auto_num_splits(q, k_cache, batch, max_seqlen_q, max_seq_len)
     split = num_splits > 1
 
     compute_f32 = k_cache.dtype == torch.float32 or (k_cache.dtype == torch.bfloat16 and _interpreting())

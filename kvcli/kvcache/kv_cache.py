@@ -33,6 +33,8 @@ def num_blocks_for_budget(config: ModelConfig, block_size: int, dtype: torch.dty
 def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                       device: torch.device) -> KVCache:
     shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
-    layers = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+    # Slots are always written before they are read (attention masks past seq_len), so no zero-fill:
+    # on CPU that keeps start-up fast and lets the OS back pages only as blocks are first used.
+    layers = [(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
               for _ in range(config.num_layers)]
     return KVCache(layers, num_blocks, block_size, dtype)

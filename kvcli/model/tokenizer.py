@@ -3,7 +3,9 @@ or a byte-level tokenizer for dummy models (random weights have no vocabulary to
 
 from __future__ import annotations
 
+import hashlib
 import os
+import shutil
 from pathlib import Path
 from typing import Protocol
 
@@ -63,10 +65,32 @@ class ByteTokenizer:
         return self.encode(text + ("<assistant>" if add_generation_prompt else ""))
 
 
+def cache_dir() -> Path:
+    base = os.environ.get("KVCLI_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME") or
+                                                         os.path.expanduser("~/.cache"), "kvcli")
+    return Path(base)
+
+
 def load_gguf_tokenizer(path: Path, eos_token_ids: tuple[int, ...]) -> HFTokenizer:
+    """transformers rebuilds a GGUF's tokenizer from its metadata (seconds); the result is kept as
+    tokenizer files in the cache, keyed by the file's identity, and loaded from there next time."""
     from transformers import AutoTokenizer
 
+    st = path.stat()
+    key = hashlib.sha1(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    cached = cache_dir() / "tokenizers" / key
+    if (cached / "tokenizer_config.json").is_file():
+        try:
+            return HFTokenizer(AutoTokenizer.from_pretrained(str(cached), local_files_only=True), eos_token_ids)
+        except Exception:
+            pass  # a damaged cache entry: rebuild it below
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    try:
+        tmp = cached.with_name(key + f".tmp{os.getpid()}")
+        tok.save_pretrained(str(tmp))
+        os.replace(tmp, cached) if not cached.exists() else shutil.rmtree(tmp, ignore_errors=True)
+    except OSError:
+        pass  # a read-only cache only costs speed
     return HFTokenizer(tok, eos_token_ids)
 
 

@@ -1,0 +1,28 @@
+# The two commands from the README: `make run` (continue the bundled sample with the bundled model)
+# and `make test`. Both set up .venv first (seconds when nothing changed).
+VENV   := .venv
+PY     := $(VENV)/bin/python
+SAMPLE := samples/keepers-log.txt
+
+.PHONY: setup run test test-fast bench gpu-check clean
+
+setup:
+	@bash scripts/setup.sh
+
+run: setup
+	$(VENV)/bin/kvcli continue $(SAMPLE) --max-tokens 200
+
+test: setup
+	$(VENV)/bin/pytest -q -p no:cacheprovider
+
+test-fast: setup
+	$(VENV)/bin/pytest -q -p no:cacheprovider -m "not slow"
+
+bench: setup
+	$(PY) scripts/bench_decode.py
+
+gpu-check:
+	python3 scripts/gpu_check.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,0 +1,68 @@
+"""Attention backend on the Triton kernels of kvcli_kernels (paged cache write + paged attention).
+
+On a machine without CUDA the kernels only run under the Triton interpreter, which must be
+enabled (TRITON_INTERPRET=1) before kvcli_kernels is first imported; the kernels are therefore
+imported lazily, on first use, not when this module is imported.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcli.attention.base import AttentionMetadata
+
+
+class TritonAttentionBackend:
+    """AttentionBackend (kvcli.attention.base) backed by one Triton launch per call.
+
+    num_splits: None = split-K chosen per step from the batch shape and SM count,
+    1 = never split, n > 1 = always n KV segments (mainly for benchmarking).
+    """
+
+    name = "triton"
+
+    def __init__(self, num_splits: int | None = None) -> None:
+        if num_splits is not None and num_splits < 1:
+            raise ValueError(f"num_splits must be >= 1 or None; got {num_splits}")
+        try:
+            import triton  # noqa: F401
+        except ImportError as exc:  # pragma: no cover - depends on the environment
+            raise ImportError("the 'triton' attention backend needs the triton package (pip install kvcli[gpu])") from exc
+        self.num_splits = num_splits
+
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> None:
+        """Store the step's K/V rows into their slots (slot_mapping < 0 skipped)."""
+        from kvcli_kernels.cache_write import write_kv_cache
+
+        write_kv_cache(key, value, k_cache, v_cache, meta.slot_mapping)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Causal attention of q over each request's cached KV; returns [num_tokens, q_heads, head_dim]."""
+        from kvcli_kernels.paged_attention import paged_attention
+
+        return paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            meta.cu_seqlens_q,
+            meta.seq_lens,
+            meta.block_tables,
+            scale,
+            meta.max_seqlen_q,
+            meta.max_seq_len,
+            num_splits=self.num_splits,
+        )

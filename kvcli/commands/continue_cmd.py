@@ -1,0 +1,149 @@
+"""`kvcli continue FILE`: prefill a long text in chunks, stream its continuation, summarize."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from kvcli.commands.common import Fail, build_engine, validate_engine_flags
+from kvcli.config import SamplingParams
+from kvcli.engine.llm_engine import ConfigError, EngineOptions
+from kvcli.engine.scheduler import KVBudgetTooSmall
+from kvcli.inputs import InputError, check_writable, read_text_file
+from kvcli.view.summary import snapshot_dict, summary_table
+
+
+@dataclass(frozen=True)
+class ContinueArgs:
+    file: Path
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    truncate: str
+    json_out: bool
+    output: Path | None
+    model: str | None
+    block_size: int
+    kv_budget: str | None
+    quant: str
+    dequantize: bool
+    device: str | None
+    attention_backend: str
+    max_model_len: int | None
+    max_batch_tokens: int
+
+
+def fit_prompt(ids: list[int], max_len: int, max_tokens: int, truncate: str) -> list[int]:
+    """The prompt must leave room for max_tokens inside the context."""
+    room = max_len - max_tokens
+    if len(ids) <= room:
+        return ids
+    if room <= 0:
+        raise ConfigError(f"--max-tokens {max_tokens} leaves no room for the text in a {max_len}-token context")
+    if truncate == "head":
+        return ids[-room:]
+    raise ConfigError(f"the text has {len(ids):,} tokens; {room:,} fit in the {max_len:,}-token context with "
+                      f"room for --max-tokens {max_tokens} (use --truncate head to keep the last {room:,})")
+
+
+def run_continue(a: ContinueArgs, fail: Fail) -> int:
+    err = Console(stderr=True)
+    try:
+        params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,
+                                top_k=a.top_k, seed=a.seed)
+    except ValueError as e:
+        fail(str(e).replace("max_tokens", "--max-tokens").replace("temperature", "--temperature")
+             .replace("top_p", "--top-p").replace("top_k", "--top-k"))
+    if a.max_batch_tokens <= 0:
+        fail("--max-batch-tokens must be > 0")
+    validate_engine_flags(a.block_size, a.kv_budget, fail)
+    try:
+        text = read_text_file(a.file)
+        if a.output is not None:
+            check_writable(a.output)
+    except InputError as e:
+        fail(str(e))
+
+    with err.status("loading model…", spinner="dots"):
+        engine = build_engine(a.model, a.quant, EngineOptions(
+            device=a.device, block_size=a.block_size, kv_budget=a.kv_budget, dequantize=a.dequantize,
+            max_model_len=a.max_model_len, max_num_batched_tokens=a.max_batch_tokens,
+            attention_backend=a.attention_backend), fail)
+    err.print(f"[dim]{engine.source} · {engine.config.num_layers} layers · weights {engine.linear_mode} · "
+              f"KV {engine.kv_cache.dtype} on {engine.device} · loaded in {engine.load_seconds:.1f} s[/dim]")
+
+    ids = engine.tokenizer.encode(text)
+    try:
+        prompt = fit_prompt(ids, engine.max_model_len, a.max_tokens, a.truncate)
+        req = engine.add_request(prompt, params)
+    except (ConfigError, KVBudgetTooSmall) as e:
+        fail(str(e))
+    if len(prompt) < len(ids):
+        err.print(f"[yellow]truncated: kept the last {len(prompt):,} of {len(ids):,} tokens[/yellow]")
+
+    pieces: list[str] = []
+    interrupted = False
+    progress = Progress(TextColumn("prefill"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
+                        TimeRemainingColumn(), console=err, transient=True, disable=a.json_out)
+    t0 = time.perf_counter()
+    try:
+        with progress:
+            task = progress.add_task("prefill", total=len(prompt))
+            while not req.finished and req.num_computed_tokens < len(prompt):
+                outs = engine.step()
+                progress.update(task, completed=min(req.num_computed_tokens, len(prompt)))
+                for o in outs:
+                    _emit(o.new_text, pieces, a.json_out)
+        while engine.has_unfinished():
+            for o in engine.step():
+                _emit(o.new_text, pieces, a.json_out)
+    except KeyboardInterrupt:
+        interrupted = True
+        engine.abort(req.req_id)
+    except KVBudgetTooSmall as e:
+        fail(str(e))
+    wall = time.perf_counter() - t0
+
+    continuation = "".join(pieces)
+    if not a.json_out:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    if a.output is not None:
+        a.output.write_text(continuation, encoding="utf-8")
+    snap = engine.snapshot()
+    weights = engine.weight_bytes()
+    if a.json_out:
+        report = {
+            "model": engine.source,
+            "file": str(a.file),
+            "prompt_tokens": len(prompt),
+            "text_tokens": len(ids),
+            "truncated": len(prompt) < len(ids),
+            "generated_token_ids": list(req.output_token_ids),
+            "text": continuation,
+            "finish_reason": "interrupted" if interrupted else req.finish_reason,
+            "wall_seconds": round(wall, 3),
+            "weights_format": engine.linear_mode,
+            "metrics": snapshot_dict(snap, weights),
+        }
+        print(json.dumps(report, indent=2))
+    else:
+        err.print(summary_table(snap, weights, title="kvcli continue" + (" (interrupted)" if interrupted else "")))
+    return 130 if interrupted else 0
+
+
+def _emit(text: str, pieces: list[str], quiet: bool) -> None:
+    if not text:
+        return
+    pieces.append(text)
+    if not quiet:
+        sys.stdout.write(text)
+        sys.stdout.flush()

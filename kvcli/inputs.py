@@ -1,0 +1,43 @@
+"""Reading user files with one-line errors for every way they can be wrong."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class InputError(ValueError):
+    pass
+
+
+def read_text_file(path: Path) -> str:
+    if not path.exists():
+        raise InputError(f"{path}: no such file")
+    if path.is_dir():
+        raise InputError(f"{path}: is a directory, expected a text file")
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise InputError(f"{path}: cannot read ({e.strerror})") from None
+    if not data.strip():
+        raise InputError(f"{path}: file is empty")
+    if b"\x00" in data[:8192]:
+        raise InputError(f"{path}: looks binary (NUL bytes), expected UTF-8 text")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(f"{path}: not valid UTF-8 (byte {e.start}: {data[e.start]:#04x})") from None
+    return text.removeprefix("\ufeff")
+
+
+def check_writable(path: Path) -> None:
+    """Fail before hours of generation, not after."""
+    if path.is_dir():
+        raise InputError(f"{path}: is a directory")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise InputError(f"{path}: folder {parent} does not exist")
+    try:
+        with open(path, "a", encoding="utf-8"):
+            pass
+    except OSError as e:
+        raise InputError(f"{path}: cannot write ({e.strerror})") from None

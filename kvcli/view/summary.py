@@ -1,0 +1,53 @@
+"""The end-of-run summary, rendered from an engine snapshot."""
+
+from __future__ import annotations
+
+from rich.table import Table
+
+from kvcli.metrics.stats import EngineSnapshot
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def summary_table(s: EngineSnapshot, weights: dict[str, int], title: str = "kvcli summary") -> Table:
+    t = Table(title=title, show_header=False, title_justify="left", box=None, padding=(0, 2))
+    t.add_column(style="bold")
+    t.add_column()
+    t.add_row("prompt tokens", f"{s.prompt_tokens:,}")
+    t.add_row("generated tokens", f"{s.generated_tokens:,}")
+    t.add_row("prefill", f"{s.prefill_tok_s:,.1f} tok/s ({s.prefill_seconds:.2f} s)")
+    t.add_row("decode", f"{s.decode_tok_s:,.1f} tok/s ({s.decode_seconds:.2f} s)")
+    t.add_row("KV blocks used (peak)", f"{s.peak_blocks_used:,} of {s.num_blocks:,} x {s.block_size} tokens")
+    t.add_row("KV bytes used (peak)", f"{human_bytes(s.peak_kv_bytes)} of a {human_bytes(s.kv_pool_bytes)} pool")
+    parts = ", ".join(f"{k} {human_bytes(v)}" for k, v in weights.items())
+    t.add_row("weight bytes", f"{human_bytes(sum(weights.values()))} ({parts})")
+    if s.num_preemptions:
+        t.add_row("preemptions", str(s.num_preemptions))
+    return t
+
+
+def snapshot_dict(s: EngineSnapshot, weights: dict[str, int]) -> dict:
+    return {
+        "prompt_tokens": s.prompt_tokens,
+        "generated_tokens": s.generated_tokens,
+        "prefill_seconds": round(s.prefill_seconds, 4),
+        "decode_seconds": round(s.decode_seconds, 4),
+        "prefill_tok_s": round(s.prefill_tok_s, 2),
+        "decode_tok_s": round(s.decode_tok_s, 2),
+        "kv": {
+            "block_size": s.block_size,
+            "num_blocks": s.num_blocks,
+            "peak_blocks_used": s.peak_blocks_used,
+            "bytes_per_block": s.bytes_per_block,
+            "peak_bytes_used": s.peak_kv_bytes,
+            "pool_bytes": s.kv_pool_bytes,
+        },
+        "weight_bytes": dict(weights, total=sum(weights.values())),
+        "preemptions": s.num_preemptions,
+    }

@@ -1,0 +1,194 @@
+"""paged_attention (Triton) against the per-request torch reference."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("triton", reason="triton is not importable; the Triton kernels cannot be tested")
+
+import torch  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from kernel_test_utils import ATTN_TOL, DEVICE, ON_GPU, PagedBatch, assert_close, generator, requires_cuda  # noqa: E402
+
+from kvcli_kernels.paged_attention import (  # noqa: E402
+    MAX_SPLITS,
+    attention_launch_config,
+    choose_num_splits,
+    paged_attention,
+)
+from kvcli_kernels.reference import paged_attention_ref  # noqa: E402
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def run_and_check(batch: PagedBatch, num_splits: int | None, what: str) -> torch.Tensor:
+    out = batch.nan_out()  # poisoned: any row the kernel forgets stays NaN
+    ret = paged_attention(
+        batch.q, batch.k_cache, batch.v_cache, batch.cu_seqlens_q, batch.seq_lens_t, batch.block_tables,
+        batch.scale, batch.max_seqlen_q, batch.max_seq_len, num_splits=num_splits, out=out,
+    )
+    assert ret is out
+    ref = paged_attention_ref(
+        batch.q, batch.k_cache, batch.v_cache, batch.cu_seqlens_q, batch.seq_lens_t, batch.block_tables, batch.scale
+    )
+    atol, rtol = ATTN_TOL[batch.q.dtype]
+    assert_close(out, ref, atol, rtol, what)
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("group", [1, 3, 8])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode(dtype: torch.dtype, group: int, num_splits: int) -> None:
+    """Single-token decode rows with ragged contexts (not multiples of the page size)."""
+    gen = generator("decode", dtype, group, num_splits)
+    kv_heads = 2 if group < 8 else 1
+    batch = PagedBatch([1, 1, 1], [37, 1, 150], group * kv_heads, kv_heads, 64, 16, dtype, gen)
+    run_and_check(batch, num_splits, f"decode {dtype} group={group} splits={num_splits}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("group", [1, 3, 8])
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_prefill_chunk_on_cached_prefix(dtype: torch.dtype, group: int, num_splits: int) -> None:
+    """A 23-token chunk at positions 50..72 over a 50-token cached prefix, plus a fresh prompt."""
+    gen = generator("chunk", dtype, group, num_splits)
+    batch = PagedBatch([23, 9], [73, 9], group, 1, 64, 16, dtype, gen)
+    run_and_check(batch, num_splits, f"prefill chunk {dtype} group={group} splits={num_splits}")
+
+
+@pytest.mark.parametrize(
+    ("block_size", "head_dim", "group", "dtype"),
+    [
+        (16, 64, 8, torch.float16),
+        (32, 128, 3, torch.float16),
+        (64, 128, 1, torch.float32),
+        (16, 80, 4, torch.float16),  # head_dim padded to 128 with a mask
+        (32, 96, 2, torch.bfloat16),
+    ],
+)
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_mixed_batch(block_size: int, head_dim: int, group: int, dtype: torch.dtype, num_splits: int) -> None:
+    """Decodes, a prefill chunk on a prefix, a full prompt and an empty request in one launch."""
+    gen = generator("mixed", block_size, head_dim, group, dtype, num_splits)
+    q_lens = [1, 19, 1, 0, 33, 1]
+    seq_lens = [70, 19 + 45, 1, 12, 33, 129]
+    batch = PagedBatch(q_lens, seq_lens, group * 2, 2, head_dim, block_size, dtype, gen)
+    run_and_check(batch, num_splits, f"mixed bs={block_size} D={head_dim} group={group} {dtype} splits={num_splits}")
+
+
+def test_more_splits_than_tiles() -> None:
+    """Segments past a request's KV are empty; the merge must give them weight 0."""
+    gen = generator("empty-splits")
+    batch = PagedBatch([1, 4], [5, 20], 4, 2, 32, 16, torch.float16, gen)
+    run_and_check(batch, 7, "7 splits over 1 tile")
+
+
+def test_q_dtype_differs_from_cache() -> None:
+    """fp32 queries over an fp16 cache: q is cast to the cache dtype, output keeps q's dtype."""
+    gen = generator("mixed-dtype")
+    batch = PagedBatch([1, 3], [40, 10], 4, 2, 64, 16, torch.float16, gen, q_dtype=torch.float32)
+    out = batch.nan_out()
+    paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.cu_seqlens_q, batch.seq_lens_t,
+                    batch.block_tables, batch.scale, batch.max_seqlen_q, batch.max_seq_len, out=out)
+    ref = paged_attention_ref(batch.q, batch.k_cache, batch.v_cache, batch.cu_seqlens_q, batch.seq_lens_t,
+                              batch.block_tables, batch.scale)
+    assert out.dtype == torch.float32
+    assert_close(out, ref, 4e-3, 4e-3, "fp32 q / fp16 cache")
+
+
+def test_strided_q_and_out() -> None:
+    """q as a view of a fused QKV projection (non-contiguous) and no out= (allocated)."""
+    gen = generator("strided")
+    batch = PagedBatch([2, 1], [30, 17], 4, 2, 64, 16, torch.float16, gen)
+    fused = torch.randn(batch.q.shape[0], 8, 64, generator=gen).to(torch.float16).to(DEVICE)
+    q = fused[:, 2:6]  # token stride 8*64, not contiguous
+    out = paged_attention(q, batch.k_cache, batch.v_cache, batch.cu_seqlens_q, batch.seq_lens_t,
+                          batch.block_tables, batch.scale, 2, 30)
+    ref = paged_attention_ref(q, batch.k_cache, batch.v_cache, batch.cu_seqlens_q, batch.seq_lens_t,
+                              batch.block_tables, batch.scale)
+    assert out.is_contiguous() and out.shape == q.shape
+    assert_close(out, ref, *ATTN_TOL[torch.float16], "strided q")
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_random_batches(data: st.DataObject) -> None:
+    """Property test: random mixes of decode/prefill rows, GQA ratios, page sizes and splits."""
+    batch_size = data.draw(st.integers(1, 4), "batch")
+    q_lens, seq_lens = [], []
+    for _ in range(batch_size):
+        q_len = data.draw(st.sampled_from([1, 1, 2, 7, 17]), "q_len")
+        prefix = data.draw(st.integers(0, 90), "prefix")
+        q_lens.append(q_len)
+        seq_lens.append(prefix + q_len)
+    group = data.draw(st.sampled_from([1, 2, 3, 4, 8]), "group")
+    kv_heads = data.draw(st.integers(1, 2), "kv_heads")
+    head_dim = data.draw(st.sampled_from([16, 32, 48, 64]), "head_dim")
+    block_size = data.draw(st.sampled_from([16, 32, 64]), "block_size")
+    dtype = data.draw(st.sampled_from([torch.float32, torch.float16]), "dtype")
+    num_splits = data.draw(st.sampled_from([1, 2, 3, 5]), "num_splits")
+    seed = data.draw(st.integers(0, 2**31 - 1), "seed")
+    gen = torch.Generator().manual_seed(seed)
+    batch = PagedBatch(q_lens, seq_lens, group * kv_heads, kv_heads, head_dim, block_size, dtype, gen)
+    run_and_check(batch, num_splits, "random batch")
+
+
+def test_split_heuristic() -> None:
+    # Plenty of programs: never split.
+    assert choose_num_splits(num_programs=512, max_seq_len=32768, num_sms=132, block_n=64) == 1
+    # Batch 1 x 8 KV heads at 32k: split to roughly fill 2 programs / SM, capped.
+    n = choose_num_splits(num_programs=8, max_seq_len=32768, num_sms=132, block_n=64)
+    assert 1 < n <= MAX_SPLITS and 8 * n >= 132
+    # Short context: splits never go below MIN_TOKENS_PER_SPLIT keys each.
+    assert choose_num_splits(num_programs=8, max_seq_len=300, num_sms=132, block_n=64) == 1
+    assert choose_num_splits(num_programs=8, max_seq_len=1024, num_sms=132, block_n=64) == 4
+
+
+def test_launch_config_tiles_cover_pages() -> None:
+    for block_size in (16, 32, 64):
+        for group in (1, 3, 8, 16):
+            for max_q in (1, 300):
+                cfg = attention_launch_config(group, 128, block_size, max_q, torch.bfloat16)
+                assert cfg["BLOCK_N"] % block_size == 0
+                assert cfg["BLOCK_M"] >= 16 and cfg["BLOCK_M"] >= group
+                assert cfg["BLOCK_Q"] * group <= cfg["BLOCK_M"]
+
+
+def test_validation_errors() -> None:
+    gen = generator("validation")
+    b = PagedBatch([1], [5], 4, 2, 32, 16, torch.float16, gen)
+    args = [b.q, b.k_cache, b.v_cache, b.cu_seqlens_q, b.seq_lens_t, b.block_tables, b.scale, 1, 5]
+
+    def call(i: int, value: object, match: str) -> None:
+        bad = list(args)
+        bad[i] = value
+        with pytest.raises(ValueError, match=match):
+            paged_attention(*bad)
+
+    call(0, b.q[:, :3], "multiple of kv_heads")
+    call(0, b.q[0], r"\[num_tokens, q_heads, head_dim\]")
+    call(1, b.k_cache[..., :16], "k_cache/v_cache")
+    call(2, b.v_cache.float(), "dtypes differ")
+    call(3, b.cu_seqlens_q.long(), "cu_seqlens_q must be int32")
+    call(4, b.seq_lens_t[:0], r"\[batch \+ 1\]")
+    call(5, b.block_tables[0], "block_tables")
+    with pytest.raises(ValueError, match="num_splits"):
+        paged_attention(*args, num_splits=0)
+    with pytest.raises(ValueError, match="out must be"):
+        paged_attention(*args, out=torch.empty(3, device=DEVICE))
+    if ON_GPU:
+        call(3, b.cu_seqlens_q.cpu(), "one device")
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_gpu_realistic_sizes(dtype: torch.dtype) -> None:
+    gen = generator("gpu", dtype)
+    q_lens = [1] * 6 + [300, 1000]
+    seq_lens = [4097, 1, 33, 9000, 16, 2500, 300 + 2000, 1000]
+    batch = PagedBatch(q_lens, seq_lens, 32, 8, 128, 16, dtype, gen)
+    for splits in (None, 1, 8):
+        run_and_check(batch, splits, f"gpu {dtype} splits={splits}")

@@ -1,0 +1,122 @@
+"""The command line: --help/--version, one-line errors for bad input, and a real `continue` run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from kvcli.cli import app
+
+runner = CliRunner()
+KVCLI = [sys.executable, "-c", "from kvcli.cli import main; main()"]
+
+
+def one_line_error(result, needle: str) -> None:
+    assert result.exit_code != 0
+    err = result.stderr.strip()
+    assert "Traceback" not in result.output and "Traceback" not in err
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("kvcli: error:") and needle in err, err
+
+
+def test_help_and_version():
+    r = runner.invoke(app, ["--help"])
+    assert r.exit_code == 0 and "continue" in r.stdout
+    r = runner.invoke(app, ["continue", "--help"])
+    assert r.exit_code == 0 and "--kv-budget" in r.stdout and "--truncate" in r.stdout
+    r = runner.invoke(app, ["--version"])
+    assert r.exit_code == 0 and r.stdout.startswith("kvcli ")
+
+
+@pytest.fixture()
+def files(tmp_path: Path) -> dict[str, Path]:
+    f = {
+        "empty": tmp_path / "empty.txt",
+        "blank": tmp_path / "blank.txt",
+        "binary": tmp_path / "blob.bin",
+        "latin1": tmp_path / "latin1.txt",
+        "dir": tmp_path / "folder",
+        "ok": tmp_path / "ok.txt",
+    }
+    f["empty"].write_bytes(b"")
+    f["blank"].write_text("  \n\n")
+    f["binary"].write_bytes(bytes(range(256)) * 4)
+    f["latin1"].write_bytes("caf\xe9 au lait".encode("latin-1"))
+    f["dir"].mkdir()
+    f["ok"].write_text("Once upon a time")
+    return f
+
+
+@pytest.mark.parametrize("kind,needle", [
+    ("missing", "no such file"), ("empty", "empty"), ("blank", "empty"), ("binary", "binary"),
+    ("latin1", "not valid UTF-8"), ("dir", "directory"),
+])
+def test_bad_input_files(files, tmp_path, kind, needle):
+    path = files.get(kind, tmp_path / "nope.txt")
+    one_line_error(runner.invoke(app, ["continue", str(path)]), needle)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--max-tokens", "0"], "--max-tokens"),
+    (["--temperature", "-1"], "--temperature"),
+    (["--top-p", "0"], "--top-p"),
+    (["--top-p", "1.5"], "--top-p"),
+    (["--block-size", "0"], "--block-size"),
+    (["--block-size", "24"], "--block-size"),
+    (["--kv-budget", "lots"], "--kv-budget"),
+    (["-o", "/nonexistent-dir/out.txt"], "does not exist"),
+    (["--model", "/nonexistent/model.gguf"], "model not found"),
+    (["--model", "dummy:gpt-17"], "unknown dummy preset"),
+])
+def test_bad_flags(files, args, needle):
+    one_line_error(runner.invoke(app, ["continue", str(files["ok"]), *args]), needle)
+
+
+def test_corrupt_gguf(files, tmp_path):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + os.urandom(200))
+    one_line_error(runner.invoke(app, ["continue", str(files["ok"]), "--model", str(bad)]), "broken.gguf")
+
+
+def test_dummy_model_budget_too_small(files):
+    r = runner.invoke(app, ["continue", str(files["ok"]), "--model", "dummy:smollm2-135m", "--kv-budget", "100KB"])
+    one_line_error(r, "holds no KV block")
+
+
+@pytest.mark.slow
+def test_continue_json_and_output_file(tmp_path):
+    src = Path(__file__).resolve().parents[1] / "samples" / "keepers-log.txt"
+    out = tmp_path / "cont.txt"
+    p = subprocess.run([*KVCLI, "continue", str(src), "-n", "24", "--json", "-o", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    report = json.loads(p.stdout)  # nothing but the JSON on stdout
+    assert len(report["generated_token_ids"]) == 24
+    assert report["finish_reason"] == "length"
+    assert report["prompt_tokens"] > 3000
+    assert out.read_text() == report["text"] and report["text"].strip()
+    m = report["metrics"]
+    assert m["prompt_tokens"] == report["prompt_tokens"] and m["generated_tokens"] == 24
+    assert m["kv"]["peak_blocks_used"] == -(-(report["prompt_tokens"] + 24 - 1) // 16)
+    assert m["weight_bytes"]["layers"] > 0 and m["prefill_tok_s"] > 0 and m["decode_tok_s"] > 0
+
+
+@pytest.mark.slow
+def test_context_overflow_error_and_truncate(tmp_path):
+    src = Path(__file__).resolve().parents[1] / "samples" / "keepers-log.txt"
+    p = subprocess.run([*KVCLI, "continue", str(src), "-n", "8", "--max-model-len", "1024"],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode != 0 and "Traceback" not in p.stderr
+    last = p.stderr.strip().splitlines()[-1]
+    assert "tokens" in last and "1,016 fit" in last and "--truncate head" in last
+    p = subprocess.run([*KVCLI, "continue", str(src), "-n", "8", "--max-model-len", "1024", "--truncate",
+                        "head", "--json"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    report = json.loads(p.stdout)
+    assert report["truncated"] and report["prompt_tokens"] == 1016

@@ -1,0 +1,116 @@
+"""kvcli's paged engine against transformers' LlamaForCausalLM built from the same GGUF."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from kvcli.config import SamplingParams
+from kvcli.engine.scheduler import ScheduledChunk, SchedulerOutput
+
+pytestmark = pytest.mark.slow
+
+
+def teacher_forced_logits(engine, ids: list[int], prefill: int, chunk: int) -> torch.Tensor:
+    """Logits for every position: `prefill` tokens in chunks of `chunk`, then one token per step,
+    each step through the block manager and the paged cache, as the scheduler would issue them."""
+    req = "tf"
+    rows = []
+    pos = 0
+    while pos < len(ids):
+        n = min(chunk, prefill - pos) if pos < prefill else 1
+        assert engine.kv.allocate(req, pos + n)
+        step = SchedulerOutput([ScheduledChunk(req, ids[pos:pos + n], pos, engine.kv.block_table(req), True)])
+        rows.append(engine.runner.execute(step, all_logits=True).logits)
+        pos += n
+    engine.kv.free(req)
+    engine.kv.check_invariants()
+    return torch.cat(rows)
+
+
+def test_teacher_forced_logits_match_transformers(exact_llm, hf_model, sample_text):
+    engine = exact_llm.engine
+    ids = engine.tokenizer.encode(sample_text)[:1600]
+    assert len(ids) >= 1500
+    # Chunk size not a multiple of the block size, so chunks end mid-block.
+    ours = teacher_forced_logits(engine, ids, prefill=1400, chunk=500)
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([ids])).logits[0].float()
+    assert ours.shape == ref.shape
+    err = (ours - ref).abs().max(dim=-1).values
+    assert err.max().item() < 1e-3, f"max abs logit error {err.max().item():.2e} at position {int(err.argmax())}"
+    assert engine.pool.num_free == engine.pool.num_blocks
+
+
+PROMPTS = [
+    "The capital of France is",
+    "Write a short poem about the sea.\n",
+    "In the winter of 1887, the small fishing village on the northern coast had not seen a ship for three weeks.",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Here is a list of the planets of the solar system, in order from the sun: Mercury, Venus, Earth, Mars,"
+    " Jupiter, Saturn, Uranus and Neptune. The largest of them is",
+]
+
+
+def hf_greedy(hf_model, ids: list[int], n: int) -> list[int]:
+    """transformers' greedy generate for exactly n tokens. EOS is unset on the model's own generation
+    config (generate falls back to it otherwise); min_new_tokens would instead mask EOS in the logits."""
+    saved = hf_model.generation_config
+    hf_model.generation_config = GenerationConfig(eos_token_id=None, pad_token_id=0)
+    try:
+        with torch.no_grad():
+            out = hf_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                    max_new_tokens=n, do_sample=False)
+    finally:
+        hf_model.generation_config = saved
+    assert out.shape[1] == len(ids) + n
+    return out[0, len(ids):].tolist()
+
+
+def test_greedy_batch_matches_transformers_generate(exact_llm, hf_model):
+    engine = exact_llm.engine
+    prompt_ids = [engine.tokenizer.encode(p) for p in PROMPTS]
+    assert len({len(p) for p in prompt_ids}) == len(prompt_ids)  # all lengths differ
+    outs = exact_llm.generate(prompt_ids, SamplingParams(max_tokens=64, ignore_eos=True))
+    assert engine.pool.num_free == engine.pool.num_blocks  # every block back after the batch
+    engine.kv.check_invariants()
+    for ids, out in zip(prompt_ids, outs):
+        assert len(out.token_ids) == 64
+        assert out.token_ids == hf_greedy(hf_model, ids, 64), PROMPTS[prompt_ids.index(ids)]
+
+
+def test_int4_path_agrees_with_fp32_reference(int4_llm, hf_model, sample_text):
+    """The INT4 CPU kernel rounds activations and scales to bf16, so it is not bit-exact. Measured
+    under teacher forcing over 1,024 positions: top-1 agreement with the fp32 reference (0.97 on this
+    machine over 2,048 positions), and kvcli's choice inside the reference's top-2 nearly always."""
+    engine = int4_llm.engine
+    assert engine.linear_mode == "int4-cpu"
+    ids = engine.tokenizer.encode(sample_text)[:1024]
+    ours = teacher_forced_logits(engine, ids, prefill=960, chunk=320)
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([ids])).logits[0].float()
+    ours_top1 = ours.argmax(-1, keepdim=True)
+    agree = (ours_top1 == ref.argmax(-1, keepdim=True)).float().mean().item()
+    in_top2 = (ref.topk(2, dim=-1).indices == ours_top1).any(-1).float().mean().item()
+    assert agree >= 0.95, f"top-1 agreement {agree:.3f}"
+    assert in_top2 >= 0.99, f"kvcli's top-1 within the reference top-2 at only {in_top2:.3f} of positions"
+
+
+def test_int4_greedy_diverges_only_on_near_ties(int4_llm, hf_model):
+    """Free-running greedy: where the INT4 path first picks another token than transformers, the
+    reference itself rated the two within a small logit gap (a near tie), never a clear mistake."""
+    engine = int4_llm.engine
+    gaps = []
+    for prompt in PROMPTS:
+        ids = engine.tokenizer.encode(prompt)
+        ours = int4_llm.generate([ids], SamplingParams(max_tokens=32, ignore_eos=True))[0].token_ids
+        ref = hf_greedy(hf_model, ids, 32)
+        diff = next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), None)
+        if diff is None:
+            continue
+        with torch.no_grad():
+            logits = hf_model(torch.tensor([ids + ref[:diff]])).logits[0, -1]
+        gaps.append((logits[ref[diff]] - logits[ours[diff]]).item())
+    assert all(g < 1.0 for g in gaps), f"reference logit gaps at divergence: {gaps}"
+    assert len(gaps) < len(PROMPTS), "every prompt diverged within 32 tokens"
