@@ -131,7 +131,7 @@ def _int4_gemm_kernel(
     BLOCK_K: tl.constexpr,  # a multiple of GROUP_SIZE; each group is one tl.dot
     GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr,
-    COMPUTE_F32: tl.constexpr,  # fp32 x (or bf16 under the interpreter): fp32 operands, IEEE dot
+    COMPUTE_F32: tl.constexpr,  # fp32 x (or bf16 under the interpreter): fp32 operands, 3xTF32 dot
 ):
     """Per quantization group: acc += scale * (x_g @ q_g) + min * rowsum(x_g)   (as llama.cpp's Q4_1 dot).
 
@@ -188,7 +188,7 @@ def _int4_gemm_kernel(
             g = kg // GROUP_SIZE
             s = tl.load(scale_ptr + n64 * stride_sn + g * stride_sg, mask=g_mask, other=0.0).to(tl.float32)
             z = tl.load(min_ptr + n64 * stride_zn + g * stride_zg, mask=g_mask, other=0.0).to(tl.float32)
-            xq = tl.dot(x.to(dot_ty), q.to(dot_ty), input_precision="ieee" if COMPUTE_F32 else "tf32")
+            xq = tl.dot(x.to(dot_ty), q.to(dot_ty), input_precision="tf32x3" if COMPUTE_F32 else "tf32")
             x_sum = tl.sum(x.to(tl.float32), 1)
             acc += xq * s[None, :] + x_sum[:, None] * z[None, :]
 

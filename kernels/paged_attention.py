@@ -262,7 +262,8 @@ def attention_launch_config(
     # 64 tokens of K and V per iteration (16 KiB each at D=128 fp16); fewer when fp32 or D=256.
     per_tile = 64 if block_d * (4 if kv_dtype == torch.float32 else 2) <= 256 else 32
     block_n = max(triton.next_power_of_2(block_size), per_tile)
-    num_warps = 8 if block_m >= 128 or (block_m >= 64 and block_d >= 256) else 4
+    wide = block_d >= 256 or kv_dtype == torch.float32  # more live registers per row
+    num_warps = 8 if block_m >= 128 or (block_m >= 64 and wide) else 4
     num_stages = 3 if block_d <= 128 and kv_dtype != torch.float32 else 2
     return dict(BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_D=block_d, BLOCK_N=block_n,
                 num_warps=num_warps, num_stages=num_stages)
@@ -292,8 +293,9 @@ def auto_num_splits(q: torch.Tensor, k_cache: torch.Tensor, batch: int, max_seql
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     cfg = attention_launch_config(num_q_heads // num_kv_heads, head_dim, block_size, max_seqlen_q, k_cache.dtype)
-    num_programs = (num_tokens // cfg["BLOCK_Q"] + batch) * num_kv_heads
-    return choose_num_splits(num_programs, max_seq_len, _num_sms(q.device), cfg["BLOCK_N"])
+    # Programs that do work (the global q-block numbering also launches some that exit at once).
+    q_blocks = min(num_tokens // cfg["BLOCK_Q"] + batch, batch * triton.cdiv(max(max_seqlen_q, 1), cfg["BLOCK_Q"]))
+    return choose_num_splits(q_blocks * num_kv_heads, max_seq_len, _num_sms(q.device), cfg["BLOCK_N"])
 
 
 def _interpreting() -> bool:
@@ -400,7 +402,8 @@ def paged_attention(
         BLOCK_Q=cfg["BLOCK_Q"],
         BLOCK_N=cfg["BLOCK_N"],
         COMPUTE_F32=compute_f32,
-        DOT_PRECISION="ieee" if compute_f32 else "tf32",  # tf32 is ignored for 16-bit operands
+        # fp32 KV: 3xTF32 keeps ~fp32 accuracy on tensor cores (IEEE FMA dots spill badly on sm_90).
+        DOT_PRECISION="tf32x3" if compute_f32 else "tf32",  # ignored for 16-bit operands
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )

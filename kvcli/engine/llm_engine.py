@@ -20,6 +20,7 @@ from kvcli.kvcache.kv_cache import KVCache, allocate_kv_cache, bytes_per_block, 
 from kvcli.metrics.stats import EngineSnapshot
 from kvcli.model.llama import LlamaModel
 from kvcli.model.loader import LoadedWeights
+from kvcli.model.quant import QuantTensor
 from kvcli.model.tokenizer import Tokenizer
 from kvcli.runner.model_runner import ModelRunner
 from kvcli.sampler import sample
@@ -108,11 +109,13 @@ class LLMEngine:
 
         cpu = self.device.type == "cpu"
         dtype = torch.float32 if cpu else (torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16)
-        if options.dequantize:
+        has_int4 = any(isinstance(w, QuantTensor) and w.kind == "q4" for w in loaded.weights.values())
+        if options.dequantize or not (has_int4 or loaded.dense_linears == "nf4"):
             mode, head_dtype = "dense", dtype
         elif loaded.dense_linears == "nf4":
             mode, head_dtype = "nf4", dtype
         elif cpu:
+            # The INT4 CPU kernel runs in bf16; the vocabulary projection follows it (half of fp32's bytes).
             mode, head_dtype = "int4-cpu", torch.bfloat16
         else:
             mode, head_dtype = ("triton" if self.backend.name == "triton" else "int4-torch"), dtype
