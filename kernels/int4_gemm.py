@@ -6,20 +6,18 @@
   W[n, k] = scale[n, k // G] * q[n, k] + min[n, k // G]   (Q4_0 is min = -8 * scale), G in {32, 64, 128}
   out    : [M, N] in x's dtype, fp32 accumulation
 
-Two kernels, both with optional split-K over a fp32 workspace (deterministic, no atomics):
+Two kernels, both with optional split-K over an fp32 workspace (deterministic, no atomics):
   * GEMV (M <= 8, decode): pure weight streaming, no tensor cores. A program owns BLOCK_N output
-    columns for all M rows; each [BLOCK_N, BLOCK_K] weight tile is loaded K-contiguous (128-byte
-    rows of codes), dequantized once in fp32 and reduced against every x row with tl.sum.
-  * GEMM (M > 8): classic tiled tl.dot with grouped tile ordering for L2 reuse; the weight tile is
-    loaded as [BLOCK_K/2, BLOCK_N] bytes, unpacked with join/permute/reshape into [BLOCK_K, BLOCK_N]
-    and scaled per group by a reshape-broadcast (BLOCK_K is a multiple of G).
-Split-K is picked when the output tiles alone cannot fill the SMs (small N, small M); the partial
+    columns for all M rows; each [BLOCK_N, BLOCK_K] weight tile is loaded as K-contiguous 16-byte
+    vectors of codes, dequantized once in fp32 and reduced against every x row with tl.sum.
+  * GEMM (M > 8): tiled tl.dot with grouped tile ordering for L2 reuse. Per quantization group it
+    computes scale * (x_g @ q_g) + min * rowsum(x_g) (llama.cpp's Q4_1 dot), so the MMA consumes the
+    raw 0..15 codes (exact in 16-bit) and nothing is dequantized per weight.
+Split-K is picked when the output tiles alone cannot fill the SMs (small M and N); the partial
 sums are reduced and cast by _splitk_reduce_kernel.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -202,15 +200,22 @@ def _int4_gemm_kernel(
 
 
 @triton.jit
-def _splitk_reduce_kernel(ws_ptr, out_ptr, M, N, num_splits, stride_om, stride_on, BLOCK: tl.constexpr):
+def _splitk_reduce_kernel(ws_ptr, out_ptr, M, N, MN, num_splits, stride_om, stride_on, BLOCK: tl.constexpr):
+    """out = sum over the split axis of ws [S, M, N] (MN = M * N, passed as i64 when large)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    valid = offs < M * N
+    valid = offs < MN
     acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for s in range(num_splits):  # fixed order: bitwise reproducible
-        acc += tl.load(ws_ptr + s * M * N + offs, mask=valid, other=0.0)
+    ptrs = ws_ptr + offs
+    for _ in range(num_splits):  # fixed order: bitwise reproducible
+        acc += tl.load(ptrs, mask=valid, other=0.0)
+        ptrs += MN
     m = offs // N
     n = offs % N
     tl.store(out_ptr + m * stride_om + n * stride_on, acc.to(out_ptr.dtype.element_ty), mask=valid)
+
+
+# Kernels built for the Triton interpreter (TRITON_INTERPRET=1 at import time) cannot run bf16 dots.
+_INTERPRETED = not isinstance(_int4_gemm_kernel, triton.runtime.JITFunction)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -331,18 +336,17 @@ def int4_matmul(
             SPLIT_K=use_ws, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
     else:
-        interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
         grid = (triton.cdiv(M, int(cfg["BLOCK_M"])) * triton.cdiv(N, int(cfg["BLOCK_N"])), split)
         _int4_gemm_kernel[grid](
             *args,
             GROUP_SIZE=group_size, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k,
             GROUP_M=cfg["GROUP_M"], SPLIT_K=use_ws,
-            COMPUTE_F32=x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and interp),
+            COMPUTE_F32=x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and _INTERPRETED),
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
     if use_ws:
         block = 1024
         _splitk_reduce_kernel[(triton.cdiv(M * N, block),)](
-            target, out, M, N, split, *out.stride(), BLOCK=block, num_warps=4
+            target, out, M, N, M * N, split, *out.stride(), BLOCK=block, num_warps=4
         )
     return out

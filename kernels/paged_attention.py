@@ -25,8 +25,6 @@ KV range of every program is cut into num_splits segments (grid axis 2); each wr
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -247,6 +245,10 @@ def _merge_kernel(
     )
 
 
+# Kernels built for the Triton interpreter (TRITON_INTERPRET=1 at import time) cannot run bf16 dots.
+_INTERPRETED = not isinstance(_paged_attention_kernel, triton.runtime.JITFunction)
+
+
 def attention_launch_config(
     group: int, head_dim: int, block_size: int, max_seqlen_q: int, kv_dtype: torch.dtype
 ) -> dict[str, int]:
@@ -298,8 +300,6 @@ def auto_num_splits(q: torch.Tensor, k_cache: torch.Tensor, batch: int, max_seql
     return choose_num_splits(q_blocks * num_kv_heads, max_seq_len, _num_sms(q.device), cfg["BLOCK_N"])
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _check(
@@ -392,7 +392,7 @@ def paged_attention(
         num_splits = auto_num_splits(q, k_cache, batch, max_seqlen_q, max_seq_len)
     split = num_splits > 1
 
-    compute_f32 = k_cache.dtype == torch.float32 or (k_cache.dtype == torch.bfloat16 and _interpreting())
+    compute_f32 = k_cache.dtype == torch.float32 or (k_cache.dtype == torch.bfloat16 and _INTERPRETED)
     common = dict(
         GROUP=group,
         HEAD_DIM=head_dim,

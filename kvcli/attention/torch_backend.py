@@ -1,5 +1,13 @@
-"""Paged attention in plain torch: gather each request's blocks, then SDPA. The CPU path, and the
-reference behaviour the Triton backend must reproduce."""
+"""Paged attention in plain torch: the CPU path, and the behaviour the Triton backend must reproduce.
+
+Per request, K/V are read through the block table: as views when the table is a run of consecutive
+blocks (the common case when a pool is fresh), otherwise gathered. Two shapes of work:
+  decode (1 query token): the q heads that share a KV head are stacked as that head's query rows,
+      so SDPA runs without a mask and without repeating K/V (grouped-query trick);
+  prefill chunk (q_len tokens on top of a cached prefix): attention to the prefix (all visible, no
+      mask, grouped like decode) and to the chunk itself (causal) are computed separately by the
+      CPU flash kernel and merged with their log-sum-exps, which avoids a masked math-path SDPA.
+"""
 
 from __future__ import annotations
 
@@ -8,13 +16,15 @@ import torch.nn.functional as F
 
 from kvcli.attention.base import AttentionMetadata
 
+_flash_cpu = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
 
 class TorchAttentionBackend:
     name = "torch"
 
     def __init__(self) -> None:
         self._meta: AttentionMetadata | None = None
-        self._masks: dict[int, torch.Tensor | None] = {}
+        self._runs: list[list[tuple[int, int]]] = []
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  meta: AttentionMetadata) -> None:
@@ -27,31 +37,68 @@ class TorchAttentionBackend:
         kc.index_copy_(0, slots, key.to(kc.dtype))
         vc.index_copy_(0, slots, value.to(vc.dtype))
 
-    def _mask(self, b: int, q_len: int, kv_len: int, device: torch.device) -> torch.Tensor | None:
-        """Causal mask with the query block ending at the last KV position; shared by all layers."""
-        if q_len == 1:
-            return None
-        if b not in self._masks:
-            qpos = torch.arange(kv_len - q_len, kv_len, device=device).unsqueeze(1)
-            self._masks[b] = torch.arange(kv_len, device=device).unsqueeze(0) <= qpos
-        return self._masks[b]
+    def _block_runs(self, meta: AttentionMetadata, block_size: int) -> list[list[tuple[int, int]]]:
+        """Per request, its used blocks as (first, end) runs of consecutive ids; same for all layers."""
+        if meta is not self._meta:
+            tables = meta.block_tables.tolist()
+            runs = []
+            for b, kv_len in enumerate(meta.seq_lens_list):
+                ids = tables[b][: -(-kv_len // block_size)]
+                r: list[tuple[int, int]] = []
+                for i in ids:
+                    if r and r[-1][1] == i:
+                        r[-1] = (r[-1][0], i + 1)
+                    else:
+                        r.append((i, i + 1))
+                runs.append(r)
+            self._meta, self._runs = meta, runs
+        return self._runs
+
+    @staticmethod
+    def _read(cache: torch.Tensor, runs: list[tuple[int, int]], kv_len: int) -> torch.Tensor:
+        parts = [cache[s:e] for s, e in runs]
+        blocks = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return blocks.flatten(0, 1)[:kv_len].transpose(0, 1)  # [kv_heads, kv_len, D]
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:
-        if meta is not self._meta:
-            self._meta, self._masks = meta, {}
-        bs = k_cache.shape[1]
+        runs = self._block_runs(meta, k_cache.shape[1])
         out = torch.empty_like(q)
-        cu = meta.query_lens_list
         start = 0
-        for b, (q_len, kv_len) in enumerate(zip(cu, meta.seq_lens_list)):
-            nblk = -(-kv_len // bs)
-            blocks = meta.block_tables[b, :nblk]
-            k = k_cache[blocks].flatten(0, 1)[:kv_len].transpose(0, 1).to(q.dtype)  # [kvh, L, D]
-            v = v_cache[blocks].flatten(0, 1)[:kv_len].transpose(0, 1).to(q.dtype)
+        for b, (q_len, kv_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
+            k = self._read(k_cache, runs[b], kv_len).to(q.dtype)
+            v = self._read(v_cache, runs[b], kv_len).to(q.dtype)
             qb = q[start:start + q_len].transpose(0, 1)  # [H, q_len, D]
-            o = F.scaled_dot_product_attention(qb, k, v, attn_mask=self._mask(b, q_len, kv_len, q.device),
-                                               scale=scale, enable_gqa=True)
-            out[start:start + q_len] = o.transpose(0, 1)
+            out[start:start + q_len] = attend(qb, k, v, scale).transpose(0, 1)
             start += q_len
         return out
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of q [H, q_len, D] whose rows are the last q_len positions of k/v [kvh, L, D]."""
+    h, q_len, d = q.shape
+    kvh, kv_len, _ = k.shape
+    g = h // kvh
+    if q_len == 1:
+        o = F.scaled_dot_product_attention(q.reshape(kvh, g, d), k, v, scale=scale)
+        return o.reshape(h, 1, d)
+    prefix = kv_len - q_len
+    if _flash_cpu is None or q.device.type != "cpu":
+        qpos = torch.arange(prefix, kv_len, device=q.device).unsqueeze(1)
+        mask = torch.arange(kv_len, device=q.device).unsqueeze(0) <= qpos
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    # The chunk against itself: causal, K/V repeated per q head (only q_len rows, cheap).
+    kc = k[:, prefix:].repeat_interleave(g, 0).unsqueeze(0)
+    vc = v[:, prefix:].repeat_interleave(g, 0).unsqueeze(0)
+    o_self, lse_self = _flash_cpu(q.unsqueeze(0), kc, vc, is_causal=True, scale=scale)
+    if prefix == 0:
+        return o_self[0]
+    # Every row sees the whole prefix: grouped rows, no mask, no repeat.
+    qg = q.contiguous().view(1, kvh, g * q_len, d)
+    o_pre, lse_pre = _flash_cpu(qg, k[:, :prefix].unsqueeze(0), v[:, :prefix].unsqueeze(0), scale=scale)
+    o_pre = o_pre.reshape(1, h, q_len, d)
+    lse_pre = lse_pre.reshape(1, h, q_len)
+    m = torch.maximum(lse_pre, lse_self)
+    w_pre = (lse_pre - m).exp().unsqueeze(-1)
+    w_self = (lse_self - m).exp().unsqueeze(-1)
+    return ((o_pre * w_pre + o_self * w_self) / (w_pre + w_self))[0]

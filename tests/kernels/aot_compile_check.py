@@ -114,6 +114,7 @@ def compile_launch(fn: Any, args: tuple, kwargs: dict, cc: int) -> dict[str, Any
         regs=None,
         spill=None,
         options=options,
+        flags={k: v for k, v in kwargs.items() if k in ("COMPUTE_F32", "SPLIT", "SPLIT_K", "DOT_PRECISION")},
     )
     for ptxas in (_NVBIN / "ptxas-blackwell", _NVBIN / "ptxas"):  # the one matching triton's PTX version
         if not ptxas.exists():

@@ -66,6 +66,7 @@ def test_prefill_chunk_on_cached_prefix(dtype: torch.dtype, group: int, num_spli
         (64, 128, 1, torch.float32),
         (16, 80, 4, torch.float16),  # head_dim padded to 128 with a mask
         (32, 96, 2, torch.bfloat16),
+        (24, 64, 2, torch.float16),  # a page size that is not a power of two (tiles straddle pages)
     ],
 )
 @pytest.mark.parametrize("num_splits", [1, 4])

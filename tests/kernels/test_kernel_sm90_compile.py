@@ -53,6 +53,9 @@ def test_paged_attention_compiles(results: dict[str, Any], cid: str) -> None:
     splits = ATTENTION_CASES[cid][5]
     assert [f["kernel"] for f in launches] == ["_paged_attention_kernel"] + (["_merge_kernel"] if splits > 1 else [])
     main = launches[0]
+    kv_dtype = ATTENTION_CASES[cid][4]
+    # 16-bit KV must take the native 16-bit tensor-core path on a GPU (fp32 upcast is interpreter-only).
+    assert main["flags"]["COMPUTE_F32"] == (str(kv_dtype) == "torch.float32"), main["flags"]
     assert main["mma"] > 0, f"{cid}: the score / PV products do not use tensor cores: {main}"
     assert main["cp_async"] > 0 or main["ld_v4"] > 0, f"{cid}: KV loads neither async nor vectorised: {main}"
     if cid in NO_SPILL:

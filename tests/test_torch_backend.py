@@ -1,0 +1,85 @@
+"""The torch paged-attention backend against a dense reference on random ragged batches."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvcli.attention.base import AttentionMetadata
+from kvcli.attention.torch_backend import TorchAttentionBackend
+
+
+def make_batch(q_lens, kv_lens, kvh, g, d, bs, num_blocks, permute, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    k_cache = torch.full((num_blocks, bs, kvh, d), float("nan"), dtype=dtype)
+    v_cache = torch.full((num_blocks, bs, kvh, d), float("nan"), dtype=dtype)
+    order = torch.randperm(num_blocks, generator=gen).tolist() if permute else list(range(num_blocks))
+    tables, dense_k, dense_v, slots = [], [], [], []
+    for q_len, kv_len in zip(q_lens, kv_lens):
+        n = -(-kv_len // bs)
+        blocks, order = order[:n], order[n:]
+        tables.append(blocks)
+        k = torch.randn(kv_len, kvh, d, generator=gen)
+        v = torch.randn(kv_len, kvh, d, generator=gen)
+        dense_k.append(k)
+        dense_v.append(v)
+        for p in range(kv_len):
+            slot = blocks[p // bs] * bs + p % bs
+            if p < kv_len - q_len:  # the cached prefix is already there; the new tokens get written
+                k_cache.view(-1, kvh, d)[slot] = k[p].to(dtype)
+                v_cache.view(-1, kvh, d)[slot] = v[p].to(dtype)
+            else:
+                slots.append(slot)
+    width = max(len(t) for t in tables)
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    cu = [0]
+    for q_len in q_lens:
+        cu.append(cu[-1] + q_len)
+    meta = AttentionMetadata(torch.tensor(slots), torch.tensor(cu, dtype=torch.int32),
+                             torch.tensor(kv_lens, dtype=torch.int32), bt, max(q_lens), max(kv_lens),
+                             tuple(kv_lens), tuple(q_lens))
+    q = torch.randn(cu[-1], kvh * g, d, generator=gen)
+    new_k = torch.cat([k[kv - ql:] for k, ql, kv in zip(dense_k, q_lens, kv_lens)])
+    new_v = torch.cat([v[kv - ql:] for v, ql, kv in zip(dense_v, q_lens, kv_lens)])
+    return q, new_k, new_v, k_cache, v_cache, meta, dense_k, dense_v
+
+
+def reference(q, dense_k, dense_v, q_lens, kv_lens, g, scale):
+    out, start = [], 0
+    for k, v, q_len, kv_len in zip(dense_k, dense_v, q_lens, kv_lens):
+        qb = q[start:start + q_len].transpose(0, 1)
+        kb = k.transpose(0, 1).repeat_interleave(g, 0)
+        vb = v.transpose(0, 1).repeat_interleave(g, 0)
+        s = qb @ kb.transpose(1, 2) * scale
+        pos = torch.arange(kv_len - q_len, kv_len).unsqueeze(1)
+        s = s.masked_fill(torch.arange(kv_len).unsqueeze(0) > pos, float("-inf"))
+        out.append((s.softmax(-1) @ vb).transpose(0, 1))
+        start += q_len
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("g", [1, 3, 8])
+@pytest.mark.parametrize("permute", [False, True])
+@pytest.mark.parametrize("bs", [16, 32])
+def test_mixed_batch_matches_reference(g, permute, bs):
+    # decode, prefill chunk on a cached prefix, fresh prompt, another decode: ragged, not block multiples
+    q_lens, kv_lens = [1, 37, 50, 1], [75, 100, 50, 17]
+    kvh, d = 2, 64
+    q, nk, nv, kc, vc, meta, dk, dv = make_batch(q_lens, kv_lens, kvh, g, d, bs, 64, permute, seed=g + bs)
+    be = TorchAttentionBackend()
+    be.write_kv(nk, nv, kc, vc, meta)
+    scale = 1 / math.sqrt(d)
+    got = be.forward(q, kc, vc, meta, scale)
+    want = reference(q, dk, dv, q_lens, kv_lens, g, scale)
+    assert not torch.isnan(got).any()
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+def test_negative_slots_are_skipped():
+    q, nk, nv, kc, vc, meta, dk, dv = make_batch([3], [3], 1, 1, 64, 16, 4, False)
+    meta = AttentionMetadata(torch.tensor([0, -1, 2]), meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
+                             3, 3, (3,), (3,))
+    TorchAttentionBackend().write_kv(nk, nv, kc, vc, meta)
+    assert torch.equal(kc[0, 0], nk[0]) and torch.equal(kc[0, 2], nk[2]) and torch.isnan(kc[0, 1]).all()
