@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from dataclasses import dataclass
 
@@ -78,7 +79,8 @@ def pick_backend(name: str, device: torch.device) -> AttentionBackend:
 
         return TorchAttentionBackend()
     if name == "triton":
-        if device.type != "cuda":
+        # On CPU only under Triton's interpreter (tests and debugging; about a second per launch).
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ConfigError("--attention-backend triton needs a CUDA device (the CPU uses the torch path)")
         from kvcli.attention.triton_backend import TritonAttentionBackend
 
@@ -171,8 +173,6 @@ class LLMEngine:
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
         else:
-            import os
-
             free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         return int(free * frac)
 
