@@ -77,7 +77,7 @@ def run_continue(a: ContinueArgs, fail: Fail) -> int:
             device=a.device, block_size=a.block_size, kv_budget=a.kv_budget, dequantize=a.dequantize,
             max_model_len=a.max_model_len, max_num_batched_tokens=a.max_batch_tokens,
             attention_backend=a.attention_backend), fail)
-    err.print(f"[dim]{engine.source} · {engine.config.num_layers} layers · weights {engine.linear_mode} · "
+    err.print(f"[dim]{Path(engine.source).name} · {engine.config.num_layers} layers · weights {engine.linear_mode} · "
               f"KV {engine.kv_cache.dtype} on {engine.device} · loaded in {engine.load_seconds:.1f} s[/dim]")
 
     ids = engine.tokenizer.encode(text)
@@ -131,6 +131,7 @@ def run_continue(a: ContinueArgs, fail: Fail) -> int:
             "text": continuation,
             "finish_reason": "interrupted" if interrupted else req.finish_reason,
             "wall_seconds": round(wall, 3),
+            "load_seconds": round(engine.load_seconds, 3),
             "weights_format": engine.linear_mode,
             "metrics": snapshot_dict(snap, weights),
         }
