@@ -168,8 +168,11 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    n: int = 1  # samples per prompt; they share the prompt's KV blocks (copy-on-write)
 
     def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1 (got {self.n})")
         if self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be > 0 (got {self.max_tokens})")
         if self.temperature < 0:

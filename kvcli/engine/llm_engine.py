@@ -13,17 +13,19 @@ from kvcli.attention.base import AttentionBackend
 from kvcli.config import SamplingParams, SchedulerConfig
 from kvcli.engine.detokenizer import IncrementalDetokenizer
 from kvcli.engine.outputs import CompletionOutput, RequestOutput
-from kvcli.engine.request import Request
+from kvcli.engine.request import Request, RequestStatus
 from kvcli.engine.scheduler import Scheduler
 from kvcli.kvcache.block_manager import KVCacheManager
+from kvcli.kvcache.contiguous import ContiguousAllocator
 from kvcli.kvcache.block_pool import BlockPool
 from kvcli.kvcache.kv_cache import KVCache, allocate_kv_cache, bytes_per_block, num_blocks_for_budget
+from kvcli.metrics.collector import MetricsCollector
 from kvcli.metrics.stats import EngineSnapshot
 from kvcli.model.llama import LlamaModel
 from kvcli.model.loader import LoadedWeights
 from kvcli.model.quant import QuantTensor
 from kvcli.model.tokenizer import Tokenizer
-from kvcli.runner.model_runner import ModelRunner
+from kvcli.runner.model_runner import ModelRunner, RunnerOutput
 from kvcli.sampler import sample
 
 
@@ -41,6 +43,11 @@ class EngineOptions:
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
     attention_backend: str = "auto"  # auto | torch | triton
+    kv_layout: str = "paged"  # paged | contiguous (preallocated region per request, for comparison)
+    reserve: str = "max-len"  # contiguous only: max-len | request (prompt + max_tokens)
+    preempt: str = "recompute"  # recompute | swap
+    swap_space: str = "4GiB"  # host memory for swapped-out blocks
+    kv_dtype: str | None = None  # default: the compute dtype (fp32 on CPU)
 
 
 SUPPORTED_BLOCK_SIZES = (8, 16, 32, 64, 128)
@@ -97,22 +104,80 @@ def _triton_available() -> bool:
 
 
 class LLMEngine:
-    def __init__(self, loaded: LoadedWeights, options: EngineOptions = EngineOptions()) -> None:
+    """Owns the model, the KV pool, the scheduler and the requests. With `loaded=None` the engine
+    simulates: the same scheduler and block manager run, no model (each request's output length
+    is its max_tokens), so memory figures for big models and budgets come out exact in seconds."""
+
+    def __init__(self, loaded: LoadedWeights | None, options: EngineOptions = EngineOptions(),
+                 config=None) -> None:
         self.options = options
-        self.config = loaded.config
-        self.tokenizer: Tokenizer = loaded.tokenizer
-        self.source = loaded.source
-        self.load_seconds = loaded.load_seconds
-        self.device = resolve_device(options.device)
+        self.simulated = loaded is None
+        self.config = config if loaded is None else loaded.config
+        self.tokenizer: Tokenizer | None = None if loaded is None else loaded.tokenizer
+        self.source = "simulation" if loaded is None else loaded.source
+        self.load_seconds = 0.0 if loaded is None else loaded.load_seconds
+        self.device = torch.device("cpu") if loaded is None else resolve_device(options.device)
         if options.block_size not in SUPPORTED_BLOCK_SIZES:
             raise ConfigError(f"--block-size must be one of {', '.join(map(str, SUPPORTED_BLOCK_SIZES))} "
                               f"(got {options.block_size})")
-        self.backend = pick_backend(options.attention_backend, self.device)
-
+        if options.kv_layout not in ("paged", "contiguous"):
+            raise ConfigError(f"unknown --kv-layout {options.kv_layout!r} (paged or contiguous)")
         cpu = self.device.type == "cpu"
         dtype = torch.float32 if cpu else (torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16)
+        kv_dtype = _kv_dtype(options.kv_dtype, dtype)
+        c = self.config
+        self.max_model_len = min(options.max_model_len or c.max_position_embeddings, c.max_position_embeddings)
+        self.model = None
+        self.linear_mode = "none"
+        self.formats: dict[str, int] = {}
+        if loaded is not None:
+            self.backend = pick_backend(options.attention_backend, self.device)
+            self._build_model(loaded, dtype, cpu)
+
+        budget = self._kv_budget_bytes(options.kv_budget, kv_dtype)
+        bs = options.block_size
+        num_blocks = num_blocks_for_budget(c, bs, kv_dtype, budget)
+        per_block = bytes_per_block(c, bs, kv_dtype)
+        if num_blocks < 1:
+            raise ConfigError(f"--kv-budget {budget} B holds no KV block: one block of {bs} tokens over "
+                              f"{c.num_layers} layers needs {per_block} B")
+        self.bytes_per_block = per_block
+        self.kv_dtype = kv_dtype
+        self.kv_cache: KVCache | None = None
+        if loaded is not None:
+            self.kv_cache = allocate_kv_cache(c, num_blocks, bs, kv_dtype, self.device)
+            self.runner = ModelRunner(self.model, self.kv_cache, self.backend)
+        if options.kv_layout == "paged":
+            self.pool: BlockPool | None = BlockPool(num_blocks)
+            self.kv = KVCacheManager(self.pool, bs)
+        else:
+            self.pool = None
+            self.kv = ContiguousAllocator(num_blocks, bs)
+        self.num_blocks = num_blocks
+        swap_blocks = parse_bytes(options.swap_space) // per_block if options.preempt == "swap" else 0
+        try:
+            self.scheduler = Scheduler(
+                SchedulerConfig(options.max_num_seqs, options.max_num_batched_tokens, self.max_model_len),
+                self.kv, preempt=options.preempt, reserve=options.reserve, swap_blocks=swap_blocks)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        self.requests: dict[str, Request] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._gens: dict[str, torch.Generator | None] = {}
+        self._forks: dict[str, list[Request]] = {}  # leader -> samples waiting for its prompt
+        self._ids = itertools.count()
+        self._step = 0
+        self._peak_blocks = 0
+        self._prompt_tokens = 0
+        self._generated = 0
+        self._decode_tokens = 0
+        self._prefill_s = 0.0
+        self._decode_s = 0.0
+        self.metrics = MetricsCollector(self)
+
+    def _build_model(self, loaded: LoadedWeights, dtype: torch.dtype, cpu: bool) -> None:
         has_int4 = any(isinstance(w, QuantTensor) and w.kind == "q4" for w in loaded.weights.values())
-        if options.dequantize or not (has_int4 or loaded.dense_linears == "nf4"):
+        if self.options.dequantize or not (has_int4 or loaded.dense_linears == "nf4"):
             mode, head_dtype = "dense", dtype
         elif loaded.dense_linears == "nf4":
             mode, head_dtype = "nf4", dtype
@@ -128,34 +193,6 @@ class LLMEngine:
                                     device=self.device, lm_head_dtype=head_dtype)
         except KeyError as e:
             raise ConfigError(f"{loaded.source}: missing weight {e.args[0]}") from None
-
-        c = loaded.config
-        self.max_model_len = min(options.max_model_len or c.max_position_embeddings, c.max_position_embeddings)
-        budget = self._kv_budget_bytes(options.kv_budget, dtype)
-        bs = options.block_size
-        num_blocks = num_blocks_for_budget(c, bs, dtype, budget)
-        per_block = bytes_per_block(c, bs, dtype)
-        if num_blocks < 1:
-            raise ConfigError(f"--kv-budget {budget} B holds no KV block: one block of {bs} tokens over "
-                              f"{c.num_layers} layers needs {per_block} B")
-        self.kv_cache: KVCache = allocate_kv_cache(c, num_blocks, bs, dtype, self.device)
-        self.bytes_per_block = per_block
-        self.pool = BlockPool(num_blocks)
-        self.kv = KVCacheManager(self.pool, bs)
-        self.scheduler = Scheduler(
-            SchedulerConfig(options.max_num_seqs, options.max_num_batched_tokens, self.max_model_len), self.kv)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.backend)
-        self.requests: dict[str, Request] = {}
-        self._detok: dict[str, IncrementalDetokenizer] = {}
-        self._gens: dict[str, torch.Generator | None] = {}
-        self._ids = itertools.count()
-        self._step = 0
-        self._peak_blocks = 0
-        self._prompt_tokens = 0
-        self._generated = 0
-        self._decode_tokens = 0
-        self._prefill_s = 0.0
-        self._decode_s = 0.0
 
     def _kv_budget_bytes(self, spec: str | None, dtype: torch.dtype) -> int:
         if spec is None or spec == "auto":
@@ -177,34 +214,58 @@ class LLMEngine:
         return int(free * frac)
 
     # --- requests -------------------------------------------------------------------------------
-    def add_request(self, prompt: str | list[int], params: SamplingParams, req_id: str | None = None) -> Request:
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    def add_request(self, prompt: str | list[int], params: SamplingParams, req_id: str | None = None,
+                    arrival_time: float | None = None) -> Request:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ConfigError("a simulated engine takes token ids, not text")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
         if not ids:
             raise ConfigError("empty prompt")
         if len(ids) >= self.max_model_len:
             raise ConfigError(f"prompt has {len(ids)} tokens; the context holds {self.max_model_len}")
-        req = Request(req_id or f"r{next(self._ids)}", ids, params)
+        if params.n > 1 and self.kv.layout != "paged":
+            raise ConfigError("n > 1 shares the prompt's blocks, which needs the paged layout")
+        rid = req_id or f"r{next(self._ids)}"
+        req = Request(rid, ids, params.with_(n=1))
+        if arrival_time is not None:
+            req.arrival_time = arrival_time
         self.scheduler.add(req)
-        self.requests[req.req_id] = req
-        self._detok[req.req_id] = IncrementalDetokenizer(self.tokenizer)
-        self._gens[req.req_id] = (torch.Generator().manual_seed(params.seed) if params.seed is not None
-                                  else None)
+        self._register(req, params.seed)
+        if params.n > 1:
+            # The other samples wait for the leader's prompt, then share its blocks (fork).
+            self._forks[rid] = [Request(f"{rid}.{i}", ids, params.with_(n=1), parent_id=rid,
+                                        arrival_time=req.arrival_time) for i in range(1, params.n)]
+            for i, child in enumerate(self._forks[rid], start=1):
+                self._register(child, None if params.seed is None else params.seed + i)
         return req
+
+    def _register(self, req: Request, seed: int | None) -> None:
+        self.requests[req.req_id] = req
+        if self.tokenizer is not None:
+            self._detok[req.req_id] = IncrementalDetokenizer(self.tokenizer)
+        self._gens[req.req_id] = torch.Generator().manual_seed(seed) if seed is not None else None
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     def abort(self, req_id: str) -> None:
-        req = self.requests[req_id]
-        if not req.finished:
-            self.scheduler.finish(req, "abort")
+        for req in [self.requests[req_id], *self._forks.pop(req_id, [])]:
+            if not req.finished:
+                self.scheduler.finish(req, "abort")
+                if not self.simulated:
+                    self.runner.drop_swapped(req.req_id)
 
     # --- one iteration ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
         t0 = time.perf_counter()
-        result = self.runner.execute(out)
-        logits = result.logits
+        if self.simulated:
+            result = RunnerOutput([c.req_id for c in out.chunks if c.sample], None)
+        else:
+            result = self.runner.execute(out)
         outputs: list[RequestOutput] = []
         decode_only = True
         for chunk in out.chunks:
@@ -216,8 +277,11 @@ class LLMEngine:
         now = time.perf_counter()
         for row, rid in enumerate(result.req_ids):
             req = self.requests[rid]
-            tok = sample(logits[row], req.params, self._gens[rid])
-            outputs.append(self._append(req, tok, now))
+            logits = None if result.logits is None else result.logits[row]
+            for child in self._forks.pop(rid, []):
+                self._fork(req, child)
+                outputs.append(self._append(child, self._sample(child, logits), now))
+            outputs.append(self._append(req, self._sample(req, logits), now))
         dt = time.perf_counter() - t0
         if decode_only:
             self._decode_s += dt
@@ -225,8 +289,20 @@ class LLMEngine:
         else:
             self._prefill_s += dt
         self._step += 1
-        self._peak_blocks = max(self._peak_blocks, self.pool.num_used)
+        self._peak_blocks = max(self._peak_blocks, self.kv.num_blocks - self.kv.num_free_blocks)
+        self.metrics.record(out)
         return outputs
+
+    def _sample(self, req: Request, logits: torch.Tensor | None) -> int:
+        if logits is None:  # simulation: any token will do; lengths come from max_tokens
+            return 0
+        return sample(logits, req.params, self._gens[req.req_id])
+
+    def _fork(self, leader: Request, child: Request) -> None:
+        self.kv.fork(leader.req_id, child.req_id)
+        child.num_computed_tokens = leader.num_computed_tokens
+        child.status = RequestStatus.RUNNING
+        self.scheduler.running.append(child)
 
     def _append(self, req: Request, tok: int, now: float) -> RequestOutput:
         req.output_token_ids.append(tok)
@@ -237,9 +313,10 @@ class LLMEngine:
         p = req.params
         reason = None
         text = ""
-        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.tokenizer.eos_token_ids):
+        if tok in p.stop_token_ids or (not p.ignore_eos and self.tokenizer is not None
+                                        and tok in self.tokenizer.eos_token_ids):
             reason = "stop"
-        else:
+        elif self.tokenizer is not None:
             text = self._detok[req.req_id].push(tok)
             if p.stop:
                 joined = req.output_text + text
@@ -266,7 +343,11 @@ class LLMEngine:
                                 r.finish_reason, ttft, r.num_preemptions)
 
     def weight_bytes(self) -> dict[str, int]:
-        return self.model.weight_bytes()
+        return self.model.weight_bytes() if self.model is not None else {}
+
+    @property
+    def kv_pool_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
 
     def snapshot(self) -> EngineSnapshot:
         tokens = sum(r.num_computed_tokens for r in self.scheduler.running)
@@ -274,13 +355,13 @@ class LLMEngine:
             step=self._step,
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
-            num_blocks=self.pool.num_blocks,
+            num_blocks=self.num_blocks,
             block_size=self.kv.block_size,
-            blocks_used=self.pool.num_used,
+            blocks_used=self.kv.num_blocks - self.kv.num_free_blocks,
             peak_blocks_used=self._peak_blocks,
             tokens_in_cache=tokens,
             bytes_per_block=self.bytes_per_block,
-            kv_pool_bytes=self.kv_cache.nbytes,
+            kv_pool_bytes=self.kv_pool_bytes,
             weight_bytes=sum(self.weight_bytes().values()),
             prompt_tokens=self._prompt_tokens,
             generated_tokens=self._generated,
@@ -289,3 +370,13 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             decode_tokens=self._decode_tokens,
         )
+
+
+def _kv_dtype(name: str | None, default: torch.dtype) -> torch.dtype:
+    if name is None:
+        return default
+    table = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
+             "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+    if name not in table:
+        raise ConfigError(f"unknown --kv-dtype {name!r} (fp32, fp16 or bf16)")
+    return table[name]

@@ -16,6 +16,7 @@ from kvcli.config import SamplingParams
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"
     FINISHED = "finished"
 
 
@@ -31,6 +32,8 @@ class Request:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     output_text: str = ""
     num_preemptions: int = 0
+    swapped_blocks: int = 0  # host blocks held while swapped out
+    parent_id: str | None = None  # set on the samples forked from one prompt (n > 1)
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
 

@@ -1,9 +1,13 @@
 """Iteration-level scheduling: each step decides how many tokens of each request to compute.
 
-Running requests go first (a decode is one token, a prefill chunk as many as the token budget
-allows), then waiting requests are admitted while blocks remain. When the pool runs dry the most
-recently admitted running request is preempted by recompute: its blocks are freed and it waits again
-with num_computed_tokens reset to 0.
+Order per step: requests swapped out earlier come back first (when nothing was preempted), then
+running requests get their tokens (one for a decode, a chunk for an unfinished prompt, all under
+the step's token budget), then waiting requests are admitted while the pool keeps a watermark of
+free blocks. When a running request cannot get a block, the most recently admitted running request
+is preempted: by recompute (blocks freed, num_computed_tokens reset, back to the front of the
+queue) or by swap (its blocks copied to host memory and freed; copied back later, nothing
+recomputed). Finished requests free their blocks in the step they finish; new requests join the
+next step.
 """
 
 from __future__ import annotations
@@ -13,7 +17,6 @@ from dataclasses import dataclass, field
 
 from kvcli.config import SchedulerConfig
 from kvcli.engine.request import Request, RequestStatus
-from kvcli.kvcache.block_manager import KVCacheManager
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,9 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: list[ScheduledChunk]
     preempted: list[str] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
+    swap_out: list[tuple[str, list[int]]] = field(default_factory=list)  # (req, blocks) -> host
+    swap_in: list[tuple[str, list[int]]] = field(default_factory=list)  # host -> (req, new blocks)
 
     @property
     def num_tokens(self) -> int:
@@ -42,70 +48,126 @@ class KVBudgetTooSmall(RuntimeError):
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv, *, preempt: str = "recompute", reserve: str = "max-len",
+                 swap_blocks: int = 0, watermark: float = 0.01) -> None:
+        if preempt not in ("recompute", "swap"):
+            raise ValueError(f"unknown preemption mode {preempt!r} (recompute or swap)")
+        if reserve not in ("max-len", "request"):
+            raise ValueError(f"unknown reservation {reserve!r} (max-len or request)")
         self.config = config
-        self.kv = kv
+        self.kv = kv  # KVCacheManager (paged) or ContiguousAllocator
+        self.preempt_mode = preempt
+        self.reserve = reserve
+        self.swap_blocks_free = swap_blocks  # host swap space, in blocks
+        self.watermark_blocks = int(watermark * kv.num_blocks) if kv.layout == "paged" else 0
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.swapped: deque[Request] = deque()
         self.num_preemptions = 0
 
+    # --- queue -----------------------------------------------------------------------------------
+    def reserve_tokens(self, req: Request) -> int:
+        """Slots a contiguous layout sets aside at admission (the paged layout ignores it)."""
+        if self.reserve == "request":
+            return min(req.num_prompt_tokens + req.params.max_tokens, self.config.max_model_len)
+        return self.config.max_model_len
+
     def add(self, req: Request) -> None:
-        need = self.kv.num_blocks_needed(req.req_id, req.num_prompt_tokens + 1)
-        if need > self.kv.pool.num_blocks:
+        need = self.kv.num_blocks_needed(req.req_id, max(req.num_prompt_tokens + 1, self._initial_reserve(req)))
+        if need > self.kv.num_blocks:
             raise KVBudgetTooSmall(
-                f"request {req.req_id} needs {need} KV blocks for its prompt; the pool holds "
-                f"{self.kv.pool.num_blocks} (raise --kv-budget or shorten the prompt)"
+                f"request {req.req_id} needs {need} KV blocks; the pool holds {self.kv.num_blocks} "
+                f"(raise --kv-budget, shorten the prompt or lower --max-model-len)"
             )
         self.waiting.append(req)
 
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+    def _initial_reserve(self, req: Request) -> int:
+        return self.reserve_tokens(req) if self.kv.layout == "contiguous" else 0
 
-    def _preempt(self, req: Request) -> None:
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    # --- preemption ----------------------------------------------------------------------------------
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        table = list(self.kv.block_table(req.req_id))
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted.append(req.req_id)
+        swapped_in = next((i for i, (rid, _) in enumerate(out.swap_in) if rid == req.req_id), None)
+        if swapped_in is not None:
+            # Swapped in and out within one step: its host copy is still current, so undo the swap-in.
+            del out.swap_in[swapped_in]
+            self.kv.free(req.req_id)
+            self.swap_blocks_free -= req.swapped_blocks
+            req.status = RequestStatus.SWAPPED
+            self.swapped.appendleft(req)
+            return
+        if self.preempt_mode == "swap" and len(table) <= self.swap_blocks_free:
+            self.swap_blocks_free -= len(table)
+            out.swap_out.append((req.req_id, table))
+            self.kv.free(req.req_id)
+            req.status = RequestStatus.SWAPPED
+            req.swapped_blocks = len(table)
+            self.swapped.append(req)
+            return
         self.kv.free(req.req_id)
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
-        req.num_preemptions += 1
-        self.num_preemptions += 1
         self.waiting.appendleft(req)
 
+    # --- one step ------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
-        chunks: list[ScheduledChunk] = []
-        preempted: list[str] = []
-        scheduled: list[Request] = []
+        out = SchedulerOutput([])
+
+        # Swapped requests return first, each with blocks for the tokens it already computed.
+        while self.swapped and len(self.running) < self.config.max_num_seqs:
+            req = self.swapped[0]
+            if self.kv.num_blocks_needed(req.req_id, req.num_computed_tokens + 1) + self.watermark_blocks \
+                    > self.kv.num_free_blocks:
+                break
+            self.kv.allocate(req.req_id, req.num_computed_tokens, req.num_computed_tokens)
+            self.swapped.popleft()
+            self.swap_blocks_free += req.swapped_blocks
+            out.swap_in.append((req.req_id, list(self.kv.block_table(req.req_id))))
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
 
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.kv.allocate(req.req_id, req.num_computed_tokens + n):
+            while not self.kv.allocate(req.req_id, req.num_computed_tokens + n, req.num_computed_tokens):
                 victim = self.running.pop()  # the most recently admitted
-                self._preempt(victim)
-                preempted.append(victim.req_id)
+                self._preempt(victim, out)
                 if victim is req:
                     break
             else:
-                scheduled.append(req)
                 budget -= n
                 i += 1
-                chunks.append(self._chunk(req, n))
+                out.chunks.append(self._chunk(req, n))
 
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
+        while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
+               and not out.preempted and not self.swapped):
             req = self.waiting[0]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self.kv.allocate(req.req_id, req.num_computed_tokens + n):
+            need = self.kv.num_blocks_needed(req.req_id, max(req.num_computed_tokens + n, self._initial_reserve(req)))
+            if need + self.watermark_blocks > self.kv.num_free_blocks:
                 break
+            if not self.kv.allocate(req.req_id, req.num_computed_tokens + n, req.num_computed_tokens,
+                                    self._initial_reserve(req)):
+                break  # contiguous: no single hole large enough (external fragmentation)
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             budget -= n
-            chunks.append(self._chunk(req, n))
+            out.chunks.append(self._chunk(req, n))
 
-        if not chunks and self.waiting and not self.running:
-            req = self.waiting[0]
+        out.block_copies.extend(self.kv.take_copies())
+        if not out.chunks and not self.running and (self.waiting or self.swapped):
+            req = (self.waiting or self.swapped)[0]
             raise KVBudgetTooSmall(f"request {req.req_id} cannot get KV blocks even with the pool empty")
-        return SchedulerOutput(chunks, preempted)
+        return out
 
     def _chunk(self, req: Request, n: int) -> ScheduledChunk:
         start = req.num_computed_tokens
@@ -124,4 +186,7 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        elif req in self.swapped:
+            self.swapped.remove(req)
+            self.swap_blocks_free += req.swapped_blocks
         self.kv.free(req.req_id)

@@ -16,7 +16,7 @@ from kvcli.model.llama import LlamaModel
 @dataclass(frozen=True)
 class RunnerOutput:
     req_ids: list[str]  # requests that sample, in row order of logits
-    logits: torch.Tensor  # [len(req_ids), vocab] float32
+    logits: torch.Tensor | None  # [len(req_ids), vocab] float32; None when simulating
 
 
 def build_metadata(out: SchedulerOutput, block_size: int, device: torch.device
@@ -64,9 +64,38 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.backend = backend
         self.device = model.device
+        self.swapped: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # req -> per-layer host K/V
+
+    @property
+    def swapped_bytes(self) -> int:
+        return sum(k.numel() * k.element_size() * 2 for layers in self.swapped.values() for k, _ in layers)
+
+    def move_blocks(self, out: SchedulerOutput) -> None:
+        """Block traffic the scheduler decided on, before any of this step's KV writes: swap-outs
+        first (their blocks may be reused this step), then swap-ins, then copy-on-write copies."""
+        for req_id, blocks in out.swap_out:
+            idx = torch.tensor(blocks, dtype=torch.int64, device=self.device)
+            self.swapped[req_id] = [(k[idx].to("cpu"), v[idx].to("cpu")) for k, v in self.kv_cache.layers]
+        for req_id, blocks in out.swap_in:
+            idx = torch.tensor(blocks, dtype=torch.int64, device=self.device)
+            for (k, v), (hk, hv) in zip(self.kv_cache.layers, self.swapped.pop(req_id)):
+                k[idx] = hk.to(self.device)
+                v[idx] = hv.to(self.device)
+        if out.block_copies:
+            src = torch.tensor([s for s, _ in out.block_copies], dtype=torch.int64, device=self.device)
+            dst = torch.tensor([d for _, d in out.block_copies], dtype=torch.int64, device=self.device)
+            for k, v in self.kv_cache.layers:
+                k[dst] = k[src]
+                v[dst] = v[src]
+
+    def drop_swapped(self, req_id: str) -> None:
+        self.swapped.pop(req_id, None)
 
     def execute(self, out: SchedulerOutput, all_logits: bool = False) -> RunnerOutput:
         """Run one step. With all_logits, return logits for every scheduled token (teacher forcing)."""
+        self.move_blocks(out)
+        if not out.chunks:
+            return RunnerOutput([], torch.empty(0, self.model.config.vocab_size))
         ids, positions, meta, rows = build_metadata(out, self.kv_cache.block_size, self.device)
         if all_logits:
             logits = self.model.forward(ids, positions, self.kv_cache.layers, meta, self.backend)

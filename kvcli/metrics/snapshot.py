@@ -1,0 +1,99 @@
+"""Immutable per-step metric snapshots: everything a view (live dashboard, summary, profile report)
+may read. Views import this module and nothing else from kvcli's engine.
+
+Byte accounting of KV memory follows the vLLM paper's Fig. 2 breakdown:
+  token_bytes     slots holding a token's K/V
+  reserved_bytes  slots set aside for tokens a request has not produced yet (contiguous layouts)
+  internal_bytes  allocated slots that will never hold a token (unused tail of a partially filled
+                  block in paged mode; the part of a reservation beyond the request's final length)
+  external_bytes  free memory that no waiting request can use (holes too small, contiguous layouts)
+  free_bytes      the rest of the pool
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class KVBreakdown:
+    token_bytes: int
+    reserved_bytes: int
+    internal_bytes: int
+    external_bytes: int
+    free_bytes: int
+
+    @property
+    def allocated_bytes(self) -> int:
+        return self.token_bytes + self.reserved_bytes + self.internal_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.allocated_bytes + self.external_bytes + self.free_bytes
+
+    def share_of_allocated(self, part: str) -> float:
+        """A category as a fraction of allocated KV memory (the paper's percentages)."""
+        alloc = self.allocated_bytes
+        return getattr(self, part) / alloc if alloc else 0.0
+
+
+@dataclass(frozen=True)
+class MemorySnapshot:
+    """Device memory as the OS / driver / torch see it; fields are None where unknown."""
+
+    device: str  # "cuda:0 NVIDIA H200" or "cpu"
+    gpu_found: bool
+    device_total_bytes: int | None = None  # NVML
+    device_used_bytes: int | None = None  # NVML, whole device
+    process_used_bytes: int | None = None  # NVML per-process where reported, else process RSS on CPU
+    torch_allocated_bytes: int | None = None
+    torch_reserved_bytes: int | None = None  # reserved - allocated = allocator fragmentation
+    kv_pool_bytes: int = 0
+    weight_bytes: int = 0
+    note: str = ""  # e.g. "no GPU found: showing process RSS"
+
+
+@dataclass(frozen=True)
+class BlockMap:
+    """One entry per KV block. owner: -1 free, -2 cached-free (prefix cache), else the index of the
+    owning request in `owners`; fill: tokens held (0..block_size); ref: reference count."""
+
+    block_size: int
+    owner: tuple[int, ...]
+    fill: tuple[int, ...]
+    ref: tuple[int, ...]
+    owners: tuple[str, ...]  # request ids, indexed by owner
+
+
+@dataclass(frozen=True)
+class RequestTiming:
+    req_id: str
+    prompt_tokens: int
+    output_tokens: int
+    ttft_s: float | None
+    itl_s: tuple[float, ...]  # inter-token latencies of this request so far
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    step: int
+    time_s: float  # seconds since the engine started
+    layout: str  # "paged" | "contiguous"
+    num_running: int
+    num_waiting: int
+    num_preempted: int  # preemptions so far
+    kv: KVBreakdown
+    contiguous_whatif: KVBreakdown | None  # the live requests under max-len contiguous preallocation
+    whatif_fits: int | None  # how many of the live requests that preallocation could hold at once
+    blocks: BlockMap | None
+    memory: MemorySnapshot
+    tokens_per_s: tuple[float, ...] = ()  # recent output-token throughput samples, oldest first
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    prefix_query_tokens: int = 0
+    requests: tuple[RequestTiming, ...] = field(default_factory=tuple)
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
