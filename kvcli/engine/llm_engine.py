@@ -109,7 +109,7 @@ class LLMEngine:
     is its max_tokens), so memory figures for big models and budgets come out exact in seconds."""
 
     def __init__(self, loaded: LoadedWeights | None, options: EngineOptions = EngineOptions(),
-                 config=None) -> None:
+                 config=None, model: LlamaModel | None = None) -> None:
         self.options = options
         self.simulated = loaded is None
         self.config = config if loaded is None else loaded.config
@@ -132,7 +132,10 @@ class LLMEngine:
         self.formats: dict[str, int] = {}
         if loaded is not None:
             self.backend = pick_backend(options.attention_backend, self.device)
-            self._build_model(loaded, dtype, cpu)
+            if model is None:
+                self._build_model(loaded, dtype, cpu)
+            else:  # a second engine over the same weights (profile --compare), no second load
+                self.model, self.linear_mode = model, getattr(model, "linear_mode", "shared")
 
         budget = self._kv_budget_bytes(options.kv_budget, kv_dtype)
         bs = options.block_size
@@ -193,6 +196,7 @@ class LLMEngine:
                                     device=self.device, lm_head_dtype=head_dtype)
         except KeyError as e:
             raise ConfigError(f"{loaded.source}: missing weight {e.args[0]}") from None
+        self.model.linear_mode = mode
 
     def _kv_budget_bytes(self, spec: str | None, dtype: torch.dtype) -> int:
         if spec is None or spec == "auto":
@@ -205,8 +209,10 @@ class LLMEngine:
             frac = float(spec)
         except ValueError:
             return parse_bytes(spec)
-        if not 0 < frac <= 1:
-            raise ConfigError(f"--kv-budget {spec}: a fraction must be in (0, 1]; sizes take a unit (e.g. 2GiB)")
+        if frac > 1:  # a plain number above 1 is bytes
+            return parse_bytes(spec)
+        if frac <= 0:
+            raise ConfigError(f"--kv-budget {spec}: must be a size (2GiB, 512MB, bytes) or a fraction in (0, 1]")
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
         else:

@@ -37,6 +37,7 @@ class SchedulerOutput:
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
     swap_out: list[tuple[str, list[int]]] = field(default_factory=list)  # (req, blocks) -> host
     swap_in: list[tuple[str, list[int]]] = field(default_factory=list)  # host -> (req, new blocks)
+    finished: list[str] = field(default_factory=list)  # ended by the scheduler (pool cannot hold them)
 
     @property
     def num_tokens(self) -> int:
@@ -138,6 +139,12 @@ class Scheduler:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self.kv.allocate(req.req_id, req.num_computed_tokens + n, req.num_computed_tokens):
+                if len(self.running) == 1 and not self.swapped:
+                    # Alone and still out of blocks: the pool cannot hold this request's context, and
+                    # preempting it would only loop. It ends here, its tokens so far kept.
+                    self.finish(req, "kv_budget")
+                    out.finished.append(req.req_id)
+                    break
                 victim = self.running.pop()  # the most recently admitted
                 self._preempt(victim, out)
                 if victim is req:

@@ -169,3 +169,35 @@ def _load_hf_dir(path: Path, quant: str) -> LoadedWeights:
     except Exception as e:
         raise ModelLoadError(f"{path}: cannot load its tokenizer ({type(e).__name__}: {e})") from None
     return LoadedWeights(config, weights, tok, str(path), formats, dense_linears="nf4" if quant == "nf4" else "keep")
+
+
+def load_config(spec: str | None) -> ModelConfig:
+    """Only the architecture (for simulation and planning): no weights, no tokenizer."""
+    if spec is None or spec == "" or spec == "bundled":
+        path = bundled_gguf_path()
+    elif spec.startswith("dummy:"):
+        try:
+            return preset_config(spec[len("dummy:"):])
+        except ValueError as e:
+            raise ModelLoadError(str(e)) from None
+    else:
+        path = Path(spec).expanduser()
+        if not path.exists():
+            raise ModelLoadError(f"model not found: {spec}")
+    if path.is_dir():
+        try:
+            return ModelConfig.from_hf_dict(json.loads((path / "config.json").read_text()), name=path.name)
+        except FileNotFoundError:
+            raise ModelLoadError(f"{path}: no config.json") from None
+        except (ValueError, KeyError) as e:
+            raise ModelLoadError(f"{path / 'config.json'}: {e}") from None
+    import gguf
+
+    from kvcli.model.gguf_loader import GGUFError, read_config
+
+    try:
+        return read_config(gguf.GGUFReader(str(path), "r"), path)
+    except GGUFError as e:
+        raise ModelLoadError(str(e)) from None
+    except Exception as e:
+        raise ModelLoadError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None

@@ -1,0 +1,187 @@
+"""`kvcli profile`: one trace, the same KV budget, paged against contiguous preallocation (and
+against transformers), side by side."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from kvcli.commands.common import Fail, validate_engine_flags
+from kvcli.engine.llm_engine import ConfigError, EngineOptions, LLMEngine
+from kvcli.engine.scheduler import KVBudgetTooSmall
+from kvcli.inputs import InputError, check_writable
+from kvcli.model.loader import ModelLoadError, load_config, load_weights
+from kvcli.profile import ProfileResult, breakdown_rows, plot_timeline, run_trace
+from kvcli.workloads import WorkloadError, load as load_trace, prompt_ids
+
+
+@dataclass(frozen=True)
+class ProfileArgs:
+    model: str | None
+    workload: str
+    num_requests: int
+    request_rate: str
+    seed: int
+    compare: str  # none | contiguous | hf
+    kv_layout: str
+    reserve: str
+    preempt: str
+    simulate: bool
+    json_path: Path | None
+    plot_path: Path | None
+    block_size: int
+    kv_budget: str | None
+    kv_dtype: str | None
+    max_model_len: int
+    max_batch_tokens: int
+    max_num_seqs: int
+    quant: str
+    dequantize: bool
+    device: str | None
+    attention_backend: str
+    live: bool
+
+
+def parse_rate(text: str, fail: Fail) -> float:
+    try:
+        rate = float(text)
+    except ValueError:
+        fail(f"--request-rate: expected requests/s or inf (got {text!r})")
+    if not (rate > 0 or math.isinf(rate)):
+        fail(f"--request-rate must be > 0 or inf (got {text})")
+    return rate
+
+
+def run_profile(a: ProfileArgs, fail: Fail) -> int:
+    err = Console(stderr=True)
+    validate_engine_flags(a.block_size, a.kv_budget, fail)
+    rate = parse_rate(a.request_rate, fail)
+    if a.compare not in ("none", "contiguous", "hf"):
+        fail(f"--compare must be none, contiguous or hf (got {a.compare})")
+    if a.compare == "hf" and a.simulate:
+        fail("--compare hf runs the model; it cannot be simulated")
+    if a.max_model_len <= 0 or a.num_requests <= 0 or a.max_batch_tokens <= 0 or a.max_num_seqs <= 0:
+        fail("--max-model-len, --num-requests, --max-batch-tokens and --max-num-seqs must be > 0")
+    for p in (a.json_path, a.plot_path):
+        if p is not None:
+            try:
+                check_writable(p)
+            except InputError as e:
+                fail(str(e))
+    try:
+        trace = load_trace(a.workload, a.num_requests, a.max_model_len, rate, a.seed)
+    except WorkloadError as e:
+        fail(str(e))
+
+    options = EngineOptions(device=a.device, block_size=a.block_size, kv_budget=a.kv_budget, dequantize=a.dequantize,
+                            max_model_len=a.max_model_len, max_num_batched_tokens=a.max_batch_tokens,
+                            max_num_seqs=a.max_num_seqs, attention_backend=a.attention_backend,
+                            kv_layout=a.kv_layout, reserve=a.reserve, preempt=a.preempt,
+                            kv_dtype=a.kv_dtype or ("fp16" if a.simulate else None))
+    layouts = [a.kv_layout] + (["contiguous" if a.kv_layout == "paged" else "paged"] if a.compare == "contiguous" else [])
+    results: list[ProfileResult] = []
+    try:
+        with err.status("loading model…" if not a.simulate else "reading model config…", spinner="dots"):
+            if a.simulate:
+                config, loaded = load_config(a.model), None
+            else:
+                loaded = load_weights(a.model, quant=a.quant)
+                config = loaded.config
+        tokenizer = None if loaded is None else loaded.tokenizer
+        prompts = prompt_ids(trace, tokenizer, a.seed)
+        if any(len(p) >= a.max_model_len for p in prompts):
+            fail(f"a trace prompt has {max(map(len, prompts))} tokens; --max-model-len is {a.max_model_len}")
+        model = None
+        for layout in layouts:
+            opts = replace(options, kv_layout=layout)
+            engine = LLMEngine(loaded, opts, config=config, model=model)
+            model = engine.model
+            label = layout if layout == "paged" else f"contiguous ({a.reserve})"
+            err.print(f"[dim]{label}: {engine.num_blocks:,} blocks x {a.block_size} tokens = "
+                      f"{engine.kv_pool_bytes / 2**20:,.1f} MiB KV ({engine.kv_dtype}) · {len(prompts)} requests"
+                      f"{' · simulated' if a.simulate else ''}[/dim]")
+            results.append(_run_one(engine, trace, prompts, label, a, err))
+            del engine
+    except (ModelLoadError, ConfigError, KVBudgetTooSmall) as e:
+        fail(str(e))
+
+    hf = None
+    if a.compare == "hf":
+        hf = _compare_hf(results[0], trace, prompts, a, err, fail)
+
+    out = Console()
+    out.print(_table(results, trace, a))
+    if hf:
+        out.print(hf)
+    if a.json_path is not None:
+        report = {"trace": {"name": trace.name, "num_requests": len(trace.requests),
+                            "mean_prompt_tokens": trace.mean_prompt, "mean_output_tokens": trace.mean_output,
+                            "request_rate": a.request_rate, "seed": a.seed},
+                  "model": config.name, "max_model_len": a.max_model_len, "block_size": a.block_size,
+                  "runs": [r.to_dict() for r in results]}
+        a.json_path.write_text(json.dumps(report, indent=1))
+    if a.plot_path is not None:
+        plot_timeline(results, str(a.plot_path))
+    return 130 if any(r.completed < r.num_requests for r in results) else 0
+
+
+def _run_one(engine: LLMEngine, trace, prompts, label: str, a: ProfileArgs, err: Console) -> ProfileResult:
+    use_live = a.live and err.is_terminal
+    if not use_live:
+        return run_trace(engine, trace, prompts, label)
+    from kvcli.metrics.memory import MemoryProbe
+    from kvcli.view.dashboard import LiveDashboard
+
+    probe = MemoryProbe(str(engine.device))
+    weights = sum(engine.weight_bytes().values())
+    with LiveDashboard(err) as dash:
+        def on_step(e: LLMEngine) -> None:
+            if e._step % 4 == 0:
+                dash.update(e.metrics.snapshot(probe.sample(e.kv_pool_bytes, weights)))
+
+        return run_trace(engine, trace, prompts, label, on_step=on_step)
+
+
+def _table(results: list[ProfileResult], trace, a: ProfileArgs) -> Table:
+    t = Table(title=f"kvcli profile · {trace.name}: {len(trace.requests)} requests, mean prompt "
+                    f"{trace.mean_prompt:.0f} / output {trace.mean_output:.0f} tokens · max_model_len "
+                    f"{a.max_model_len} · same KV budget" + (" · simulated" if a.simulate else ""),
+              title_justify="left")
+    t.add_column("% of KV memory in use / metric")
+    for r in results:
+        t.add_column(r.label, justify="right")
+    for name, cells in breakdown_rows(results):
+        t.add_row(name, *cells)
+    if len(results) == 2 and results[1].peak_running:
+        t.add_row("peak concurrency ratio", f"{results[0].peak_running / results[1].peak_running:.1f}x", "1.0x")
+    return t
+
+
+def _compare_hf(result: ProfileResult, trace, prompts, a: ProfileArgs, err: Console, fail: Fail):
+    try:
+        from kvcli.bench.hf_baselines import load_hf_reference, run_hf_baselines
+    except ImportError:
+        fail("--compare hf needs kvcli.bench.hf_baselines")
+    from kvcli.model.loader import bundled_gguf_path
+
+    if a.model and not a.model.endswith(".gguf"):
+        fail("--compare hf runs transformers on a GGUF (the bundled model or --model FILE.gguf)")
+    path = Path(a.model) if a.model else bundled_gguf_path()
+    with err.status("transformers baselines…", spinner="dots"):
+        model = load_hf_reference(path)
+        base = run_hf_baselines(model, prompts, [r.max_tokens for r in trace.requests])
+    t = Table(title="throughput against transformers (same weights, same trace)", title_justify="left")
+    for c in ("engine", "output tok/s", "kvcli speed-up"):
+        t.add_column(c, justify="right" if c != "engine" else "left")
+    t.add_row(f"kvcli ({result.label})", f"{result.tokens_per_s:,.1f}", "1.0x")
+    for name, b in base.items():
+        rate = b.tokens_per_s
+        t.add_row(f"transformers {name}", "n/a" if not rate else f"{rate:,.1f}",
+                  "n/a" if not rate else f"{result.tokens_per_s / rate:.1f}x")
+    return t
+
