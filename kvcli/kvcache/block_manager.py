@@ -1,7 +1,9 @@
 """Per-request block tables on top of the block pool (the paged layout).
 
 Blocks are taken only when a token crosses into a new block and returned when a request finishes
-or is preempted. Requests forked from one prompt (SamplingParams.n > 1) share its blocks by
+or is preempted. With prefix caching, every full block is indexed by a chained hash (the previous
+block's hash and this block's token ids), and a new request starts from the longest run of its
+prompt's full blocks found in the index: those tokens are not computed again. Requests forked from one prompt (SamplingParams.n > 1) share its blocks by
 reference count; the first write into a shared, partially filled block copies it (copy-on-write):
 the copy is queued as (src, dst) for the runner to perform before the step's forward pass.
 """
@@ -18,11 +20,15 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 class KVCacheManager:
     layout = "paged"
 
-    def __init__(self, pool: BlockPool, block_size: int) -> None:
+    def __init__(self, pool: BlockPool, block_size: int, prefix_caching: bool = True) -> None:
         self.pool = pool
         self.block_size = block_size
+        self.prefix_caching = prefix_caching
         self.tables: dict[str, list[int]] = {}
+        self.hashes: dict[str, list[int]] = {}  # per request: chained hashes of its full blocks
         self.pending_copies: list[tuple[int, int]] = []
+        self.prefix_query_tokens = 0
+        self.prefix_hit_tokens = 0
 
     @property
     def num_blocks(self) -> int:
@@ -65,14 +71,54 @@ class KVCacheManager:
             table.extend(self.pool.allocate(need))
         return True
 
+    # --- prefix cache ---------------------------------------------------------------------------------
+    def match_prefix(self, req_id: str, prompt: list[int]) -> int:
+        """Take the cached blocks for the longest indexed prefix of a new request's prompt; returns
+        the number of tokens they hold (at least one prompt token is always left to compute, for
+        its logits)."""
+        if not self.prefix_caching or req_id in self.tables:
+            return 0
+        bs = self.block_size
+        self.prefix_query_tokens += len(prompt)
+        hits: list[int] = []
+        parent = 0
+        for i in range((len(prompt) - 1) // bs):
+            tokens = tuple(prompt[i * bs:(i + 1) * bs])
+            h = hash((parent, tokens))
+            bid = self.pool.lookup(h, tokens)
+            if bid is None:
+                break
+            hits.append(bid)
+            parent = h
+        if hits:
+            self.pool.incref(hits)
+            self.tables[req_id] = hits
+            self.prefix_hit_tokens += len(hits) * bs
+        return len(hits) * bs
+
+    def cache_blocks(self, req_id: str, tokens: list[int], num_computed: int) -> None:
+        """Index the request's blocks that are full of computed tokens."""
+        if not self.prefix_caching:
+            return
+        bs = self.block_size
+        table = self.tables.get(req_id, [])
+        hashes = self.hashes.setdefault(req_id, [])
+        for i in range(len(hashes), min(num_computed // bs, len(table))):
+            block_tokens = tuple(tokens[i * bs:(i + 1) * bs])
+            h = hash((hashes[-1] if hashes else 0, block_tokens))
+            hashes.append(h)
+            self.pool.register(table[i], h, block_tokens)
+
     def fork(self, parent_id: str, child_id: str) -> None:
         """The child shares every block of the parent (ref counts up, nothing copied yet)."""
         table = list(self.tables[parent_id])
         self.pool.incref(table)
         self.tables[child_id] = table
+        self.hashes[child_id] = list(self.hashes.get(parent_id, []))
 
     def free(self, req_id: str) -> None:
         table = self.tables.pop(req_id, None)
+        self.hashes.pop(req_id, None)
         if table:
             self.pool.free(table)
 
@@ -82,7 +128,7 @@ class KVCacheManager:
 
     def shared_saved_blocks(self) -> int:
         """Blocks not allocated thanks to sharing: sum over blocks of (ref_cnt - 1)."""
-        return sum(max(0, b.ref_cnt - 1) for b in self.pool.blocks)
+        return self.pool.extra_refs
 
     def check_invariants(self) -> None:
         self.pool.check_invariants(self.tables)

@@ -1,8 +1,9 @@
-"""The physical KV blocks: ref counts and an O(1) free queue.
+"""The physical KV blocks: ref counts, an O(1) free queue, and the prefix-cache index.
 
 A block is `block_size` token slots in every layer's K and V pool. Blocks are handed out from the
-front of the free queue and returned to its back, so the least recently freed block is reused first
-(which is what keeps cached prefixes alive longest once prefix caching keeps hashes on free blocks).
+front of the free queue and returned to its back. A freed block that holds a full, hashed block of
+tokens stays in the index ("cached-free") until it is handed out again, so a later request with the
+same prefix can take it back instead of recomputing it; the least recently freed goes first (LRU).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ class NoFreeBlocksError(RuntimeError):
 class Block:
     block_id: int
     ref_cnt: int = 0
+    block_hash: int | None = None  # set once the block is full and registered in the prefix index
+    tokens: tuple[int, ...] = ()  # the block's token ids, compared on a hit (hashes can collide)
 
 
 class BlockPool:
@@ -29,6 +32,8 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         # OrderedDict as a doubly linked list: O(1) pop from the front, append, and removal by id.
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.extra_refs = 0  # sum over blocks of (ref_cnt - 1): blocks saved by sharing
 
     @property
     def num_free(self) -> int:
@@ -38,26 +43,37 @@ class BlockPool:
     def num_used(self) -> int:
         return self.num_blocks - len(self._free)
 
+    @property
+    def num_cached_free(self) -> int:
+        return sum(1 for bid in self._free if self.blocks[bid].block_hash is not None)
+
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
             raise NoFreeBlocksError(f"need {n} blocks, {len(self._free)} free")
         out = []
         for _ in range(n):
             bid, _ = self._free.popitem(last=False)
-            self.blocks[bid].ref_cnt = 1
+            b = self.blocks[bid]
+            if b.block_hash is not None:  # evict the cached prefix this block still held
+                del self.cached[b.block_hash]
+                b.block_hash, b.tokens = None, ()
+            b.ref_cnt = 1
             out.append(bid)
         return out
 
     def incref(self, block_ids: list[int]) -> None:
-        """Share blocks (copy-on-write forks, prefix hits)."""
+        """Share blocks (copy-on-write forks, prefix-cache hits)."""
         for bid in block_ids:
             b = self.blocks[bid]
             if b.ref_cnt == 0:
                 del self._free[bid]
+            else:
+                self.extra_refs += 1
             b.ref_cnt += 1
 
     def free(self, block_ids: list[int]) -> None:
-        # Freed in reverse so that a request's tail blocks are reused before its head blocks.
+        # Freed in reverse so that a request's tail blocks are reused before its head blocks,
+        # which keeps the head (the part other requests are likeliest to share) cached longest.
         for bid in reversed(block_ids):
             b = self.blocks[bid]
             if b.ref_cnt <= 0:
@@ -65,9 +81,27 @@ class BlockPool:
             b.ref_cnt -= 1
             if b.ref_cnt == 0:
                 self._free[bid] = None
+            else:
+                self.extra_refs -= 1
+
+    # --- prefix cache ---------------------------------------------------------------------------------
+    def lookup(self, block_hash: int, tokens: tuple[int, ...]) -> int | None:
+        bid = self.cached.get(block_hash)
+        if bid is None or self.blocks[bid].tokens != tokens:
+            return None
+        return bid
+
+    def register(self, block_id: int, block_hash: int, tokens: tuple[int, ...]) -> None:
+        """Index a full block; the first block to hold a given prefix stays the cached one."""
+        b = self.blocks[block_id]
+        if b.block_hash is not None or block_hash in self.cached:
+            return
+        b.block_hash, b.tokens = block_hash, tokens
+        self.cached[block_hash] = block_id
 
     def check_invariants(self, owners: dict[str, list[int]]) -> None:
-        """Every block is either free (ref 0, in the queue once) or held by exactly ref_cnt owners."""
+        """Every block is either free (ref 0, in the queue once) or held by exactly ref_cnt owners;
+        the prefix index points at blocks that carry the indexed hash."""
         held: dict[int, int] = {}
         for blocks in owners.values():
             for bid in blocks:
@@ -80,3 +114,8 @@ class BlockPool:
                 raise AssertionError(f"block {b.block_id}: ref_cnt {b.ref_cnt} yet in_free={in_free}")
         if len(self._free) + len(held) != self.num_blocks:
             raise AssertionError("blocks leaked: free + held != total")
+        for h, bid in self.cached.items():
+            if self.blocks[bid].block_hash != h:
+                raise AssertionError(f"prefix index: block {bid} does not carry hash {h}")
+        if self.extra_refs != sum(max(0, b.ref_cnt - 1) for b in self.blocks):
+            raise AssertionError("shared-reference counter out of step")

@@ -82,6 +82,12 @@ class ContiguousAllocator:
             self.holes[i - 1] = (self.holes[i - 1][0], self.holes[i - 1][1] + self.holes[i][1])
             del self.holes[i]
 
+    def match_prefix(self, req_id: str, prompt: list[int]) -> int:
+        return 0  # regions are private: no prefix sharing in this layout
+
+    def cache_blocks(self, req_id: str, tokens: list[int], num_computed: int) -> None:
+        pass
+
     def fork(self, parent_id: str, child_id: str) -> None:
         raise NotImplementedError("contiguous preallocation cannot share a region; run n > 1 paged")
 

@@ -79,7 +79,7 @@ class MetricsCollector:
     def _paged_token_slots(self, running: list["Request"]) -> int:
         kv = self.engine.kv
         bs = kv.block_size
-        if not any(r.parent_id for r in running):  # nothing shared: every request's tokens are its own
+        if kv.pool.extra_refs == 0:  # nothing shared: every request's tokens are its own
             return sum(r.num_computed_tokens for r in running)
         fill: dict[int, int] = {}  # shared blocks hold their tokens once
         for r in running:
@@ -137,6 +137,12 @@ class MetricsCollector:
         fill = [0] * kv.num_blocks
         ref = [0] * kv.num_blocks
         owners: list[str] = []
+        pool = getattr(kv, "pool", None)
+        if pool is not None:
+            for bid in pool.cached.values():
+                if pool.blocks[bid].ref_cnt == 0:
+                    owner[bid] = -2
+                    fill[bid] = bs
         for r in e.scheduler.running:
             idx = len(owners)
             owners.append(r.req_id)

@@ -1,0 +1,233 @@
+"""`kvcli chat` with the real bundled model: one-line flag errors, scripted use through a pipe (replies
+on stdout, status on stderr, /save), context overflow with and without --truncate, and a real
+terminal session under tmux (streamed reply, status line, /blocks, Ctrl-C mid-reply, /quit).
+
+The tmux test needs the `tmux` binary (CI: `apt-get install -y tmux`); it is skipped without it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from kvcli.cli import app
+
+# The installed script (like a user runs it); `python -c` from the repo root would put the repo's
+# kernels/ folder on sys.path as `kernels`.
+_SCRIPT = Path(sys.executable).with_name("kvcli")
+KVCLI = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-c", "from kvcli.cli import main; main()"]
+STATUS = re.compile(r"[\d,]+ prompt tokens . [\d,]+ generated . [\d.,]+ tok/s decode")
+# The bundled model loads in ~3 s; the limits are generous for a busy 2-core CI machine.
+RUN_TIMEOUT = 240
+
+
+def chat(lines: list[str], *args: str, timeout: float = RUN_TIMEOUT) -> subprocess.CompletedProcess:
+    return subprocess.run([*KVCLI, "chat", *args], input="".join(line + "\n" for line in lines),
+                          capture_output=True, text=True, encoding="utf-8", errors="replace", timeout=timeout,
+                          cwd=tempfile.gettempdir())
+
+
+def status_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if STATUS.search(line)]
+
+
+def assert_clean(p: subprocess.CompletedProcess) -> None:
+    assert "Traceback" not in p.stderr and "Traceback" not in p.stdout, p.stderr
+
+
+# --- flags: one line, no model load --------------------------------------------------------------------
+@pytest.mark.parametrize("args,needle", [
+    (["--max-tokens", "0"], "--max-tokens"),
+    (["--temperature", "-1"], "--temperature"),
+    (["--top-p", "1.5"], "--top-p"),
+    (["--block-size", "24"], "--block-size"),
+    (["--kv-budget", "lots"], "--kv-budget"),
+    (["--model", "/nonexistent/model.gguf"], "model not found"),
+])
+def test_chat_bad_flags_one_line(args, needle):
+    r = CliRunner().invoke(app, ["chat", *args], input="Hello\n")
+    assert r.exit_code != 0
+    err = r.stderr.strip()
+    assert "Traceback" not in r.output and "Traceback" not in err
+    assert len(err.splitlines()) == 1 and err.startswith("kvcli: error:") and needle in err, err
+
+
+def test_chat_help_lists_options():
+    r = CliRunner().invoke(app, ["chat", "--help"])
+    assert r.exit_code == 0
+    for opt in ("--system", "--max-tokens", "--temperature", "--top-p", "--top-k", "--seed", "--truncate",
+                "--model", "--kv-budget", "--max-model-len"):
+        assert opt in r.stdout, opt
+
+
+# --- through a pipe --------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_chat_pipe_two_replies_status_on_stderr_and_save(tmp_path):
+    saved = tmp_path / "chat.json"
+    p = chat(["Hello", "/nosuch", "What is 2+2?", "/save /nonexistent-dir/chat.json", f"/save {saved}",
+              "/stats", "/blocks"], "--temperature", "0", "--max-tokens", "24")
+    assert p.returncode == 0, p.stderr
+    assert_clean(p)
+    data = json.loads(saved.read_text(encoding="utf-8"))
+    assert [m["role"] for m in data["messages"]] == ["user", "assistant", "user", "assistant"]
+    assert data["messages"][0]["content"] == "Hello" and data["messages"][2]["content"] == "What is 2+2?"
+    turns = data["turns"]
+    assert len(turns) == 2
+    assert 0 < turns[0]["prompt_tokens"] < turns[1]["prompt_tokens"]  # turn 2 carries turn 1
+    assert all(1 <= t["generated_tokens"] <= 24 and not t["interrupted"] for t in turns)
+    replies = [m["content"] for m in data["messages"][1::2]]
+    assert all(r.strip() for r in replies)
+    # stdout is the two replies, each ended by a newline, and nothing else (no prompt, banner, status).
+    assert p.stdout == "".join(r.lstrip() + "\n" for r in replies), p.stdout
+    # Status, notices and views on stderr.
+    assert len(status_lines(p.stderr)) == 2, p.stderr
+    err_lines = p.stderr.splitlines()
+    assert sum("unknown command /nosuch" in line for line in err_lines) == 1
+    assert sum("cannot write /nonexistent-dir/chat.json" in line for line in err_lines) == 1
+    assert "KV blocks used (peak)" in p.stderr  # /stats and the exit summary
+    assert re.search(r"blocks x 16 tokens", p.stderr)  # /blocks
+    assert "kvcli chat: 2 turns" in p.stderr
+
+
+SEA = "Tell me about " + "the sea and the sky, " * 17 + "please."  # ~107 tokens
+MOON = "Now tell me about " + "the moon and the stars, " * 17 + "please."
+PASTE = "Summarize this: " + "the sea and the sky, " * 60  # ~365 tokens: more than the context allows
+SMALL_CTX = ["--temperature", "0", "--max-tokens", "16", "--max-model-len", "256", "--system", "Be brief."]
+
+
+@pytest.mark.slow
+def test_chat_context_overflow_notice_and_reset(tmp_path):
+    saved = tmp_path / "chat.json"
+    p = chat([SEA, MOON, "/reset", MOON, PASTE, f"/save {saved}"], *SMALL_CTX)
+    assert p.returncode == 0, p.stderr
+    assert_clean(p)
+    full = [line for line in p.stderr.splitlines() if line.startswith("context full")]
+    assert len(full) == 1 and "/reset" in full[0] and "256-token context" in full[0], p.stderr
+    too_long = [line for line in p.stderr.splitlines() if line.startswith("message too long")]
+    assert len(too_long) == 1, p.stderr
+    assert len(status_lines(p.stderr)) == 2  # SEA, then MOON after /reset
+    data = json.loads(saved.read_text(encoding="utf-8"))
+    assert [m["content"] for m in data["messages"][::2]] == [MOON]
+    assert all(t["prompt_tokens"] + 16 <= 256 for t in data["turns"])
+    # One reply (empty for a refused message) per message line.
+    assert p.stdout.count("\n") == 4 and p.stdout.split("\n")[1] == "" and p.stdout.split("\n")[3] == ""
+
+
+@pytest.mark.slow
+def test_chat_truncate_drops_oldest_turns(tmp_path):
+    saved = tmp_path / "chat.json"
+    p = chat([SEA, MOON, f"/save {saved}"], *SMALL_CTX, "--truncate")
+    assert p.returncode == 0, p.stderr
+    assert_clean(p)
+    dropped = [line for line in p.stderr.splitlines() if "dropped the 1 oldest turn" in line]
+    assert len(dropped) == 1, p.stderr
+    assert len(status_lines(p.stderr)) == 2
+    data = json.loads(saved.read_text(encoding="utf-8"))
+    assert data["dropped_turns"] == 1
+    assert [m["content"] for m in data["messages"][::2]] == [MOON]
+
+
+# --- a real terminal: tmux -----------------------------------------------------------------------------------
+class Tmux:
+    """A detached tmux session on a private server socket, driven by send-keys and read by capture-pane."""
+
+    def __init__(self, command: str, width: int = 120, height: int = 40) -> None:
+        self.sock = f"kvcli-test-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.name = "chat"
+        self._tmux("new-session", "-d", "-s", self.name, "-x", str(width), "-y", str(height),
+                   "-c", tempfile.gettempdir(), command)
+
+    def _tmux(self, *args: str) -> str:
+        # -u: UTF-8 whatever the locale (the status line uses "·").
+        return subprocess.run(["tmux", "-u", "-f", "/dev/null", "-L", self.sock, *args], capture_output=True,
+                              text=True, encoding="utf-8", errors="replace", timeout=30, check=True).stdout
+
+    def send(self, *keys: str) -> None:
+        self._tmux("send-keys", "-t", self.name, *keys)
+
+    def type_line(self, text: str) -> None:
+        self._tmux("send-keys", "-t", self.name, "-l", text)
+        self.send("Enter")
+
+    def screen(self) -> str:
+        return self._tmux("capture-pane", "-p", "-J", "-t", self.name, "-S", "-400")
+
+    def wait(self, pred, what: str, timeout: float = 90.0) -> str:
+        deadline = time.monotonic() + timeout
+        text = ""
+        while time.monotonic() < deadline:
+            text = self.screen()
+            if pred(text):
+                return text
+            time.sleep(0.1)
+        raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}; screen:\n{text}")
+
+    def close(self) -> None:
+        subprocess.run(["tmux", "-L", self.sock, "kill-server"], capture_output=True, timeout=30)
+
+
+def at_prompt(text: str) -> bool:
+    lines = [line for line in text.splitlines() if line.strip()]
+    return bool(lines) and lines[-1].rstrip() == "you>"
+
+
+def after(text: str, marker: str) -> list[str]:
+    """The screen lines after the last line containing `marker`."""
+    lines = text.splitlines()
+    idx = max((i for i, line in enumerate(lines) if marker in line), default=None)
+    return [] if idx is None else lines[idx + 1:]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="needs the tmux binary for a real terminal "
+                    "(apt-get install -y tmux)")
+def test_chat_in_a_terminal_stream_blocks_ctrl_c_quit():
+    # 200 tokens per reply: the story below streams long enough to be interrupted on any machine; the
+    # short question ends by itself in a few tokens.
+    cmd = shlex.join([*KVCLI, "chat", "--temperature", "0", "--max-tokens", "200"])
+    t = Tmux(f"{cmd}; echo KVCLI_EXIT=$?; sleep 120")
+    try:
+        t.wait(at_prompt, "the first prompt", timeout=180)
+
+        t.type_line("Say hi in three words.")
+        screen = t.wait(lambda s: len(status_lines(s)) == 1 and at_prompt(s), "the first reply and its status")
+        reply = [line for line in after(screen, "you> Say hi in three words.") if line.strip()]
+        assert STATUS.search(reply[-2]) and reply[-1].rstrip() == "you>", screen
+        assert any(re.search(r"[A-Za-z]{2}", line) for line in reply[:-2]), screen  # the streamed reply
+
+        t.type_line("/blocks")
+        screen = t.wait(lambda s: "last turn (" in s and at_prompt(s), "the block map")
+        assert re.search(r"blocks x 16 tokens", screen)
+
+        t.type_line("Write a long story about a lighthouse keeper.")
+
+        def streaming(s: str) -> bool:
+            body = [line for line in after(s, "you> Write a long story") if line.strip() and "thinking" not in line]
+            return any(re.search(r"[A-Za-z]{3}", line) for line in body)
+
+        t.wait(streaming, "the story to start streaming", timeout=120)
+        t.send("C-c")
+        screen = t.wait(lambda s: "[interrupted]" in s and at_prompt(s), "the interrupted reply and the prompt")
+        assert "Traceback" not in screen and "KVCLI_EXIT" not in screen  # the session survived
+
+        t.send("C-c")  # at the prompt: a hint, not an exit
+        t.wait(lambda s: "use /quit or Ctrl-D" in s and at_prompt(s), "the Ctrl-C hint")
+
+        t.type_line("/quit")
+        screen = t.wait(lambda s: "KVCLI_EXIT=" in s, "the exit", timeout=60)
+        assert "KVCLI_EXIT=0" in screen and "kvcli chat: 2 turns" in screen, screen
+        assert "Traceback" not in screen
+    finally:
+        t.close()
