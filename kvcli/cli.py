@@ -115,6 +115,9 @@ def continue_(
     attention_backend: BackendOpt = Backend.auto,
     max_model_len: MaxLenOpt = None,
     max_batch_tokens: ChunkOpt = 512,
+    live: Annotated[bool, typer.Option("--live/--no-live", help="Live dashboard (VRAM, KV block map, "
+                                       "fragmentation, throughput) on a terminal; plain output otherwise."
+                                       )] = True,
 ) -> None:
     """Continue a long text: chunked prefill with a progress bar, then the continuation streamed to
     stdout and a summary (tokens, speeds, KV blocks and bytes, weight bytes) on stderr."""
@@ -125,7 +128,7 @@ def continue_(
         truncate=truncate.value, json_out=json_out, output=output, model=model, block_size=block_size,
         kv_budget=kv_budget, quant=quant.value, dequantize=dequantize, device=device,
         attention_backend=attention_backend.value, max_model_len=max_model_len,
-        max_batch_tokens=max_batch_tokens,
+        max_batch_tokens=max_batch_tokens, live=live,
     )
     code = run_continue(args, fail)
     if code:

@@ -16,7 +16,7 @@ from kvcli.config import SamplingParams
 from kvcli.engine.llm_engine import ConfigError, EngineOptions
 from kvcli.engine.scheduler import KVBudgetTooSmall
 from kvcli.inputs import InputError, check_writable, read_text_file
-from kvcli.view.summary import snapshot_dict, summary_table
+from kvcli.view.summary import human_bytes, snapshot_dict, summary_table
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,7 @@ class ContinueArgs:
     attention_backend: str
     max_model_len: int | None
     max_batch_tokens: int
+    live: bool = True
 
 
 def fit_prompt(ids: list[int], max_len: int, max_tokens: int, truncate: str) -> list[int]:
@@ -91,20 +92,22 @@ def run_continue(a: ContinueArgs, fail: Fail) -> int:
 
     pieces: list[str] = []
     interrupted = False
+    use_live = a.live and err.is_terminal and not a.json_out
     progress = Progress(TextColumn("prefill"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
-                        TimeRemainingColumn(), console=err, transient=True, disable=a.json_out)
+                        TimeRemainingColumn(), console=err, transient=True, disable=a.json_out or use_live)
+    view = _LiveView(engine, err) if use_live else None
+    by_line = view is not None and sys.stdout.isatty()  # stdout shares the terminal with the dashboard
     t0 = time.perf_counter()
     try:
-        with progress:
+        with (view.dash if view else progress):
             task = progress.add_task("prefill", total=len(prompt))
-            while not req.finished and req.num_computed_tokens < len(prompt):
-                outs = engine.step()
-                progress.update(task, completed=min(req.num_computed_tokens, len(prompt)))
-                for o in outs:
-                    _emit(o.new_text, pieces, a.json_out)
-        while engine.has_unfinished():
-            for o in engine.step():
-                _emit(o.new_text, pieces, a.json_out)
+            while engine.has_unfinished():
+                for o in engine.step():
+                    _emit(o.new_text, pieces, a.json_out, whole_lines=by_line)
+                if view:
+                    view.update()
+                elif req.num_computed_tokens <= len(prompt):
+                    progress.update(task, completed=min(req.num_computed_tokens, len(prompt)))
     except KeyboardInterrupt:
         interrupted = True
         engine.abort(req.req_id)
@@ -114,6 +117,8 @@ def run_continue(a: ContinueArgs, fail: Fail) -> int:
 
     continuation = "".join(pieces)
     if not a.json_out:
+        if by_line:  # the unfinished last line, held back while the dashboard was up
+            sys.stdout.write(continuation[continuation.rfind("\n") + 1:])
         sys.stdout.write("\n")
         sys.stdout.flush()
     if a.output is not None:
@@ -137,14 +142,60 @@ def run_continue(a: ContinueArgs, fail: Fail) -> int:
         }
         print(json.dumps(report, indent=2))
     else:
-        err.print(summary_table(snap, weights, title="kvcli continue" + (" (interrupted)" if interrupted else "")))
+        table = summary_table(snap, weights, title="kvcli continue" + (" (interrupted)" if interrupted else ""))
+        paged, contiguous = _layout_comparison(engine, req.num_computed_tokens)
+        table.add_row("vs contiguous (max-len)",
+                      f"paged held {human_bytes(paged)}; preallocating {engine.max_model_len:,} slots would "
+                      f"reserve {human_bytes(contiguous)} ({contiguous / max(paged, 1):.1f}x)")
+        err.print(table)
     return 130 if interrupted else 0
 
 
-def _emit(text: str, pieces: list[str], quiet: bool) -> None:
+def _layout_comparison(engine, tokens: int) -> tuple[int, int]:
+    """KV bytes this run held in blocks, against a contiguous max-length reservation."""
+    bs = engine.kv.block_size
+    per_slot = engine.bytes_per_block // bs
+    paged = -(-tokens // bs) * bs * per_slot
+    contiguous = -(-engine.max_model_len // bs) * bs * per_slot
+    return paged, contiguous
+
+
+class _LiveView:
+    """Feeds the dashboard a snapshot at most every 0.2 s, so the engine loop stays fast."""
+
+    def __init__(self, engine, console: Console) -> None:
+        from kvcli.metrics.memory import MemoryProbe
+        from kvcli.view.dashboard import LiveDashboard
+
+        self.engine = engine
+        self.dash = LiveDashboard(console)
+        self.probe = MemoryProbe(str(engine.device))
+        self.weights = sum(engine.weight_bytes().values())
+        self.last = 0.0
+
+    def update(self) -> None:
+        now = time.perf_counter()
+        if now - self.last >= 0.2:
+            self.last = now
+            e = self.engine
+            self.dash.update(e.metrics.snapshot(self.probe.sample(e.kv_pool_bytes, self.weights)))
+
+
+
+def _emit(text: str, pieces: list[str], quiet: bool, whole_lines: bool = False) -> None:
+    """Stream text to stdout. Under the live dashboard, stdout is printed above the panel a line at
+    a time, so only complete lines are written then (the rest when the run ends)."""
     if not text:
         return
+    before = "".join(pieces) if whole_lines else ""
     pieces.append(text)
-    if not quiet:
-        sys.stdout.write(text)
-        sys.stdout.flush()
+    if quiet:
+        return
+    if whole_lines:
+        if "\n" not in text:
+            return
+        done = before + text
+        start = before.rfind("\n") + 1
+        text = done[start:done.rfind("\n") + 1]
+    sys.stdout.write(text)
+    sys.stdout.flush()

@@ -1,0 +1,211 @@
+"""Throughput on one request trace: kvcli (paged KV cache, continuous batching, the whole trace submitted at
+once) against transformers on the same GGUF weights, the same prompts and the same per-request output lengths
+(`--compare hf`): `generate` one request at a time, static batches of --batch-size with left padding, and
+continuous batching (`generate_batch`'s machinery) where the installed transformers has it.
+
+Every request yields exactly its drawn max_tokens (EOS ignored on both sides, token counts checked). Output
+tok/s = useful output tokens / wall time of the generation, model load excluded on both sides; static batches
+also compute tokens past a request's max_tokens (the batch runs to its longest request), which are not counted.
+Prints a markdown table with kvcli's speed-up over each baseline and one line per goal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from datetime import datetime, timezone
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+GOALS = {"sequential": 10.0, "static": 2.0, "generate_batch": 3.0}
+LABELS = {
+    "sequential": "transformers `generate`, one request at a time",
+    "static": "transformers `generate`, static batches of {bs} (left padding)",
+    "generate_batch": "transformers continuous batching (`generate_batch`)",
+}
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def progress(mode: str, done: int, total: int) -> None:
+    if sys.stderr.isatty():
+        print(f"\r  {mode}: {done}/{total} requests", end="\n" if done == total else "", file=sys.stderr, flush=True)
+    elif done == total or done % 16 == 0:
+        print(f"  {mode}: {done}/{total} requests", file=sys.stderr, flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workload", default="alpaca", help="sharegpt | alpaca | uniform | FILE.jsonl (default alpaca)")
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--batch-size", type=int, default=16, help="static-batch size for transformers (default 16)")
+    ap.add_argument("--modes", default="sequential,static,generate_batch",
+                    help="comma-separated transformers baselines (default: all three)")
+    ap.add_argument("--kv-budget", default="256MiB",
+                    help="KV pool for kvcli and for transformers' continuous-batching cache (default 256MiB)")
+    ap.add_argument("--compare", choices=("hf", "none"), default="hf",
+                    help="hf: run the transformers baselines (default); none: kvcli only")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch intra-op threads for both sides (default: torch's default, one per core)")
+    ap.add_argument("--json", metavar="FILE", help="also write the numbers to FILE as JSON")
+    a = ap.parse_args()
+    if a.threads is not None:
+        if a.threads < 1:
+            ap.error("--threads must be >= 1")
+        torch.set_num_threads(a.threads)
+
+    from kvcli import workloads
+    from kvcli.config import SamplingParams
+    from kvcli.engine.llm_engine import parse_bytes
+    from kvcli.llm import LLM
+    from kvcli.model.loader import bundled_gguf_path
+
+    modes = [m.strip() for m in a.modes.split(",") if m.strip()] if a.compare == "hf" else []
+    bad = [m for m in modes if m not in GOALS]
+    if bad:
+        ap.error(f"unknown mode(s) {', '.join(bad)} (choose from {', '.join(GOALS)})")
+    try:
+        kv_bytes = parse_bytes(a.kv_budget)
+        trace = workloads.load(a.workload, a.num_requests, a.max_model_len, seed=a.seed)
+    except ValueError as e:
+        ap.error(str(e))
+
+    load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+
+    # --- kvcli: the whole trace at once ---------------------------------------------------------------------
+    t = time.perf_counter()
+    llm = LLM(max_model_len=a.max_model_len, kv_budget=a.kv_budget, max_num_batched_tokens=512, max_num_seqs=256)
+    load_s = time.perf_counter() - t
+    prompts = workloads.prompt_ids(trace, llm.tokenizer, seed=a.seed)
+    max_tokens = [r.max_tokens for r in trace.requests]
+    mean_prompt = sum(len(p) for p in prompts) / len(prompts)
+    mean_output = sum(max_tokens) / len(max_tokens)
+    print(f"kvcli: loaded in {load_s:.1f} s ({llm.engine.linear_mode} weights); running {len(prompts)} requests",
+          file=sys.stderr, flush=True)
+
+    llm.generate([prompts[0]], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up, untimed
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens]
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    kv_wall = time.perf_counter() - t
+    wrong = [(i, len(o.token_ids), m) for i, (o, m) in enumerate(zip(outs, max_tokens)) if len(o.token_ids) != m]
+    if wrong:
+        print(f"error: kvcli produced the wrong number of tokens for {len(wrong)} request(s), e.g. request "
+              f"{wrong[0][0]}: {wrong[0][1]} instead of {wrong[0][2]}", file=sys.stderr)
+        return 1
+    kv_tokens = sum(len(o.token_ids) for o in outs)
+    kv_rate = kv_tokens / kv_wall
+    preemptions = sum(o.num_preemptions for o in outs)
+    linear_mode = llm.engine.linear_mode
+    print(f"kvcli: {kv_tokens} tokens in {kv_wall:.2f} s ({kv_rate:.1f} tok/s)", file=sys.stderr, flush=True)
+    del llm, outs
+    gc.collect()
+
+    # --- transformers, same weights, same prompts and lengths ---------------------------------------------------
+    hf: dict = {}
+    if modes:
+        import transformers
+
+        from kvcli.bench.hf_baselines import load_hf_reference, run_hf_baselines
+
+        model = load_hf_reference(bundled_gguf_path())
+        print(f"transformers {transformers.__version__}: running {', '.join(modes)}", file=sys.stderr, flush=True)
+        hf = run_hf_baselines(model, prompts, max_tokens, batch_size=a.batch_size, modes=modes, progress=progress,
+                              kv_budget_bytes=kv_bytes)
+
+    # --- report -------------------------------------------------------------------------------------------------
+    import transformers
+
+    load_after = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    now = datetime.now(timezone.utc)
+    command = "python scripts/bench_throughput.py" + ("" if len(sys.argv) == 1 else " " + shlex.join(sys.argv[1:]))
+    print(f"# throughput benchmark — {now:%Y-%m-%d %H:%M} UTC")
+    print(f"machine: {cpu_name()}, {platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch "
+          f"threads; torch {torch.__version__}, transformers {transformers.__version__}")
+    if load_before is not None:
+        busy = max(load_before, load_after) > (os.cpu_count() or 1)
+        print(f"load average (1 min): {load_before:.2f} at start, {load_after:.2f} at end"
+              + (" — more than one runnable task per core: other work shared the CPU, timings are not clean"
+                 if busy else ""))
+    print(f"command: {command}")
+    print(f"trace: {trace.name}, {len(prompts)} requests, seed {a.seed}, all submitted at t=0; realised mean prompt "
+          f"{mean_prompt:.1f} tokens, mean output {mean_output:.1f} tokens (EOS ignored), {kv_tokens} output tokens")
+    print(f"model: SmolLM2-135M-Instruct Q4_1 GGUF; kvcli {linear_mode} weights, KV pool {a.kv_budget}, "
+          f"max_num_batched_tokens 512, max_num_seqs 256 ({preemptions} preemptions); transformers fp32 "
+          "(dequantized by its GGUF loader), greedy\n")
+    print("| engine | wall s | output tok/s | kvcli speed-up |")
+    print("|---|---:|---:|---:|")
+    print(f"| kvcli, whole trace at once (paged KV, continuous batching) | {kv_wall:.2f} | {kv_rate:.1f} | — |")
+    ratios: dict[str, float | None] = {}
+    for mode, r in hf.items():
+        label = LABELS[mode].format(bs=a.batch_size)
+        if r.tokens_per_s:
+            ratios[mode] = kv_rate / r.tokens_per_s
+            print(f"| {label} | {r.wall_seconds:.2f} | {r.tokens_per_s:.1f} | {ratios[mode]:.2f}x |")
+        else:
+            ratios[mode] = None
+            print(f"| {label} | — | — | — |")
+    notes = [(m, r.note) for m, r in hf.items() if r.note]
+    if notes:
+        print()
+        for mode, note in notes:
+            print(f"- {mode}: {note}")
+    print()
+    goals = {}
+    for mode, target in GOALS.items():
+        if mode not in hf:
+            status = "not run"
+        elif ratios[mode] is None:
+            status = f"not measured ({hf[mode].note})"
+        else:
+            status = f"{'met' if ratios[mode] >= target else 'missed'} (measured {ratios[mode]:.2f}x)"
+        goals[mode] = {"target": target, "ratio": ratios.get(mode), "status": status}
+        print(f"goal >= {target:g}x {mode}: {status}")
+
+    if a.json:
+        report = {
+            "date_utc": now.isoformat(timespec="seconds"),
+            "machine": {"cpu": cpu_name(), "arch": platform.machine(), "cores": os.cpu_count(),
+                        "torch_threads": torch.get_num_threads(), "loadavg_1min_start": load_before,
+                        "loadavg_1min_end": load_after},
+            "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+            "command": command,
+            "trace": {"name": trace.name, "num_requests": len(prompts), "seed": a.seed,
+                      "mean_prompt_tokens": mean_prompt, "mean_output_tokens": mean_output,
+                      "prompt_lens": [len(p) for p in prompts], "max_tokens": max_tokens},
+            "kvcli": {"wall_seconds": kv_wall, "output_tokens": kv_tokens, "tokens_per_s": kv_rate,
+                      "linear_mode": linear_mode, "kv_budget": a.kv_budget, "preemptions": preemptions,
+                      "load_seconds": load_s},
+            "hf": {m: {"wall_seconds": r.wall_seconds, "output_tokens": r.output_tokens,
+                       "computed_tokens": r.computed_tokens, "tokens_per_s": r.tokens_per_s, "note": r.note,
+                       "kvcli_speedup": ratios[m]} for m, r in hf.items()},
+            "goals": goals,
+        }
+        with open(a.json, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=2)
+            f.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
