@@ -1,7 +1,9 @@
 """Paged attention in plain torch: the CPU path, and the behaviour the Triton backend must reproduce.
 
 Per request, K/V are read through the block table: as views when the table is a run of consecutive
-blocks (the common case when a pool is fresh), otherwise gathered. Two shapes of work:
+blocks (the common case when a pool is fresh), otherwise gathered. When many requests decode in
+one step, their rows go through one padded, masked SDPA call instead of one call each (per-call
+overhead dominates at small contexts). Two shapes of work:
   decode (1 query token): the q heads that share a KV head are stacked as that head's query rows,
       so SDPA runs without a mask and without repeating K/V (grouped-query trick);
   prefill chunk (q_len tokens on top of a cached prefix): attention to the prefix (all visible, no
@@ -22,9 +24,13 @@ _flash_cpu = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cp
 class TorchAttentionBackend:
     name = "torch"
 
+    BATCH_DECODE_MIN = 4  # decode rows from this many requests on go through one batched call
+
     def __init__(self) -> None:
         self._meta: AttentionMetadata | None = None
         self._runs: list[list[tuple[int, int]]] = []
+        self._batch_meta: AttentionMetadata | None = None
+        self._batch: tuple | None = None
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  meta: AttentionMetadata) -> None:
@@ -60,12 +66,49 @@ class TorchAttentionBackend:
         blocks = parts[0] if len(parts) == 1 else torch.cat(parts)
         return blocks.flatten(0, 1)[:kv_len].transpose(0, 1)  # [kv_heads, kv_len, D]
 
+    def _decode_batch(self, meta: AttentionMetadata, block_size: int, device: torch.device) -> tuple | None:
+        """Per step: the decode requests' rows, padded block tables and key mask (or None)."""
+        if meta is not self._batch_meta:
+            self._batch_meta, self._batch = meta, None
+            dec = [b for b, n in enumerate(meta.query_lens_list) if n == 1]
+            if len(dec) >= self.BATCH_DECODE_MIN:
+                lens = [meta.seq_lens_list[b] for b in dec]
+                # Padding to the longest context must not cost more than the calls it saves.
+                if max(lens) * len(dec) <= 2 * sum(lens) + 64 * len(dec):
+                    starts = [0]
+                    for n in meta.query_lens_list:
+                        starts.append(starts[-1] + n)
+                    nblk = -(-max(lens) // block_size)
+                    idx = torch.tensor(dec, device=device)
+                    tables = meta.block_tables.index_select(0, idx)[:, :nblk].long()
+                    mask = torch.arange(nblk * block_size, device=device) < torch.tensor(lens, device=device)[:, None]
+                    rows = torch.tensor([starts[b] for b in dec], device=device)
+                    self._batch = (set(dec), rows, tables, mask[:, None, None, :])
+        return self._batch
+
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:
         runs = self._block_runs(meta, k_cache.shape[1])
         out = torch.empty_like(q)
+        batch = self._decode_batch(meta, k_cache.shape[1], q.device)
+        batched: set[int] = set()
+        if batch is not None:
+            batched, rows, tables, mask = batch
+            n, h, d = rows.shape[0], q.shape[1], q.shape[2]
+            kvh = k_cache.shape[2]
+            # Padded slots past a request's length hold whatever the pool held (never-written memory
+            # can be NaN, and NaN * 0 is NaN): zero them in the gathered copy, not only mask them.
+            keep = mask[:, :, 0, :, None]  # [n, 1, L, 1]
+            k = k_cache[tables].flatten(1, 2).transpose(1, 2).to(q.dtype).masked_fill(~keep, 0)  # [n, kvh, L, D]
+            v = v_cache[tables].flatten(1, 2).transpose(1, 2).to(q.dtype).masked_fill(~keep, 0)
+            qg = q.index_select(0, rows).reshape(n, kvh, h // kvh, d)
+            o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+            out.index_copy_(0, rows, o.reshape(n, h, d))
         start = 0
         for b, (q_len, kv_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
+            if b in batched:
+                start += q_len
+                continue
             k = self._read(k_cache, runs[b], kv_len).to(q.dtype)
             v = self._read(v_cache, runs[b], kv_len).to(q.dtype)
             qb = q[start:start + q_len].transpose(0, 1)  # [H, q_len, D]
