@@ -87,6 +87,8 @@ BackendOpt = Annotated[Backend, typer.Option("--attention-backend", help="Paged 
                                              "triton on CUDA, torch on CPU when auto.")]
 MaxLenOpt = Annotated[Optional[int], typer.Option("--max-model-len", help="Context length limit. "
                                                   "Default: the model's.", show_default=False)]
+PrefixOpt = Annotated[bool, typer.Option("--prefix-cache/--no-prefix-cache", help="Reuse the KV blocks of "
+                                         "prompt prefixes seen before (paged layout).")]
 ChunkOpt = Annotated[int, typer.Option("--max-batch-tokens", help="Tokens computed per engine step; "
                                        "long prompts are prefilled in chunks of this size.")]
 
@@ -118,6 +120,7 @@ def continue_(
     live: Annotated[bool, typer.Option("--live/--no-live", help="Live dashboard (VRAM, KV block map, "
                                        "fragmentation, throughput) on a terminal; plain output otherwise."
                                        )] = True,
+    prefix_cache: PrefixOpt = True,
 ) -> None:
     """Continue a long text: chunked prefill with a progress bar, then the continuation streamed to
     stdout and a summary (tokens, speeds, KV blocks and bytes, weight bytes) on stderr."""
@@ -128,7 +131,7 @@ def continue_(
         truncate=truncate.value, json_out=json_out, output=output, model=model, block_size=block_size,
         kv_budget=kv_budget, quant=quant.value, dequantize=dequantize, device=device,
         attention_backend=attention_backend.value, max_model_len=max_model_len,
-        max_batch_tokens=max_batch_tokens, live=live,
+        max_batch_tokens=max_batch_tokens, live=live, prefix_cache=prefix_cache,
     )
     code = run_continue(args, fail)
     if code:
@@ -156,6 +159,7 @@ def chat(
     device: DeviceOpt = None,
     attention_backend: BackendOpt = Backend.auto,
     max_model_len: MaxLenOpt = None,
+    prefix_cache: PrefixOpt = True,
 ) -> None:
     """Chat with the model: a multi-turn REPL over its chat template, replies streamed to stdout, a status
     line per turn on stderr. Slash commands: /stats /blocks /reset /save FILE /help /quit. With stdin
@@ -166,7 +170,7 @@ def chat(
         system=system, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
         truncate=truncate, model=model, block_size=block_size, kv_budget=kv_budget, quant=quant.value,
         dequantize=dequantize, device=device, attention_backend=attention_backend.value,
-        max_model_len=max_model_len,
+        max_model_len=max_model_len, prefix_cache=prefix_cache,
     )
     code = run_chat(args, fail)
     if code:
@@ -233,6 +237,7 @@ def profile(
     dequantize: DequantOpt = False,
     device: DeviceOpt = None,
     attention_backend: BackendOpt = Backend.auto,
+    prefix_cache: PrefixOpt = True,
 ) -> None:
     """Profile a request trace: KV memory breakdown (token states / reserved / internal / external
     fragmentation), peak concurrency, throughput and latency; with --compare contiguous, paged and
@@ -245,7 +250,7 @@ def profile(
         simulate=simulate, json_path=json_path, plot_path=plot_path, block_size=block_size, kv_budget=kv_budget,
         kv_dtype=kv_dtype, max_model_len=max_model_len, max_batch_tokens=max_batch_tokens,
         max_num_seqs=max_num_seqs, quant=quant.value, dequantize=dequantize, device=device,
-        attention_backend=attention_backend.value, live=live)
+        attention_backend=attention_backend.value, live=live, prefix_cache=prefix_cache)
     code = run_profile(args, fail)
     if code:
         raise typer.Exit(code)

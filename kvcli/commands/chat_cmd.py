@@ -66,6 +66,7 @@ class ChatArgs:
     device: str | None
     attention_backend: str
     max_model_len: int | None
+    prefix_cache: bool = True
     max_batch_tokens: int = 512
 
 
@@ -653,7 +654,7 @@ def run_chat(a: ChatArgs, fail: Fail) -> int:
             engine = build_engine(a.model, a.quant, EngineOptions(
                 device=a.device, block_size=a.block_size, kv_budget=a.kv_budget, dequantize=a.dequantize,
                 max_model_len=a.max_model_len, max_num_batched_tokens=a.max_batch_tokens,
-                attention_backend=a.attention_backend), fail)
+                attention_backend=a.attention_backend, prefix_caching=a.prefix_cache), fail)
     except KeyboardInterrupt:
         err.print()
         return 130

@@ -40,6 +40,7 @@ class ContinueArgs:
     max_model_len: int | None
     max_batch_tokens: int
     live: bool = True
+    prefix_cache: bool = True
 
 
 def fit_prompt(ids: list[int], max_len: int, max_tokens: int, truncate: str) -> list[int]:
@@ -77,7 +78,7 @@ def run_continue(a: ContinueArgs, fail: Fail) -> int:
         engine = build_engine(a.model, a.quant, EngineOptions(
             device=a.device, block_size=a.block_size, kv_budget=a.kv_budget, dequantize=a.dequantize,
             max_model_len=a.max_model_len, max_num_batched_tokens=a.max_batch_tokens,
-            attention_backend=a.attention_backend), fail)
+            attention_backend=a.attention_backend, prefix_caching=a.prefix_cache), fail)
     err.print(f"[dim]{Path(engine.source).name} · {engine.config.num_layers} layers · weights {engine.linear_mode} · "
               f"KV {engine.kv_cache.dtype} on {engine.device} · loaded in {engine.load_seconds:.1f} s[/dim]")
 

@@ -15,7 +15,7 @@ from kvcli.commands.common import Fail, validate_engine_flags
 from kvcli.engine.llm_engine import ConfigError, EngineOptions, LLMEngine
 from kvcli.engine.scheduler import KVBudgetTooSmall
 from kvcli.inputs import InputError, check_writable
-from kvcli.model.loader import ModelLoadError, load_config, load_weights
+from kvcli.model.loader import ModelLoadError, load_config, load_tokenizer, load_weights
 from kvcli.profile import ProfileResult, breakdown_rows, plot_timeline, run_trace
 from kvcli.workloads import WorkloadError, load as load_trace, prompt_ids
 
@@ -45,6 +45,7 @@ class ProfileArgs:
     device: str | None
     attention_backend: str
     live: bool
+    prefix_cache: bool = True
 
 
 def parse_rate(text: str, fail: Fail) -> float:
@@ -82,7 +83,8 @@ def run_profile(a: ProfileArgs, fail: Fail) -> int:
                             max_model_len=a.max_model_len, max_num_batched_tokens=a.max_batch_tokens,
                             max_num_seqs=a.max_num_seqs, attention_backend=a.attention_backend,
                             kv_layout=a.kv_layout, reserve=a.reserve, preempt=a.preempt,
-                            kv_dtype=a.kv_dtype or ("fp16" if a.simulate else None))
+                            kv_dtype=a.kv_dtype or ("fp16" if a.simulate else None),
+                            prefix_caching=a.prefix_cache)
     layouts = [a.kv_layout] + (["contiguous" if a.kv_layout == "paged" else "paged"] if a.compare == "contiguous" else [])
     results: list[ProfileResult] = []
     try:
@@ -92,7 +94,8 @@ def run_profile(a: ProfileArgs, fail: Fail) -> int:
             else:
                 loaded = load_weights(a.model, quant=a.quant)
                 config = loaded.config
-        tokenizer = None if loaded is None else loaded.tokenizer
+        tokenizer = loaded.tokenizer if loaded is not None else (
+            load_tokenizer(a.model) if any(r.prompt_text is not None for r in trace.requests) else None)
         prompts = prompt_ids(trace, tokenizer, a.seed)
         if any(len(p) >= a.max_model_len for p in prompts):
             fail(f"a trace prompt has {max(map(len, prompts))} tokens; --max-model-len is {a.max_model_len}")

@@ -172,6 +172,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._step = 0
         self._peak_blocks = 0
+        self._peak_shared = 0
         self._prompt_tokens = 0
         self._generated = 0
         self._decode_tokens = 0
@@ -298,6 +299,7 @@ class LLMEngine:
             self._prefill_s += dt
         self._step += 1
         self._peak_blocks = max(self._peak_blocks, self.kv.num_blocks - self.kv.num_free_blocks)
+        self._peak_shared = max(self._peak_shared, self.kv.shared_saved_blocks())
         self.metrics.record(out)
         return outputs
 
@@ -377,6 +379,7 @@ class LLMEngine:
             decode_seconds=self._decode_s,
             num_preemptions=self.scheduler.num_preemptions,
             decode_tokens=self._decode_tokens,
+            peak_shared_blocks=self._peak_shared,
         )
 
 

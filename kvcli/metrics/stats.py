@@ -24,6 +24,7 @@ class EngineSnapshot:
     decode_seconds: float
     num_preemptions: int
     decode_tokens: int  # tokens sampled in decode-only steps
+    peak_shared_blocks: int = 0  # blocks not allocated thanks to sharing (forks, prefix hits), at peak
 
     @property
     def kv_used_bytes(self) -> int:

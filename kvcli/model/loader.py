@@ -201,3 +201,17 @@ def load_config(spec: str | None) -> ModelConfig:
         raise ModelLoadError(str(e)) from None
     except Exception as e:
         raise ModelLoadError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+
+
+def load_tokenizer(spec: str | None) -> Tokenizer:
+    """Only the tokenizer (simulations of text traces)."""
+    if spec and spec.startswith("dummy:"):
+        return ByteTokenizer()
+    path = bundled_gguf_path() if not spec or spec == "bundled" else Path(spec).expanduser()
+    config = load_config(spec)
+    try:
+        if path.is_dir():
+            return load_dir_tokenizer(path, config.eos_token_ids)
+        return load_gguf_tokenizer(path, config.eos_token_ids)
+    except Exception as e:
+        raise ModelLoadError(f"{path}: cannot load its tokenizer ({type(e).__name__}: {e})") from None

@@ -27,6 +27,9 @@ def summary_table(s: EngineSnapshot, weights: dict[str, int], title: str = "kvcl
     t.add_row("KV bytes used (peak)", f"{human_bytes(s.peak_kv_bytes)} of a {human_bytes(s.kv_pool_bytes)} pool")
     parts = ", ".join(f"{k} {human_bytes(v)}" for k, v in weights.items())
     t.add_row("weight bytes", f"{human_bytes(sum(weights.values()))} ({parts})")
+    if s.peak_shared_blocks:
+        t.add_row("KV saved by sharing (peak)", f"{s.peak_shared_blocks:,} blocks, "
+                  f"{human_bytes(s.peak_shared_blocks * s.bytes_per_block)}")
     if s.num_preemptions:
         t.add_row("preemptions", str(s.num_preemptions))
     return t
@@ -47,6 +50,7 @@ def snapshot_dict(s: EngineSnapshot, weights: dict[str, int]) -> dict:
             "bytes_per_block": s.bytes_per_block,
             "peak_bytes_used": s.peak_kv_bytes,
             "pool_bytes": s.kv_pool_bytes,
+            "peak_shared_blocks": s.peak_shared_blocks,
         },
         "weight_bytes": dict(weights, total=sum(weights.values())),
         "preemptions": s.num_preemptions,

@@ -1,0 +1,95 @@
+"""`kvcli profile` and `kvcli plan` through the CLI: simulated traces, reports, and one-line errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from kvcli.cli import app
+from kvcli.workloads import WorkloadError, from_jsonl, synthetic
+
+runner = CliRunner()
+SIM = ["profile", "--model", "dummy:llama-2-7b", "--simulate", "--no-live"]
+
+
+def one_line_error(result, needle: str) -> None:
+    assert result.exit_code != 0
+    err = result.stderr.strip()
+    assert "Traceback" not in result.output + err and len(err.splitlines()) == 1, err
+    assert err.startswith("kvcli: error:") and needle in err, err
+
+
+def test_simulated_compare_contiguous_report(tmp_path):
+    js, png = tmp_path / "r.json", tmp_path / "kv.png"
+    r = runner.invoke(app, [*SIM, "--kv-budget", "4GiB", "--num-requests", "200", "--compare", "contiguous",
+                            "--json", str(js), "--plot", str(png)])
+    assert r.exit_code == 0, r.stderr
+    assert "token states" in r.stdout and "contiguous (max-len)" in r.stdout
+    report = json.loads(js.read_text())
+    paged, contig = report["runs"]
+    assert paged["layout"] == "paged" and contig["layout"] == "contiguous"
+    assert paged["completed"] == contig["completed"] == 200
+    assert paged["token_share_of_allocated"] >= 0.98 > 0.40 >= contig["kv_share_of_in_use"]["token_bytes"]
+    assert paged["peak_running"] >= 4 * contig["peak_running"]
+    tl = paged["timeline"]
+    assert len(tl) == paged["steps"] and {"token_bytes", "internal_bytes", "running"} <= set(tl[0])
+    # the table prints what the JSON holds
+    assert f"{paged['kv_share_of_in_use']['token_bytes']:.1%}" in r.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_jsonl_workload_and_reserve_request(tmp_path):
+    f = tmp_path / "t.jsonl"
+    f.write_text("\n".join(json.dumps({"prompt": "x" * (20 + i), "max_tokens": 10 + i}) for i in range(12)) + "\n")
+    r = runner.invoke(app, [*SIM, "--workload", str(f), "--kv-layout", "contiguous", "--reserve", "request",
+                            "--kv-budget", "1GiB", "--json", str(tmp_path / "r.json")])
+    assert r.exit_code == 0, r.stderr
+    run = json.loads((tmp_path / "r.json").read_text())["runs"][0]
+    assert run["completed"] == 12 and run["output_tokens"] == sum(10 + i for i in range(12))
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--workload", "shakespeare"], "unknown workload 'shakespeare'"),
+    (["--request-rate", "fast"], "--request-rate"),
+    (["--request-rate", "-2"], "--request-rate"),
+    (["--plot", "/nonexistent-dir/kv.png"], "does not exist"),
+    (["--json", "/nonexistent-dir/r.json"], "does not exist"),
+    (["--kv-budget", "1MB"], "holds no KV block"),
+    (["--compare", "hf"], "cannot be simulated"),
+    (["--block-size", "12"], "--block-size"),
+])
+def test_profile_errors(args, needle):
+    one_line_error(runner.invoke(app, [*SIM, *args]), needle)
+
+
+def test_malformed_jsonl_reports_the_line(tmp_path):
+    f = tmp_path / "bad.jsonl"
+    f.write_text('{"prompt": "ok", "max_tokens": 4}\n\n{"prompt": "no end"\n')
+    one_line_error(runner.invoke(app, [*SIM, "--workload", str(f)]), "bad.jsonl:3: not valid JSON")
+    f.write_text('{"prompt": "ok", "max_tokens": -1}\n')
+    with pytest.raises(WorkloadError, match=":1: \"max_tokens\" must be a positive integer"):
+        from_jsonl(f)
+
+
+def test_synthetic_traces_follow_published_means():
+    for name, (p, o) in {"sharegpt": (161, 338), "alpaca": (19, 58)}.items():
+        t = synthetic(name, 4000, 4096, seed=1)
+        assert abs(t.mean_prompt / p - 1) < 0.1 and abs(t.mean_output / o - 1) < 0.1, name
+    t = synthetic("sharegpt", 50, 2048, rate=5.0, seed=2)
+    gaps = [b.arrival_s - a.arrival_s for a, b in zip(t.requests, t.requests[1:])]
+    assert all(g >= 0 for g in gaps) and 0.05 < sum(gaps) / len(gaps) < 0.5  # Poisson, mean 0.2 s
+
+
+def test_plan_numbers():
+    r = runner.invoke(app, ["plan", "--model", "dummy:llama-2-7b", "--context", "4096", "--memory", "24GiB",
+                            "--batch", "16"])
+    assert r.exit_code == 0, r.stderr
+    out = " ".join(r.stdout.split())
+    assert "512.0 KiB" in out  # KV per token, fp16: 2 x 32 x 32 x 128 x 2 B
+    assert "2.0 GiB" in out  # per 4,096-token request
+    # (24 GiB x 0.9 - weights) / 2 GiB per request, contiguous
+    assert "--batch 16 contiguous" in out
+    one_line_error(runner.invoke(app, ["plan", "--model", "dummy:nope"]), "unknown dummy preset")
