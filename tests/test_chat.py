@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from cli_helpers import one_line_error
+
 from kvcli.cli import app
 
 # The installed script (like a user runs it); `python -c` from the repo root would put the repo's
@@ -57,11 +59,7 @@ def assert_clean(p: subprocess.CompletedProcess) -> None:
     (["--model", "/nonexistent/model.gguf"], "model not found"),
 ])
 def test_chat_bad_flags_one_line(args, needle):
-    r = CliRunner().invoke(app, ["chat", *args], input="Hello\n")
-    assert r.exit_code != 0
-    err = r.stderr.strip()
-    assert "Traceback" not in r.output and "Traceback" not in err
-    assert len(err.splitlines()) == 1 and err.startswith("kvcli: error:") and needle in err, err
+    one_line_error(CliRunner().invoke(app, ["chat", *args], input="Hello\n"), needle)
 
 
 def test_chat_help_lists_options():

@@ -11,18 +11,12 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from cli_helpers import one_line_error
+
 from kvcli.cli import app
 
 runner = CliRunner()
 KVCLI = [sys.executable, "-c", "from kvcli.cli import main; main()"]
-
-
-def one_line_error(result, needle: str) -> None:
-    assert result.exit_code != 0
-    err = result.stderr.strip()
-    assert "Traceback" not in result.output and "Traceback" not in err
-    assert len(err.splitlines()) == 1, err
-    assert err.startswith("kvcli: error:") and needle in err, err
 
 
 def test_help_and_version():

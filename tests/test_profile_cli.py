@@ -8,18 +8,13 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from cli_helpers import one_line_error
+
 from kvcli.cli import app
 from kvcli.workloads import WorkloadError, from_jsonl, synthetic
 
 runner = CliRunner()
 SIM = ["profile", "--model", "dummy:llama-2-7b", "--simulate", "--no-live"]
-
-
-def one_line_error(result, needle: str) -> None:
-    assert result.exit_code != 0
-    err = result.stderr.strip()
-    assert "Traceback" not in result.output + err and len(err.splitlines()) == 1, err
-    assert err.startswith("kvcli: error:") and needle in err, err
 
 
 def test_simulated_compare_contiguous_report(tmp_path):
