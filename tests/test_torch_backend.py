@@ -88,12 +88,27 @@ def test_negative_slots_are_skipped():
 @pytest.mark.parametrize("g", [1, 3])
 def test_batched_decode_rows_match_reference(g):
     """Five decode requests (batched into one masked call) beside two prefill chunks."""
-    q_lens, kv_lens = [1, 1, 37, 1, 1, 50, 1], [75, 17, 100, 33, 64, 50, 70]
+    q_lens, kv_lens = [1, 1, 37, 1, 1, 50, 1], [75, 70, 100, 66, 64, 50, 73]
     kvh, d = 2, 64
     q, nk, nv, kc, vc, meta, dk, dv = make_batch(q_lens, kv_lens, kvh, g, d, 16, 64, True, seed=5 + g)
     be = TorchAttentionBackend()
     be.write_kv(nk, nv, kc, vc, meta)
     got = be.forward(q, kc, vc, meta, 0.125)
-    assert be._batch is not None and len(be._batch[0]) == 5  # the batched path really ran
+    assert sum(len(b[0]) for b in be._batches) == 5  # the batched path really ran
     want = reference(q, dk, dv, q_lens, kv_lens, g, 0.125)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+def test_decode_rows_grouped_by_length():
+    """Very different contexts go to separate padded calls; a lone outlier stays per request."""
+    q_lens = [1] * 7
+    kv_lens = [20, 22, 25, 300, 310, 320, 900]
+    q, nk, nv, kc, vc, meta, dk, dv = make_batch(q_lens, kv_lens, 1, 3, 64, 16, 128, True, seed=9)
+    be = TorchAttentionBackend()
+    be.write_kv(nk, nv, kc, vc, meta)
+    got = be.forward(q, kc, vc, meta, 0.125)
+    assert len(be._batches) >= 2  # not one call padded to the 900-token outlier
+    for ids, _, tables, mask in be._batches:  # padding bounded: 1.5x the real work plus 64 per row
+        real = sum(kv_lens[i] for i in ids)
+        assert mask.shape[-1] * len(ids) <= 1.5 * real + 64 * len(ids) + 16 * len(ids)
+    torch.testing.assert_close(got, reference(q, dk, dv, q_lens, kv_lens, 3, 0.125), atol=2e-5, rtol=1e-4)

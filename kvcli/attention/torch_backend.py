@@ -2,8 +2,8 @@
 
 Per request, K/V are read through the block table: as views when the table is a run of consecutive
 blocks (the common case when a pool is fresh), otherwise gathered. When many requests decode in
-one step, their rows go through one padded, masked SDPA call instead of one call each (per-call
-overhead dominates at small contexts). Two shapes of work:
+one step, their rows go through a few padded, masked SDPA calls (one per group of similar
+context lengths) instead of one call each: per-call overhead dominates at small contexts. Two shapes of work:
   decode (1 query token): the q heads that share a KV head are stacked as that head's query rows,
       so SDPA runs without a mask and without repeating K/V (grouped-query trick);
   prefill chunk (q_len tokens on top of a cached prefix): attention to the prefix (all visible, no
@@ -30,7 +30,7 @@ class TorchAttentionBackend:
         self._meta: AttentionMetadata | None = None
         self._runs: list[list[tuple[int, int]]] = []
         self._batch_meta: AttentionMetadata | None = None
-        self._batch: tuple | None = None
+        self._batches: list[tuple] = []
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  meta: AttentionMetadata) -> None:
@@ -66,34 +66,44 @@ class TorchAttentionBackend:
         blocks = parts[0] if len(parts) == 1 else torch.cat(parts)
         return blocks.flatten(0, 1)[:kv_len].transpose(0, 1)  # [kv_heads, kv_len, D]
 
-    def _decode_batch(self, meta: AttentionMetadata, block_size: int, device: torch.device) -> tuple | None:
-        """Per step: the decode requests' rows, padded block tables and key mask (or None)."""
+    def _decode_batches(self, meta: AttentionMetadata, block_size: int, device: torch.device) -> list[tuple]:
+        """Per step: the decode requests grouped by similar context length (so padding to a group's
+        longest context stays within 1.5x of the real work), each group as (request ids, query
+        rows, padded block tables, key mask). Singletons stay on the per-request path."""
         if meta is not self._batch_meta:
-            self._batch_meta, self._batch = meta, None
-            dec = [b for b, n in enumerate(meta.query_lens_list) if n == 1]
+            self._batch_meta, self._batches = meta, []
+            dec = sorted(((meta.seq_lens_list[b], b) for b, n in enumerate(meta.query_lens_list) if n == 1),
+                         reverse=True)
             if len(dec) >= self.BATCH_DECODE_MIN:
-                lens = [meta.seq_lens_list[b] for b in dec]
-                # Padding to the longest context must not cost more than the calls it saves.
-                if max(lens) * len(dec) <= 2 * sum(lens) + 64 * len(dec):
-                    starts = [0]
-                    for n in meta.query_lens_list:
-                        starts.append(starts[-1] + n)
-                    nblk = -(-max(lens) // block_size)
-                    idx = torch.tensor(dec, device=device)
+                starts = [0]
+                for n in meta.query_lens_list:
+                    starts.append(starts[-1] + n)
+                groups: list[list[tuple[int, int]]] = [[]]
+                for length, b in dec:
+                    g = groups[-1]
+                    if g and g[0][0] * (len(g) + 1) > 1.5 * (sum(x[0] for x in g) + length) + 64 * (len(g) + 1):
+                        groups.append([])
+                    groups[-1].append((length, b))
+                for g in groups:
+                    if len(g) < 2:
+                        continue
+                    lens = [x[0] for x in g]
+                    ids = [x[1] for x in g]
+                    nblk = -(-lens[0] // block_size)
+                    idx = torch.tensor(ids, device=device)
                     tables = meta.block_tables.index_select(0, idx)[:, :nblk].long()
                     mask = torch.arange(nblk * block_size, device=device) < torch.tensor(lens, device=device)[:, None]
-                    rows = torch.tensor([starts[b] for b in dec], device=device)
-                    self._batch = (set(dec), rows, tables, mask[:, None, None, :])
-        return self._batch
+                    rows = torch.tensor([starts[b] for b in ids], device=device)
+                    self._batches.append((set(ids), rows, tables, mask[:, None, None, :]))
+        return self._batches
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:
         runs = self._block_runs(meta, k_cache.shape[1])
         out = torch.empty_like(q)
-        batch = self._decode_batch(meta, k_cache.shape[1], q.device)
         batched: set[int] = set()
-        if batch is not None:
-            batched, rows, tables, mask = batch
+        for ids, rows, tables, mask in self._decode_batches(meta, k_cache.shape[1], q.device):
+            batched |= ids
             n, h, d = rows.shape[0], q.shape[1], q.shape[2]
             kvh = k_cache.shape[2]
             # Padded slots past a request's length hold whatever the pool held (never-written memory
