@@ -62,6 +62,7 @@ def test_bad_input_files(files, tmp_path, kind, needle):
     (["--top-p", "0"], "--top-p"),
     (["--top-p", "1.5"], "--top-p"),
     (["--block-size", "0"], "--block-size"),
+    (["--block-size", "-16"], "--block-size"),
     (["--block-size", "24"], "--block-size"),
     (["--kv-budget", "lots"], "--kv-budget"),
     (["-o", "/nonexistent-dir/out.txt"], "does not exist"),
@@ -114,3 +115,26 @@ def test_context_overflow_error_and_truncate(tmp_path):
     assert p.returncode == 0, p.stderr
     report = json.loads(p.stdout)
     assert report["truncated"] and report["prompt_tokens"] == 1016
+
+
+def test_gguf_with_unsupported_architecture(files, tmp_path):
+    import gguf
+
+    path = tmp_path / "gpt2.gguf"
+    w = gguf.GGUFWriter(str(path), "gpt2")
+    w.add_block_count(2)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    one_line_error(runner.invoke(app, ["continue", str(files["ok"]), "--model", str(path)]),
+                   "unsupported architecture 'gpt2'")
+
+
+def test_budget_too_small_for_the_prompt(tmp_path):
+    long = tmp_path / "long.txt"
+    long.write_text("word " * 400)  # ~2,000 byte-level tokens for a dummy model
+    # Two blocks of 16 tokens (fp32 SmolLM2 shapes: 737,280 B per block) cannot hold the prompt.
+    r = runner.invoke(app, ["continue", str(long), "--model", "dummy:smollm2-135m", "--kv-budget", "1474560",
+                            "--no-live"])
+    one_line_error(r, "KV blocks")

@@ -1,7 +1,7 @@
 """Paged attention in plain torch: the CPU path, and the behaviour the Triton backend must reproduce.
 
-Per request, K/V are read through the block table: as views when the table is a run of consecutive
-blocks (the common case when a pool is fresh), otherwise gathered. When many requests decode in
+Per request, K/V are read through the block table: as a view when the table is a run of consecutive
+blocks (the common case when a pool is fresh), otherwise with one gather. When many requests decode in
 one step, their rows go through a few padded, masked SDPA calls (one per group of similar
 context lengths) instead of one call each: per-call overhead dominates at small contexts. Two shapes of work:
   decode (1 query token): the q heads that share a KV head are stacked as that head's query rows,
@@ -28,7 +28,7 @@ class TorchAttentionBackend:
 
     def __init__(self) -> None:
         self._meta: AttentionMetadata | None = None
-        self._runs: list[list[tuple[int, int]]] = []
+        self._reads: dict[int, slice | torch.Tensor] = {}
         self._batch_meta: AttentionMetadata | None = None
         self._batches: list[tuple] = []
 
@@ -43,28 +43,24 @@ class TorchAttentionBackend:
         kc.index_copy_(0, slots, key.to(kc.dtype))
         vc.index_copy_(0, slots, value.to(vc.dtype))
 
-    def _block_runs(self, meta: AttentionMetadata, block_size: int) -> list[list[tuple[int, int]]]:
-        """Per request, its used blocks as (first, end) runs of consecutive ids; same for all layers."""
+    def _blocks(self, meta: AttentionMetadata, b: int, block_size: int) -> slice | torch.Tensor:
+        """Request b's used blocks: a slice when they are consecutive ids (read as a view), else
+        an index tensor (one gather). Worked out once per step, reused by every layer."""
         if meta is not self._meta:
-            tables = meta.block_tables.tolist()
-            runs = []
-            for b, kv_len in enumerate(meta.seq_lens_list):
-                ids = tables[b][: -(-kv_len // block_size)]
-                r: list[tuple[int, int]] = []
-                for i in ids:
-                    if r and r[-1][1] == i:
-                        r[-1] = (r[-1][0], i + 1)
-                    else:
-                        r.append((i, i + 1))
-                runs.append(r)
-            self._meta, self._runs = meta, runs
-        return self._runs
+            self._meta, self._reads = meta, {}
+        if b not in self._reads:
+            n = -(-meta.seq_lens_list[b] // block_size)
+            ids = meta.block_tables[b, :n]
+            first = int(ids[0])
+            if int(ids[-1]) - first == n - 1 and bool((ids.diff() == 1).all()):
+                self._reads[b] = slice(first, first + n)
+            else:
+                self._reads[b] = ids.long()
+        return self._reads[b]
 
     @staticmethod
-    def _read(cache: torch.Tensor, runs: list[tuple[int, int]], kv_len: int) -> torch.Tensor:
-        parts = [cache[s:e] for s, e in runs]
-        blocks = parts[0] if len(parts) == 1 else torch.cat(parts)
-        return blocks.flatten(0, 1)[:kv_len].transpose(0, 1)  # [kv_heads, kv_len, D]
+    def _read(cache: torch.Tensor, blocks: slice | torch.Tensor, kv_len: int) -> torch.Tensor:
+        return cache[blocks].flatten(0, 1)[:kv_len].transpose(0, 1)  # [kv_heads, kv_len, D]
 
     def _decode_batches(self, meta: AttentionMetadata, block_size: int, device: torch.device) -> list[tuple]:
         """Per step: the decode requests grouped by similar context length (so padding to a group's
@@ -99,18 +95,17 @@ class TorchAttentionBackend:
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:
-        runs = self._block_runs(meta, k_cache.shape[1])
+        bs = k_cache.shape[1]
         out = torch.empty_like(q)
         batched: set[int] = set()
         for ids, rows, tables, mask in self._decode_batches(meta, k_cache.shape[1], q.device):
             batched |= ids
             n, h, d = rows.shape[0], q.shape[1], q.shape[2]
             kvh = k_cache.shape[2]
-            # Padded slots past a request's length hold whatever the pool held (never-written memory
-            # can be NaN, and NaN * 0 is NaN): zero them in the gathered copy, not only mask them.
-            keep = mask[:, :, 0, :, None]  # [n, 1, L, 1]
-            k = k_cache[tables].flatten(1, 2).transpose(1, 2).to(q.dtype).masked_fill(~keep, 0)  # [n, kvh, L, D]
-            v = v_cache[tables].flatten(1, 2).transpose(1, 2).to(q.dtype).masked_fill(~keep, 0)
+            # Padded slots are masked; their contents are finite because the runner zeroes every
+            # block on first use (masking alone would not hide NaN: NaN * 0 is NaN).
+            k = k_cache[tables].flatten(1, 2).transpose(1, 2).to(q.dtype)  # [n, kvh, L, D]
+            v = v_cache[tables].flatten(1, 2).transpose(1, 2).to(q.dtype)
             qg = q.index_select(0, rows).reshape(n, kvh, h // kvh, d)
             o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
             out.index_copy_(0, rows, o.reshape(n, h, d))
@@ -119,8 +114,9 @@ class TorchAttentionBackend:
             if b in batched:
                 start += q_len
                 continue
-            k = self._read(k_cache, runs[b], kv_len).to(q.dtype)
-            v = self._read(v_cache, runs[b], kv_len).to(q.dtype)
+            blocks = self._blocks(meta, b, bs)
+            k = self._read(k_cache, blocks, kv_len).to(q.dtype)
+            v = self._read(v_cache, blocks, kv_len).to(q.dtype)
             qb = q[start:start + q_len].transpose(0, 1)  # [H, q_len, D]
             out[start:start + q_len] = attend(qb, k, v, scale).transpose(0, 1)
             start += q_len

@@ -8,7 +8,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from rich.console import Console
+from contextlib import nullcontext
+
+from rich.console import Console, Group
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from kvcli.commands.common import Fail, build_engine, validate_engine_flags
@@ -16,6 +18,7 @@ from kvcli.config import SamplingParams
 from kvcli.engine.llm_engine import ConfigError, EngineOptions
 from kvcli.engine.scheduler import KVBudgetTooSmall
 from kvcli.inputs import InputError, check_writable, read_text_file
+from kvcli.view.dashboard import LiveDashboard
 from kvcli.view.summary import human_bytes, snapshot_dict, summary_table
 
 
@@ -93,22 +96,18 @@ def run_continue(a: ContinueArgs, fail: Fail) -> int:
 
     pieces: list[str] = []
     interrupted = False
-    use_live = a.live and err.is_terminal and not a.json_out
-    progress = Progress(TextColumn("prefill"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
-                        TimeRemainingColumn(), console=err, transient=True, disable=a.json_out or use_live)
-    view = _LiveView(engine, err) if use_live else None
-    by_line = view is not None and sys.stdout.isatty()  # stdout shares the terminal with the dashboard
+    # On a terminal: the dashboard with a prefill bar on top. Otherwise (a pipe, --no-live): plain
+    # log lines on stderr every 2 s. --json keeps stderr quiet apart from errors.
+    view = None if a.json_out else _LiveView(engine, err, len(prompt), live=a.live and err.is_terminal)
+    by_line = view is not None and view.dash.use_live and sys.stdout.isatty()  # stdout shares the terminal
     t0 = time.perf_counter()
     try:
-        with (view.dash if view else progress):
-            task = progress.add_task("prefill", total=len(prompt))
+        with (view.dash if view else nullcontext()):
             while engine.has_unfinished():
                 for o in engine.step():
                     _emit(o.new_text, pieces, a.json_out, whole_lines=by_line)
                 if view:
-                    view.update()
-                elif req.num_computed_tokens <= len(prompt):
-                    progress.update(task, completed=min(req.num_computed_tokens, len(prompt)))
+                    view.update(req.num_computed_tokens)
     except KeyboardInterrupt:
         interrupted = True
         engine.abort(req.req_id)
@@ -164,39 +163,37 @@ def _layout_comparison(engine, tokens: int) -> tuple[int, int]:
 class _LiveView:
     """Feeds the dashboard a snapshot at most every 0.2 s, so the engine loop stays fast."""
 
-    def __init__(self, engine, console: Console) -> None:
+    def __init__(self, engine, console: Console, prompt_tokens: int, live: bool) -> None:
         from kvcli.metrics.memory import MemoryProbe
-        from kvcli.view.dashboard import LiveDashboard
 
         self.engine = engine
-        self.dash = LiveDashboard(console)
+        self.progress = Progress(TextColumn("prefill"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
+                                 TimeRemainingColumn(), console=console, auto_refresh=False)
+        self.task = self.progress.add_task("prefill", total=prompt_tokens)
+        self.prompt_tokens = prompt_tokens
+        self.dash = _PrefillDashboard(console, live=live, progress=self.progress)
         self.probe = MemoryProbe(str(engine.device))
         self.weights = sum(engine.weight_bytes().values())
         self.last = 0.0
 
-    def update(self) -> None:
+    def update(self, computed: int) -> None:
         now = time.perf_counter()
         if now - self.last >= 0.2:
             self.last = now
             e = self.engine
+            self.progress.update(self.task, completed=min(computed, self.prompt_tokens))
+            self.dash.prefilling = computed < self.prompt_tokens
             self.dash.update(e.metrics.snapshot(self.probe.sample(e.kv_pool_bytes, self.weights)))
 
 
+class _PrefillDashboard(LiveDashboard):
+    """The dashboard with the prefill progress bar above it while the prompt is being computed."""
 
-def _emit(text: str, pieces: list[str], quiet: bool, whole_lines: bool = False) -> None:
-    """Stream text to stdout. Under the live dashboard, stdout is printed above the panel a line at
-    a time, so only complete lines are written then (the rest when the run ends)."""
-    if not text:
-        return
-    before = "".join(pieces) if whole_lines else ""
-    pieces.append(text)
-    if quiet:
-        return
-    if whole_lines:
-        if "\n" not in text:
-            return
-        done = before + text
-        start = before.rfind("\n") + 1
-        text = done[start:done.rfind("\n") + 1]
-    sys.stdout.write(text)
-    sys.stdout.flush()
+    def __init__(self, console: Console, *, live: bool, progress: Progress) -> None:
+        super().__init__(console, live=live)
+        self.progress = progress
+        self.prefilling = True
+
+    def renderable(self):
+        body = super().renderable()
+        return Group(self.progress.get_renderable(), body) if self.prefilling else body

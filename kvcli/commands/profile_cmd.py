@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -134,17 +135,19 @@ def run_profile(a: ProfileArgs, fail: Fail) -> int:
 
 
 def _run_one(engine: LLMEngine, trace, prompts, label: str, a: ProfileArgs, err: Console) -> ProfileResult:
+    # A terminal gets the dashboard; a pipe or --no-live gets a plain log line every 2 s.
     use_live = a.live and err.is_terminal
-    if not use_live:
-        return run_trace(engine, trace, prompts, label)
     from kvcli.metrics.memory import MemoryProbe
     from kvcli.view.dashboard import LiveDashboard
 
     probe = MemoryProbe(str(engine.device))
     weights = sum(engine.weight_bytes().values())
-    with LiveDashboard(err) as dash:
+    last = [0.0]
+    with LiveDashboard(err, live=use_live) as dash:
         def on_step(e: LLMEngine) -> None:
-            if e._step % 4 == 0:
+            now = time.perf_counter()
+            if now - last[0] >= 0.2:  # snapshots cost a block-map walk: a few per second is plenty
+                last[0] = now
                 dash.update(e.metrics.snapshot(probe.sample(e.kv_pool_bytes, weights)))
 
         return run_trace(engine, trace, prompts, label, on_step=on_step)

@@ -38,6 +38,7 @@ class SchedulerOutput:
     swap_out: list[tuple[str, list[int]]] = field(default_factory=list)  # (req, blocks) -> host
     swap_in: list[tuple[str, list[int]]] = field(default_factory=list)  # host -> (req, new blocks)
     finished: list[str] = field(default_factory=list)  # ended by the scheduler (pool cannot hold them)
+    new_blocks: list[int] = field(default_factory=list)  # first use: zero before anything is written
 
     @property
     def num_tokens(self) -> int:
@@ -175,6 +176,7 @@ class Scheduler:
             out.chunks.append(self._chunk(req, n))
 
         out.block_copies.extend(self.kv.take_copies())
+        out.new_blocks.extend(self.kv.take_new_blocks())
         if not out.chunks and not self.running and (self.waiting or self.swapped):
             req = (self.waiting or self.swapped)[0]
             raise KVBudgetTooSmall(f"request {req.req_id} cannot get KV blocks even with the pool empty")

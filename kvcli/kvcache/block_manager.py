@@ -122,6 +122,9 @@ class KVCacheManager:
         if table:
             self.pool.free(table)
 
+    def take_new_blocks(self) -> list[int]:
+        return self.pool.take_new_blocks()
+
     def take_copies(self) -> list[tuple[int, int]]:
         out, self.pending_copies = self.pending_copies, []
         return out

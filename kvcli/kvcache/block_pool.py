@@ -34,6 +34,10 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[int, int] = {}  # block hash -> block id
         self.extra_refs = 0  # sum over blocks of (ref_cnt - 1): blocks saved by sharing
+        # Blocks handed out for the first time: the runner zeroes them (the pool tensors are
+        # allocated uninitialised, and attention reads padded slots of partly used blocks).
+        self._fresh = bytearray(b"\x01") * num_blocks
+        self.new_blocks: list[int] = []
 
     @property
     def num_free(self) -> int:
@@ -58,7 +62,14 @@ class BlockPool:
                 del self.cached[b.block_hash]
                 b.block_hash, b.tokens = None, ()
             b.ref_cnt = 1
+            if self._fresh[bid]:
+                self._fresh[bid] = 0
+                self.new_blocks.append(bid)
             out.append(bid)
+        return out
+
+    def take_new_blocks(self) -> list[int]:
+        out, self.new_blocks = self.new_blocks, []
         return out
 
     def incref(self, block_ids: list[int]) -> None:

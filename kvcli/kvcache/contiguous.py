@@ -28,6 +28,8 @@ class ContiguousAllocator:
         self.regions: dict[str, tuple[int, int]] = {}
         self.tables: dict[str, list[int]] = {}  # same shape as the paged manager's, for invariants
         self.pending_copies: list[tuple[int, int]] = []
+        self._fresh = bytearray(b"\x01") * num_blocks  # never handed out: the runner zeroes them
+        self.new_blocks: list[int] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -63,6 +65,10 @@ class ContiguousAllocator:
                     self.holes[i] = (start + n, length - n)
                 self.regions[req_id] = (start, n)
                 self.tables[req_id] = list(range(start, start + n))
+                for b in range(start, start + n):
+                    if self._fresh[b]:
+                        self._fresh[b] = 0
+                        self.new_blocks.append(b)
                 return True
         return False
 
@@ -93,6 +99,10 @@ class ContiguousAllocator:
 
     def take_copies(self) -> list[tuple[int, int]]:
         return []
+
+    def take_new_blocks(self) -> list[int]:
+        out, self.new_blocks = self.new_blocks, []
+        return out
 
     def shared_saved_blocks(self) -> int:
         return 0

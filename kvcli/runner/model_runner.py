@@ -65,14 +65,24 @@ class ModelRunner:
         self.backend = backend
         self.device = model.device
         self.swapped: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # req -> per-layer host K/V
+        for k, v in kv_cache.layers:  # block 0 pads every block table: keep it finite from the start
+            k[0] = 0
+            v[0] = 0
 
     @property
     def swapped_bytes(self) -> int:
         return sum(k.numel() * k.element_size() * 2 for layers in self.swapped.values() for k, _ in layers)
 
     def move_blocks(self, out: SchedulerOutput) -> None:
-        """Block traffic the scheduler decided on, before any of this step's KV writes: swap-outs
-        first (their blocks may be reused this step), then swap-ins, then copy-on-write copies."""
+        """Block traffic the scheduler decided on, before any of this step's KV writes: blocks used
+        for the first time are zeroed (the pool is allocated uninitialised; padded attention reads
+        must see finite values), then swap-outs (their blocks may be reused this step), swap-ins,
+        and copy-on-write copies."""
+        if out.new_blocks:
+            idx = torch.tensor(out.new_blocks, dtype=torch.int64, device=self.device)
+            for k, v in self.kv_cache.layers:
+                k[idx] = 0
+                v[idx] = 0
         for req_id, blocks in out.swap_out:
             idx = torch.tensor(blocks, dtype=torch.int64, device=self.device)
             self.swapped[req_id] = [(k[idx].to("cpu"), v[idx].to("cpu")) for k, v in self.kv_cache.layers]
