@@ -82,15 +82,14 @@ def run_continue(a: ContinueArgs, fail: Fail) -> int:
             device=a.device, block_size=a.block_size, kv_budget=a.kv_budget, dequantize=a.dequantize,
             max_model_len=a.max_model_len, max_num_batched_tokens=a.max_batch_tokens,
             attention_backend=a.attention_backend, prefix_caching=a.prefix_cache), fail)
-    err.print(f"[dim]{Path(engine.source).name} · {engine.config.num_layers} layers · weights {engine.linear_mode} · "
-              f"KV {engine.kv_cache.dtype} on {engine.device} · loaded in {engine.load_seconds:.1f} s[/dim]")
-
     ids = engine.tokenizer.encode(text)
     try:
         prompt = fit_prompt(ids, engine.max_model_len, a.max_tokens, a.truncate)
         req = engine.add_request(prompt, params)
     except (ConfigError, KVBudgetTooSmall) as e:
         fail(str(e))
+    err.print(f"[dim]{Path(engine.source).name} · {engine.config.num_layers} layers · weights {engine.linear_mode} · "
+              f"KV {engine.kv_cache.dtype} on {engine.device} · loaded in {engine.load_seconds:.1f} s[/dim]")
     if len(prompt) < len(ids):
         err.print(f"[yellow]truncated: kept the last {len(prompt):,} of {len(ids):,} tokens[/yellow]")
 
