@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -190,9 +190,4 @@ class SamplingParams:
 
     def with_(self, **kw) -> "SamplingParams":
         return replace(self, **kw)
-
-
-def as_dict(obj) -> dict:
-    d = asdict(obj)
-    return {k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in d.items()}
 

@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from kvcli.config import SamplingParams
 from kvcli.engine.llm_engine import LLMEngine
 from kvcli.metrics.collector import StepRecord
-from kvcli.metrics.snapshot import KVBreakdown
 from kvcli.workloads import Trace
 
 CATEGORIES = ("token_bytes", "reserved_bytes", "internal_bytes", "external_bytes")
@@ -184,8 +183,3 @@ def breakdown_rows(results: list[ProfileResult]) -> list[tuple[str, list[str]]]:
         ]
     return rows
 
-
-def mean_breakdown(result: ProfileResult) -> KVBreakdown:
-    m = result.kv_mean
-    return KVBreakdown(int(m["token_bytes"]), int(m["reserved_bytes"]), int(m["internal_bytes"]),
-                       int(m["external_bytes"]), 0)

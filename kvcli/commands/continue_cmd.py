@@ -19,7 +19,8 @@ from kvcli.engine.llm_engine import ConfigError, EngineOptions
 from kvcli.engine.scheduler import KVBudgetTooSmall
 from kvcli.inputs import InputError, check_writable, read_text_file
 from kvcli.view.dashboard import LiveDashboard
-from kvcli.view.summary import human_bytes, snapshot_dict, summary_table
+from kvcli.view.plain_log import human_bytes
+from kvcli.view.summary import snapshot_dict, summary_table
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from kvcli.commands.common import Fail
 from kvcli.engine.llm_engine import ConfigError, parse_bytes
 from kvcli.kvcache.block_manager import blocks_for
 from kvcli.model.loader import ModelLoadError, load_config
-from kvcli.view.summary import human_bytes
+from kvcli.view.plain_log import human_bytes
 
 # Bytes per weight as stored: GGUF Q4_1 linears (20 B per 32 weights), Q8_0 embedding/output (34 B per 32).
 INT4_BYTES = 20 / 32

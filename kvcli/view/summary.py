@@ -5,14 +5,7 @@ from __future__ import annotations
 from rich.table import Table
 
 from kvcli.metrics.stats import EngineSnapshot
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
+from kvcli.view.plain_log import human_bytes
 
 
 def summary_table(s: EngineSnapshot, weights: dict[str, int], title: str = "kvcli summary") -> Table:
