@@ -197,3 +197,21 @@ class _PrefillDashboard(LiveDashboard):
     def renderable(self):
         body = super().renderable()
         return Group(self.progress.get_renderable(), body) if self.prefilling else body
+
+
+def _emit(text: str, pieces: list[str], quiet: bool, whole_lines: bool = False) -> None:
+    """Stream text to stdout. Under the live dashboard, stdout is printed above the panel a line at
+    a time, so only complete lines are written then (the rest when the run ends)."""
+    if not text:
+        return
+    pieces.append(text)
+    if quiet:
+        return
+    if whole_lines:
+        if "\n" not in text:
+            return
+        done = "".join(pieces)  # only when a line completes
+        start = done.rfind("\n", 0, len(done) - len(text)) + 1
+        text = done[start:done.rfind("\n") + 1]
+    sys.stdout.write(text)
+    sys.stdout.flush()
