@@ -21,7 +21,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
-    rich_markup_mode="rich",
+    rich_markup_mode="markdown",
 )
 
 
@@ -122,8 +122,11 @@ def continue_(
                                        )] = True,
     prefix_cache: PrefixOpt = True,
 ) -> None:
-    """Continue a long text: chunked prefill with a progress bar, then the continuation streamed to
-    stdout and a summary (tokens, speeds, KV blocks and bytes, weight bytes) on stderr."""
+    """Continue a long text file with the model.
+
+    The prompt is prefilled in chunks (progress bar, or the live dashboard on a terminal), the
+    continuation streams to stdout, and a summary (tokens, speeds, KV blocks and bytes, weight
+    bytes, the KV a contiguous reservation would have taken) follows on stderr."""
     from kvcli.commands.continue_cmd import ContinueArgs, run_continue
 
     args = ContinueArgs(
@@ -161,9 +164,11 @@ def chat(
     max_model_len: MaxLenOpt = None,
     prefix_cache: PrefixOpt = True,
 ) -> None:
-    """Chat with the model: a multi-turn REPL over its chat template, replies streamed to stdout, a status
-    line per turn on stderr. Slash commands: /stats /blocks /reset /save FILE /help /quit. With stdin
-    not a terminal, each line is one message and replies go to stdout, one after another."""
+    """Chat with the model in a multi-turn REPL.
+
+    Uses the model's chat template; replies stream to stdout, a status line per turn goes to stderr.
+    Slash commands: /stats /blocks /reset /save FILE /help /quit. With stdin not a terminal, each
+    line is one message and replies go to stdout, one after another."""
     from kvcli.commands.chat_cmd import ChatArgs, run_chat
 
     args = ChatArgs(
@@ -239,9 +244,11 @@ def profile(
     attention_backend: BackendOpt = Backend.auto,
     prefix_cache: PrefixOpt = True,
 ) -> None:
-    """Profile a request trace: KV memory breakdown (token states / reserved / internal / external
-    fragmentation), peak concurrency, throughput and latency; with --compare contiguous, paged and
-    contiguous preallocation side by side under the same KV budget."""
+    """Profile a request trace: paged vs contiguous KV memory, side by side.
+
+    Reports the KV memory breakdown (token states / reserved / internal / external fragmentation),
+    peak concurrency, throughput and latency; with --compare contiguous, paged and contiguous
+    preallocation run the same trace under the same KV budget."""
     from kvcli.commands.profile_cmd import ProfileArgs, run_profile
 
     args = ProfileArgs(
@@ -271,8 +278,10 @@ def plan(
     block_size: BlockSizeOpt = 16,
     model: ModelOpt = None,
 ) -> None:
-    """Will it fit? INT4 weight bytes, KV bytes per token and per request, and how many tokens and
-    requests fit in memory, paged against contiguous preallocation. Needs only the model's config."""
+    """Will it fit? Weight and KV memory arithmetic from a model's config.
+
+    INT4 weight bytes, KV bytes per token and per request, and how many tokens and requests fit in
+    memory, paged against contiguous preallocation."""
     from kvcli.commands.plan_cmd import run_plan
 
     code = run_plan(model, context, batch, memory, mean_tokens, kv_dtype, block_size, fail)
