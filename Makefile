@@ -10,7 +10,7 @@ setup:
 	@bash scripts/setup.sh
 
 run: setup
-	$(VENV)/bin/kvcli continue $(SAMPLE) --max-tokens 200
+	$(VENV)/bin/kvcli continue $(SAMPLE) --max-tokens 200 --temperature 0.8 --top-p 0.95 --seed 1
 
 test: setup
 	$(VENV)/bin/pytest -q -p no:cacheprovider
