@@ -175,7 +175,7 @@ def test_prefix_cache_hits_full_blocks_and_evicts_lru():
     a = list(range(100, 111))  # 11 tokens: two full blocks + 3
     assert kv.match_prefix("a", a) == 0
     assert kv.allocate("a", 11)
-    kv.cache_blocks("a", a, 11)
+    kv.cache_blocks("a", lambda s, e: a[s:e], 11)
     kv.free("a")  # its two full blocks stay indexed, cached-free
     assert pool.num_free == 6 and pool.num_cached_free == 2
     # Same first block, different second block: one block hit.
@@ -198,7 +198,7 @@ def test_prefix_hit_compares_tokens_not_only_hashes():
     pool = BlockPool(4)
     kv = KVCacheManager(pool, block_size=2)
     assert kv.allocate("a", 3)
-    kv.cache_blocks("a", [1, 2, 3], 3)
+    kv.cache_blocks("a", lambda s, e: [1, 2, 3][s:e], 3)
     kv.free("a")
     h = next(iter(pool.cached))
     pool.blocks[pool.cached[h]].tokens = (9, 9)  # as if another prefix collided on this hash

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvcli.engine.llm_engine import ConfigError, EngineOptions, LLMEngine, SUPPORTED_BLOCK_SIZES, parse_bytes
+from kvcli.engine.llm_engine import ConfigError, EngineOptions, LLMEngine, SUPPORTED_BLOCK_SIZES, parse_kv_budget
 from kvcli.model.loader import ModelLoadError, load_weights
 
 Fail = Callable[[str], None]
@@ -16,12 +16,9 @@ def validate_engine_flags(block_size: int, kv_budget: str | None, fail: Fail) ->
         fail(f"--block-size must be one of {', '.join(map(str, SUPPORTED_BLOCK_SIZES))} (got {block_size})")
     if kv_budget and kv_budget != "auto":
         try:
-            float(kv_budget)
-        except ValueError:
-            try:
-                parse_bytes(kv_budget)
-            except ConfigError as e:
-                fail(f"--kv-budget: {e}")
+            parse_kv_budget(kv_budget)
+        except ConfigError as e:
+            fail(f"--kv-budget: {e}")
 
 
 def build_engine(model: str | None, quant: str, options: EngineOptions, fail: Fail) -> LLMEngine:

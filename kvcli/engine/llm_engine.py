@@ -70,6 +70,20 @@ def parse_bytes(text: str) -> int:
     return int(value * units[unit])
 
 
+def parse_kv_budget(spec: str) -> tuple[int | None, float]:
+    """`--kv-budget`: (bytes, 0) for a size ("2GiB", "512MB", or a plain number above 1), or
+    (None, fraction) for a share of free memory in (0, 1]."""
+    try:
+        frac = float(spec)
+    except ValueError:
+        return parse_bytes(spec), 0.0
+    if frac > 1:
+        return parse_bytes(spec), 0.0
+    if frac <= 0:
+        raise ConfigError(f"--kv-budget {spec}: must be a size (2GiB, 512MB, bytes) or a fraction in (0, 1]")
+    return None, frac
+
+
 def resolve_device(device: str | None) -> torch.device:
     if device is None or device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -207,14 +221,9 @@ class LLMEngine:
                 return int(free * 0.9)
             # Enough for a few full contexts of this model, at most 1 GiB.
             return min(DEFAULT_CPU_KV_BUDGET, 4 * self.max_model_len * self.config.kv_bytes_per_token(dtype))
-        try:
-            frac = float(spec)
-        except ValueError:
-            return parse_bytes(spec)
-        if frac > 1:  # a plain number above 1 is bytes
-            return parse_bytes(spec)
-        if frac <= 0:
-            raise ConfigError(f"--kv-budget {spec}: must be a size (2GiB, 512MB, bytes) or a fraction in (0, 1]")
+        size, frac = parse_kv_budget(spec)
+        if size is not None:
+            return size
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
         else:
@@ -279,7 +288,7 @@ class LLMEngine:
         for chunk in out.chunks:
             req = self.requests[chunk.req_id]
             req.num_computed_tokens += len(chunk.token_ids)
-            self.kv.cache_blocks(req.req_id, req.all_token_ids, req.num_computed_tokens)
+            self.kv.cache_blocks(req.req_id, req.token_slice, req.num_computed_tokens)
             if chunk.start_pos < req.num_prompt_tokens:
                 decode_only = False
                 self._prompt_tokens += min(req.num_prompt_tokens, chunk.start_pos + len(chunk.token_ids)) - chunk.start_pos

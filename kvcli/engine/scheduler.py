@@ -186,7 +186,7 @@ class Scheduler:
         start = req.num_computed_tokens
         return ScheduledChunk(
             req_id=req.req_id,
-            token_ids=req.all_token_ids[start:start + n],
+            token_ids=req.token_slice(start, start + n),
             start_pos=start,
             block_table=list(self.kv.block_table(req.req_id)),
             sample=start + n == req.num_tokens,

@@ -10,6 +10,8 @@ the copy is queued as (src, dst) for the runner to perform before the step's for
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from kvcli.kvcache.block_pool import BlockPool
 
 
@@ -96,15 +98,16 @@ class KVCacheManager:
             self.prefix_hit_tokens += len(hits) * bs
         return len(hits) * bs
 
-    def cache_blocks(self, req_id: str, tokens: list[int], num_computed: int) -> None:
-        """Index the request's blocks that are full of computed tokens."""
+    def cache_blocks(self, req_id: str, tokens: Callable[[int, int], list[int]], num_computed: int) -> None:
+        """Index the request's blocks that are full of computed tokens; `tokens(start, end)` gives
+        the request's token ids, asked for only when a block has filled."""
         if not self.prefix_caching:
             return
         bs = self.block_size
         table = self.tables.get(req_id, [])
         hashes = self.hashes.setdefault(req_id, [])
         for i in range(len(hashes), min(num_computed // bs, len(table))):
-            block_tokens = tuple(tokens[i * bs:(i + 1) * bs])
+            block_tokens = tuple(tokens(i * bs, (i + 1) * bs))
             h = hash((hashes[-1] if hashes else 0, block_tokens))
             hashes.append(h)
             self.pool.register(table[i], h, block_tokens)

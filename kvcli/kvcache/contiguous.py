@@ -91,7 +91,7 @@ class ContiguousAllocator:
     def match_prefix(self, req_id: str, prompt: list[int]) -> int:
         return 0  # regions are private: no prefix sharing in this layout
 
-    def cache_blocks(self, req_id: str, tokens: list[int], num_computed: int) -> None:
+    def cache_blocks(self, req_id: str, tokens, num_computed: int) -> None:
         pass
 
     def fork(self, parent_id: str, child_id: str) -> None:
