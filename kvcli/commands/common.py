@@ -18,7 +18,7 @@ def validate_engine_flags(block_size: int, kv_budget: str | None, fail: Fail) ->
         try:
             parse_kv_budget(kv_budget)
         except ConfigError as e:
-            fail(f"--kv-budget: {e}")
+            fail(str(e))
 
 
 def build_engine(model: str | None, quant: str, options: EngineOptions, fail: Fail) -> LLMEngine:

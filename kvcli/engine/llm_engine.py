@@ -76,9 +76,12 @@ def parse_kv_budget(spec: str) -> tuple[int | None, float]:
     try:
         frac = float(spec)
     except ValueError:
-        return parse_bytes(spec), 0.0
+        frac = 2.0  # not a number: read it as a size below
     if frac > 1:
-        return parse_bytes(spec), 0.0
+        try:
+            return parse_bytes(spec), 0.0
+        except ConfigError as e:
+            raise ConfigError(f"--kv-budget: {e}") from None
     if frac <= 0:
         raise ConfigError(f"--kv-budget {spec}: must be a size (2GiB, 512MB, bytes) or a fraction in (0, 1]")
     return None, frac
