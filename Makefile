@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 SAMPLE := samples/keepers-log.txt
 
-.PHONY: setup run test test-fast bench gpu-check clean
+.PHONY: setup run test test-fast bench gpu-check triton-matrix clean
 
 setup:
 	@bash scripts/setup.sh
@@ -23,6 +23,10 @@ bench: setup
 
 gpu-check:
 	python3 scripts/gpu_check.py
+
+# Kernel tests under older Triton releases (what a GPU user's torch pins); one venv each in .cache/.
+triton-matrix:
+	bash scripts/triton_matrix.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -13,6 +13,7 @@ CUDA target, then the PTX is re-assembled by the bundled ptxas with -v for spill
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import json
 import os
 import re
@@ -74,6 +75,21 @@ def record(mod: ModuleType, kernel_names: list[str], call: Callable[[], Any]) ->
     return [(r.fn, a, k) for r in recorders.values() for a, k in r.launches]
 
 
+# triton < 3.4 (3.2 ships with torch 2.6) names constants by parameter name, leaves them out of the
+# signature, and takes its specialisation hints as the backend's AttrsDescriptor.
+_LEGACY_AST_SOURCE = "constexprs" not in inspect.signature(ASTSource.__init__).parameters
+
+
+def _legacy_source(fn: Any, values: dict[str, Any], signature: dict[str, str], constexprs: dict) -> Any:
+    from triton.compiler import make_backend
+
+    names = fn.arg_names
+    const_names = {names[i]: v for (i,), v in constexprs.items()}
+    attrs = make_backend(GPUTarget("cuda", 90, 32)).get_attrs_descriptor(fn.params, tuple(values[n] for n in names))
+    sig = {n: t for n, t in signature.items() if t != "constexpr"}
+    return ASTSource(fn, sig, const_names, attrs)
+
+
 def compile_launch(fn: Any, args: tuple, kwargs: dict, cc: int) -> dict[str, Any]:
     kwargs = dict(kwargs)
     options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
@@ -101,7 +117,10 @@ def compile_launch(fn: Any, args: tuple, kwargs: dict, cc: int) -> dict[str, Any
             signature[name] = "fp32"
         else:
             raise TypeError(f"{name}: {type(v)}")
-    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    if _LEGACY_AST_SOURCE:
+        src = _legacy_source(fn, values, signature, constexprs)
+    else:
+        src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", cc, 32), options=options)
     ptx = compiled.asm["ptx"]
     facts: dict[str, Any] = dict(
@@ -148,7 +167,12 @@ ATTENTION_CASES: dict[str, tuple] = {
     "decode-fp32-kv": (1, 4, 128, 16, torch.float32, 1, 90),
     "decode-fp16-sm80": (1, 4, 128, 16, torch.float16, 1, 80),
 }
-INT4_CASES: dict[str, int] = {f"int4-m{m}": m for m in (1, 2, 8, 16, 64, 200)}
+# id -> (M, group size); N = K = 4096
+INT4_CASES: dict[str, tuple[int, int]] = {
+    **{f"int4-m{m}": (m, 32) for m in (1, 2, 8, 16, 64, 200)},
+    "int4-m64-g128": (64, 128),
+    "int4-m200-g128": (200, 128),
+}
 
 
 def attention_case(pa: ModuleType, case: tuple) -> list[dict[str, Any]]:
@@ -164,8 +188,8 @@ def attention_case(pa: ModuleType, case: tuple) -> list[dict[str, Any]]:
     return [compile_launch(fn, a, k, cc) for fn, a, k in launches]
 
 
-def int4_case(ig: ModuleType, m: int) -> list[dict[str, Any]]:
-    n, k, g = 4096, 4096, 32
+def int4_case(ig: ModuleType, m: int, g: int) -> list[dict[str, Any]]:
+    n, k = 4096, 4096
     x = torch.zeros(m, k, dtype=torch.float16)
     codes = torch.zeros(n, k // 2, dtype=torch.uint8)
     scale = torch.zeros(n, k // g, dtype=torch.float16)
@@ -190,8 +214,8 @@ def main() -> int:
     jobs: dict[str, Callable[[], list[dict[str, Any]]]] = {}
     for cid, case in ATTENTION_CASES.items():
         jobs[cid] = lambda case=case: attention_case(pa, case)
-    for cid, m in INT4_CASES.items():
-        jobs[cid] = lambda m=m: int4_case(ig, m)
+    for cid, (m, g) in INT4_CASES.items():
+        jobs[cid] = lambda m=m, g=g: int4_case(ig, m, g)
     jobs["cache-write-bf16"] = lambda: cache_write_case(cw)
     results: dict[str, Any] = {}
     for cid, job in jobs.items():

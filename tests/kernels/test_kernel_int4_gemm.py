@@ -56,7 +56,9 @@ def test_gemv_path(dtype: torch.dtype, m: int, n: int, k: int, g: int, split_k: 
 @pytest.mark.parametrize(("m", "n", "k", "g", "split_k"), [
     (9, 72, 96, 32, None),  # GEMM; K = 96 not a multiple of BLOCK_K = 64, N not of BLOCK_N
     (20, 80, 320, 64, 2),  # GEMM split-K, K = 320 not a multiple of BLOCK_K * splits
-    (70, 24, 256, 128, 1),  # M > 64: BLOCK_M = 128 tile with a ragged edge
+    (40, 24, 160, 32, None),  # 32 < M <= 64: 64x64x64 tile, K = 160 ends mid-tile
+    (70, 24, 256, 128, 1),  # M > 64: BLOCK_M = 128 tile with a ragged edge, BLOCK_K widened to G
+    (130, 16, 96, 32, 2),  # M > 64 with G = 32: one group per K step, split-K, two row tiles
 ])
 def test_gemm_path(dtype: torch.dtype, m: int, n: int, k: int, g: int, split_k: int | None) -> None:
     assert m > GEMV_MAX_M

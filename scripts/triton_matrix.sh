@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Run the Triton kernel tests (interpreter numerics + sm_90 ahead-of-time compiles) under several
+# Triton releases. A GPU user runs whatever Triton their CUDA torch pins (torch 2.6 -> 3.2,
+# 2.8 -> 3.4, 2.11 -> 3.6 as on the H200 image), while CI only sees the newest release.
+#
+#   bash scripts/triton_matrix.sh                 # 3.2.0 3.4.0 3.6.0
+#   bash scripts/triton_matrix.sh 3.5.0 3.6.0     # chosen versions
+#
+# One venv per version under .cache/triton-matrix (CPU torch 2.13.0, the kernels, pytest); the
+# tests that need the full kvcli stack (model, engine) are left to `make test`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+versions=("$@")
+[ ${#versions[@]} -gt 0 ] || versions=(3.2.0 3.4.0 3.6.0)
+root=.cache/triton-matrix
+mkdir -p "$root"
+declare -A result
+for v in "${versions[@]}"; do
+  venv="$root/triton-$v"
+  if [ ! -x "$venv/bin/pytest" ]; then
+    echo "triton-matrix: creating $venv"
+    "$PY" -m venv "$venv"
+    # numpy < 2.3: the interpreter of Triton <= 3.6 turns 1-element arrays into Python ints, which
+    # newer numpy refuses ("only 0-dimensional arrays can be converted to Python scalars").
+    "$venv/bin/python" -m pip -q install "torch==2.13.0" "numpy<2.3" pytest hypothesis "triton==$v"
+    "$venv/bin/python" -m pip -q install --no-deps -e .
+  fi
+  echo "triton-matrix: triton $v"
+  if "$venv/bin/pytest" -q -p no:cacheprovider tests/kernels \
+       --ignore=tests/kernels/test_kernel_engine_wiring.py \
+       --ignore=tests/kernels/test_kernel_triton_backend.py \
+       -W ignore::DeprecationWarning 2>&1 | tail -n 3; then  # pipefail: pytest's status counts
+    result[$v]=pass
+  else
+    result[$v]=FAIL
+  fi
+done
+echo
+echo "triton-matrix summary ($(date -u +%Y-%m-%d), $(uname -m)):"
+status=0
+for v in "${versions[@]}"; do
+  echo "  triton $v: ${result[$v]:-FAIL}"
+  [ "${result[$v]:-FAIL}" = pass ] || status=1
+done
+exit $status
