@@ -15,6 +15,13 @@ class LLM:
         self.engine = LLMEngine(load_weights(model, quant=quant), EngineOptions(**options))
         self.tokenizer = self.engine.tokenizer
 
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> "LLM":
+        """The generate API over an engine built elsewhere (e.g. sharing weights with another engine)."""
+        llm = cls.__new__(cls)
+        llm.engine, llm.tokenizer = engine, engine.tokenizer
+        return llm
+
     def generate(
         self,
         prompts: str | Sequence[str] | Sequence[list[int]],

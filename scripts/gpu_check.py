@@ -1,20 +1,27 @@
 #!/usr/bin/env python
 """Correctness and speed of the kvcli Triton kernels on one CUDA GPU (random data, no model files).
 
-  python scripts/gpu_check.py                  # full run (target: < 8 min on an H200)
+  python scripts/gpu_check.py                  # full run (target: about 6 min on an H200)
   python scripts/gpu_check.py --quick          # fewer sizes
-  python scripts/gpu_check.py --out gpu.md     # also write the markdown report
+  python scripts/gpu_check.py --out gpu.md     # also write the markdown report (after every section)
+  python scripts/gpu_check.py --sections bd    # only some sections (a rerun after a partial run)
   python scripts/gpu_check.py --cpu-smoke      # tiny correctness run under TRITON_INTERPRET=1 (no GPU)
 
-Needs only torch and triton: kernels/ is loaded as the package `kvcli_kernels` straight from this
-checkout, so nothing has to be pip-installed. Sections:
+Sections (a)-(c) need only torch and triton: kernels/ is loaded as the package `kvcli_kernels`
+straight from this checkout, so nothing has to be pip-installed. Section (d) also imports kvcli from
+the checkout (rich, numpy, nvidia-ml-py; transformers for its baseline; no gguf or bitsandbytes).
+Sections:
   (a) every kernel vs the torch reference in bf16 and fp16 at model-like sizes;
   (b) decode attention (32 q / 8 KV heads, head_dim 128, page 16, bf16) for batch {1, 8, 64} x
       context {1k, 8k, 32k}: achieved bandwidth = bytes of K, V and q read / kernel time, as % of
       the measured device-to-device copy bandwidth, split-K off and on, against torch SDPA on the
       same K/V laid out contiguously (enable_gqa);
   (c) INT4 GEMM vs fp16 torch.matmul at batch 1 and 16; weights are [N, K] (out = x @ W^T), for
-      N x K = 4096x4096, 14336x4096 (gate/up shape) and 4096x14336 (down shape).
+      N x K = 4096x4096, 14336x4096 (gate/up shape) and 4096x14336 (down shape);
+  (d) the engine end to end on random INT4 weights (scripts/gpu_engine_check.py): triton vs torch
+      backend logits and greedy tokens, paged vs contiguous greedy tokens, batch-1 decode against
+      transformers, and a ShareGPT-shaped workload paged vs contiguous under one KV budget.
+A goals summary (issue #3's targets, judged on the measured rows) closes the report.
 Timing: each measured call is captured in a CUDA graph (no Python launch overhead in the number),
 and inputs rotate over enough copies (>= 256 MB in total) that every call reads from HBM, not L2.
 Exit status: 0 all correct, 1 a correctness check failed, 2 no CUDA device / triton missing.
@@ -45,7 +52,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", metavar="FILE.md", help="also write the report as markdown to this file")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="no GPU: run the correctness section at tiny sizes under the Triton interpreter")
-    return p.parse_args(argv)
+    p.add_argument("--sections", default="abcd", metavar="LETTERS",
+                   help="which sections to run (default abcd): a kernel correctness, b decode attention speed, "
+                        "c INT4 GEMM speed, d the engine end to end")
+    p.add_argument("--engine-seconds", type=float, default=150.0, metavar="S",
+                   help="time limit for section (d)'s workload runs; cut runs report what finished (default 150)")
+    args = p.parse_args(argv)
+    if not args.sections or set(args.sections) - set("abcd"):
+        p.error(f"--sections takes letters from abcd (got {args.sections!r})")
+    return args
 
 
 def load_kernels() -> dict[str, ModuleType]:
@@ -154,18 +169,25 @@ def _paged_batch(torch, q_lens, seq_lens, hq, hkv, d, bs, dtype, device, gen):
     return q, k, v, cu, sl, table.to(device)
 
 
+def recorder(rows: list[dict[str, Any]]) -> Callable[[str, str, Any, float, float], None]:
+    """record(kernel, case, dtype, err, tol): one correctness row, printed as it comes."""
+
+    def record(kernel: str, case: str, dtype: Any, err: float, tol: float) -> None:
+        ok = err <= tol and err == err  # NaN fails
+        rows.append(dict(kernel=kernel, case=case, dtype=str(dtype).replace("torch.", ""), err=err, tol=tol, ok=ok))
+        print(f"  {'ok  ' if ok else 'FAIL'} {kernel:16s} {case:44s} {rows[-1]['dtype']:9s} err={err:.3g} tol={tol:.3g}",
+              flush=True)
+
+    return record
+
+
 def check_correctness(mods: dict[str, ModuleType], device: Any, tiny: bool) -> list[dict[str, Any]]:
     import torch
 
     cw, pa, ig, ref = mods["cache_write"], mods["paged_attention"], mods["int4_gemm"], mods["reference"]
     gen = torch.Generator().manual_seed(0)
     rows: list[dict[str, Any]] = []
-
-    def record(kernel: str, case: str, dtype: torch.dtype, err: float, tol: float) -> None:
-        ok = err <= tol and err == err  # NaN fails
-        rows.append(dict(kernel=kernel, case=case, dtype=str(dtype).replace("torch.", ""), err=err, tol=tol, ok=ok))
-        print(f"  {'ok  ' if ok else 'FAIL'} {kernel:16s} {case:44s} {rows[-1]['dtype']:9s} err={err:.3g} tol={tol:.3g}",
-              flush=True)
+    record = recorder(rows)
 
     for dtype in (torch.bfloat16, torch.float16):
         # write_kv_cache: a prefill-sized scatter into a NaN pool, bit-exact.
@@ -328,7 +350,8 @@ def bench_int4(mods: dict[str, ModuleType], device: Any, shapes: tuple[tuple[int
 
 
 def render(env: dict[str, str], correct: list[dict[str, Any]], decode: list[dict[str, Any]],
-           int4: list[dict[str, Any]], copy_bw: float, smoke: bool = False) -> str:
+           int4: list[dict[str, Any]], copy_bw: float, smoke: bool = False, engine: dict[str, Any] | None = None,
+           sections: str = "abcd") -> str:
     lines = [
         "# kvcli Triton kernels: GPU check",
         "",
@@ -337,53 +360,102 @@ def render(env: dict[str, str], correct: list[dict[str, Any]], decode: list[dict
         f"- torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}",
         f"- command: `{env['command']}`",
         "",
-        "## (a) correctness vs torch reference",
-        "",
-        "| kernel | case | dtype | error | tolerance | result |",
-        "| --- | --- | --- | --- | --- | --- |",
     ]
-    for r in correct:
-        lines.append(f"| {r['kernel']} | {r['case']} | {r['dtype']} | {r['err']:.3g} | {r['tol']:.3g} | "
-                     f"{'pass' if r['ok'] else '**FAIL**'} |")
-    lines += ["", "Error columns: attention max |out - ref| / (t * (1 + |ref|)) with t = 2e-4 / 4e-3 / 3e-2 for",
-              "fp32 / fp16 / bf16 (limit 1); INT4 max |out - ref| / max |ref|; cache write: count of wrong or",
-              "clobbered elements. References are plain torch in fp32 (kernels/reference.py).", ""]
     if smoke:
         lines += ["**--cpu-smoke: Triton interpreter on CPU at toy sizes. The timings below only show that the",
                   "benchmark code runs; they are not performance figures.**", ""]
-    lines += [
-        f"Device-to-device copy bandwidth (read + write): {copy_bw / 1e9:.0f} GB/s = 100% below.",
-        "",
-        "## (b) decode attention, bf16, 32 q / 8 KV heads, head_dim 128, page 16",
-        "",
-        "%BW = (K + V + q bytes) / time / copy bandwidth. 'split n' forces n KV segments (n = the automatic",
-        "choice when it splits, else 4); 'auto' is what num_splits=None picks. SDPA reads the same K/V",
-        "gathered into contiguous [B, 8, ctx, 128]. Speedup = SDPA time / Triton time (auto mode); the",
-        "last column is the largest output difference between the two (bf16).",
-        "",
-        "| batch | context | no split us | %BW | split n | split us | %BW | auto | SDPA us | SDPA %BW | speedup | max diff vs SDPA |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for r in decode:
-        lines.append(f"| {r['batch']} | {r['ctx']} | {r['t_off']:.1f} | {r['bw_off']:.0f}% | {r['splits']} | "
-                     f"{r['t_on']:.1f} | {r['bw_on']:.0f}% | {r['auto']} | {r['t_sdpa']:.1f} | {r['bw_sdpa']:.0f}% | "
-                     f"{r['speedup']:.2f}x | {r['sdpa_err']:.2g} |")
+    if correct:
+        lines += ["## (a) correctness vs torch reference", "",
+                  "| kernel | case | dtype | error | tolerance | result |", "| --- | --- | --- | --- | --- | --- |"]
+        for r in correct:
+            lines.append(f"| {r['kernel']} | {r['case']} | {r['dtype']} | {r['err']:.3g} | {r['tol']:.3g} | "
+                         f"{'pass' if r['ok'] else '**FAIL**'} |")
+        lines += ["", "Error columns: attention max |out - ref| / (t * (1 + |ref|)) with t = 2e-4 / 4e-3 / 3e-2 for",
+                  "fp32 / fp16 / bf16 (limit 1); INT4 max |out - ref| / max |ref|; cache write: count of wrong or",
+                  "clobbered elements; engine logits max |triton - torch| / max |torch|; engine tokens: number of",
+                  "sequences that differ. References are plain torch in fp32 (kernels/reference.py).", ""]
+    if decode or int4:
+        lines += [f"Device-to-device copy bandwidth (read + write): {copy_bw / 1e9:.0f} GB/s = 100% below.", ""]
     if decode:
-        lines += ["", f"SDPA GQA handling: {decode[0]['sdpa_note']}."]
-    lines += [
-        "",
-        "## (c) INT4 GEMM (G=32, fp16 activations) vs fp16 torch.matmul",
-        "",
-        "W is [N, K] (out[M, N] = x @ W^T). %BW = weight bytes (codes + scales + mins, or fp16 W) / time.",
-        "",
-        "| M | N | K | int4 us | int4 %BW | fp16 us | fp16 %BW | speedup |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for r in int4:
-        lines.append(f"| {r['m']} | {r['n']} | {r['k']} | {r['t_int4']:.1f} | {r['bw_int4']:.0f}% | "
-                     f"{r['t_fp16']:.1f} | {r['bw_fp16']:.0f}% | {r['speedup']:.2f}x |")
-    lines.append("")
+        lines += [
+            "## (b) decode attention, bf16, 32 q / 8 KV heads, head_dim 128, page 16",
+            "",
+            "%BW = (K + V + q bytes) / time / copy bandwidth. 'split n' forces n KV segments (n = the automatic",
+            "choice when it splits, else 4); 'auto' is what num_splits=None picks. SDPA reads the same K/V",
+            "gathered into contiguous [B, 8, ctx, 128]. Speedup = SDPA time / Triton time (auto mode); the",
+            "last column is the largest output difference between the two (bf16).",
+            "",
+            "| batch | context | no split us | %BW | split n | split us | %BW | auto | SDPA us | SDPA %BW | speedup | max diff vs SDPA |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for r in decode:
+            lines.append(f"| {r['batch']} | {r['ctx']} | {r['t_off']:.1f} | {r['bw_off']:.0f}% | {r['splits']} | "
+                         f"{r['t_on']:.1f} | {r['bw_on']:.0f}% | {r['auto']} | {r['t_sdpa']:.1f} | {r['bw_sdpa']:.0f}% | "
+                         f"{r['speedup']:.2f}x | {r['sdpa_err']:.2g} |")
+        lines += ["", f"SDPA GQA handling: {decode[0]['sdpa_note']}.", ""]
+    if int4:
+        lines += [
+            "## (c) INT4 GEMM (G=32, fp16 activations) vs fp16 torch.matmul",
+            "",
+            "W is [N, K] (out[M, N] = x @ W^T). %BW = weight bytes (codes + scales + mins, or fp16 W) / time.",
+            "",
+            "| M | N | K | int4 us | int4 %BW | fp16 us | fp16 %BW | speedup |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for r in int4:
+            lines.append(f"| {r['m']} | {r['n']} | {r['k']} | {r['t_int4']:.1f} | {r['bw_int4']:.0f}% | "
+                         f"{r['t_fp16']:.1f} | {r['bw_fp16']:.0f}% | {r['speedup']:.2f}x |")
+        lines.append("")
+    if engine is not None:
+        sys.path.insert(0, str(REPO / "scripts"))
+        import gpu_engine_check as ge
+
+        lines += ge.render(engine)
+    if (decode or int4) and not smoke:
+        lines += goals(decode, int4)
     return "\n".join(lines)
+
+
+def goals(decode: list[dict[str, Any]], int4: list[dict[str, Any]]) -> list[str]:
+    """The issue's targets, judged on the rows above (8k+ contexts for attention, M = 1 for INT4)."""
+    out = ["## goals (issue #3), judged on the rows above", ""]
+    long = [r for r in decode if r["ctx"] >= 8192]
+    if long:
+        best = [max(r["bw_off"], r["bw_on"] if r["auto"] > 1 else 0.0) for r in long]
+        bw_auto = [r["bw_on"] if r["auto"] > 1 else r["bw_off"] for r in long]
+        worst_bw = min(bw_auto)
+        worst_sp = min(r["speedup"] for r in long)
+        out.append(f"- decode attention >= 85% of copy bandwidth at 8k+ context (auto split): lowest {worst_bw:.0f}% "
+                   f"over {len(long)} rows -> {'met' if worst_bw >= 85 else 'NOT met'} (best mode per row: lowest "
+                   f"{min(best):.0f}%)")
+        out.append(f"- decode attention >= 1.0x contiguous SDPA at 8k+: lowest {worst_sp:.2f}x -> "
+                   f"{'met' if worst_sp >= 1.0 else 'NOT met'}")
+    gemv = [r for r in int4 if r["m"] == 1]
+    if gemv:
+        worst = min(r["speedup"] for r in gemv)
+        out.append(f"- INT4 GEMV >= 2.5x fp16 at batch 1: lowest {worst:.2f}x over {len(gemv)} shapes -> "
+                   f"{'met' if worst >= 2.5 else 'NOT met'}")
+    return out + [""]
+
+
+def run_engine_section(correct: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+    """Section (d): engine correctness rows join `correct`; a crash is a failed row, not a lost run."""
+    import traceback
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    import gpu_engine_check as ge
+
+    record = recorder(correct)
+    try:
+        ge.check_engine_correctness(record, smoke=args.cpu_smoke)
+    except Exception as exc:  # noqa: BLE001
+        traceback.print_exc()
+        record("engine", f"correctness did not run: {type(exc).__name__}: {exc}"[:120], "-", float("nan"), 0.0)
+    try:
+        return ge.bench_engine(args.cpu_smoke, args.quick, ge.Deadline(args.engine_seconds))
+    except Exception as exc:  # noqa: BLE001
+        traceback.print_exc()
+        return dict(error=f"{type(exc).__name__}: {exc}"[:300])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -417,8 +489,23 @@ def main(argv: list[str] | None = None) -> int:
     print(f"gpu_check on {env['device']} (torch {env['torch']}, triton {env['triton']})", flush=True)
     mods = load_kernels()
 
-    print("(a) correctness", flush=True)
-    correct = check_correctness(mods, device, tiny=args.cpu_smoke)
+    correct: list[dict[str, Any]] = []
+    decode: list[dict[str, Any]] = []
+    int4: list[dict[str, Any]] = []
+    engine: dict[str, Any] | None = None
+    copy_bw = 0.0
+
+    def report() -> str:  # rewritten after every section: a run cut short still leaves its tables
+        text = render(env, correct, decode, int4, copy_bw, smoke=args.cpu_smoke, engine=engine,
+                      sections=args.sections)
+        if args.out:
+            Path(args.out).write_text(text + "\n")
+        return text
+
+    if "a" in args.sections:
+        print("(a) correctness", flush=True)
+        correct = check_correctness(mods, device, tiny=args.cpu_smoke)
+        report()
 
     if args.cpu_smoke:  # walk the benchmark code at toy sizes; the numbers mean nothing
         batches, contexts, shapes, copy_bytes = (1, 2), (64,), ((64, 128),), 2**20
@@ -427,17 +514,24 @@ def main(argv: list[str] | None = None) -> int:
     else:
         batches, contexts = (1, 8, 64), (1024, 8192, 32768)
         shapes, copy_bytes = ((4096, 4096), (14336, 4096), (4096, 14336)), 2**30
-    copy_bw = copy_bandwidth(torch, device, copy_bytes)
-    print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s\n(b) decode attention", flush=True)
-    decode = bench_decode(mods, device, batches, contexts, copy_bw)
-    print("(c) int4 gemm", flush=True)
-    int4 = bench_int4(mods, device, shapes, (1, 16), copy_bw)
+    if "b" in args.sections or "c" in args.sections:
+        copy_bw = copy_bandwidth(torch, device, copy_bytes)
+        print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s", flush=True)
+    if "b" in args.sections:
+        print("(b) decode attention", flush=True)
+        decode = bench_decode(mods, device, batches, contexts, copy_bw)
+        report()
+    if "c" in args.sections:
+        print("(c) int4 gemm", flush=True)
+        int4 = bench_int4(mods, device, shapes, (1, 16), copy_bw)
+        report()
+    if "d" in args.sections:
+        print("(d) engine", flush=True)
+        engine = run_engine_section(correct, args)
+        report()
 
-    report = render(env, correct, decode, int4, copy_bw, smoke=args.cpu_smoke)
-    if args.out:
-        Path(args.out).write_text(report + "\n")
     print()
-    print(report)
+    print(report())
     failed = [r for r in correct if not r["ok"]]
     if failed:
         print(f"gpu_check: {len(failed)} correctness check(s) FAILED", file=sys.stderr)

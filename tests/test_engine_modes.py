@@ -111,3 +111,26 @@ def test_prefix_cache_second_turn_prefills_less_same_reply(shared_model):
     assert computed_plain == total
     assert hits >= 16 and computed_cached == total - hits < total
     assert reply_cached == reply_plain
+
+
+def test_compute_dtype_option_sets_model_and_kv_dtype(tmp_path):
+    """EngineOptions.dtype picks the compute dtype (KV follows unless kv_dtype says otherwise);
+    an unknown name is a one-line ConfigError naming the option."""
+    import json
+
+    import torch
+
+    from kvcli.config import PRESETS
+    from kvcli.engine.llm_engine import ConfigError
+    from kvcli.llm import LLM
+
+    cfg = tmp_path / "tiny.json"
+    cfg.write_text(json.dumps(dict(PRESETS["smollm2-135m"], num_hidden_layers=2, vocab_size=512)))
+    outs = {}
+    for dtype in ("fp32", "bf16"):
+        llm = LLM(f"dummy:{cfg}", kv_budget="4MiB", dtype=dtype, dequantize=True)
+        assert llm.engine.kv_dtype == {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+        outs[dtype] = llm.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids
+        assert len(outs[dtype]) == 4
+    with pytest.raises(ConfigError, match="unknown --dtype 'fp8'"):
+        LLM(f"dummy:{cfg}", kv_budget="4MiB", dtype="fp8")

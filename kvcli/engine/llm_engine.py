@@ -47,7 +47,8 @@ class EngineOptions:
     reserve: str = "max-len"  # contiguous only: max-len | request (prompt + max_tokens)
     preempt: str = "recompute"  # recompute | swap
     swap_space: str = "4GiB"  # host memory for swapped-out blocks
-    kv_dtype: str | None = None  # default: the compute dtype (fp32 on CPU)
+    dtype: str | None = None  # compute dtype; default fp32 on CPU, bf16 (fp16 if unsupported) on CUDA
+    kv_dtype: str | None = None  # default: the compute dtype
     prefix_caching: bool = True  # reuse full blocks of shared prefixes across requests
 
 
@@ -141,8 +142,9 @@ class LLMEngine:
         if options.kv_layout not in ("paged", "contiguous"):
             raise ConfigError(f"unknown --kv-layout {options.kv_layout!r} (paged or contiguous)")
         cpu = self.device.type == "cpu"
-        dtype = torch.float32 if cpu else (torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16)
-        kv_dtype = _kv_dtype(options.kv_dtype, dtype)
+        default = torch.float32 if cpu else (torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16)
+        dtype = _parse_dtype(options.dtype, default, "dtype")
+        kv_dtype = _parse_dtype(options.kv_dtype, dtype, "kv-dtype")
         c = self.config
         self.max_model_len = min(options.max_model_len or c.max_position_embeddings, c.max_position_embeddings)
         self.model = None
@@ -395,11 +397,11 @@ class LLMEngine:
         )
 
 
-def _kv_dtype(name: str | None, default: torch.dtype) -> torch.dtype:
+def _parse_dtype(name: str | None, default: torch.dtype, flag: str) -> torch.dtype:
     if name is None:
         return default
     table = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
              "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
     if name not in table:
-        raise ConfigError(f"unknown --kv-dtype {name!r} (fp32, fp16 or bf16)")
+        raise ConfigError(f"unknown --{flag} {name!r} (fp32, fp16 or bf16)")
     return table[name]

@@ -45,7 +45,20 @@ def test_cpu_smoke_writes_report(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     text = out.read_text()
     for needle in ("## (a) correctness", "## (b) decode attention", "## (c) INT4 GEMM", "--cpu-smoke",
-                   "torch ", "triton ", "command: `python "):
+                   "torch ", "triton ", "command: `python ", "## (d) the engine end to end",
+                   "| engine | logits triton vs torch backend", "| engine | greedy tokens paged vs contiguous",
+                   "kvcli / transformers decode:", "| paged |", "| contiguous |"):
         assert needle in text, needle
-    assert "FAIL" not in text
+    assert "FAIL" not in text and "NOT met" not in text and "goals" not in text  # no verdicts on toy sizes
     assert r.stdout.rstrip().endswith(text.rstrip().splitlines()[-1])  # the table is printed last
+
+
+def test_sections_subset(tmp_path: Path) -> None:
+    """--sections picks what runs; the report holds only those tables."""
+    out = tmp_path / "report.md"
+    r = _run("--cpu-smoke", "--sections", "c", "--out", str(out), env_extra={"CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    text = out.read_text()
+    assert "## (c) INT4 GEMM" in text
+    for absent in ("## (a)", "## (b)", "## (d)"):
+        assert absent not in text, absent
