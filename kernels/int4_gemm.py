@@ -19,6 +19,8 @@ sums are reduced and cast by _splitk_reduce_kernel.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -218,9 +220,14 @@ def _splitk_reduce_kernel(ws_ptr, out_ptr, M, N, MN, num_splits, stride_om, stri
 _INTERPRETED = not isinstance(_int4_gemm_kernel, triton.runtime.JITFunction)
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:  # cached: launchers run per layer per step
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     return 1
 
 

@@ -25,6 +25,8 @@ KV range of every program is cut into num_splits segments (grid axis 2); each wr
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -271,9 +273,14 @@ def attention_launch_config(
                 num_warps=num_warps, num_stages=num_stages)
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:  # cached: launchers run per layer per step
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     return 1  # interpreter: nothing to fill
 
 

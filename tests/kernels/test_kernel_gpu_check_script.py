@@ -62,3 +62,22 @@ def test_sections_subset(tmp_path: Path) -> None:
     assert "## (c) INT4 GEMM" in text
     for absent in ("## (a)", "## (b)", "## (d)"):
         assert absent not in text, absent
+
+
+def test_engine_section_crash_is_a_failed_row_not_a_lost_run(tmp_path: Path, monkeypatch) -> None:
+    """A crash inside section (d) becomes a FAIL row (exit 1) and a note; the report is still written."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import gpu_check
+    import gpu_engine_check
+
+    def boom(*_args, **_kwargs):
+        raise RuntimeError("simulated engine failure")
+
+    monkeypatch.setattr(gpu_engine_check, "check_engine_correctness", boom)
+    monkeypatch.setattr(gpu_engine_check, "bench_engine", boom)
+    out = tmp_path / "report.md"
+    rc = gpu_check.main(["--cpu-smoke", "--sections", "d", "--out", str(out)])
+    assert rc == 1
+    text = out.read_text()
+    assert "correctness did not run: RuntimeError: simulated engine failure" in text and "**FAIL**" in text
+    assert "Not completed: RuntimeError: simulated engine failure" in text
