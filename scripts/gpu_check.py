@@ -407,10 +407,7 @@ def render(env: dict[str, str], correct: list[dict[str, Any]], decode: list[dict
                          f"{r['t_fp16']:.1f} | {r['bw_fp16']:.0f}% | {r['speedup']:.2f}x |")
         lines.append("")
     if engine is not None:
-        sys.path.insert(0, str(REPO / "scripts"))
-        import gpu_engine_check as ge
-
-        lines += ge.render(engine)
+        lines += _engine_module().render(engine)
     if (decode or int4) and not smoke:
         lines += goals(decode, int4)
     return "\n".join(lines)
@@ -438,13 +435,19 @@ def goals(decode: list[dict[str, Any]], int4: list[dict[str, Any]]) -> list[str]
     return out + [""]
 
 
+def _engine_module() -> ModuleType:
+    """scripts/gpu_engine_check.py (section d), imported beside this script."""
+    scripts = str(REPO / "scripts")
+    if scripts not in sys.path:
+        sys.path.insert(0, scripts)
+    return importlib.import_module("gpu_engine_check")
+
+
 def run_engine_section(correct: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
     """Section (d): engine correctness rows join `correct`; a crash is a failed row, not a lost run."""
     import traceback
 
-    sys.path.insert(0, str(REPO / "scripts"))
-    import gpu_engine_check as ge
-
+    ge = _engine_module()
     record = recorder(correct)
     try:
         ge.check_engine_correctness(record, smoke=args.cpu_smoke)

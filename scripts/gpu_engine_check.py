@@ -117,17 +117,12 @@ def check_engine_correctness(record: Record, smoke: bool) -> None:
 
 
 def _decode_tok_s(generate: Callable[[int], Any], new: int, repeats: int) -> tuple[float, float]:
-    """(decode tok/s, prefill s): (N - 1) / (t_N - t_1), best of `repeats`, prefill excluded."""
-    def best(n: int) -> float:
-        times = []
-        for _ in range(repeats):
-            t = time.perf_counter()
-            generate(n)
-            times.append(time.perf_counter() - t)
-        return min(times)
+    """(decode tok/s, prefill s): (N - 1) / (t_N - t_1), best of `repeats`, prefill excluded, the
+    method of scripts/bench_decode.py (whose timer this uses)."""
+    from bench_decode import best  # beside this file
 
     generate(new)  # warm-up: compiles, allocator
-    t1, tn = best(1), best(new)
+    t1, tn = best(lambda: generate(1), repeats), best(lambda: generate(new), repeats)
     return (new - 1) / (tn - t1), t1
 
 
