@@ -81,3 +81,15 @@ def test_engine_section_crash_is_a_failed_row_not_a_lost_run(tmp_path: Path, mon
     text = out.read_text()
     assert "correctness did not run: RuntimeError: simulated engine failure" in text and "**FAIL**" in text
     assert "Not completed: RuntimeError: simulated engine failure" in text
+
+
+def test_engine_section_skips_without_kvcli_dependencies(tmp_path: Path, monkeypatch) -> None:
+    """With only torch and triton installed the script still passes: section (d) says it was skipped."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import gpu_check
+    import gpu_engine_check
+
+    monkeypatch.setattr(gpu_engine_check, "kvcli_missing", lambda: "rich")
+    out = tmp_path / "report.md"
+    assert gpu_check.main(["--cpu-smoke", "--sections", "d", "--out", str(out)]) == 0
+    assert "Skipped: kvcli needs the module `rich`" in out.read_text()
