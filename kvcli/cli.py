@@ -127,14 +127,17 @@ def continue_(
     The prompt is prefilled in chunks (progress bar, or the live dashboard on a terminal), the
     continuation streams to stdout, and a summary (tokens, speeds, KV blocks and bytes, weight
     bytes, the KV a contiguous reservation would have taken) follows on stderr."""
+    from kvcli.commands.common import engine_options, sampling_params
     from kvcli.commands.continue_cmd import ContinueArgs, run_continue
 
     args = ContinueArgs(
-        file=file, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-        truncate=truncate.value, json_out=json_out, output=output, model=model, block_size=block_size,
-        kv_budget=kv_budget, quant=quant.value, dequantize=dequantize, device=device,
-        attention_backend=attention_backend.value, max_model_len=max_model_len,
-        max_batch_tokens=max_batch_tokens, live=live, prefix_cache=prefix_cache,
+        file=file, params=sampling_params(fail, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                          top_k=top_k, seed=seed),
+        truncate=truncate.value, json_out=json_out, output=output, model=model, quant=quant.value, live=live,
+        options=engine_options(fail, device=device, block_size=block_size, kv_budget=kv_budget,
+                               dequantize=dequantize, max_model_len=max_model_len,
+                               max_num_batched_tokens=max_batch_tokens, attention_backend=attention_backend.value,
+                               prefix_caching=prefix_cache),
     )
     code = run_continue(args, fail)
     if code:
@@ -170,12 +173,15 @@ def chat(
     Slash commands: /stats /blocks /reset /save FILE /help /quit. With stdin not a terminal, each
     line is one message and replies go to stdout, one after another."""
     from kvcli.commands.chat_cmd import ChatArgs, run_chat
+    from kvcli.commands.common import engine_options, sampling_params
 
     args = ChatArgs(
-        system=system, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-        truncate=truncate, model=model, block_size=block_size, kv_budget=kv_budget, quant=quant.value,
-        dequantize=dequantize, device=device, attention_backend=attention_backend.value,
-        max_model_len=max_model_len, prefix_cache=prefix_cache,
+        system=system, params=sampling_params(fail, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                              top_k=top_k, seed=seed),
+        truncate=truncate, model=model, quant=quant.value,
+        options=engine_options(fail, device=device, block_size=block_size, kv_budget=kv_budget,
+                               dequantize=dequantize, max_model_len=max_model_len,
+                               attention_backend=attention_backend.value, prefix_caching=prefix_cache),
     )
     code = run_chat(args, fail)
     if code:
@@ -249,15 +255,19 @@ def profile(
     Reports the KV memory breakdown (token states / reserved / internal / external fragmentation),
     peak concurrency, throughput and latency; with --compare contiguous, paged and contiguous
     preallocation run the same trace under the same KV budget."""
+    from kvcli.commands.common import engine_options
     from kvcli.commands.profile_cmd import ProfileArgs, run_profile
 
     args = ProfileArgs(
         model=model, workload=workload, num_requests=num_requests, request_rate=request_rate, seed=seed,
-        compare=compare.value, kv_layout=kv_layout.value, reserve=reserve.value, preempt=preempt.value,
-        simulate=simulate, json_path=json_path, plot_path=plot_path, block_size=block_size, kv_budget=kv_budget,
-        kv_dtype=kv_dtype, max_model_len=max_model_len, max_batch_tokens=max_batch_tokens,
-        max_num_seqs=max_num_seqs, quant=quant.value, dequantize=dequantize, device=device,
-        attention_backend=attention_backend.value, live=live, prefix_cache=prefix_cache)
+        compare=compare.value, simulate=simulate, json_path=json_path, plot_path=plot_path, quant=quant.value,
+        live=live,
+        options=engine_options(fail, device=device, block_size=block_size, kv_budget=kv_budget,
+                               dequantize=dequantize, max_model_len=max_model_len,
+                               max_num_batched_tokens=max_batch_tokens, max_num_seqs=max_num_seqs,
+                               attention_backend=attention_backend.value, kv_layout=kv_layout.value,
+                               reserve=reserve.value, preempt=preempt.value,
+                               kv_dtype=kv_dtype or ("fp16" if simulate else None), prefix_caching=prefix_cache))
     code = run_profile(args, fail)
     if code:
         raise typer.Exit(code)
@@ -282,9 +292,12 @@ def plan(
 
     INT4 weight bytes, KV bytes per token and per request, and how many tokens and requests fit in
     memory, paged against contiguous preallocation."""
-    from kvcli.commands.plan_cmd import run_plan
+    from kvcli.commands.common import engine_options
+    from kvcli.commands.plan_cmd import PlanArgs, run_plan
 
-    code = run_plan(model, context, batch, memory, mean_tokens, kv_dtype, block_size, fail)
+    args = PlanArgs(model=model, context=context, batch=batch, memory=memory, mean_tokens=mean_tokens,
+                    options=engine_options(fail, block_size=block_size, kv_dtype=kv_dtype))
+    code = run_plan(args, fail)
     if code:
         raise typer.Exit(code)
 

@@ -87,9 +87,10 @@ def run_trace(engine: LLMEngine, trace: Trace, prompts: list[list[int]], label: 
     t0 = time.perf_counter()
     engine.metrics.start = t0
     i = 0
+    ticks = 0  # a simulated run's clock: engine steps plus idle ticks between arrivals
 
     def now() -> float:
-        return float(engine._step) if engine.simulated else time.perf_counter() - t0
+        return float(ticks) if engine.simulated else time.perf_counter() - t0
 
     try:
         while i < len(pending) or engine.has_unfinished():
@@ -99,10 +100,9 @@ def run_trace(engine: LLMEngine, trace: Trace, prompts: list[list[int]], label: 
                                        arrival_time=t0 + req.arrival_s if not engine.simulated else None)
                 ids.append(r.req_id)
                 i += 1
+            ticks += 1
             if not engine.has_unfinished():
-                if engine.simulated:
-                    engine._step += 1  # idle tick until the next arrival
-                else:
+                if not engine.simulated:
                     time.sleep(min(0.05, max(0.0, pending[i][0].arrival_s - now())))
                 continue
             engine.step()
@@ -121,8 +121,8 @@ def run_trace(engine: LLMEngine, trace: Trace, prompts: list[list[int]], label: 
     ttft = [r.first_token_time - r.arrival_time for r in reqs if r.first_token_time is not None]
     itl = [b - a for r in reqs for a, b in zip(r.token_times, r.token_times[1:])]
     return ProfileResult(
-        layout=engine.kv.layout, label=label, num_requests=len(trace.requests), completed=len(done),
-        output_tokens=sum(len(r.output_token_ids) for r in reqs), wall_s=wall, steps=engine._step,
+        layout=engine.kv.name, label=label, num_requests=len(trace.requests), completed=len(done),
+        output_tokens=sum(len(r.output_token_ids) for r in reqs), wall_s=wall, steps=engine.stats().step,
         peak_running=engine.metrics.peak_running, preemptions=engine.scheduler.num_preemptions,
         kv_mean=kv_mean, ttft_s=ttft, itl_s=itl, pool_bytes=engine.kv_pool_bytes, records=list(recs),
         outputs={r.req_id: list(r.output_token_ids) for r in reqs}, simulated=engine.simulated)

@@ -49,9 +49,9 @@ def main() -> None:
                 outs = engine.step()
                 if dash and t - last >= 0.2:  # as `kvcli continue` feeds it
                     last = t
-                    dash.update(engine.metrics.snapshot(probe.sample(engine.kv_pool_bytes, weights)))
+                    dash.update(engine.snapshot(probe.sample(engine.kv_pool_bytes, weights), block_map=True))
                 dt = time.perf_counter() - t
-                if engine._step > 1 and all(len(engine.requests[o.req_id].output_token_ids) > 1 for o in outs):
+                if engine.stats().step > 1 and all(len(engine.requests[o.req_id].output_token_ids) > 1 for o in outs):
                     decode_s += dt
                     decoded += len(outs)
         finally:

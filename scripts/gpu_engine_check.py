@@ -97,7 +97,7 @@ def check_engine_correctness(record: Record, smoke: bool) -> None:
             rows = []
             for pos in range(0, n_prompt, chunk):  # chunks that end mid-block, on top of a cached prefix
                 part = ids[pos:pos + chunk]
-                assert eng.kv.allocate("tf", pos + len(part))
+                assert eng.kv.allocate("tf", pos + len(part), pos)
                 step = SchedulerOutput([ScheduledChunk("tf", part, pos, eng.kv.block_table("tf"), True)])
                 rows.append(eng.runner.execute(step, all_logits=True).logits.float().cpu())
             eng.kv.free("tf")

@@ -56,6 +56,7 @@ def make_snapshot(**over) -> Snapshot:
         memory=CPU_MEM,
         tokens_per_s=(0.0, 35.0, 70.0, 71.2),
         prompt_tokens=4241, generated_tokens=40, prefix_hit_tokens=420, prefix_query_tokens=1000,
+        max_model_len=2048,
         requests=(
             RequestTiming("req-a", 1000, 20, 0.21, (0.010, 0.012, 0.014)),
             RequestTiming("req-b", 2000, 15, 0.35, (0.020, 0.040)),
@@ -191,7 +192,8 @@ def test_dashboard_shows_exact_numbers():
     assert flat(rows["allocated"]) == (
         "│ allocated 50.0 MiB of a 1.0 GiB pool 200.0 MiB of a 1.0 GiB pool │")
     assert "paged (live)" in text and "contiguous what-if (max-len)" in text
-    assert "contiguous preallocation would hold 2 of the 3 running requests at once" in text
+    assert ("contiguous preallocation: the pool fits 2 regions of 2,048 tokens, so only 2 of these 3 requests "
+            "could run at once") in text
     # bars 29 cells wide at 120 columns, in eighth-cell steps: 0.9 * 29 * 8 = 209 eighths = 26
     # full cells + 1/8; 0.225 * 29 * 8 -> 52 eighths = 6 full cells + 4/8
     assert rows["tokens"].split()[2:4:] == ["█" * 26 + "▏", "90.0%"]
@@ -223,7 +225,7 @@ def test_dashboard_gpu_memory_and_no_whatif():
     assert "│ torch allocated 6.0 GiB │" in f and "│ torch reserved 6.5 GiB │" in f
     assert "│ allocator frag 512.0 MiB (7.7% of reserved) │" in f
     assert "│ KV pool 4.0 GiB │" in f and "│ weights 1.0 GiB │" in f
-    assert "no GPU found" not in text and "what-if" not in text and "would hold" not in text
+    assert "no GPU found" not in text and "what-if" not in text and "regions of" not in text
     assert "│ tok/s no samples yet │" in f and "│ current 0.0 tok/s │" in f
     assert max(len(line) for line in text.splitlines()) == 100
 

@@ -33,7 +33,7 @@ PER_BLOCK = 737280  # SmolLM2-135M: 16 tokens x 30 layers x 3 KV heads x 64 x 4 
 
 
 def run(engine, trace, prompts):
-    return run_trace(engine, trace, prompts, engine.kv.layout, check_invariants=True)
+    return run_trace(engine, trace, prompts, engine.kv.name, check_invariants=True)
 
 
 def test_contiguous_and_paged_give_identical_greedy_outputs(shared_model):
@@ -75,7 +75,7 @@ def test_n_samples_share_prompt_blocks(shared_model):
     saved = []
     while engine.has_unfinished():
         engine.step()
-        saved.append(engine.kv.shared_saved_blocks())
+        saved.append(engine.kv.stats([], None).shared_saved_blocks)
         engine.kv.check_invariants()
     samples = [engine.requests[r] for r in engine.requests]
     assert len(samples) == 3 and {s.parent_id for s in samples} == {None, leader.req_id}
@@ -121,7 +121,7 @@ def test_compute_dtype_option_sets_model_and_kv_dtype(tmp_path):
     import torch
 
     from kvcli.config import PRESETS
-    from kvcli.engine.llm_engine import ConfigError
+    from kvcli.options import ConfigError
     from kvcli.llm import LLM
 
     cfg = tmp_path / "tiny.json"

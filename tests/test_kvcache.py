@@ -4,14 +4,17 @@ and a simulated soak through the real scheduler."""
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcli.config import PRESETS, ModelConfig
 from kvcli.engine.llm_engine import EngineOptions, LLMEngine
-from kvcli.kvcache.block_manager import KVCacheManager
+from kvcli.kvcache.block_manager import PagedKVManager
 from kvcli.kvcache.block_pool import BlockPool, NoFreeBlocksError
-from kvcli.kvcache.contiguous import ContiguousAllocator
+from kvcli.kvcache.contiguous import ContiguousArena
+from kvcli.kvcache.interface import NULL_BLOCK
+from kvcli.metrics.stats import RequestExtent
 from kvcli.profile import run_trace
 from kvcli.workloads import prompt_ids, synthetic
 
@@ -19,9 +22,10 @@ from kvcli.workloads import prompt_ids, synthetic
 def test_pool_allocates_fifo_and_detects_double_free():
     pool = BlockPool(4)
     a = pool.allocate(2)
-    assert a == [0, 1] and pool.num_free == 2
+    assert a == [1, 2] and pool.num_free == 2  # block 0 is the null block, never handed out
     pool.free(a)
-    assert pool.allocate(4) == [2, 3, 1, 0]  # freed blocks go to the back, tail first
+    assert pool.allocate(4) == [3, 4, 2, 1]  # freed blocks go to the back, tail first
+    assert NULL_BLOCK not in pool.take_new_blocks()
     with pytest.raises(NoFreeBlocksError):
         pool.allocate(1)
     pool.free([2])
@@ -30,19 +34,19 @@ def test_pool_allocates_fifo_and_detects_double_free():
 
 
 def test_fork_shares_blocks_and_copies_on_first_write():
-    pool = BlockPool(8)
-    kv = KVCacheManager(pool, block_size=4)
-    assert kv.allocate("a", 6)  # blocks 0, 1 (block 1 half full)
+    kv = PagedKVManager(8, block_size=4)
+    pool = kv.pool
+    assert kv.allocate("a", 6, 0)  # blocks 1, 2 (block 2 half full)
     kv.fork("a", "b")
-    assert kv.block_table("b") == kv.block_table("a") and pool.blocks[1].ref_cnt == 2
-    assert kv.shared_saved_blocks() == 2
-    # b writes token 6 into the shared, partially filled block 1: it gets a private copy.
+    assert kv.block_table("b") == kv.block_table("a") and pool.blocks[2].ref_cnt == 2
+    assert kv.stats([], None).shared_saved_blocks == 2
+    # b writes token 6 into the shared, partially filled block 2: it gets a private copy.
     assert kv.allocate("b", 7, num_computed=6)
     src, dst = kv.take_copies()[0]
-    assert src == 1 and kv.block_table("b")[1] == dst and pool.blocks[1].ref_cnt == 1
-    # a writes into block 1, now its own: no copy; block 0 stays shared.
+    assert src == 2 and kv.block_table("b")[1] == dst and pool.blocks[2].ref_cnt == 1
+    # a writes into block 2, now its own: no copy; block 1 stays shared.
     assert kv.allocate("a", 7, num_computed=6) and kv.take_copies() == []
-    assert pool.blocks[0].ref_cnt == 2
+    assert pool.blocks[1].ref_cnt == 2
     kv.check_invariants()
     kv.free("a")
     kv.free("b")
@@ -51,36 +55,69 @@ def test_fork_shares_blocks_and_copies_on_first_write():
 
 
 def test_contiguous_first_fit_merge_and_external_fragmentation():
-    arena = ContiguousAllocator(10, block_size=16)
-    assert arena.allocate("a", 10, reserve_tokens=48)  # 3 blocks: 0-2
-    assert arena.allocate("b", 10, reserve_tokens=64)  # 4 blocks: 3-6
-    assert arena.allocate("c", 10, reserve_tokens=48)  # 3 blocks: 7-9
-    assert arena.block_table("b") == [3, 4, 5, 6]
+    arena = ContiguousArena(10, block_size=16, reserve="request", max_model_len=4096)
+    assert arena.admit("a", 10, 0, final_tokens=48)  # 3 blocks: 1-3
+    assert arena.admit("b", 10, 0, final_tokens=64)  # 4 blocks: 4-7
+    assert arena.admit("c", 10, 0, final_tokens=48)  # 3 blocks: 8-10
+    assert arena.block_table("b") == [4, 5, 6, 7]
     arena.free("a")
     arena.free("c")
     # 6 blocks free in total, but in two holes of 3: a 4-block region cannot be placed.
     assert arena.num_free_blocks == 6 and arena.largest_hole() == 3
-    assert not arena.allocate("d", 10, reserve_tokens=64)
+    assert not arena.admit("d", 10, 0, final_tokens=64)
+    live = [RequestExtent("b", 10, 64)]
+    st = arena.stats(live, next_waiting=64)
+    assert st.external_slots == 6 * 16 and st.free_slots == 0  # both holes are useless to "d"
+    assert arena.stats(live, next_waiting=48).external_slots == 0  # "e" fits a hole
     arena.free("b")  # holes merge back into one
-    assert arena.holes == [(0, 10)]
-    assert arena.allocate("d", 10, reserve_tokens=160)
+    assert arena.holes == [(1, 10)]
+    assert arena.admit("d", 10, 0, final_tokens=160)
     arena.check_invariants()
 
 
-ops = st.lists(st.tuples(st.sampled_from(["alloc", "grow", "fork", "free", "preempt"]),
+def test_contiguous_reservations_max_len_vs_request():
+    max_len = ContiguousArena(20, block_size=16, reserve="max-len", max_model_len=160)
+    per_request = ContiguousArena(20, block_size=16, reserve="request", max_model_len=160)
+    assert max_len.admit("a", 10, 0, final_tokens=40) and len(max_len.block_table("a")) == 10
+    assert per_request.admit("a", 10, 0, final_tokens=40) and len(per_request.block_table("a")) == 3
+    # Token states 10, reserved up to the final length 40, internal the rest of the region.
+    st = max_len.stats([RequestExtent("a", 10, 40)], None)
+    assert (st.token_slots, st.reserved_slots, st.internal_slots) == (10, 30, 160 - 40)
+    # The region is a hard cap: growth inside it is free, beyond it is refused.
+    assert per_request.allocate("a", 48, 40) and not per_request.allocate("a", 49, 48)
+
+
+def test_paged_slots_ahead_are_given_back():
+    """Speculation's contract: slots for guessed tokens are allocated ahead and given back on rejection;
+    a block emptied by the rejection returns to the pool, and only final tokens are indexed."""
+    kv = PagedKVManager(8, block_size=4)
+    assert kv.allocate("a", 5, 0)  # 5 accepted tokens: 2 blocks
+    assert kv.allocate("a", 5 + 4, 5)  # 4 guesses: a third block
+    assert len(kv.block_table("a")) == 3 and kv.num_free_blocks == 5
+    toks = list(range(100, 109))
+    kv.truncate("a", 6)  # one guess accepted: the third block is empty again
+    assert len(kv.block_table("a")) == 2 and kv.num_free_blocks == 6
+    kv.cache_blocks("a", lambda s, e: toks[s:e], 6)  # 6 final tokens: one full block indexed
+    assert len(kv.hashes["a"]) == 1
+    kv.truncate("a", 3)  # rolling back into an indexed block drops its hash from the request
+    assert kv.hashes["a"] == [] and len(kv.block_table("a")) == 1
+    kv.check_invariants()
+
+
+ops = st.lists(st.tuples(st.sampled_from(["alloc", "grow", "fork", "free", "preempt", "truncate"]),
                          st.integers(0, 5), st.integers(1, 40)), max_size=60)
 
 
 @settings(max_examples=150, deadline=None)
 @given(ops)
 def test_paged_manager_invariants_hold_under_random_operations(seq):
-    pool = BlockPool(24)
-    kv = KVCacheManager(pool, block_size=4)
+    kv = PagedKVManager(24, block_size=4)
+    pool = kv.pool
     tokens: dict[str, int] = {}
     for op, who, n in seq:
         rid = f"r{who}"
         if op == "alloc" and rid not in tokens:
-            if kv.allocate(rid, n):
+            if kv.admit(rid, n, 0, n):
                 tokens[rid] = n
         elif op == "grow" and rid in tokens:
             if kv.allocate(rid, tokens[rid] + n, num_computed=tokens[rid]):
@@ -91,12 +128,16 @@ def test_paged_manager_invariants_hold_under_random_operations(seq):
             if child not in tokens:
                 kv.fork(rid, child)
                 tokens[child] = tokens[rid]
+        elif op == "truncate" and rid in tokens:
+            tokens[rid] = max(1, tokens[rid] - n)
+            kv.truncate(rid, tokens[rid])
         elif op in ("free", "preempt") and rid in tokens:
             kv.free(rid)
             del tokens[rid]
         kv.check_invariants()
-        for r, t in tokens.items():  # every request's table covers its tokens
+        for r, t in tokens.items():  # every request's table covers its tokens, and no more blocks
             assert len(kv.block_table(r)) * 4 >= t
+            assert NULL_BLOCK not in kv.block_table(r)
     for r in list(tokens):
         kv.free(r)
     kv.check_invariants()
@@ -106,12 +147,12 @@ def test_paged_manager_invariants_hold_under_random_operations(seq):
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.tuples(st.booleans(), st.integers(0, 7), st.integers(1, 6)), max_size=50))
 def test_contiguous_arena_invariants_hold_under_random_operations(seq):
-    arena = ContiguousAllocator(20, block_size=1)
+    arena = ContiguousArena(20, block_size=1, reserve="request", max_model_len=64)
     live: set[str] = set()
     for is_alloc, who, size in seq:
         rid = f"r{who}"
         if is_alloc and rid not in live:
-            if arena.allocate(rid, 1, reserve_tokens=size):
+            if arena.admit(rid, 1, 0, final_tokens=size):
                 live.add(rid)
         elif not is_alloc and rid in live:
             arena.free(rid)
@@ -122,8 +163,9 @@ def test_contiguous_arena_invariants_hold_under_random_operations(seq):
 
 def small_engine(layout: str, num_blocks: int, preempt: str = "recompute", **kw) -> LLMEngine:
     cfg = ModelConfig.from_hf_dict(PRESETS["smollm2-135m"], name="sim")
-    per_block = cfg.kv_bytes_per_token(__import__("torch").float16) * 16
-    opts = EngineOptions(block_size=16, kv_budget=str(num_blocks * per_block), max_model_len=2048,
+    per_block = cfg.kv_bytes_per_token(torch.float16) * 16
+    # One block more than asked for: the null block comes out of the same budget.
+    opts = EngineOptions(block_size=16, kv_budget=str((num_blocks + 1) * per_block), max_model_len=2048,
                          kv_layout=layout, preempt=preempt, kv_dtype="fp16", **kw)
     return LLMEngine(None, opts, config=cfg)
 
@@ -154,7 +196,7 @@ def test_simulated_paged_vs_contiguous_breakdown():
     assert paged.token_share_of_allocated >= 0.98
     assert contig.share("token_bytes") <= 0.40
     assert paged.peak_running >= 4 * contig.peak_running
-    assert contig.share("external_bytes") > 0 and paged.share("external_bytes") == 0
+    assert contig.share("external_bytes") > 0
     assert paged.completed == contig.completed == 300
 
 
@@ -170,11 +212,11 @@ def test_request_larger_than_the_pool_ends_instead_of_looping():
 
 
 def test_prefix_cache_hits_full_blocks_and_evicts_lru():
-    pool = BlockPool(6)
-    kv = KVCacheManager(pool, block_size=4)
+    kv = PagedKVManager(6, block_size=4)
+    pool = kv.pool
     a = list(range(100, 111))  # 11 tokens: two full blocks + 3
     assert kv.match_prefix("a", a) == 0
-    assert kv.allocate("a", 11)
+    assert kv.allocate("a", 11, 0)
     kv.cache_blocks("a", lambda s, e: a[s:e], 11)
     kv.free("a")  # its two full blocks stay indexed, cached-free
     assert pool.num_free == 6 and pool.num_cached_free == 2
@@ -189,15 +231,15 @@ def test_prefix_cache_hits_full_blocks_and_evicts_lru():
     kv.free("c")
     assert kv.prefix_hit_tokens == 8 and kv.prefix_query_tokens == 11 + 9 + 8
     # Filling the pool evicts the cached blocks (least recently freed first) and clears the index.
-    assert kv.allocate("d", 24)
+    assert kv.allocate("d", 24, 0)
     assert pool.cached == {} and kv.match_prefix("e", a) == 0
     kv.check_invariants()
 
 
 def test_prefix_hit_compares_tokens_not_only_hashes():
-    pool = BlockPool(4)
-    kv = KVCacheManager(pool, block_size=2)
-    assert kv.allocate("a", 3)
+    kv = PagedKVManager(4, block_size=2)
+    pool = kv.pool
+    assert kv.allocate("a", 3, 0)
     kv.cache_blocks("a", lambda s, e: [1, 2, 3][s:e], 3)
     kv.free("a")
     h = next(iter(pool.cached))

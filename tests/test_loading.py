@@ -90,7 +90,7 @@ def logits_through_engine(engine, ids: list[int], chunk: int) -> torch.Tensor:
     rows = []
     for pos in range(0, len(ids), chunk):
         part = ids[pos:pos + chunk]
-        assert engine.kv.allocate("x", pos + len(part))
+        assert engine.kv.allocate("x", pos + len(part), pos)
         step = SchedulerOutput([ScheduledChunk("x", part, pos, engine.kv.block_table("x"), True)])
         rows.append(engine.runner.execute(step, all_logits=True).logits)
     engine.kv.free("x")

@@ -20,7 +20,7 @@ def teacher_forced_logits(engine, ids: list[int], prefill: int, chunk: int) -> t
     pos = 0
     while pos < len(ids):
         n = min(chunk, prefill - pos) if pos < prefill else 1
-        assert engine.kv.allocate(req, pos + n)
+        assert engine.kv.allocate(req, pos + n, pos)
         step = SchedulerOutput([ScheduledChunk(req, ids[pos:pos + n], pos, engine.kv.block_table(req), True)])
         rows.append(engine.runner.execute(step, all_logits=True).logits)
         pos += n
@@ -40,7 +40,7 @@ def test_teacher_forced_logits_match_transformers(exact_llm, hf_model, sample_te
     assert ours.shape == ref.shape
     err = (ours - ref).abs().max(dim=-1).values
     assert err.max().item() < 1e-3, f"max abs logit error {err.max().item():.2e} at position {int(err.argmax())}"
-    assert engine.pool.num_free == engine.pool.num_blocks
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
 
 
 PROMPTS = [
@@ -73,7 +73,7 @@ def test_greedy_batch_matches_transformers_generate(exact_llm, hf_model):
     prompt_ids = [engine.tokenizer.encode(p) for p in PROMPTS]
     assert len({len(p) for p in prompt_ids}) == len(prompt_ids)  # all lengths differ
     outs = exact_llm.generate(prompt_ids, SamplingParams(max_tokens=64, ignore_eos=True))
-    assert engine.pool.num_free == engine.pool.num_blocks  # every block back after the batch
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks  # every block back after the batch
     engine.kv.check_invariants()
     for ids, out in zip(prompt_ids, outs):
         assert len(out.token_ids) == 64

@@ -1,7 +1,8 @@
 """The attention backend interface: what the model runner hands to attention.
 
 Layouts (shared by every backend and by the Triton kernels):
-  k_cache, v_cache : [num_blocks, block_size, num_kv_heads, head_dim], one pair per layer
+  cache            : a kvcli.kvcache.kv_cache.LayerKV per layer; cache.k, cache.v are
+                     [num_blocks + 1, block_size, num_kv_heads, head_dim] (block 0: the null block)
   q                : [num_tokens, num_q_heads, head_dim], the step's tokens of all requests packed
   key, value       : [num_tokens, num_kv_heads, head_dim]
 A request's token at absolute position p lives in slot block_table[p // block_size] * block_size
@@ -12,9 +13,12 @@ A request's token at absolute position p lives in slot block_table[p // block_si
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from kvcli.kvcache.kv_cache import LayerKV
 
 
 @dataclass(frozen=True)
@@ -24,7 +28,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # int64 [num_tokens]; negative = do not write
     cu_seqlens_q: torch.Tensor  # int32 [batch + 1]; request b's query rows are [cu[b], cu[b+1])
     seq_lens: torch.Tensor  # int32 [batch]; KV length of request b after this step's tokens
-    block_tables: torch.Tensor  # int32 [batch, max_blocks]; padded with 0 past the used blocks
+    block_tables: torch.Tensor  # int32 [batch, max_blocks]; padded with the null block (0)
     max_seqlen_q: int
     max_seq_len: int
     # Host copies, so the torch path can loop without device syncs.
@@ -43,8 +47,7 @@ class AttentionBackend(Protocol):
         self,
         key: torch.Tensor,
         value: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        cache: "LayerKV",
         meta: AttentionMetadata,
     ) -> None:
         """Store the step's K/V rows into their slots (slot_mapping < 0 skipped)."""
@@ -52,8 +55,7 @@ class AttentionBackend(Protocol):
     def forward(
         self,
         q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        cache: "LayerKV",
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:

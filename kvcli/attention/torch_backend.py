@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from kvcli.attention.base import AttentionMetadata
+from kvcli.kvcache.kv_cache import LayerKV
 
 _flash_cpu = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
@@ -32,11 +33,10 @@ class TorchAttentionBackend:
         self._batch_meta: AttentionMetadata | None = None
         self._batches: list[tuple] = []
 
-    def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 meta: AttentionMetadata) -> None:
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, cache: LayerKV, meta: AttentionMetadata) -> None:
         slots = meta.slot_mapping
-        kc = k_cache.view(-1, *k_cache.shape[2:])
-        vc = v_cache.view(-1, *v_cache.shape[2:])
+        kc = cache.k.view(-1, *cache.k.shape[2:])
+        vc = cache.v.view(-1, *cache.v.shape[2:])
         if bool((slots < 0).any()):
             keep = slots >= 0
             slots, key, value = slots[keep], key[keep], value[keep]
@@ -93,9 +93,9 @@ class TorchAttentionBackend:
                     self._batches.append((set(ids), rows, tables, mask[:, None, None, :]))
         return self._batches
 
-    def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float) -> torch.Tensor:
-        bs = k_cache.shape[1]
+    def forward(self, q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        k_cache, v_cache = cache.k, cache.v
+        bs = cache.block_size
         out = torch.empty_like(q)
         batched: set[int] = set()
         for ids, rows, tables, mask in self._decode_batches(meta, k_cache.shape[1], q.device):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from kvcli.attention.base import AttentionMetadata
+from kvcli.kvcache.kv_cache import LayerKV
 
 
 class TritonAttentionBackend:
@@ -34,20 +35,18 @@ class TritonAttentionBackend:
         self,
         key: torch.Tensor,
         value: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        cache: LayerKV,
         meta: AttentionMetadata,
     ) -> None:
         """Store the step's K/V rows into their slots (slot_mapping < 0 skipped)."""
         from kvcli_kernels.cache_write import write_kv_cache
 
-        write_kv_cache(key, value, k_cache, v_cache, meta.slot_mapping)
+        write_kv_cache(key, value, cache.k, cache.v, meta.slot_mapping)
 
     def forward(
         self,
         q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        cache: LayerKV,
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
@@ -56,8 +55,8 @@ class TritonAttentionBackend:
 
         return paged_attention(
             q,
-            k_cache,
-            v_cache,
+            cache.k,
+            cache.v,
             meta.cu_seqlens_q,
             meta.seq_lens,
             meta.block_tables,

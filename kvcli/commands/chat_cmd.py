@@ -32,9 +32,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
-from kvcli.commands.common import Fail, build_engine, validate_engine_flags
+from kvcli.commands.common import Fail, build_engine
 from kvcli.config import SamplingParams
-from kvcli.engine.llm_engine import ConfigError, EngineOptions
+from kvcli.options import ConfigError, EngineOptions
 from kvcli.engine.scheduler import KVBudgetTooSmall
 from kvcli.view.summary import summary_table
 
@@ -52,22 +52,11 @@ HELP = (
 @dataclass(frozen=True)
 class ChatArgs:
     system: str | None
-    max_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int | None
+    params: SamplingParams  # per reply; turn i samples with seed + i
     truncate: bool
     model: str | None
-    block_size: int
-    kv_budget: str | None
     quant: str
-    dequantize: bool
-    device: str | None
-    attention_backend: str
-    max_model_len: int | None
-    prefix_cache: bool = True
-    max_batch_tokens: int = 512
+    options: EngineOptions
 
 
 @dataclass
@@ -305,7 +294,7 @@ class ChatSession:
 
     def stats(self) -> None:
         e = self.engine
-        self.err.print(summary_table(e.snapshot(), e.weight_bytes(), title="kvcli chat"))
+        self.err.print(summary_table(e.snapshot(), title="kvcli chat"))
         try:
             ctx = len(self._template(self.messages)) if (self.messages or self.a.system) else 0
         except Exception:  # a template that rejects the conversation as it stands
@@ -341,8 +330,8 @@ class ChatSession:
             "model": str(self.engine.source),
             "saved_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "system": self.a.system,
-            "settings": {"max_tokens": self.a.max_tokens, "temperature": self.a.temperature,
-                         "top_p": self.a.top_p, "top_k": self.a.top_k, "seed": self.a.seed,
+            "settings": {"max_tokens": self.a.params.max_tokens, "temperature": self.a.params.temperature,
+                         "top_p": self.a.params.top_p, "top_k": self.a.params.top_k, "seed": self.a.params.seed,
                          "max_model_len": self.engine.max_model_len, "truncate": self.a.truncate},
             "messages": self.messages,
             "dropped_turns": self.dropped_turns,
@@ -359,7 +348,7 @@ class ChatSession:
     def fit(self, user: dict) -> list[int] | None:
         """The prompt ids for the conversation plus `user`, leaving room for --max-tokens; drops the
         oldest turns under --truncate; None (after a one-line notice) when it cannot fit."""
-        max_len, mt = self.engine.max_model_len, self.a.max_tokens
+        max_len, mt = self.engine.max_model_len, self.a.params.max_tokens
         room = max_len - mt
         try:
             ids = self._template(self.messages, user)
@@ -400,9 +389,8 @@ class ChatSession:
                 self.out.flush()
             return False
         a = self.a
-        seed = None if a.seed is None else a.seed + self.total_turns
-        params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,
-                                top_k=a.top_k, seed=seed)
+        seed = None if a.params.seed is None else a.params.seed + self.total_turns
+        params = a.params.with_(seed=seed)
         hits_before = _prefix_hits_total(e)
         computed_before = _computed_prompt_tokens(e)
 
@@ -548,7 +536,7 @@ class ChatSession:
                  f"{self.total_prompt:,} prompt tokens submitted")
         if self.total_hits is not None:
             title += f", prefix-cache hits {self.total_hits:,} tokens"
-        self.err.print(summary_table(snap, e.weight_bytes(), title=title))
+        self.err.print(summary_table(snap, title=title))
 
 
 # --- /blocks -------------------------------------------------------------------------------------------
@@ -637,31 +625,17 @@ def run_chat(a: ChatArgs, fail: Fail) -> int:
     except (AttributeError, ValueError, OSError):
         pass
     err = Console(stderr=True, highlight=False)
-    try:
-        SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
-                       seed=a.seed)
-    except ValueError as e:
-        fail(str(e).replace("max_tokens", "--max-tokens").replace("temperature", "--temperature")
-             .replace("top_p", "--top-p").replace("top_k", "--top-k"))
-    if a.max_model_len is not None and a.max_model_len <= 0:
-        fail("--max-model-len must be > 0")
-    if a.max_batch_tokens <= 0:
-        fail("--max-batch-tokens must be > 0")
-    validate_engine_flags(a.block_size, a.kv_budget, fail)
 
     try:
         with err.status("loading model…", spinner="dots"):
-            engine = build_engine(a.model, a.quant, EngineOptions(
-                device=a.device, block_size=a.block_size, kv_budget=a.kv_budget, dequantize=a.dequantize,
-                max_model_len=a.max_model_len, max_num_batched_tokens=a.max_batch_tokens,
-                attention_backend=a.attention_backend, prefix_caching=a.prefix_cache), fail)
+            engine = build_engine(a.model, a.quant, a.options, fail)
     except KeyboardInterrupt:
         err.print()
         return 130
     if getattr(engine, "tokenizer", None) is None:
         fail("this model has no tokenizer, so it cannot chat")
-    if a.max_tokens >= engine.max_model_len:
-        fail(f"--max-tokens {a.max_tokens} leaves no room for the conversation in the "
+    if a.params.max_tokens >= engine.max_model_len:
+        fail(f"--max-tokens {a.params.max_tokens} leaves no room for the conversation in the "
              f"{engine.max_model_len:,}-token context (lower --max-tokens or raise --max-model-len)")
 
     kv_dtype = getattr(engine, "kv_dtype", None) or getattr(getattr(engine, "kv_cache", None), "dtype", "?")
@@ -673,7 +647,7 @@ def run_chat(a: ChatArgs, fail: Fail) -> int:
             import readline  # noqa: F401  (line editing and history for input())
         except ImportError:
             pass
-        err.print(f"[dim]chat · {engine.max_model_len:,}-token context · up to {a.max_tokens} tokens per reply · "
+        err.print(f"[dim]chat · {engine.max_model_len:,}-token context · up to {a.params.max_tokens} tokens per reply · "
                   f"/help for commands · Ctrl-C stops a reply · Ctrl-D or /quit exits[/dim]", soft_wrap=True)
     session = ChatSession(engine, a, err, interactive)
     try:

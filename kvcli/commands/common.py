@@ -1,24 +1,39 @@
-"""Building an engine from CLI options, with every expected failure turned into a one-line message."""
+"""What every command shares: its options object built and validated once, sampling parameters with
+errors named after their flags, and engine construction with every expected failure turned into a
+one-line message."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any, NoReturn
 
-from kvcli.engine.llm_engine import ConfigError, EngineOptions, LLMEngine, SUPPORTED_BLOCK_SIZES, parse_kv_budget
+from kvcli.config import SamplingParams
+from kvcli.engine.llm_engine import LLMEngine
 from kvcli.model.loader import ModelLoadError, load_weights
+from kvcli.options import ConfigError, EngineOptions
 
-Fail = Callable[[str], None]
+Fail = Callable[[str], NoReturn]
+
+_SAMPLING_FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature", "top_p": "--top-p",
+                   "top_k": "--top-k"}
 
 
-def validate_engine_flags(block_size: int, kv_budget: str | None, fail: Fail) -> None:
-    """Checks that need no model, so bad flags fail before a slow load."""
-    if block_size not in SUPPORTED_BLOCK_SIZES:
-        fail(f"--block-size must be one of {', '.join(map(str, SUPPORTED_BLOCK_SIZES))} (got {block_size})")
-    if kv_budget and kv_budget != "auto":
-        try:
-            parse_kv_budget(kv_budget)
-        except ConfigError as e:
-            fail(str(e))
+def engine_options(fail: Fail, **values: Any) -> EngineOptions:
+    """The command's EngineOptions; a bad value fails here, before any slow load."""
+    try:
+        return EngineOptions(**values)
+    except ConfigError as e:
+        fail(str(e))
+
+
+def sampling_params(fail: Fail, **values: Any) -> SamplingParams:
+    try:
+        return SamplingParams(**values)
+    except ValueError as e:
+        msg = str(e)
+        for field, flag in _SAMPLING_FLAGS.items():
+            msg = msg.replace(field, flag)
+        fail(msg)
 
 
 def build_engine(model: str | None, quant: str, options: EngineOptions, fail: Fail) -> LLMEngine:
@@ -29,4 +44,3 @@ def build_engine(model: str | None, quant: str, options: EngineOptions, fail: Fa
         fail(str(e))
     except MemoryError:
         fail("out of memory while loading the model (try a smaller --kv-budget or model)")
-    raise AssertionError("unreachable")

@@ -13,11 +13,12 @@ from contextlib import nullcontext
 from rich.console import Console, Group
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from kvcli.commands.common import Fail, build_engine, validate_engine_flags
+from kvcli.commands.common import Fail, build_engine
 from kvcli.config import SamplingParams
-from kvcli.engine.llm_engine import ConfigError, EngineOptions
 from kvcli.engine.scheduler import KVBudgetTooSmall
+from kvcli.options import ConfigError, EngineOptions
 from kvcli.inputs import InputError, check_writable, read_text_file
+from kvcli.metrics.snapshot import Snapshot
 from kvcli.view.dashboard import LiveDashboard
 from kvcli.view.plain_log import human_bytes
 from kvcli.view.summary import snapshot_dict, summary_table
@@ -26,25 +27,14 @@ from kvcli.view.summary import snapshot_dict, summary_table
 @dataclass(frozen=True)
 class ContinueArgs:
     file: Path
-    max_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int | None
+    params: SamplingParams
     truncate: str
     json_out: bool
     output: Path | None
     model: str | None
-    block_size: int
-    kv_budget: str | None
     quant: str
-    dequantize: bool
-    device: str | None
-    attention_backend: str
-    max_model_len: int | None
-    max_batch_tokens: int
+    options: EngineOptions
     live: bool = True
-    prefix_cache: bool = True
 
 
 def fit_prompt(ids: list[int], max_len: int, max_tokens: int, truncate: str) -> list[int]:
@@ -62,15 +52,7 @@ def fit_prompt(ids: list[int], max_len: int, max_tokens: int, truncate: str) -> 
 
 def run_continue(a: ContinueArgs, fail: Fail) -> int:
     err = Console(stderr=True)
-    try:
-        params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,
-                                top_k=a.top_k, seed=a.seed)
-    except ValueError as e:
-        fail(str(e).replace("max_tokens", "--max-tokens").replace("temperature", "--temperature")
-             .replace("top_p", "--top-p").replace("top_k", "--top-k"))
-    if a.max_batch_tokens <= 0:
-        fail("--max-batch-tokens must be > 0")
-    validate_engine_flags(a.block_size, a.kv_budget, fail)
+    params = a.params
     try:
         text = read_text_file(a.file)
         if a.output is not None:
@@ -79,18 +61,15 @@ def run_continue(a: ContinueArgs, fail: Fail) -> int:
         fail(str(e))
 
     with err.status("loading model…", spinner="dots"):
-        engine = build_engine(a.model, a.quant, EngineOptions(
-            device=a.device, block_size=a.block_size, kv_budget=a.kv_budget, dequantize=a.dequantize,
-            max_model_len=a.max_model_len, max_num_batched_tokens=a.max_batch_tokens,
-            attention_backend=a.attention_backend, prefix_caching=a.prefix_cache), fail)
+        engine = build_engine(a.model, a.quant, a.options, fail)
     ids = engine.tokenizer.encode(text)
     try:
-        prompt = fit_prompt(ids, engine.max_model_len, a.max_tokens, a.truncate)
+        prompt = fit_prompt(ids, engine.max_model_len, params.max_tokens, a.truncate)
         req = engine.add_request(prompt, params)
     except (ConfigError, KVBudgetTooSmall) as e:
         fail(str(e))
     err.print(f"[dim]{Path(engine.source).name} · {engine.config.num_layers} layers · weights {engine.linear_mode} · "
-              f"KV {engine.kv_cache.dtype} on {engine.device} · loaded in {engine.load_seconds:.1f} s[/dim]")
+              f"KV {engine.kv_dtype} on {engine.device} · loaded in {engine.load_seconds:.1f} s[/dim]")
     if len(prompt) < len(ids):
         err.print(f"[yellow]truncated: kept the last {len(prompt):,} of {len(ids):,} tokens[/yellow]")
 
@@ -124,7 +103,6 @@ def run_continue(a: ContinueArgs, fail: Fail) -> int:
     if a.output is not None:
         a.output.write_text(continuation, encoding="utf-8")
     snap = engine.snapshot()
-    weights = engine.weight_bytes()
     if a.json_out:
         report = {
             "model": engine.source,
@@ -138,25 +116,25 @@ def run_continue(a: ContinueArgs, fail: Fail) -> int:
             "wall_seconds": round(wall, 3),
             "load_seconds": round(engine.load_seconds, 3),
             "weights_format": engine.linear_mode,
-            "metrics": snapshot_dict(snap, weights),
+            "metrics": snapshot_dict(snap),
         }
         print(json.dumps(report, indent=2))
     else:
-        table = summary_table(snap, weights, title="kvcli continue" + (" (interrupted)" if interrupted else ""))
-        paged, contiguous = _layout_comparison(engine, req.num_computed_tokens)
+        table = summary_table(snap, title="kvcli continue" + (" (interrupted)" if interrupted else ""))
+        paged, contiguous = _layout_comparison(snap, req.num_computed_tokens)
         table.add_row("vs contiguous (max-len)",
-                      f"paged held {human_bytes(paged)}; preallocating {engine.max_model_len:,} slots would "
+                      f"paged held {human_bytes(paged)}; preallocating {snap.max_model_len:,} slots would "
                       f"reserve {human_bytes(contiguous)} ({contiguous / max(paged, 1):.1f}x)")
         err.print(table)
     return 130 if interrupted else 0
 
 
-def _layout_comparison(engine, tokens: int) -> tuple[int, int]:
+def _layout_comparison(s: Snapshot, tokens: int) -> tuple[int, int]:
     """KV bytes this run held in blocks, against a contiguous max-length reservation."""
-    bs = engine.kv.block_size
-    per_slot = engine.bytes_per_block // bs
+    bs = s.block_size
+    per_slot = s.bytes_per_block // bs
     paged = -(-tokens // bs) * bs * per_slot
-    contiguous = -(-engine.max_model_len // bs) * bs * per_slot
+    contiguous = -(-s.max_model_len // bs) * bs * per_slot
     return paged, contiguous
 
 
@@ -173,7 +151,7 @@ class _LiveView:
         self.prompt_tokens = prompt_tokens
         self.dash = _PrefillDashboard(console, live=live, progress=self.progress)
         self.probe = MemoryProbe(str(engine.device))
-        self.weights = sum(engine.weight_bytes().values())
+        self.weights = sum(engine.weight_bytes().values())  # fixed for the run: summed once
         self.last = 0.0
 
     def update(self, computed: int) -> None:
@@ -183,7 +161,7 @@ class _LiveView:
             e = self.engine
             self.progress.update(self.task, completed=min(computed, self.prompt_tokens))
             self.dash.prefilling = computed < self.prompt_tokens
-            self.dash.update(e.metrics.snapshot(self.probe.sample(e.kv_pool_bytes, self.weights)))
+            self.dash.update(e.snapshot(self.probe.sample(e.kv_pool_bytes, self.weights), block_map=True))
 
 
 class _PrefillDashboard(LiveDashboard):

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import torch
 from rich.console import Console
 from rich.table import Table
 
 from kvcli.commands.common import Fail
-from kvcli.engine.llm_engine import ConfigError, parse_bytes
-from kvcli.kvcache.block_manager import blocks_for
+from kvcli.kvcache.interface import blocks_for
 from kvcli.model.loader import ModelLoadError, load_config
+from kvcli.options import ConfigError, EngineOptions, parse_bytes
 from kvcli.view.plain_log import human_bytes
 
 # Bytes per weight as stored: GGUF Q4_1 linears (20 B per 32 weights), Q8_0 embedding/output (34 B per 32).
@@ -29,19 +32,27 @@ def weight_bytes(config) -> dict[str, int]:
     }
 
 
-def run_plan(model: str | None, context: int, batch: int | None, memory: str | None, mean_tokens: int | None,
-             kv_dtype: str, block_size: int, fail: Fail) -> int:
-    import torch
+@dataclass(frozen=True)
+class PlanArgs:
+    model: str | None
+    context: int
+    batch: int | None
+    memory: str | None
+    mean_tokens: int | None
+    options: EngineOptions  # block size and KV dtype, validated like every other command's
 
-    dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-    if kv_dtype not in dtypes:
-        fail(f"--kv-dtype must be fp16, bf16 or fp32 (got {kv_dtype})")
-    if context <= 0 or (batch is not None and batch <= 0) or (mean_tokens is not None and mean_tokens <= 0):
-        fail("--context, --batch and --mean-tokens must be > 0")
+
+def run_plan(a: PlanArgs, fail: Fail) -> int:
+    context, batch, mean_tokens = a.context, a.batch, a.mean_tokens
+    block_size = a.options.block_size
+    for flag, value in (("--context", context), ("--batch", batch), ("--mean-tokens", mean_tokens)):
+        if value is not None and value <= 0:
+            fail(f"{flag} must be a positive integer (got {value})")
+    kv_dtype = a.options.cache_dtype(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     try:
-        config = load_config(model)
-        if memory:
-            mem = parse_bytes(memory)
+        config = load_config(a.model)
+        if a.memory:
+            mem = parse_bytes(a.memory, "--memory")
         elif torch.cuda.is_available():
             mem = torch.cuda.get_device_properties(0).total_memory
         else:
@@ -52,11 +63,12 @@ def run_plan(model: str | None, context: int, batch: int | None, memory: str | N
         Console(stderr=True).print(f"[yellow]note: --context {context} exceeds the model's "
                                    f"{config.max_position_embeddings}-token limit[/yellow]")
     mean = mean_tokens or max(1, context // 4)
-    per_tok = config.kv_bytes_per_token(dtypes[kv_dtype])
+    per_tok = config.kv_bytes_per_token(kv_dtype)
     weights = weight_bytes(config)
     w_total = sum(weights.values())
     kv_budget = int(mem * USABLE) - w_total
-    t = Table(title=f"kvcli plan · {config.name} · {human_bytes(mem)} memory · KV {kv_dtype} · "
+    dtype_name = str(kv_dtype).removeprefix("torch.")
+    t = Table(title=f"kvcli plan · {config.name} · {human_bytes(mem)} memory · KV {dtype_name} · "
                     f"block {block_size}", title_justify="left", show_header=False)
     t.add_column(style="bold")
     t.add_column(justify="right")
@@ -75,7 +87,8 @@ def run_plan(model: str | None, context: int, batch: int | None, memory: str | N
     contiguous = kv_budget // (per_tok * blocks_for(context, block_size) * block_size)
     paged = kv_budget // (per_tok * blocks_for(mean, block_size) * block_size)
     t.add_row("requests, contiguous", f"{contiguous:,}", f"each preallocates {context:,} tokens")
-    t.add_row("requests, paged", f"{paged:,}", f"each holds ~{mean:,} tokens (--mean-tokens) in blocks")
+    assumed = "--mean-tokens" if mean_tokens else "assumed: context / 4; set --mean-tokens"
+    t.add_row("requests, paged", f"{paged:,}", f"each holds ~{mean:,} tokens on average ({assumed}) in blocks")
     if batch is not None:
         for name, fits in (("contiguous", contiguous), ("paged", paged)):
             verdict = "fits" if batch <= fits else f"does not fit ({fits:,} max)"

@@ -12,9 +12,10 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from kvcli.commands.common import Fail, validate_engine_flags
-from kvcli.engine.llm_engine import ConfigError, EngineOptions, LLMEngine
+from kvcli.commands.common import Fail
+from kvcli.engine.llm_engine import LLMEngine
 from kvcli.engine.scheduler import KVBudgetTooSmall
+from kvcli.options import ConfigError, EngineOptions
 from kvcli.inputs import InputError, check_writable
 from kvcli.model.loader import ModelLoadError, load_config, load_tokenizer, load_weights
 from kvcli.profile import ProfileResult, breakdown_rows, plot_timeline, run_trace
@@ -29,24 +30,12 @@ class ProfileArgs:
     request_rate: str
     seed: int
     compare: str  # none | contiguous | hf
-    kv_layout: str
-    reserve: str
-    preempt: str
     simulate: bool
     json_path: Path | None
     plot_path: Path | None
-    block_size: int
-    kv_budget: str | None
-    kv_dtype: str | None
-    max_model_len: int
-    max_batch_tokens: int
-    max_num_seqs: int
     quant: str
-    dequantize: bool
-    device: str | None
-    attention_backend: str
     live: bool
-    prefix_cache: bool = True
+    options: EngineOptions
 
 
 def parse_rate(text: str, fail: Fail) -> float:
@@ -61,14 +50,15 @@ def parse_rate(text: str, fail: Fail) -> float:
 
 def run_profile(a: ProfileArgs, fail: Fail) -> int:
     err = Console(stderr=True)
-    validate_engine_flags(a.block_size, a.kv_budget, fail)
+    options = a.options
+    max_model_len = options.max_model_len or 2048
     rate = parse_rate(a.request_rate, fail)
     if a.compare not in ("none", "contiguous", "hf"):
         fail(f"--compare must be none, contiguous or hf (got {a.compare})")
     if a.compare == "hf" and a.simulate:
         fail("--compare hf runs the model; it cannot be simulated")
-    if a.max_model_len <= 0 or a.num_requests <= 0 or a.max_batch_tokens <= 0 or a.max_num_seqs <= 0:
-        fail("--max-model-len, --num-requests, --max-batch-tokens and --max-num-seqs must be > 0")
+    if a.num_requests <= 0:
+        fail(f"--num-requests must be a positive integer (got {a.num_requests})")
     for p in (a.json_path, a.plot_path):
         if p is not None:
             try:
@@ -76,17 +66,12 @@ def run_profile(a: ProfileArgs, fail: Fail) -> int:
             except InputError as e:
                 fail(str(e))
     try:
-        trace = load_trace(a.workload, a.num_requests, a.max_model_len, rate, a.seed)
+        trace = load_trace(a.workload, a.num_requests, max_model_len, rate, a.seed)
     except WorkloadError as e:
         fail(str(e))
 
-    options = EngineOptions(device=a.device, block_size=a.block_size, kv_budget=a.kv_budget, dequantize=a.dequantize,
-                            max_model_len=a.max_model_len, max_num_batched_tokens=a.max_batch_tokens,
-                            max_num_seqs=a.max_num_seqs, attention_backend=a.attention_backend,
-                            kv_layout=a.kv_layout, reserve=a.reserve, preempt=a.preempt,
-                            kv_dtype=a.kv_dtype or ("fp16" if a.simulate else None),
-                            prefix_caching=a.prefix_cache)
-    layouts = [a.kv_layout] + (["contiguous" if a.kv_layout == "paged" else "paged"] if a.compare == "contiguous" else [])
+    layout0 = options.kv_layout
+    layouts = [layout0] + (["contiguous" if layout0 == "paged" else "paged"] if a.compare == "contiguous" else [])
     results: list[ProfileResult] = []
     try:
         with err.status("loading model…" if not a.simulate else "reading model config…", spinner="dots"):
@@ -98,15 +83,16 @@ def run_profile(a: ProfileArgs, fail: Fail) -> int:
         tokenizer = loaded.tokenizer if loaded is not None else (
             load_tokenizer(a.model) if any(r.prompt_text is not None for r in trace.requests) else None)
         prompts = prompt_ids(trace, tokenizer, a.seed)
-        if any(len(p) >= a.max_model_len for p in prompts):
-            fail(f"a trace prompt has {max(map(len, prompts))} tokens; --max-model-len is {a.max_model_len}")
+        if any(len(p) >= max_model_len for p in prompts):
+            fail(f"a trace prompt has {max(map(len, prompts))} tokens; --max-model-len is {max_model_len}")
         model = None
         for layout in layouts:
             opts = replace(options, kv_layout=layout)
             engine = LLMEngine(loaded, opts, config=config, model=model)
             model = engine.model
-            label = layout if layout == "paged" else f"contiguous ({a.reserve})"
-            err.print(f"[dim]{label}: {engine.num_blocks:,} blocks x {a.block_size} tokens = "
+            kv_dtype = str(engine.kv_dtype).removeprefix("torch.")
+            label = layout if layout == "paged" else f"contiguous ({options.reserve})"
+            err.print(f"[dim]{label}: {engine.num_blocks:,} blocks x {options.block_size} tokens = "
                       f"{engine.kv_pool_bytes / 2**20:,.1f} MiB KV ({engine.kv_dtype}) · {len(prompts)} requests"
                       f"{' · simulated' if a.simulate else ''}[/dim]")
             results.append(_run_one(engine, trace, prompts, label, a, err))
@@ -126,7 +112,8 @@ def run_profile(a: ProfileArgs, fail: Fail) -> int:
         report = {"trace": {"name": trace.name, "num_requests": len(trace.requests),
                             "mean_prompt_tokens": trace.mean_prompt, "mean_output_tokens": trace.mean_output,
                             "request_rate": a.request_rate, "seed": a.seed},
-                  "model": config.name, "max_model_len": a.max_model_len, "block_size": a.block_size,
+                  "model": config.name, "max_model_len": max_model_len, "block_size": options.block_size,
+                  "kv_dtype": kv_dtype,
                   "runs": [r.to_dict() for r in results]}
         a.json_path.write_text(json.dumps(report, indent=1))
     if a.plot_path is not None:
@@ -148,7 +135,7 @@ def _run_one(engine: LLMEngine, trace, prompts, label: str, a: ProfileArgs, err:
             now = time.perf_counter()
             if now - last[0] >= 0.2:  # snapshots cost a block-map walk: a few per second is plenty
                 last[0] = now
-                dash.update(e.metrics.snapshot(probe.sample(e.kv_pool_bytes, weights)))
+                dash.update(e.snapshot(probe.sample(e.kv_pool_bytes, weights), block_map=True))
 
         return run_trace(engine, trace, prompts, label, on_step=on_step)
 
@@ -156,7 +143,7 @@ def _run_one(engine: LLMEngine, trace, prompts, label: str, a: ProfileArgs, err:
 def _table(results: list[ProfileResult], trace, a: ProfileArgs) -> Table:
     t = Table(title=f"kvcli profile · {trace.name}: {len(trace.requests)} requests, mean prompt "
                     f"{trace.mean_prompt:.0f} / output {trace.mean_output:.0f} tokens · max_model_len "
-                    f"{a.max_model_len} · same KV budget" + (" · simulated" if a.simulate else ""),
+                    f"{a.options.max_model_len or 2048} · same KV budget" + (" · simulated" if a.simulate else ""),
               title_justify="left")
     t.add_column("% of KV memory in use / metric")
     for r in results:

@@ -5,96 +5,46 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from dataclasses import dataclass
 
 import torch
 
 from kvcli.attention.base import AttentionBackend
-from kvcli.config import SamplingParams, SchedulerConfig
+from kvcli.config import ModelConfig, SamplingParams
 from kvcli.engine.detokenizer import IncrementalDetokenizer
 from kvcli.engine.outputs import CompletionOutput, RequestOutput
-from kvcli.engine.request import Request, RequestStatus
+from kvcli.engine.request import Request
 from kvcli.engine.scheduler import Scheduler
-from kvcli.kvcache.block_manager import KVCacheManager
-from kvcli.kvcache.contiguous import ContiguousAllocator
-from kvcli.kvcache.block_pool import BlockPool
-from kvcli.kvcache.kv_cache import KVCache, allocate_kv_cache, bytes_per_block, num_blocks_for_budget
+from kvcli.kvcache.block_manager import PagedKVManager
+from kvcli.kvcache.contiguous import ContiguousArena
+from kvcli.kvcache.interface import KVLayout
+from kvcli.kvcache.kv_cache import KVCache, bytes_per_block, usable_blocks_for_budget
 from kvcli.metrics.collector import MetricsCollector
-from kvcli.metrics.stats import EngineSnapshot
+from kvcli.metrics.snapshot import MemorySnapshot, Snapshot
+from kvcli.metrics.stats import RunStats
 from kvcli.model.llama import LlamaModel
 from kvcli.model.loader import LoadedWeights
 from kvcli.model.quant import QuantTensor
 from kvcli.model.tokenizer import Tokenizer
-from kvcli.runner.model_runner import ModelRunner, RunnerOutput
-from kvcli.sampler import sample
+from kvcli.options import ConfigError, EngineOptions, parse_kv_budget
+from kvcli.runner.model_runner import ModelRunner
+from kvcli.runner.simulated_runner import SimulatedRunner
+
+__all__ = ["ConfigError", "EngineOptions", "LLMEngine"]
 
 
-class ConfigError(ValueError):
-    """Engine options that cannot work together; the message is meant for the user as is."""
-
-
-@dataclass(frozen=True)
-class EngineOptions:
-    device: str | None = None  # None: cuda when available, else cpu
-    block_size: int = 16
-    kv_budget: str | None = None  # "2GiB", "512MB", a fraction of free memory "0.5", or None (auto)
-    dequantize: bool = False  # dense fp32 weights: exact, 8x the bytes
-    max_model_len: int | None = None
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 64
-    attention_backend: str = "auto"  # auto | torch | triton
-    kv_layout: str = "paged"  # paged | contiguous (preallocated region per request, for comparison)
-    reserve: str = "max-len"  # contiguous only: max-len | request (prompt + max_tokens)
-    preempt: str = "recompute"  # recompute | swap
-    swap_space: str = "4GiB"  # host memory for swapped-out blocks
-    dtype: str | None = None  # compute dtype; default fp32 on CPU, bf16 (fp16 if unsupported) on CUDA
-    kv_dtype: str | None = None  # default: the compute dtype
-    prefix_caching: bool = True  # reuse full blocks of shared prefixes across requests
-
-
-SUPPORTED_BLOCK_SIZES = (8, 16, 32, 64, 128)
 DEFAULT_CPU_KV_BUDGET = 1 << 30
 
 
-def parse_bytes(text: str) -> int:
-    units = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 1024, "m": 1e6, "mb": 1e6, "mib": 1 << 20,
-             "g": 1e9, "gb": 1e9, "gib": 1 << 30, "t": 1e12, "tb": 1e12, "tib": 1 << 40}
-    s = text.strip().lower().replace(" ", "")
-    num = s.rstrip("kmgtib")
-    unit = s[len(num):]
+def available_memory(device: torch.device) -> int:
+    """Bytes a KV pool could take now: free device memory on CUDA, available RAM on the host."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
     try:
-        value = float(num)
-    except ValueError:
-        raise ConfigError(f"cannot read {text!r} as a size (e.g. 2GiB, 512MB)") from None
-    if unit not in units or value <= 0:
-        raise ConfigError(f"cannot read {text!r} as a size (e.g. 2GiB, 512MB)")
-    return int(value * units[unit])
-
-
-def parse_kv_budget(spec: str) -> tuple[int | None, float]:
-    """`--kv-budget`: (bytes, 0) for a size ("2GiB", "512MB", or a plain number above 1), or
-    (None, fraction) for a share of free memory in (0, 1]."""
-    try:
-        frac = float(spec)
-    except ValueError:
-        frac = 2.0  # not a number: read it as a size below
-    if frac > 1:
-        try:
-            return parse_bytes(spec), 0.0
-        except ConfigError as e:
-            raise ConfigError(f"--kv-budget: {e}") from None
-    if frac <= 0:
-        raise ConfigError(f"--kv-budget {spec}: must be a size (2GiB, 512MB, bytes) or a fraction in (0, 1]")
-    return None, frac
-
-
-def resolve_device(device: str | None) -> torch.device:
-    if device is None or device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda asked for, but torch sees no CUDA device")
-    return dev
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+        return info.get("MemAvailable", info["MemFree"])
+    except (OSError, KeyError, ValueError, IndexError):
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def pick_backend(name: str, device: torch.device) -> AttentionBackend:
@@ -123,89 +73,83 @@ def _triton_available() -> bool:
 
 
 class LLMEngine:
-    """Owns the model, the KV pool, the scheduler and the requests. With `loaded=None` the engine
-    simulates: the same scheduler and block manager run, no model (each request's output length
-    is its max_tokens), so memory figures for big models and budgets come out exact in seconds."""
+    """Owns the model, the KV cache, the KV layout, the scheduler and the runner. With `loaded=None`
+    the engine simulates: the same scheduler and KV layout run over a SimulatedRunner (no model), so
+    memory figures for big models and budgets come out exact in seconds."""
 
     def __init__(self, loaded: LoadedWeights | None, options: EngineOptions = EngineOptions(),
-                 config=None, model: LlamaModel | None = None) -> None:
+                 config: ModelConfig | None = None, model: LlamaModel | None = None) -> None:
         self.options = options
         self.simulated = loaded is None
-        self.config = config if loaded is None else loaded.config
+        c = config if loaded is None else loaded.config
+        if c is None:
+            raise ConfigError("a simulated engine needs a model config")
+        self.config = c
         self.tokenizer: Tokenizer | None = None if loaded is None else loaded.tokenizer
         self.source = "simulation" if loaded is None else loaded.source
         self.load_seconds = 0.0 if loaded is None else loaded.load_seconds
-        self.device = torch.device("cpu") if loaded is None else resolve_device(options.device)
-        if options.block_size not in SUPPORTED_BLOCK_SIZES:
-            raise ConfigError(f"--block-size must be one of {', '.join(map(str, SUPPORTED_BLOCK_SIZES))} "
-                              f"(got {options.block_size})")
-        if options.kv_layout not in ("paged", "contiguous"):
-            raise ConfigError(f"unknown --kv-layout {options.kv_layout!r} (paged or contiguous)")
-        cpu = self.device.type == "cpu"
-        default = torch.float32 if cpu else (torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16)
-        dtype = _parse_dtype(options.dtype, default, "dtype")
-        kv_dtype = _parse_dtype(options.kv_dtype, dtype, "kv-dtype")
-        c = self.config
+        self.device = torch.device("cpu") if loaded is None else options.resolve_device()
+        dtype = options.compute_dtype(self.device)
+        self.kv_dtype = options.cache_dtype(self.device)
         self.max_model_len = min(options.max_model_len or c.max_position_embeddings, c.max_position_embeddings)
-        self.model = None
+        self.model: LlamaModel | None = None
         self.linear_mode = "none"
         self.formats: dict[str, int] = {}
         if loaded is not None:
             self.backend = pick_backend(options.attention_backend, self.device)
             if model is None:
-                self._build_model(loaded, dtype, cpu)
+                self._build_model(loaded, dtype)
             else:  # a second engine over the same weights (profile --compare), no second load
-                self.model, self.linear_mode = model, getattr(model, "linear_mode", "shared")
+                self.model, self.linear_mode = model, model.linear_mode
 
-        budget = self._kv_budget_bytes(options.kv_budget, kv_dtype)
         bs = options.block_size
-        num_blocks = num_blocks_for_budget(c, bs, kv_dtype, budget)
-        per_block = bytes_per_block(c, bs, kv_dtype)
+        self.bytes_per_block = bytes_per_block(c, bs, self.kv_dtype)
+        budget = self._kv_budget_bytes()
+        num_blocks = usable_blocks_for_budget(c, bs, self.kv_dtype, budget)
         if num_blocks < 1:
-            raise ConfigError(f"--kv-budget {budget} B holds no KV block: one block of {bs} tokens over "
-                              f"{c.num_layers} layers needs {per_block} B")
-        self.bytes_per_block = per_block
-        self.kv_dtype = kv_dtype
+            raise ConfigError(f"--kv-budget {budget:,} B holds no KV block: one block of {bs} tokens over "
+                              f"{c.num_layers} layers needs {self.bytes_per_block:,} B, and the pool needs two "
+                              f"(one pads block tables)")
+        self.num_blocks = num_blocks
         self.kv_cache: KVCache | None = None
         if loaded is not None:
-            self.kv_cache = allocate_kv_cache(c, num_blocks, bs, kv_dtype, self.device)
-            self.runner = ModelRunner(self.model, self.kv_cache, self.backend)
-        if options.kv_layout == "paged":
-            self.pool: BlockPool | None = BlockPool(num_blocks)
-            self.kv = KVCacheManager(self.pool, bs, prefix_caching=options.prefix_caching)
+            try:
+                self.kv_cache = KVCache(c, num_blocks, bs, self.kv_dtype, self.device)
+            except (torch.OutOfMemoryError, MemoryError, RuntimeError) as e:
+                raise ConfigError(f"--kv-budget: cannot allocate {budget:,} B of KV cache on {self.device} "
+                                  f"({type(e).__name__}); try a smaller budget") from None
+            self.runner: ModelRunner | SimulatedRunner = ModelRunner(self.model, self.kv_cache, self.backend)
         else:
-            self.pool = None
-            self.kv = ContiguousAllocator(num_blocks, bs)
-        self.num_blocks = num_blocks
-        swap_blocks = parse_bytes(options.swap_space) // per_block if options.preempt == "swap" else 0
-        try:
-            self.scheduler = Scheduler(
-                SchedulerConfig(options.max_num_seqs, options.max_num_batched_tokens, self.max_model_len),
-                self.kv, preempt=options.preempt, reserve=options.reserve, swap_blocks=swap_blocks)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        self.requests: dict[str, Request] = {}
+            self.runner = SimulatedRunner()
+        self.kv: KVLayout
+        if options.kv_layout == "paged":
+            self.kv = PagedKVManager(num_blocks, bs, prefix_caching=options.prefix_caching,
+                                     watermark=options.watermark)
+        else:
+            self.kv = ContiguousArena(num_blocks, bs, reserve=options.reserve, max_model_len=self.max_model_len)
+        swap_blocks = options.swap_space_bytes() // self.bytes_per_block if options.preempt == "swap" else 0
+        self.scheduler = Scheduler(
+            self.kv, max_num_seqs=options.max_num_seqs, max_num_batched_tokens=options.max_num_batched_tokens,
+            max_model_len=self.max_model_len, preempt=options.preempt, swap_blocks=swap_blocks,
+            eos_token_ids=tuple(self.tokenizer.eos_token_ids) if self.tokenizer is not None else ())
         self._detok: dict[str, IncrementalDetokenizer] = {}
-        self._gens: dict[str, torch.Generator | None] = {}
-        self._forks: dict[str, list[Request]] = {}  # leader -> samples waiting for its prompt
         self._ids = itertools.count()
-        self._step = 0
-        self._peak_blocks = 0
-        self._peak_shared = 0
-        self._prompt_tokens = 0
-        self._generated = 0
-        self._decode_tokens = 0
-        self._prefill_s = 0.0
-        self._decode_s = 0.0
+        # Run counters (the engine's own statistics, published through stats()).
+        self.step_count = 0
+        self.prompt_tokens = 0
+        self.generated_tokens = 0
+        self.decode_tokens = 0
+        self.prefill_seconds = 0.0
+        self.decode_seconds = 0.0
         self.metrics = MetricsCollector(self)
 
-    def _build_model(self, loaded: LoadedWeights, dtype: torch.dtype, cpu: bool) -> None:
+    def _build_model(self, loaded: LoadedWeights, dtype: torch.dtype) -> None:
         has_int4 = any(isinstance(w, QuantTensor) and w.kind == "q4" for w in loaded.weights.values())
         if self.options.dequantize or not (has_int4 or loaded.dense_linears == "nf4"):
             mode, head_dtype = "dense", dtype
         elif loaded.dense_linears == "nf4":
             mode, head_dtype = "nf4", dtype
-        elif cpu:
+        elif self.device.type == "cpu":
             # The INT4 CPU kernel runs in bf16; the vocabulary projection follows it (half of fp32's bytes).
             mode, head_dtype = "int4-cpu", torch.bfloat16
         else:
@@ -219,21 +163,27 @@ class LLMEngine:
             raise ConfigError(f"{loaded.source}: missing weight {e.args[0]}") from None
         self.model.linear_mode = mode
 
-    def _kv_budget_bytes(self, spec: str | None, dtype: torch.dtype) -> int:
+    def _kv_budget_bytes(self) -> int:
+        spec = self.options.kv_budget
+        if self.simulated:  # no memory is taken: any size is a valid what-if
+            if spec is None or spec == "auto":
+                return DEFAULT_CPU_KV_BUDGET
+            size, frac = parse_kv_budget(spec)
+            return size if size is not None else int(available_memory(self.device) * frac)
+        avail = available_memory(self.device)
         if spec is None or spec == "auto":
             if self.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(self.device)
-                return int(free * 0.9)
+                return int(avail * 0.9)
             # Enough for a few full contexts of this model, at most 1 GiB.
-            return min(DEFAULT_CPU_KV_BUDGET, 4 * self.max_model_len * self.config.kv_bytes_per_token(dtype))
+            return min(DEFAULT_CPU_KV_BUDGET, 4 * self.max_model_len * self.config.kv_bytes_per_token(self.kv_dtype),
+                       int(avail * 0.5))
         size, frac = parse_kv_budget(spec)
-        if size is not None:
-            return size
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-        else:
-            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        return int(free * frac)
+        if size is None:
+            return int(avail * frac)
+        if size > avail:
+            raise ConfigError(f"--kv-budget {spec} is more than the {avail / 2**30:.1f} GiB of memory available "
+                              f"on {self.device} now (use a smaller size or a fraction such as 0.5)")
+        return size
 
     # --- requests -------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams, req_id: str | None = None,
@@ -248,120 +198,77 @@ class LLMEngine:
             raise ConfigError("empty prompt")
         if len(ids) >= self.max_model_len:
             raise ConfigError(f"prompt has {len(ids)} tokens; the context holds {self.max_model_len}")
-        if params.n > 1 and self.kv.layout != "paged":
+        if params.n > 1 and not self.kv.supports_sharing:
             raise ConfigError("n > 1 shares the prompt's blocks, which needs the paged layout")
         rid = req_id or f"r{next(self._ids)}"
         req = Request(rid, ids, params.with_(n=1))
         if arrival_time is not None:
             req.arrival_time = arrival_time
-        self.scheduler.add(req)
-        self._register(req, params.seed)
-        if params.n > 1:
-            # The other samples wait for the leader's prompt, then share its blocks (fork).
-            self._forks[rid] = [Request(f"{rid}.{i}", ids, params.with_(n=1), parent_id=rid,
-                                        arrival_time=req.arrival_time) for i in range(1, params.n)]
-            for i, child in enumerate(self._forks[rid], start=1):
-                self._register(child, None if params.seed is None else params.seed + i)
+        # Further samples of the prompt get their own seeds (seed + i) and share its blocks once computed.
+        forks = [Request(f"{rid}.{i}", ids, params.with_(n=1, seed=None if params.seed is None else params.seed + i),
+                         parent_id=rid, arrival_time=req.arrival_time) for i in range(1, params.n)]
+        self.scheduler.add(req, forks)
+        if self.tokenizer is not None:
+            for r in (req, *forks):
+                self._detok[r.req_id] = IncrementalDetokenizer(self.tokenizer)
         return req
 
-    def _register(self, req: Request, seed: int | None) -> None:
-        self.requests[req.req_id] = req
-        if self.tokenizer is not None:
-            self._detok[req.req_id] = IncrementalDetokenizer(self.tokenizer)
-        self._gens[req.req_id] = torch.Generator().manual_seed(seed) if seed is not None else None
+    @property
+    def requests(self) -> dict[str, Request]:
+        return self.scheduler.requests
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     def abort(self, req_id: str) -> None:
-        for req in [self.requests[req_id], *self._forks.pop(req_id, [])]:
-            if not req.finished:
-                self.scheduler.finish(req, "abort")
-                if not self.simulated:
-                    self.runner.drop_swapped(req.req_id)
+        self.scheduler.abort(req_id)
 
     # --- one iteration ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
         t0 = time.perf_counter()
-        if self.simulated:
-            result = RunnerOutput([c.req_id for c in out.chunks if c.sample], None)
-        else:
-            result = self.runner.execute(out)
-        outputs: list[RequestOutput] = []
+        result = self.runner.execute(out)
         decode_only = True
         for chunk in out.chunks:
-            req = self.requests[chunk.req_id]
-            req.num_computed_tokens += len(chunk.token_ids)
-            self.kv.cache_blocks(req.req_id, req.token_slice, req.num_computed_tokens)
+            req = self.scheduler.requests[chunk.req_id]
             if chunk.start_pos < req.num_prompt_tokens:
                 decode_only = False
-                self._prompt_tokens += min(req.num_prompt_tokens, chunk.start_pos + len(chunk.token_ids)) - chunk.start_pos
-        now = time.perf_counter()
-        for row, rid in enumerate(result.req_ids):
-            req = self.requests[rid]
-            logits = None if result.logits is None else result.logits[row]
-            for child in self._forks.pop(rid, []):
-                self._fork(req, child)
-                outputs.append(self._append(child, self._sample(child, logits), now))
-            outputs.append(self._append(req, self._sample(req, logits), now))
+                self.prompt_tokens += min(req.num_prompt_tokens, chunk.start_pos + len(chunk.token_ids)) - chunk.start_pos
+        new_tokens = self.scheduler.update_from_output(out, result, time.perf_counter())
+        outputs = [self._output(req, tok) for req, tok in new_tokens]
         dt = time.perf_counter() - t0
         if decode_only:
-            self._decode_s += dt
-            self._decode_tokens += len(result.req_ids)
+            self.decode_seconds += dt
+            self.decode_tokens += len(new_tokens)
         else:
-            self._prefill_s += dt
-        self._step += 1
-        self._peak_blocks = max(self._peak_blocks, self.kv.num_blocks - self.kv.num_free_blocks)
-        self._peak_shared = max(self._peak_shared, self.kv.shared_saved_blocks())
+            self.prefill_seconds += dt
+        self.generated_tokens += len(new_tokens)
+        self.step_count += 1
         self.metrics.record(out)
         return outputs
 
-    def _sample(self, req: Request, logits: torch.Tensor | None) -> int:
-        if logits is None:  # simulation: any token will do; lengths come from max_tokens
-            return 0
-        return sample(logits, req.params, self._gens[req.req_id])
-
-    def _fork(self, leader: Request, child: Request) -> None:
-        self.kv.fork(leader.req_id, child.req_id)
-        child.num_computed_tokens = leader.num_computed_tokens
-        child.status = RequestStatus.RUNNING
-        self.scheduler.running.append(child)
-
-    def _append(self, req: Request, tok: int, now: float) -> RequestOutput:
-        req.output_token_ids.append(tok)
-        req.token_times.append(now)
-        if req.first_token_time is None:
-            req.first_token_time = now
-        self._generated += 1
-        p = req.params
-        reason = None
+    def _output(self, req: Request, tok: int) -> RequestOutput:
+        """Text for a new token, and the stop strings (the scheduler has handled stop tokens and lengths)."""
         text = ""
-        if tok in p.stop_token_ids or (not p.ignore_eos and self.tokenizer is not None
-                                        and tok in self.tokenizer.eos_token_ids):
-            reason = "stop"
-        elif self.tokenizer is not None:
+        if self.tokenizer is not None and req.finish_reason != "stop":
             text = self._detok[req.req_id].push(tok)
-            if p.stop:
+            stop = req.params.stop
+            if stop:
                 joined = req.output_text + text
-                hits = [joined.find(s, max(0, len(req.output_text) - len(s))) for s in p.stop]
+                hits = [joined.find(s, max(0, len(req.output_text) - len(s))) for s in stop]
                 hits = [h for h in hits if h >= 0]
                 if hits:
                     cut = min(hits)
                     text = joined[len(req.output_text):cut] if cut >= len(req.output_text) else ""
                     req.output_text = joined[:cut]
-                    reason = "stop"
-            if reason is None:
-                req.output_text += text
-        if reason is None and (len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len):
-            reason = "length"
-        if reason:
-            self.scheduler.finish(req, reason)
-        return RequestOutput(req.req_id, (tok,), text, reason is not None, reason)
+                    self.scheduler.finish(req, "stop")
+                    return RequestOutput(req.req_id, (tok,), text, True, "stop")
+            req.output_text += text
+        return RequestOutput(req.req_id, (tok,), text, req.finished, req.finish_reason)
 
-    # --- results and metrics --------------------------------------------------------------------------
+    # --- results and statistics ----------------------------------------------------------------------
     def completion(self, req_id: str) -> CompletionOutput:
-        r = self.requests[req_id]
+        r = self.scheduler.requests[req_id]
         ttft = None if r.first_token_time is None else r.first_token_time - r.arrival_time
         return CompletionOutput(r.req_id, r.prompt_token_ids, list(r.output_token_ids), r.output_text,
                                 r.finish_reason, ttft, r.num_preemptions)
@@ -371,37 +278,14 @@ class LLMEngine:
 
     @property
     def kv_pool_bytes(self) -> int:
-        return self.num_blocks * self.bytes_per_block
+        """The KV cache's memory: the usable blocks and the null block."""
+        return (self.num_blocks + 1) * self.bytes_per_block
 
-    def snapshot(self) -> EngineSnapshot:
-        tokens = sum(r.num_computed_tokens for r in self.scheduler.running)
-        return EngineSnapshot(
-            step=self._step,
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
-            num_blocks=self.num_blocks,
-            block_size=self.kv.block_size,
-            blocks_used=self.kv.num_blocks - self.kv.num_free_blocks,
-            peak_blocks_used=self._peak_blocks,
-            tokens_in_cache=tokens,
-            bytes_per_block=self.bytes_per_block,
-            kv_pool_bytes=self.kv_pool_bytes,
-            weight_bytes=sum(self.weight_bytes().values()),
-            prompt_tokens=self._prompt_tokens,
-            generated_tokens=self._generated,
-            prefill_seconds=self._prefill_s,
-            decode_seconds=self._decode_s,
-            num_preemptions=self.scheduler.num_preemptions,
-            decode_tokens=self._decode_tokens,
-            peak_shared_blocks=self._peak_shared,
-        )
+    def stats(self) -> RunStats:
+        return RunStats(step=self.step_count, prompt_tokens=self.prompt_tokens,
+                        generated_tokens=self.generated_tokens, decode_tokens=self.decode_tokens,
+                        prefill_seconds=self.prefill_seconds, decode_seconds=self.decode_seconds)
 
-
-def _parse_dtype(name: str | None, default: torch.dtype, flag: str) -> torch.dtype:
-    if name is None:
-        return default
-    table = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
-             "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
-    if name not in table:
-        raise ConfigError(f"unknown --{flag} {name!r} (fp32, fp16 or bf16)")
-    return table[name]
+    def snapshot(self, memory: MemorySnapshot | None = None, *, block_map: bool = False) -> Snapshot:
+        """The one record views read; the block map and a memory probe only when asked for."""
+        return self.metrics.snapshot(memory, block_map=block_map)

@@ -1,22 +1,42 @@
-"""Iteration-level scheduling: each step decides how many tokens of each request to compute.
+"""Iteration-level scheduling, and the one owner of request state.
+
+`schedule()` decides how many tokens of each request to compute this step; `update_from_output()`
+applies what the runner returned: it advances `num_computed_tokens`, indexes blocks that are full of
+final tokens for the prefix cache, forks samples of one prompt, appends sampled tokens and ends
+requests on a stop token or a length limit. Nothing else changes a request's counters or status.
 
 Order per step: requests swapped out earlier come back first (when nothing was preempted), then
 running requests get their tokens (one for a decode, a chunk for an unfinished prompt, all under
-the step's token budget), then waiting requests are admitted while the pool keeps a watermark of
-free blocks. When a running request cannot get a block, the most recently admitted running request
-is preempted: by recompute (blocks freed, num_computed_tokens reset, back to the front of the
-queue) or by swap (its blocks copied to host memory and freed; copied back later, nothing
-recomputed). Finished requests free their blocks in the step they finish; new requests join the
-next step.
+the step's token budget), then waiting requests are admitted under the KV layout's own rule (the
+paged watermark, or a contiguous reservation that must fit in one hole). When a running request
+cannot get a block, the most recently admitted running request is preempted: by recompute (blocks
+freed, num_computed_tokens reset, back to the front of the queue) or by swap (its blocks copied to
+host memory and freed; copied back later, nothing recomputed). Finished requests free their blocks
+in the step they finish; new requests join the next step.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from kvcli.config import SchedulerConfig
+from kvcli.config import SamplingParams
 from kvcli.engine.request import Request, RequestStatus
+from kvcli.kvcache.interface import KVLayout
+from kvcli.metrics.stats import RequestExtent, SchedulerStats
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class NewRequest:
+    """A request the runner has not seen: what it needs to sample for it."""
+
+    req_id: str
+    params: SamplingParams
 
 
 @dataclass(frozen=True)
@@ -28,6 +48,7 @@ class ScheduledChunk:
     start_pos: int  # absolute position of token_ids[0] (= tokens already in the cache)
     block_table: list[int]
     sample: bool  # this chunk reaches the end of the known tokens: sample the next one
+    fork_ids: tuple[str, ...] = ()  # samples of the same prompt that branch off here (n > 1)
 
 
 @dataclass(frozen=True)
@@ -39,10 +60,20 @@ class SchedulerOutput:
     swap_in: list[tuple[str, list[int]]] = field(default_factory=list)  # host -> (req, new blocks)
     finished: list[str] = field(default_factory=list)  # ended by the scheduler (pool cannot hold them)
     new_blocks: list[int] = field(default_factory=list)  # first use: zero before anything is written
+    new_requests: list[NewRequest] = field(default_factory=list)
+    released: list[str] = field(default_factory=list)  # finished since the last step: drop runner state
 
     @property
     def num_tokens(self) -> int:
         return sum(len(c.token_ids) for c in self.chunks)
+
+
+@dataclass(frozen=True)
+class RunnerOutput:
+    """What the runner hands back: sampled tokens per request (and, for teacher forcing, logits)."""
+
+    sampled: dict[str, list[int]]
+    logits: "torch.Tensor | None" = None  # [tokens, vocab] float32 when all logits were asked for
 
 
 class KVBudgetTooSmall(RuntimeError):
@@ -50,41 +81,46 @@ class KVBudgetTooSmall(RuntimeError):
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv, *, preempt: str = "recompute", reserve: str = "max-len",
-                 swap_blocks: int = 0, watermark: float = 0.01) -> None:
+    def __init__(self, kv: KVLayout, *, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                 preempt: str = "recompute", swap_blocks: int = 0, eos_token_ids: tuple[int, ...] = ()) -> None:
         if preempt not in ("recompute", "swap"):
             raise ValueError(f"unknown preemption mode {preempt!r} (recompute or swap)")
-        if reserve not in ("max-len", "request"):
-            raise ValueError(f"unknown reservation {reserve!r} (max-len or request)")
-        self.config = config
-        self.kv = kv  # KVCacheManager (paged) or ContiguousAllocator
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
         self.preempt_mode = preempt
-        self.reserve = reserve
         self.swap_blocks_free = swap_blocks  # host swap space, in blocks
-        self.watermark_blocks = int(watermark * kv.num_blocks) if kv.layout == "paged" else 0
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
         self.num_preemptions = 0
+        self._forks: dict[str, list[Request]] = {}  # leader -> samples waiting for its prompt
+        self._new: list[NewRequest] = []
+        self._released: list[str] = []
 
     # --- queue -----------------------------------------------------------------------------------
-    def reserve_tokens(self, req: Request) -> int:
-        """Slots a contiguous layout sets aside at admission (the paged layout ignores it)."""
-        if self.reserve == "request":
-            return min(req.num_prompt_tokens + req.params.max_tokens, self.config.max_model_len)
-        return self.config.max_model_len
+    def final_tokens(self, req: Request) -> int:
+        return min(req.num_prompt_tokens + req.params.max_tokens, self.max_model_len)
 
-    def add(self, req: Request) -> None:
-        need = self.kv.num_blocks_needed(req.req_id, max(req.num_prompt_tokens + 1, self._initial_reserve(req)))
+    def add(self, req: Request, forks: list[Request] = ()) -> None:
+        """Queue a request; `forks` are further samples of the same prompt, which share its blocks
+        once its prompt is computed."""
+        need = self.kv.blocks_to_admit(req.num_prompt_tokens + 1, self.final_tokens(req))
         if need > self.kv.num_blocks:
             raise KVBudgetTooSmall(
-                f"request {req.req_id} needs {need} KV blocks; the pool holds {self.kv.num_blocks} "
-                f"(raise --kv-budget, shorten the prompt or lower --max-model-len)"
-            )
+                f"request {req.req_id} needs {need:,} KV blocks of {self.kv.block_size} tokens; the pool holds "
+                f"{self.kv.num_blocks:,} (raise --kv-budget, shorten the prompt or lower --max-model-len)")
+        if forks and not self.kv.supports_sharing:
+            raise ValueError(f"n > 1 shares the prompt's blocks, which the {self.kv.name} layout cannot do")
+        for r in (req, *forks):
+            self.requests[r.req_id] = r
+            self._new.append(NewRequest(r.req_id, r.params))
+        if forks:
+            self._forks[req.req_id] = list(forks)
         self.waiting.append(req)
-
-    def _initial_reserve(self, req: Request) -> int:
-        return self.reserve_tokens(req) if self.kv.layout == "contiguous" else 0
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -119,19 +155,19 @@ class Scheduler:
 
     # --- one step ------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
-        out = SchedulerOutput([])
+        budget = self.max_num_batched_tokens
+        out = SchedulerOutput([], new_requests=self._new, released=self._released)
+        self._new, self._released = [], []
 
         # Swapped requests return first, each with blocks for the tokens it already computed.
-        while self.swapped and len(self.running) < self.config.max_num_seqs:
+        while self.swapped and len(self.running) < self.max_num_seqs:
             req = self.swapped[0]
-            if self.kv.num_blocks_needed(req.req_id, req.num_computed_tokens + 1) + self.watermark_blocks \
-                    > self.kv.num_free_blocks:
+            n = req.num_computed_tokens
+            if not self.kv.admit(req.req_id, n, n, self.final_tokens(req)):
                 break
-            self.kv.allocate(req.req_id, req.num_computed_tokens, req.num_computed_tokens)
             self.swapped.popleft()
             self.swap_blocks_free += req.swapped_blocks
-            out.swap_in.append((req.req_id, list(self.kv.block_table(req.req_id))))
+            out.swap_in.append((req.req_id, list(self.kv.block_table(req.req_id))[:req.swapped_blocks]))
             req.status = RequestStatus.RUNNING
             self.running.append(req)
 
@@ -155,17 +191,15 @@ class Scheduler:
                 i += 1
                 out.chunks.append(self._chunk(req, n))
 
-        while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
+        while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
                and not out.preempted and not self.swapped):
             req = self.waiting[0]
             if req.num_computed_tokens == 0:  # reuse cached blocks of a shared prefix (paged only)
                 req.num_computed_tokens = self.kv.match_prefix(req.req_id, req.all_token_ids)
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            need = self.kv.num_blocks_needed(req.req_id, max(req.num_computed_tokens + n, self._initial_reserve(req)))
-            if need + self.watermark_blocks > self.kv.num_free_blocks or not self.kv.allocate(
-                    req.req_id, req.num_computed_tokens + n, req.num_computed_tokens, self._initial_reserve(req)):
-                # Not now (contiguous: no single hole large enough, i.e. external fragmentation).
-                # Prefix blocks taken above go back to the cache; the match is redone next time.
+            if not self.kv.admit(req.req_id, req.num_computed_tokens + n, req.num_computed_tokens,
+                                 self.final_tokens(req)):
+                # Not now. Prefix blocks taken above go back to the cache; the match is redone next time.
                 self.kv.free(req.req_id)
                 req.num_computed_tokens = 0
                 break
@@ -184,15 +218,56 @@ class Scheduler:
 
     def _chunk(self, req: Request, n: int) -> ScheduledChunk:
         start = req.num_computed_tokens
+        sample = start + n == req.num_tokens
         return ScheduledChunk(
             req_id=req.req_id,
             token_ids=req.token_slice(start, start + n),
             start_pos=start,
             block_table=list(self.kv.block_table(req.req_id)),
-            sample=start + n == req.num_tokens,
+            sample=sample,
+            fork_ids=tuple(c.req_id for c in self._forks.get(req.req_id, ())) if sample else (),
         )
 
+    # --- applying a step's results ---------------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, result: RunnerOutput,
+                           now: float | None = None) -> list[tuple[Request, int]]:
+        """Advance every scheduled request by the tokens computed and append the sampled ones.
+        Returns the new tokens in order (request, token); a request may have finished on it."""
+        now = time.perf_counter() if now is None else now
+        for chunk in out.chunks:
+            req = self.requests[chunk.req_id]
+            req.num_computed_tokens += len(chunk.token_ids)
+            # Every computed token is final here (no guesses yet): index its full blocks.
+            self.kv.cache_blocks(req.req_id, req.token_slice, req.num_computed_tokens)
+            for child in self._forks.pop(req.req_id, []) if chunk.fork_ids else ():
+                self.kv.fork(req.req_id, child.req_id)
+                child.num_computed_tokens = req.num_computed_tokens
+                child.status = RequestStatus.RUNNING
+                self.running.append(child)
+        new: list[tuple[Request, int]] = []
+        for rid, tokens in result.sampled.items():
+            req = self.requests[rid]
+            for tok in tokens:
+                if req.finished:
+                    break
+                self._append(req, tok, now)
+                new.append((req, tok))
+        return new
+
+    def _append(self, req: Request, tok: int, now: float) -> None:
+        req.output_token_ids.append(tok)
+        req.token_times.append(now)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        p = req.params
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
+            self.finish(req, "stop")
+        elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            self.finish(req, "length")
+
     def finish(self, req: Request, reason: str) -> None:
+        if req.finished:
+            return
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         if req in self.running:
@@ -203,3 +278,19 @@ class Scheduler:
             self.swapped.remove(req)
             self.swap_blocks_free += req.swapped_blocks
         self.kv.free(req.req_id)
+        self._released.append(req.req_id)
+
+    def abort(self, req_id: str) -> None:
+        """End a request (and samples of it not forked yet) wherever it is."""
+        for req in [self.requests[req_id], *self._forks.pop(req_id, [])]:
+            self.finish(req, "abort")
+
+    # --- statistics ------------------------------------------------------------------------------------
+    def extent(self, req: Request) -> RequestExtent:
+        return RequestExtent(req.req_id, req.num_computed_tokens, self.final_tokens(req))
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running), num_waiting=len(self.waiting), num_swapped=len(self.swapped),
+            num_preemptions=self.num_preemptions, running=tuple(self.extent(r) for r in self.running),
+            next_waiting=self.final_tokens(self.waiting[0]) if self.waiting else None)

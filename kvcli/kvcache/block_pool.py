@@ -1,6 +1,7 @@
 """The physical KV blocks: ref counts, an O(1) free queue, and the prefix-cache index.
 
-A block is `block_size` token slots in every layer's K and V pool. Blocks are handed out from the
+A block is `block_size` token slots in every layer's K and V pool. Ids run 1..num_blocks: block 0
+is the null block (kvcache/interface.py), which pads block tables and is never handed out. Blocks are handed out from the
 front of the free queue and returned to its back. A freed block that holds a full, hashed block of
 tokens stays in the index ("cached-free") until it is handed out again, so a later request with the
 same prefix can take it back instead of recomputing it; the least recently freed goes first (LRU).
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+
+from kvcli.kvcache.interface import NULL_BLOCK
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -28,15 +31,15 @@ class BlockPool:
     def __init__(self, num_blocks: int) -> None:
         if num_blocks <= 0:
             raise ValueError("the KV pool needs at least one block")
-        self.num_blocks = num_blocks
-        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.num_blocks = num_blocks  # usable blocks; the physical pool has one more (the null block)
+        self.blocks = [Block(i) for i in range(num_blocks + 1)]
         # OrderedDict as a doubly linked list: O(1) pop from the front, append, and removal by id.
-        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, num_blocks + 1))
         self.cached: dict[int, int] = {}  # block hash -> block id
         self.extra_refs = 0  # sum over blocks of (ref_cnt - 1): blocks saved by sharing
         # Blocks handed out for the first time: the runner zeroes them (the pool tensors are
         # allocated uninitialised, and attention reads padded slots of partly used blocks).
-        self._fresh = bytearray(b"\x01") * num_blocks
+        self._fresh = bytearray(b"\x01") * (num_blocks + 1)
         self.new_blocks: list[int] = []
 
     @property
@@ -50,6 +53,10 @@ class BlockPool:
     @property
     def num_cached_free(self) -> int:
         return sum(1 for bid in self._free if self.blocks[bid].block_hash is not None)
+
+    def cached_free_ids(self) -> list[int]:
+        """Free blocks that still hold an indexed prefix (reusable on a hit)."""
+        return [bid for bid in self.cached.values() if self.blocks[bid].ref_cnt == 0]
 
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
@@ -117,7 +124,9 @@ class BlockPool:
         for blocks in owners.values():
             for bid in blocks:
                 held[bid] = held.get(bid, 0) + 1
-        for b in self.blocks:
+        if NULL_BLOCK in held or NULL_BLOCK in self._free:
+            raise AssertionError("the null block was handed out")
+        for b in self.blocks[1:]:
             in_free = b.block_id in self._free
             if b.ref_cnt != held.get(b.block_id, 0):
                 raise AssertionError(f"block {b.block_id}: ref_cnt {b.ref_cnt} but {held.get(b.block_id, 0)} owners")

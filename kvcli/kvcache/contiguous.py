@@ -1,4 +1,4 @@
-"""Contiguous preallocation, for comparison with paging under the same KV budget.
+"""Contiguous preallocation (implements KVLayout), for comparison with paging under one KV budget.
 
 Each admitted request reserves one contiguous region of the pool up front — max_model_len slots
 (`--reserve max-len`, like systems that preallocate for the longest possible output) or its prompt
@@ -6,29 +6,43 @@ plus max_tokens (`--reserve request`) — from a real arena: first fit over a so
 holes, merged on release. A request whose region fits in no single hole waits, even when enough
 memory is free in total, so external fragmentation happens, it is not computed. Regions are
 rounded up to whole blocks so the same paged kernels read them (the block table of a region is a
-run of consecutive block ids).
+run of consecutive block ids). Regions are private: no prefix sharing, no forks.
 """
 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable, Sequence
 
-from kvcli.kvcache.block_manager import blocks_for
+from kvcli.kvcache.interface import blocks_for
+from kvcli.metrics.snapshot import BlockMap
+from kvcli.metrics.stats import KVLayoutStats, RequestExtent
 
 
-class ContiguousAllocator:
-    layout = "contiguous"
+def reservation_split(region_slots: int, tokens: int, final: int) -> tuple[int, int]:
+    """(reserved, internal) of a region: slots up to the final length will still be used, the rest
+    never will."""
+    usable = min(region_slots, final)
+    return max(0, usable - tokens), region_slots - max(tokens, usable)
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+
+class ContiguousArena:
+    name = "contiguous"
+    supports_sharing = False
+
+    def __init__(self, num_blocks: int, block_size: int, *, reserve: str = "max-len", max_model_len: int) -> None:
         if num_blocks <= 0:
             raise ValueError("the KV pool needs at least one block")
+        if reserve not in ("max-len", "request"):
+            raise ValueError(f"unknown reservation {reserve!r} (max-len or request)")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.holes: list[tuple[int, int]] = [(0, num_blocks)]  # (start, length), sorted by start
+        self.reserve = reserve
+        self.max_model_len = max_model_len
+        # Block ids 1..num_blocks (0 is the null block). (start, length) holes, sorted by start.
+        self.holes: list[tuple[int, int]] = [(1, num_blocks)]
         self.regions: dict[str, tuple[int, int]] = {}
-        self.tables: dict[str, list[int]] = {}  # same shape as the paged manager's, for invariants
-        self.pending_copies: list[tuple[int, int]] = []
-        self._fresh = bytearray(b"\x01") * num_blocks  # never handed out: the runner zeroes them
+        self._fresh = bytearray(b"\x01") * (num_blocks + 1)  # never handed out: the runner zeroes them
         self.new_blocks: list[int] = []
 
     @property
@@ -38,25 +52,21 @@ class ContiguousAllocator:
     def largest_hole(self) -> int:
         return max((n for _, n in self.holes), default=0)
 
+    def reservation_tokens(self, final_tokens: int) -> int:
+        """Slots a request sets aside at admission under this layout's --reserve policy."""
+        return min(final_tokens, self.max_model_len) if self.reserve == "request" else self.max_model_len
+
     def block_table(self, req_id: str) -> list[int]:
-        return self.tables.get(req_id, [])
-
-    def reserved_slots(self, req_id: str) -> int:
         r = self.regions.get(req_id)
-        return r[1] * self.block_size if r else 0
+        return list(range(r[0], r[0] + r[1])) if r else []
 
-    def num_blocks_needed(self, req_id: str, num_tokens: int) -> int:
+    def blocks_to_admit(self, num_tokens: int, final_tokens: int) -> int:
+        return blocks_for(max(num_tokens, self.reservation_tokens(final_tokens)), self.block_size)
+
+    def admit(self, req_id: str, num_tokens: int, num_computed: int, final_tokens: int) -> bool:
         if req_id in self.regions:
-            return 0
-        return blocks_for(num_tokens, self.block_size)
-
-    def allocate(self, req_id: str, num_tokens: int, num_computed: int = 0, reserve_tokens: int = 0) -> bool:
-        region = self.regions.get(req_id)
-        if region is not None:
-            # Growth inside the reservation is free; beyond it the request must stop (the engine
-            # caps requests at their reservation).
-            return blocks_for(num_tokens, self.block_size) <= region[1]
-        n = blocks_for(max(num_tokens, reserve_tokens), self.block_size)
+            return self.allocate(req_id, num_tokens, num_computed)
+        n = blocks_for(max(num_tokens, self.reservation_tokens(final_tokens)), self.block_size)
         for i, (start, length) in enumerate(self.holes):
             if length >= n:
                 if length == n:
@@ -64,17 +74,24 @@ class ContiguousAllocator:
                 else:
                     self.holes[i] = (start + n, length - n)
                 self.regions[req_id] = (start, n)
-                self.tables[req_id] = list(range(start, start + n))
                 for b in range(start, start + n):
                     if self._fresh[b]:
                         self._fresh[b] = 0
                         self.new_blocks.append(b)
                 return True
-        return False
+        return False  # no single hole is large enough: external fragmentation
+
+    def allocate(self, req_id: str, num_tokens: int, num_computed: int) -> bool:
+        # Growth inside the reservation is free; beyond it the request cannot grow (the scheduler
+        # ends it: a contiguous reservation is a hard cap).
+        region = self.regions.get(req_id)
+        return region is not None and blocks_for(num_tokens, self.block_size) <= region[1]
+
+    def truncate(self, req_id: str, num_tokens: int) -> None:
+        pass  # the region stays reserved whole; rejected slots are simply rewritten later
 
     def free(self, req_id: str) -> None:
         region = self.regions.pop(req_id, None)
-        self.tables.pop(req_id, None)
         if region is None:
             return
         start, n = region
@@ -89,13 +106,13 @@ class ContiguousAllocator:
             del self.holes[i]
 
     def match_prefix(self, req_id: str, prompt: list[int]) -> int:
-        return 0  # regions are private: no prefix sharing in this layout
+        return 0
 
-    def cache_blocks(self, req_id: str, tokens, num_computed: int) -> None:
+    def cache_blocks(self, req_id: str, tokens: Callable[[int, int], list[int]], num_final: int) -> None:
         pass
 
     def fork(self, parent_id: str, child_id: str) -> None:
-        raise NotImplementedError("contiguous preallocation cannot share a region; run n > 1 paged")
+        raise ValueError("contiguous preallocation cannot share a region; run n > 1 with the paged layout")
 
     def take_copies(self) -> list[tuple[int, int]]:
         return []
@@ -104,17 +121,53 @@ class ContiguousAllocator:
         out, self.new_blocks = self.new_blocks, []
         return out
 
-    def shared_saved_blocks(self) -> int:
-        return 0
+    # --- statistics -------------------------------------------------------------------------------------
+    def stats(self, running: Sequence[RequestExtent], next_waiting: int | None) -> KVLayoutStats:
+        bs = self.block_size
+        tokens = reserved = internal = 0
+        for r in running:
+            region = self.regions.get(r.req_id)
+            res, inter = reservation_split(region[1] * bs if region else 0, r.num_tokens, r.final_tokens)
+            tokens += r.num_tokens
+            reserved += res
+            internal += inter
+        # External fragmentation: free holes too small for the reservation of the request first in
+        # line (admission is first come, first served: nobody behind it is admitted first).
+        external = 0
+        if next_waiting is not None:
+            need = blocks_for(self.reservation_tokens(next_waiting), bs)
+            external = sum(n for _, n in self.holes if n < need) * bs
+        free = self.num_free_blocks
+        return KVLayoutStats(
+            layout=self.name, block_size=bs, num_blocks=self.num_blocks, used_blocks=self.num_blocks - free,
+            shared_saved_blocks=0, prefix_query_tokens=0, prefix_hit_tokens=0, token_slots=tokens,
+            reserved_slots=reserved, internal_slots=internal, external_slots=external,
+            free_slots=free * bs - external)
+
+    def block_map(self, running: Sequence[RequestExtent]) -> BlockMap:
+        bs = self.block_size
+        owner, fill, ref = [-1] * self.num_blocks, [0] * self.num_blocks, [0] * self.num_blocks
+        owners: list[str] = []
+        for r in running:
+            region = self.regions.get(r.req_id)
+            if region is None:
+                continue
+            idx = len(owners)
+            owners.append(r.req_id)
+            for i in range(region[1]):
+                b = region[0] + i - 1  # map index (block ids start at 1)
+                owner[b], ref[b] = idx, 1
+                fill[b] = min(bs, max(0, r.num_tokens - i * bs))
+        return BlockMap(bs, tuple(owner), tuple(fill), tuple(ref), tuple(owners))
 
     def check_invariants(self) -> None:
         spans = sorted(list(self.regions.values()) + self.holes)
-        pos = 0
+        pos = 1
         for start, n in spans:
             if start != pos or n <= 0:
                 raise AssertionError(f"arena corrupt near block {pos}: span ({start}, {n})")
             pos += n
-        if pos != self.num_blocks:
+        if pos != self.num_blocks + 1:
             raise AssertionError("arena spans do not cover the pool")
         for a, b in zip(self.holes, self.holes[1:]):
             if a[0] + a[1] == b[0]:

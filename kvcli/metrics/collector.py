@@ -1,19 +1,21 @@
-"""Per-step metrics: the KV byte breakdown of the live layout, what max-length contiguous
-preallocation would hold for the same live requests, and queue counts. One small StepRecord per
-step (the profile timeline); a full Snapshot, block map included, when a view asks for one."""
+"""Combines the statistics of the engine's parts into records the views read. The collector owns
+nothing but its history: the scheduler, the KV layout and the engine each produce their own
+statistics (metrics/stats.py); this file turns slots into bytes, adds the contiguous what-if, keeps
+one small StepRecord per step (the profile timeline) and builds a full Snapshot when asked.
+"""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvcli.kvcache.block_manager import blocks_for
-from kvcli.metrics.snapshot import BlockMap, KVBreakdown, RequestTiming, Snapshot
+from kvcli.metrics.snapshot import KVBreakdown, MemorySnapshot, RequestTiming, Snapshot
+from kvcli.metrics.stats import KVLayoutStats, RequestExtent
 
 if TYPE_CHECKING:
     from kvcli.engine.llm_engine import LLMEngine
-    from kvcli.engine.request import Request
     from kvcli.engine.scheduler import SchedulerOutput
 
 
@@ -30,16 +32,31 @@ class StepRecord:
     kv: KVBreakdown
 
 
-def final_length(req: "Request", max_model_len: int) -> int:
-    """The most tokens the request can ever hold (exact when ignore_eos, as in traces)."""
-    return min(req.num_prompt_tokens + req.params.max_tokens, max_model_len)
+def _blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
 
 
-def reservation_split(region_slots: int, tokens: int, final: int) -> tuple[int, int]:
-    """(reserved, internal) of a region: slots up to the final length will still be used, the rest
-    never will."""
-    usable = min(region_slots, final)
-    return max(0, usable - tokens), region_slots - max(tokens, usable)
+def breakdown_bytes(s: KVLayoutStats, bytes_per_slot: int) -> KVBreakdown:
+    return KVBreakdown(s.token_slots * bytes_per_slot, s.reserved_slots * bytes_per_slot,
+                       s.internal_slots * bytes_per_slot, s.external_slots * bytes_per_slot,
+                       s.free_slots * bytes_per_slot)
+
+
+def contiguous_whatif(running: Sequence[RequestExtent], num_blocks: int, block_size: int, max_model_len: int,
+                      bytes_per_slot: int) -> tuple[KVBreakdown, int]:
+    """The given live requests under max-length contiguous preallocation in a pool of the same size,
+    and how many max-length regions that pool holds at once."""
+    region = _blocks_for(max_model_len, block_size) * block_size
+    tokens = reserved = internal = 0
+    for r in running:
+        usable = min(region, r.final_tokens)
+        tokens += r.num_tokens
+        reserved += max(0, usable - r.num_tokens)
+        internal += region - max(r.num_tokens, usable)
+    pool = num_blocks * block_size
+    used = tokens + reserved + internal
+    return KVBreakdown(tokens * bytes_per_slot, reserved * bytes_per_slot, internal * bytes_per_slot, 0,
+                       max(0, pool - used) * bytes_per_slot), pool // region
 
 
 class MetricsCollector:
@@ -48,75 +65,26 @@ class MetricsCollector:
         self.start = time.perf_counter()
         self.records: list[StepRecord] = []
         self.peak_running = 0
+        self.peak_blocks_used = 0
+        self.peak_shared_blocks = 0
 
-    # --- the breakdown ------------------------------------------------------------------------------
-    def kv_breakdown(self) -> KVBreakdown:
-        e = self.engine
-        kv = e.kv
-        bs = kv.block_size
-        per_slot = e.bytes_per_block // bs
-        running = e.scheduler.running
-        if kv.layout == "paged":
-            alloc_slots = (kv.num_blocks - kv.num_free_blocks) * bs
-            tokens = self._paged_token_slots(running)
-            return KVBreakdown(tokens * per_slot, 0, (alloc_slots - tokens) * per_slot, 0,
-                               kv.num_free_blocks * bs * per_slot)
-        tokens = reserved = internal = 0
-        for r in running:
-            region = kv.reserved_slots(r.req_id)
-            res, inter = reservation_split(region, r.num_computed_tokens, final_length(r, e.max_model_len))
-            tokens += r.num_computed_tokens
-            reserved += res
-            internal += inter
-        external = 0
-        if e.scheduler.waiting:
-            need = min(blocks_for(e.scheduler.reserve_tokens(r), bs) for r in e.scheduler.waiting)
-            external = sum(n for _, n in kv.holes if n < need) * bs
-        free = kv.num_free_blocks * bs - external
-        return KVBreakdown(tokens * per_slot, reserved * per_slot, internal * per_slot, external * per_slot,
-                           free * per_slot)
+    @property
+    def bytes_per_slot(self) -> int:
+        return self.engine.bytes_per_block // self.engine.options.block_size
 
-    def _paged_token_slots(self, running: list["Request"]) -> int:
-        kv = self.engine.kv
-        bs = kv.block_size
-        if kv.pool.extra_refs == 0:  # nothing shared: every request's tokens are its own
-            return sum(r.num_computed_tokens for r in running)
-        fill: dict[int, int] = {}  # shared blocks hold their tokens once
-        for r in running:
-            n = r.num_computed_tokens
-            for i, b in enumerate(kv.block_table(r.req_id)):
-                f = min(bs, max(0, n - i * bs))
-                if f > fill.get(b, 0):
-                    fill[b] = f
-        return sum(fill.values())
-
-    def contiguous_whatif(self) -> tuple[KVBreakdown, int]:
-        """The live requests under max-length contiguous preallocation in the same pool."""
-        e = self.engine
-        bs = e.kv.block_size
-        per_slot = e.bytes_per_block // bs
-        region = blocks_for(e.max_model_len, bs) * bs
-        tokens = reserved = internal = 0
-        for r in e.scheduler.running:
-            res, inter = reservation_split(region, r.num_computed_tokens, final_length(r, e.max_model_len))
-            tokens += r.num_computed_tokens
-            reserved += res
-            internal += inter
-        pool = e.num_blocks * bs
-        used = tokens + reserved + internal
-        fits = pool // region
-        return KVBreakdown(tokens * per_slot, reserved * per_slot, internal * per_slot, 0,
-                           max(0, pool - used) * per_slot), fits
-
-    # --- per step --------------------------------------------------------------------------------------
     def record(self, out: "SchedulerOutput") -> None:
+        """One StepRecord per engine step (cheap: no block walk unless blocks are shared)."""
         e = self.engine
-        s = e.scheduler
-        self.peak_running = max(self.peak_running, len(s.running))
+        s = e.scheduler.stats()
+        kv = e.kv.stats(s.running, s.next_waiting)
+        self.peak_running = max(self.peak_running, s.num_running)
+        self.peak_blocks_used = max(self.peak_blocks_used, kv.used_blocks)
+        self.peak_shared_blocks = max(self.peak_shared_blocks, kv.shared_saved_blocks)
         self.records.append(StepRecord(
-            step=e._step, time_s=time.perf_counter() - self.start, num_running=len(s.running),
-            num_waiting=len(s.waiting), num_swapped=len(s.swapped), num_preemptions=s.num_preemptions,
-            num_tokens=out.num_tokens, generated_tokens=e._generated, kv=self.kv_breakdown()))
+            step=e.stats().step, time_s=time.perf_counter() - self.start, num_running=s.num_running,
+            num_waiting=s.num_waiting, num_swapped=s.num_swapped, num_preemptions=s.num_preemptions,
+            num_tokens=out.num_tokens, generated_tokens=e.stats().generated_tokens,
+            kv=breakdown_bytes(kv, self.bytes_per_slot)))
 
     def tokens_per_s(self, window: int = 8, points: int = 40) -> tuple[float, ...]:
         """Output-token throughput over sliding windows of steps, oldest first."""
@@ -129,33 +97,15 @@ class MetricsCollector:
             out.append((b.generated_tokens - a.generated_tokens) / (b.time_s - a.time_s))
         return tuple(out)
 
-    def block_map(self) -> BlockMap:
+    def snapshot(self, memory: MemorySnapshot | None = None, *, block_map: bool = False) -> Snapshot:
         e = self.engine
-        kv = e.kv
-        bs = kv.block_size
-        owner = [-1] * kv.num_blocks
-        fill = [0] * kv.num_blocks
-        ref = [0] * kv.num_blocks
-        owners: list[str] = []
-        pool = getattr(kv, "pool", None)
-        if pool is not None:
-            for bid in pool.cached.values():
-                if pool.blocks[bid].ref_cnt == 0:
-                    owner[bid] = -2
-                    fill[bid] = bs
-        for r in e.scheduler.running:
-            idx = len(owners)
-            owners.append(r.req_id)
-            for i, b in enumerate(kv.block_table(r.req_id)):
-                if owner[b] == -1:
-                    owner[b] = idx
-                fill[b] = max(fill[b], min(bs, max(0, r.num_computed_tokens - i * bs)))
-                ref[b] += 1
-        return BlockMap(bs, tuple(owner), tuple(fill), tuple(ref), tuple(owners))
-
-    def snapshot(self, memory) -> Snapshot:
-        e = self.engine
-        whatif, fits = self.contiguous_whatif() if e.kv.layout == "paged" else (None, None)
+        run = e.stats()
+        s = e.scheduler.stats()
+        kv = e.kv.stats(s.running, s.next_waiting)
+        per_slot = self.bytes_per_slot
+        whatif, fits = (None, None)
+        if kv.layout == "paged":
+            whatif, fits = contiguous_whatif(s.running, kv.num_blocks, kv.block_size, e.max_model_len, per_slot)
         timings = []
         for r in e.requests.values():
             if r.first_token_time is None:
@@ -165,10 +115,17 @@ class MetricsCollector:
                                          r.first_token_time - r.arrival_time,
                                          tuple(b - a for a, b in zip(t, t[1:]))))
         return Snapshot(
-            step=e._step, time_s=time.perf_counter() - self.start, layout=e.kv.layout,
-            num_running=len(e.scheduler.running), num_waiting=len(e.scheduler.waiting),
-            num_preempted=e.scheduler.num_preemptions, kv=self.kv_breakdown(), contiguous_whatif=whatif,
-            whatif_fits=fits, blocks=self.block_map(), memory=memory, tokens_per_s=self.tokens_per_s(),
-            prompt_tokens=e._prompt_tokens, generated_tokens=e._generated,
-            prefix_hit_tokens=getattr(e.kv, "prefix_hit_tokens", 0),
-            prefix_query_tokens=getattr(e.kv, "prefix_query_tokens", 0), requests=tuple(timings))
+            step=run.step, time_s=time.perf_counter() - self.start, layout=kv.layout,
+            num_running=s.num_running, num_waiting=s.num_waiting, num_preempted=s.num_preemptions,
+            kv=breakdown_bytes(kv, per_slot), contiguous_whatif=whatif, whatif_fits=fits,
+            blocks=e.kv.block_map(s.running) if block_map else None, memory=memory,
+            tokens_per_s=self.tokens_per_s(), prompt_tokens=run.prompt_tokens,
+            generated_tokens=run.generated_tokens, prefix_hit_tokens=kv.prefix_hit_tokens,
+            prefix_query_tokens=kv.prefix_query_tokens, requests=tuple(timings), num_swapped=s.num_swapped,
+            num_blocks=kv.num_blocks, block_size=kv.block_size, blocks_used=kv.used_blocks,
+            peak_blocks_used=max(self.peak_blocks_used, kv.used_blocks),
+            peak_shared_blocks=max(self.peak_shared_blocks, kv.shared_saved_blocks),
+            bytes_per_block=e.bytes_per_block, kv_pool_bytes=e.kv_pool_bytes,
+            kv_dtype=str(e.kv_dtype).removeprefix("torch."), max_model_len=e.max_model_len,
+            weight_bytes=e.weight_bytes(), prefill_seconds=run.prefill_seconds,
+            decode_seconds=run.decode_seconds, decode_tokens=run.decode_tokens)

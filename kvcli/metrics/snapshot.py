@@ -76,6 +76,8 @@ class RequestTiming:
 
 @dataclass(frozen=True)
 class Snapshot:
+    """The one record every view reads: the live dashboard, the plain log, the end-of-run summary."""
+
     step: int
     time_s: float  # seconds since the engine started
     layout: str  # "paged" | "contiguous"
@@ -84,16 +86,48 @@ class Snapshot:
     num_preempted: int  # preemptions so far
     kv: KVBreakdown
     contiguous_whatif: KVBreakdown | None  # the live requests under max-len contiguous preallocation
-    whatif_fits: int | None  # how many of the live requests that preallocation could hold at once
-    blocks: BlockMap | None
-    memory: MemorySnapshot
+    whatif_fits: int | None  # how many requests that preallocation could hold at once in this pool
+    blocks: BlockMap | None  # None unless asked for (a walk over every block)
+    memory: MemorySnapshot | None  # None unless asked for (a probe of the device)
     tokens_per_s: tuple[float, ...] = ()  # recent output-token throughput samples, oldest first
-    prompt_tokens: int = 0
+    prompt_tokens: int = 0  # prompt tokens computed (prefill work)
     generated_tokens: int = 0
     prefix_hit_tokens: int = 0
     prefix_query_tokens: int = 0
     requests: tuple[RequestTiming, ...] = field(default_factory=tuple)
+    # Run totals, for summaries.
+    num_swapped: int = 0
+    num_blocks: int = 0
+    block_size: int = 0
+    blocks_used: int = 0
+    peak_blocks_used: int = 0
+    peak_shared_blocks: int = 0  # blocks not allocated thanks to sharing (forks, prefix hits), at peak
+    bytes_per_block: int = 0
+    kv_pool_bytes: int = 0
+    kv_dtype: str = ""
+    max_model_len: int = 0
+    weight_bytes: dict[str, int] = field(default_factory=dict)
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    decode_tokens: int = 0  # tokens sampled in decode-only steps
 
     @property
     def prefix_hit_rate(self) -> float:
         return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
+
+    @property
+    def peak_kv_bytes(self) -> int:
+        return self.peak_blocks_used * self.bytes_per_block
+
+    @property
+    def total_weight_bytes(self) -> int:
+        return sum(self.weight_bytes.values())
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        # The first token of each request comes out of its last prefill step.
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0

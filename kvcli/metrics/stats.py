@@ -1,4 +1,10 @@
-"""Engine counters and the immutable snapshot the CLI summary (and later the live view) reads."""
+"""Statistics records, each produced by the part that owns the numbers; the collector combines them
+into a Snapshot. Plain frozen dataclasses: nothing here points back at a live object.
+
+  SchedulerStats  queues, preemptions, and the extent of every live request (scheduler)
+  KVLayoutStats   blocks, sharing, prefix-cache counters and the slot breakdown (the KV layout)
+  RunStats        step count, token counters and time spent in prefill and decode (engine)
+"""
 
 from __future__ import annotations
 
@@ -6,39 +12,48 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
-class EngineSnapshot:
-    step: int
+class RequestExtent:
+    """A live request as the KV layouts and metrics see it."""
+
+    req_id: str
+    num_tokens: int  # tokens whose K/V are in the cache (final ones: accepted)
+    final_tokens: int  # the most it can ever hold: min(prompt + max_tokens, max_model_len)
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
     num_running: int
     num_waiting: int
-    num_blocks: int
+    num_swapped: int
+    num_preemptions: int  # so far
+    running: tuple[RequestExtent, ...]  # in admission order
+    next_waiting: int | None  # final tokens of the request first in line (None: none waits)
+
+
+@dataclass(frozen=True)
+class KVLayoutStats:
+    """Counts in blocks and token slots; bytes are the collector's business (it knows the KV dtype)."""
+
+    layout: str
     block_size: int
-    blocks_used: int
-    peak_blocks_used: int
-    tokens_in_cache: int  # token states actually held
-    bytes_per_block: int
-    kv_pool_bytes: int
-    weight_bytes: int
+    num_blocks: int  # usable blocks (the null block excluded)
+    used_blocks: int
+    shared_saved_blocks: int  # blocks not allocated thanks to sharing: sum of (ref_cnt - 1)
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    # The vLLM paper's Fig. 2 categories, in slots (see metrics/snapshot.py).
+    token_slots: int
+    reserved_slots: int
+    internal_slots: int
+    external_slots: int
+    free_slots: int
+
+
+@dataclass(frozen=True)
+class RunStats:
+    step: int
     prompt_tokens: int  # prompt tokens computed (prefill work)
     generated_tokens: int
+    decode_tokens: int  # tokens sampled in decode-only steps
     prefill_seconds: float
     decode_seconds: float
-    num_preemptions: int
-    decode_tokens: int  # tokens sampled in decode-only steps
-    peak_shared_blocks: int = 0  # blocks not allocated thanks to sharing (forks, prefix hits), at peak
-
-    @property
-    def kv_used_bytes(self) -> int:
-        return self.blocks_used * self.bytes_per_block
-
-    @property
-    def peak_kv_bytes(self) -> int:
-        return self.peak_blocks_used * self.bytes_per_block
-
-    @property
-    def prefill_tok_s(self) -> float:
-        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
-
-    @property
-    def decode_tok_s(self) -> float:
-        # The first token of each request comes out of its last prefill step.
-        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from kvcli.attention.base import AttentionBackend, AttentionMetadata
 from kvcli.config import ModelConfig
+from kvcli.kvcache.kv_cache import KVCache
 from kvcli.model.layers import Embedding, Linear, RMSNorm, Rotary
 from kvcli.model.quant import QuantTensor
 
@@ -98,7 +99,7 @@ class LlamaModel:
         self,
         input_ids: torch.Tensor,  # [T] int64
         positions: torch.Tensor,  # [T] int64
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_cache: KVCache,
         meta: AttentionMetadata,
         backend: AttentionBackend,
         logits_indices: torch.Tensor | None = None,  # rows whose next-token logits are wanted
@@ -106,7 +107,7 @@ class LlamaModel:
         c = self.config
         t = input_ids.shape[0]
         h = self.embed(input_ids)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+        for layer, cache in zip(self.layers, kv_cache.layers):
             x = layer.attn_norm(h)
             qkv = layer.qkv(x)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -114,8 +115,8 @@ class LlamaModel:
             k = k.view(t, c.num_kv_heads, c.head_dim)
             v = v.view(t, c.num_kv_heads, c.head_dim)
             q, k = self.rotary(q, k, positions)
-            backend.write_kv(k, v, k_cache, v_cache, meta)
-            attn = backend.forward(q, k_cache, v_cache, meta, self.scale)
+            backend.write_kv(k, v, cache, meta)
+            attn = backend.forward(q, cache, meta, self.scale)
             h = h + layer.o(attn.reshape(t, self.q_size))
             x = layer.ffn_norm(h)
             gate, up = layer.gate_up(x).chunk(2, dim=-1)

@@ -1,22 +1,17 @@
 """Turns a SchedulerOutput into tensors (ids, positions, slot mapping, block tables), runs the model
-and returns the next-token logits of the requests that sample this step."""
+and samples the next token of the requests that sample this step."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
 from kvcli.attention.base import AttentionBackend, AttentionMetadata
-from kvcli.engine.scheduler import SchedulerOutput
-from kvcli.kvcache.kv_cache import KVCache
+from kvcli.config import SamplingParams
+from kvcli.engine.scheduler import RunnerOutput, SchedulerOutput
+from kvcli.kvcache.interface import NULL_BLOCK
+from kvcli.kvcache.kv_cache import HostBlocks, KVCache
 from kvcli.model.llama import LlamaModel
-
-
-@dataclass(frozen=True)
-class RunnerOutput:
-    req_ids: list[str]  # requests that sample, in row order of logits
-    logits: torch.Tensor | None  # [len(req_ids), vocab] float32; None when simulating
+from kvcli.sampler import sample
 
 
 def build_metadata(out: SchedulerOutput, block_size: int, device: torch.device
@@ -41,7 +36,7 @@ def build_metadata(out: SchedulerOutput, block_size: int, device: torch.device
         if c.sample:
             logit_rows.append(cu[-1] - 1)
     max_blocks = max(len(c.block_table) for c in out.chunks)
-    tables = torch.zeros((len(out.chunks), max_blocks), dtype=torch.int32)
+    tables = torch.full((len(out.chunks), max_blocks), NULL_BLOCK, dtype=torch.int32)
     for b, c in enumerate(out.chunks):
         tables[b, :len(c.block_table)] = torch.tensor(c.block_table, dtype=torch.int32)
     meta = AttentionMetadata(
@@ -59,61 +54,66 @@ def build_metadata(out: SchedulerOutput, block_size: int, device: torch.device
 
 
 class ModelRunner:
+    """Executes a SchedulerOutput on the model: block traffic, one forward pass, sampling. Keeps what
+    it needs per request (sampling params and seeded generators, host copies of swapped blocks)
+    from the scheduler's `new_requests` until the request shows up in `released`."""
+
     def __init__(self, model: LlamaModel, kv_cache: KVCache, backend: AttentionBackend) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.backend = backend
         self.device = model.device
-        self.swapped: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # req -> per-layer host K/V
-        for k, v in kv_cache.layers:  # block 0 pads every block table: keep it finite from the start
-            k[0] = 0
-            v[0] = 0
+        self.params: dict[str, SamplingParams] = {}
+        self.generators: dict[str, torch.Generator | None] = {}
+        self.swapped: dict[str, HostBlocks] = {}
 
     @property
     def swapped_bytes(self) -> int:
-        return sum(k.numel() * k.element_size() * 2 for layers in self.swapped.values() for k, _ in layers)
+        return sum(h.nbytes for h in self.swapped.values())
+
+    def _track(self, out: SchedulerOutput) -> None:
+        for r in out.new_requests:
+            self.params[r.req_id] = r.params
+            self.generators[r.req_id] = (None if r.params.seed is None
+                                         else torch.Generator().manual_seed(r.params.seed))
+        for rid in out.released:
+            self.params.pop(rid, None)
+            self.generators.pop(rid, None)
+            self.swapped.pop(rid, None)
 
     def move_blocks(self, out: SchedulerOutput) -> None:
         """Block traffic the scheduler decided on, before any of this step's KV writes: blocks used
-        for the first time are zeroed (the pool is allocated uninitialised; padded attention reads
-        must see finite values), then swap-outs (their blocks may be reused this step), swap-ins,
-        and copy-on-write copies."""
+        for the first time are zeroed, then swap-outs (their blocks may be reused this step),
+        swap-ins, and copy-on-write copies."""
+        cache = self.kv_cache
         if out.new_blocks:
-            idx = torch.tensor(out.new_blocks, dtype=torch.int64, device=self.device)
-            for k, v in self.kv_cache.layers:
-                k[idx] = 0
-                v[idx] = 0
+            cache.zero_blocks(out.new_blocks)
         for req_id, blocks in out.swap_out:
-            idx = torch.tensor(blocks, dtype=torch.int64, device=self.device)
-            self.swapped[req_id] = [(k[idx].to("cpu"), v[idx].to("cpu")) for k, v in self.kv_cache.layers]
+            self.swapped[req_id] = cache.swap_out(blocks)
         for req_id, blocks in out.swap_in:
-            idx = torch.tensor(blocks, dtype=torch.int64, device=self.device)
-            for (k, v), (hk, hv) in zip(self.kv_cache.layers, self.swapped.pop(req_id)):
-                k[idx] = hk.to(self.device)
-                v[idx] = hv.to(self.device)
+            cache.swap_in(blocks, self.swapped.pop(req_id))
         if out.block_copies:
-            src = torch.tensor([s for s, _ in out.block_copies], dtype=torch.int64, device=self.device)
-            dst = torch.tensor([d for _, d in out.block_copies], dtype=torch.int64, device=self.device)
-            for k, v in self.kv_cache.layers:
-                k[dst] = k[src]
-                v[dst] = v[src]
-
-    def drop_swapped(self, req_id: str) -> None:
-        self.swapped.pop(req_id, None)
+            cache.copy_blocks(out.block_copies)
 
     def execute(self, out: SchedulerOutput, all_logits: bool = False) -> RunnerOutput:
-        """Run one step. With all_logits, return logits for every scheduled token (teacher forcing)."""
+        """Run one step and sample. With all_logits (teacher forcing), return logits for every
+        scheduled token instead of sampling."""
+        self._track(out)
         self.move_blocks(out)
         if not out.chunks:
-            return RunnerOutput([], torch.empty(0, self.model.config.vocab_size))
+            return RunnerOutput({})
         ids, positions, meta, rows = build_metadata(out, self.kv_cache.block_size, self.device)
         if all_logits:
-            logits = self.model.forward(ids, positions, self.kv_cache.layers, meta, self.backend)
-            return RunnerOutput([c.req_id for c in out.chunks], logits)
-        sampled = [c.req_id for c in out.chunks if c.sample]
-        if not sampled:  # a step of prefill chunks only: no lm_head at all
-            rows_t = torch.empty(0, dtype=torch.int64, device=self.device)
-        else:
-            rows_t = torch.tensor(rows, dtype=torch.int64, device=self.device)
-        logits = self.model.forward(ids, positions, self.kv_cache.layers, meta, self.backend, rows_t)
-        return RunnerOutput(sampled, logits)
+            return RunnerOutput({}, self.model.forward(ids, positions, self.kv_cache, meta, self.backend))
+        sampling = [c for c in out.chunks if c.sample]
+        if not sampling:  # a step of prefill chunks only: no lm_head at all
+            self.model.forward(ids, positions, self.kv_cache, meta, self.backend,
+                               torch.empty(0, dtype=torch.int64, device=self.device))
+            return RunnerOutput({})
+        rows_t = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        logits = self.model.forward(ids, positions, self.kv_cache, meta, self.backend, rows_t)
+        sampled: dict[str, list[int]] = {}
+        for row, c in enumerate(sampling):
+            for rid in (c.req_id, *c.fork_ids):
+                sampled[rid] = [sample(logits[row], self.params[rid], self.generators[rid])]
+        return RunnerOutput(sampled)

@@ -88,7 +88,10 @@ def _kv_table(rows: list[tuple[str, str]], width: int) -> Table:
 
 # -- panels ------------------------------------------------------------------------------------
 
-def memory_panel(m: MemorySnapshot, width: int = 50) -> Panel:
+def memory_panel(m: MemorySnapshot | None, width: int = 50) -> Panel:
+    if m is None:
+        return Panel(Text("not sampled", style="dim"), title="memory", title_align="left")
+
     def used_of_total() -> str:
         assert m.device_total_bytes
         used = m.device_used_bytes
@@ -169,12 +172,18 @@ def fragmentation_panel(s: Snapshot, width: int) -> Panel:
                              f"{human_bytes(kv.total_bytes)} pool" for _, kv in columns))
     body: list[RenderableType] = [t]
     if s.contiguous_whatif is not None and s.whatif_fits is not None:
-        fits = Text(f"contiguous preallocation would hold {s.whatif_fits} of the "
-                    f"{s.num_running} running requests at once")
-        if s.whatif_fits < s.num_running:
-            fits.stylize(NOTE)
-        body.append(fits)
+        body.append(whatif_line(s.whatif_fits, s.num_running, s.max_model_len))
     return Panel(Group(*body), title="KV fragmentation (vLLM Fig. 2 categories)", title_align="left")
+
+
+def whatif_line(fits: int, running: int, max_model_len: int) -> Text:
+    """The max-len what-if in requests: how many regions the pool holds against what runs now."""
+    head = f"contiguous preallocation: the pool fits {fits:,} regions of {max_model_len:,} tokens"
+    if fits < running:
+        line = Text(f"{head}, so only {fits:,} of these {running:,} requests could run at once")
+        line.stylize(NOTE)
+        return line
+    return Text(f"{head}: these {running:,} request{'s' if running != 1 else ''}, and at most {fits:,} at once")
 
 
 def block_map_panel(s: Snapshot, width: int, map_rows: int) -> Panel:

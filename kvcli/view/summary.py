@@ -1,14 +1,14 @@
-"""The end-of-run summary, rendered from an engine snapshot."""
+"""The end-of-run summary, rendered from a metrics snapshot."""
 
 from __future__ import annotations
 
 from rich.table import Table
 
-from kvcli.metrics.stats import EngineSnapshot
+from kvcli.metrics.snapshot import Snapshot
 from kvcli.view.plain_log import human_bytes
 
 
-def summary_table(s: EngineSnapshot, weights: dict[str, int], title: str = "kvcli summary") -> Table:
+def summary_table(s: Snapshot, title: str = "kvcli summary") -> Table:
     t = Table(title=title, show_header=False, title_justify="left", box=None, padding=(0, 2))
     t.add_column(style="bold")
     t.add_column()
@@ -17,18 +17,19 @@ def summary_table(s: EngineSnapshot, weights: dict[str, int], title: str = "kvcl
     t.add_row("prefill", f"{s.prefill_tok_s:,.1f} tok/s ({s.prefill_seconds:.2f} s)")
     t.add_row("decode", f"{s.decode_tok_s:,.1f} tok/s ({s.decode_seconds:.2f} s)")
     t.add_row("KV blocks used (peak)", f"{s.peak_blocks_used:,} of {s.num_blocks:,} x {s.block_size} tokens")
-    t.add_row("KV bytes used (peak)", f"{human_bytes(s.peak_kv_bytes)} of a {human_bytes(s.kv_pool_bytes)} pool")
-    parts = ", ".join(f"{k} {human_bytes(v)}" for k, v in weights.items())
-    t.add_row("weight bytes", f"{human_bytes(sum(weights.values()))} ({parts})")
+    t.add_row("KV bytes used (peak)", f"{human_bytes(s.peak_kv_bytes)} of a {human_bytes(s.kv_pool_bytes)} pool "
+              f"({s.kv_dtype})")
+    parts = ", ".join(f"{k} {human_bytes(v)}" for k, v in s.weight_bytes.items())
+    t.add_row("weight bytes", f"{human_bytes(s.total_weight_bytes)} ({parts})")
     if s.peak_shared_blocks:
         t.add_row("KV saved by sharing (peak)", f"{s.peak_shared_blocks:,} blocks, "
                   f"{human_bytes(s.peak_shared_blocks * s.bytes_per_block)}")
-    if s.num_preemptions:
-        t.add_row("preemptions", str(s.num_preemptions))
+    if s.num_preempted:
+        t.add_row("preemptions", str(s.num_preempted))
     return t
 
 
-def snapshot_dict(s: EngineSnapshot, weights: dict[str, int]) -> dict:
+def snapshot_dict(s: Snapshot) -> dict:
     return {
         "prompt_tokens": s.prompt_tokens,
         "generated_tokens": s.generated_tokens,
@@ -43,8 +44,9 @@ def snapshot_dict(s: EngineSnapshot, weights: dict[str, int]) -> dict:
             "bytes_per_block": s.bytes_per_block,
             "peak_bytes_used": s.peak_kv_bytes,
             "pool_bytes": s.kv_pool_bytes,
+            "dtype": s.kv_dtype,
             "peak_shared_blocks": s.peak_shared_blocks,
         },
-        "weight_bytes": dict(weights, total=sum(weights.values())),
-        "preemptions": s.num_preemptions,
+        "weight_bytes": dict(s.weight_bytes, total=s.total_weight_bytes),
+        "preemptions": s.num_preempted,
     }

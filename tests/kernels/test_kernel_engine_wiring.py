@@ -43,7 +43,7 @@ def test_triton_and_torch_backends_same_logits_over_chunks(tmp_path):
         rows = []
         for pos in range(0, len(ids), 20):  # chunks of 20 over 16-token blocks: ends mid-block
             part = ids[pos:pos + 20]
-            assert eng.kv.allocate("x", pos + len(part))
+            assert eng.kv.allocate("x", pos + len(part), pos)
             step = SchedulerOutput([ScheduledChunk("x", part, pos, eng.kv.block_table("x"), True)])
             rows.append(eng.runner.execute(step, all_logits=True).logits)
         logits[backend] = torch.cat(rows)

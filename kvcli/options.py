@@ -1,0 +1,149 @@
+"""Engine options: one object built by every command and by the Python API, validated once.
+
+Each value lives here and is read from here (the block size, for instance, reaches the KV layout,
+the KV cache tensors and the metrics through `EngineOptions.block_size` and nowhere else). Every
+problem is a `ConfigError` whose message names the command-line flag, so the CLI can print it as
+one line before any slow model load.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+class ConfigError(ValueError):
+    """Options that cannot work; the message is meant for the user as is and names the flag."""
+
+
+SUPPORTED_BLOCK_SIZES = (8, 16, 32, 64, 128)
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+KV_LAYOUTS = ("paged", "contiguous")
+RESERVATIONS = ("max-len", "request")
+PREEMPT_MODES = ("recompute", "swap")
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
+          "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 1024, "m": 1e6, "mb": 1e6, "mib": 1 << 20,
+          "g": 1e9, "gb": 1e9, "gib": 1 << 30, "t": 1e12, "tb": 1e12, "tib": 1 << 40}
+
+
+def parse_bytes(text: str, flag: str | None = None) -> int:
+    """`2GiB`, `512MB`, `1e9` -> bytes. With `flag`, the error message names it."""
+    s = str(text).strip().lower().replace(" ", "")
+    num = s.rstrip("kmgtib")
+    unit = s[len(num):]
+    prefix = f"{flag}: " if flag else ""
+    try:
+        value = float(num)
+    except ValueError:
+        raise ConfigError(f"{prefix}cannot read {text!r} as a size (e.g. 2GiB, 512MB)") from None
+    if unit not in _UNITS or not value > 0 or not math.isfinite(value):
+        raise ConfigError(f"{prefix}cannot read {text!r} as a size (e.g. 2GiB, 512MB)")
+    return int(value * _UNITS[unit])
+
+
+def parse_kv_budget(spec: str) -> tuple[int | None, float]:
+    """`--kv-budget`: (bytes, 0) for a size ("2GiB", "512MB", or a plain number above 1), or
+    (None, fraction) for a share of free memory in (0, 1]."""
+    try:
+        frac = float(spec)
+    except ValueError:
+        frac = 2.0  # not a number: read it as a size below
+    if math.isnan(frac):
+        raise ConfigError(f"--kv-budget {spec}: must be a size (2GiB, 512MB, bytes) or a fraction in (0, 1]")
+    if frac > 1:
+        return parse_bytes(spec, "--kv-budget"), 0.0
+    if frac <= 0:
+        raise ConfigError(f"--kv-budget {spec}: must be a size (2GiB, 512MB, bytes) or a fraction in (0, 1]")
+    return None, frac
+
+
+def parse_dtype(name: str | None, flag: str) -> torch.dtype | None:
+    if name is None or name == "auto":
+        return None
+    if name not in DTYPES:
+        raise ConfigError(f"{flag} must be fp32, fp16 or bf16 (got {name!r})")
+    return DTYPES[name]
+
+
+def _one_of(value: str, allowed: tuple[str, ...], flag: str) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{flag} must be one of {', '.join(allowed)} (got {value!r})")
+
+
+def _positive(value: int | None, flag: str) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+        raise ConfigError(f"{flag} must be a positive integer (got {value!r})")
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Everything the engine is built from besides the weights. Validated on construction."""
+
+    device: str | None = None  # None: cuda when available, else cpu
+    block_size: int = 16  # tokens per KV block: the one stored value, read by layout, cache, metrics
+    kv_budget: str | None = None  # "2GiB", "512MB", a fraction of free memory "0.5", or None (auto)
+    dequantize: bool = False  # dense fp32 weights: exact, 8x the bytes
+    max_model_len: int | None = None  # None: the model's context length
+    max_num_batched_tokens: int = 512  # tokens computed per step; prompts are prefilled in chunks
+    max_num_seqs: int = 64
+    attention_backend: str = "auto"  # auto | torch | triton
+    kv_layout: str = "paged"  # paged | contiguous (preallocated region per request, for comparison)
+    reserve: str = "max-len"  # contiguous only: max-len | request (prompt + max_tokens)
+    preempt: str = "recompute"  # recompute | swap
+    swap_space: str = "4GiB"  # host memory for swapped-out blocks
+    dtype: str | None = None  # compute dtype; default fp32 on CPU, bf16 (fp16 if unsupported) on CUDA
+    kv_dtype: str | None = None  # default: the compute dtype
+    prefix_caching: bool = True  # reuse full blocks of shared prefixes across requests
+    watermark: float = 0.01  # paged admission keeps this share of blocks free for running requests
+
+    def __post_init__(self) -> None:
+        if self.block_size not in SUPPORTED_BLOCK_SIZES:
+            raise ConfigError(f"--block-size must be one of {', '.join(map(str, SUPPORTED_BLOCK_SIZES))} "
+                              f"(got {self.block_size})")
+        if self.kv_budget is not None and self.kv_budget != "auto":
+            parse_kv_budget(self.kv_budget)
+        _positive(self.max_model_len, "--max-model-len")
+        _positive(self.max_num_batched_tokens, "--max-batch-tokens")
+        _positive(self.max_num_seqs, "--max-num-seqs")
+        _one_of(self.attention_backend, ATTENTION_BACKENDS, "--attention-backend")
+        _one_of(self.kv_layout, KV_LAYOUTS, "--kv-layout")
+        _one_of(self.reserve, RESERVATIONS, "--reserve")
+        _one_of(self.preempt, PREEMPT_MODES, "--preempt")
+        parse_bytes(self.swap_space, "--swap-space")
+        parse_dtype(self.dtype, "--dtype")
+        parse_dtype(self.kv_dtype, "--kv-dtype")
+        if not 0 <= self.watermark < 1:
+            raise ConfigError(f"watermark must be in [0, 1) (got {self.watermark})")
+        if self.device not in (None, "auto"):
+            try:
+                dev = torch.device(self.device)
+            except (RuntimeError, ValueError):
+                raise ConfigError(f"--device must be cpu, cuda or cuda:N (got {self.device!r})") from None
+            if dev.type not in ("cpu", "cuda"):
+                raise ConfigError(f"--device must be cpu, cuda or cuda:N (got {self.device!r})")
+
+    def resolve_device(self) -> torch.device:
+        if self.device in (None, "auto"):
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        dev = torch.device(self.device)
+        if dev.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ConfigError(f"--device {self.device}: torch sees no CUDA device")
+            if dev.index is not None and dev.index >= torch.cuda.device_count():
+                raise ConfigError(f"--device {self.device}: there are {torch.cuda.device_count()} CUDA devices")
+        return dev
+
+    def compute_dtype(self, device: torch.device) -> torch.dtype:
+        default = torch.float32 if device.type == "cpu" else (
+            torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16)
+        return parse_dtype(self.dtype, "--dtype") or default
+
+    def cache_dtype(self, device: torch.device) -> torch.dtype:
+        return parse_dtype(self.kv_dtype, "--kv-dtype") or self.compute_dtype(device)
+
+    def swap_space_bytes(self) -> int:
+        return parse_bytes(self.swap_space, "--swap-space")
