@@ -38,7 +38,7 @@ for v in "${versions[@]}"; do
     fi
   fi
   echo "triton-matrix: triton $v"
-  if "$venv/bin/pytest" -q -p no:cacheprovider tests/kernels -W ignore::DeprecationWarning 2>&1 | tail -n 3; then
+  if "$venv/bin/pytest" -q -p no:cacheprovider $tests -W ignore::DeprecationWarning 2>&1 | tail -n 3; then
     # (pipefail: pytest's status counts, not tail's)
     result[$v]=pass
   else
