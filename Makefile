@@ -21,8 +21,10 @@ test-fast: setup
 bench: setup
 	$(PY) scripts/bench_decode.py
 
+# The plan (kernel variants, time budget) first, then the run: one capped process per section.
 gpu-check:
-	python3 scripts/gpu_check.py
+	python3 scripts/gpu_check.py --dry-run
+	python3 scripts/gpu_check.py --out gpu-check.md
 
 # Kernel tests under older Triton releases (what a GPU user's torch pins); one venv each in .cache/.
 triton-matrix:

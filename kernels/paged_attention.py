@@ -154,7 +154,7 @@ def _paged_attention_kernel(
     for tile in range(tile_lo, tile_hi):
         offs_n = tile * BLOCK_N + offs_n_base
         n_valid = offs_n < kv_end
-        # BLOCK_N spans whole pages: the gathered ids repeat BLOCK_SIZE times and hit in L1.
+        # Page id per token: repeated ids (tokens of one page) hit in L1.
         phys = tl.load(bt_row + (offs_n // BLOCK_SIZE) * stride_btn, mask=n_valid, other=0).to(tl.int64)
         slot_in_page = (offs_n % BLOCK_SIZE).to(tl.int64)
         k_off = phys * stride_kb + slot_in_page * stride_kt + k_head
@@ -257,15 +257,17 @@ def attention_launch_config(
     """Tile sizes: BLOCK_M rows (= BLOCK_Q tokens x GROUP heads), BLOCK_N KV tokens per iteration.
 
     Decode-only batches use the smallest tensor-core tile (16 rows); batches with prefill rows use
-    64 rows so each K/V tile is reused by more query tokens. BLOCK_N covers whole pages.
+    64 rows so each K/V tile is reused by more query tokens. BLOCK_N does not depend on the page size.
     """
     min_rows = 16 if max_seqlen_q <= 1 else 64
     block_m = max(min_rows, triton.next_power_of_2(group))
     block_q = max(1, block_m // group)
     block_d = triton.next_power_of_2(max(head_dim, 16))
     # 64 tokens of K and V per iteration (16 KiB each at D=128 fp16); fewer when fp32 or D=256.
-    per_tile = 64 if block_d * (4 if kv_dtype == torch.float32 else 2) <= 256 else 32
-    block_n = max(triton.next_power_of_2(block_size), per_tile)
+    # The tile is independent of the page size: a page larger than the tile is walked in several
+    # tiles (page 128 x D 256 in one tile needs ~288 KB of shared memory, over sm_90's 227 KB, and
+    # page 128 x D 128 spills registers), a smaller one is gathered several pages per tile.
+    block_n = 64 if block_d * (4 if kv_dtype == torch.float32 else 2) <= 256 else 32
     wide = block_d >= 256 or kv_dtype == torch.float32  # more live registers per row
     num_warps = 8 if block_m >= 128 or (block_m >= 64 and wide) else 4
     num_stages = 3 if block_d <= 128 and kv_dtype != torch.float32 else 2

@@ -138,7 +138,10 @@ def _decode_tok_s(generate: Callable[[int], Any], new: int, repeats: int) -> tup
     return (new - 1) / (tn - t1), t1
 
 
-def bench_engine(smoke: bool, quick: bool, deadline: Deadline) -> dict[str, Any]:
+def bench_engine(smoke: bool, quick: bool, deadline: Deadline, out: dict[str, Any] | None = None,
+                 progress: Callable[[], None] = lambda: None) -> dict[str, Any]:
+    """Fills `out` step by step (calling progress() after each), so a caller that catches an error
+    here, or a process killed at its cap after a progress() call, keeps what was measured."""
     import torch
 
     _import_kvcli()
@@ -152,8 +155,10 @@ def bench_engine(smoke: bool, quick: bool, deadline: Deadline) -> dict[str, Any]
     name = "llama-3-8b"
     prompt_len, new = (24, 6) if smoke else (512, 128)
     max_len = 128 if smoke else 2048
-    out: dict[str, Any] = dict(model=name, prompt_len=prompt_len, new=new, max_len=max_len, decode=[], profile=[],
-                               notes=[])
+    out = {} if out is None else out
+    out.update(model=name, prompt_len=prompt_len, new=new, max_len=max_len, decode=[], profile=[], notes=[],
+               repeats=1 if smoke else 2)
+    progress()
     with tempfile.TemporaryDirectory() as tmp:
         spec = _model_spec(name, smoke, Path(tmp))
         t = time.perf_counter()
@@ -171,21 +176,23 @@ def bench_engine(smoke: bool, quick: bool, deadline: Deadline) -> dict[str, Any]
         def kv_gen(n: int) -> Any:
             return llm.generate([ids], SamplingParams(max_tokens=n, ignore_eos=True))
 
-        repeats = 1 if smoke else 2
-        out["repeats"] = repeats
+        repeats = out["repeats"]
         tok_s, prefill = _decode_tok_s(kv_gen, new, repeats)
         wbytes = sum(engine.weight_bytes().values())
         out["decode"].append(dict(side=f"kvcli INT4 ({engine.linear_mode} linears, {engine.backend.name} attention)",
                                   tok_s=tok_s, prefill_s=prefill, weight_bytes=wbytes))
         print(f"  kvcli decode batch 1: {tok_s:.1f} tok/s (prefill {prompt_len} tokens {prefill * 1e3:.0f} ms), "
               f"weights {wbytes / 2**30:.2f} GiB", flush=True)
+        progress()
         out["memory"] = _memory_line(engine)
         print(f"  memory probe: {out['memory']}", flush=True)
+        progress()
         model = engine.model
         del llm, engine
 
         preset = dict(PRESETS[name], num_hidden_layers=2, vocab_size=512) if smoke else PRESETS[name]
         out["decode"].append(_hf_decode(preset, ids, new, "cpu" if smoke else "cuda", repeats))
+        progress()
 
         # Same workload and KV budget through both layouts (weights shared between the two engines).
         n_req = 4 if smoke else 16 if quick else 64
@@ -205,6 +212,7 @@ def bench_engine(smoke: bool, quick: bool, deadline: Deadline) -> dict[str, Any]
                                        completed=res.completed, out_tokens=res.output_tokens, wall_s=res.wall_s,
                                        tok_s=res.tokens_per_s, peak=res.peak_running, preempt=res.preemptions,
                                        token_share=res.token_share_of_allocated))
+            progress()
             r = out["profile"][-1]
             print(f"  profile {layout:10s}: {r['completed']}/{n_req} requests, {r['tok_s']:.0f} tok/s, peak "
                   f"{r['peak']} concurrent, token states {100 * r['token_share']:.1f}% of allocated KV", flush=True)
@@ -244,7 +252,12 @@ def _hf_decode(preset: dict[str, Any], ids: list[int], new: int, device: str, re
     try:
         cfg = AutoConfig.for_model(**preset)
         with torch.device(device):
-            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+            try:
+                model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+            except TypeError:  # transformers < 4.56 names it torch_dtype
+                model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16).eval()
+        if next(model.parameters()).dtype != torch.bfloat16:  # an ignored keyword would time fp32 silently
+            raise RuntimeError(f"transformers built the baseline in {next(model.parameters()).dtype}, not bfloat16")
         x = torch.tensor([ids], device=device)
 
         def gen(n: int) -> Any:
@@ -268,8 +281,10 @@ def render(perf: dict[str, Any]) -> list[str]:
     lines = ["## (d) the engine end to end (random INT4 weights of " + perf.get("model", "?") + ")", ""]
     if perf.get("skipped"):
         return lines + [f"Skipped: {perf['skipped']}", ""]
+    if "new" not in perf:  # failed before measuring anything
+        return lines + [f"Not completed: {perf.get('error', 'no result')}", ""]
     if perf.get("error"):
-        return lines + [f"Not completed: {perf['error']}", ""]
+        lines += [f"**Not completed** (the rows below were measured before it): {perf['error']}", ""]
     n = perf["new"]
     lines += [f"Decode at batch 1, {perf['prompt_len']}-token prompt, {n} new tokens; tok/s = {n - 1} / (t_{n} - t_1), "
               f"best of {perf['repeats']} (prefill excluded).", "",

@@ -5,6 +5,7 @@
 #
 #   bash scripts/triton_matrix.sh                 # 3.2.0 3.4.0 3.6.0
 #   bash scripts/triton_matrix.sh 3.5.0 3.6.0     # chosen versions
+#   MATRIX_TESTS="tests/kernels/test_kernel_sm90_compile.py" bash scripts/triton_matrix.sh   # a subset
 #
 # One venv per version under .cache/triton-matrix: CPU torch 2.13.0, kvcli without its declared
 # dependencies, and what tests/kernels needs of them (transformers, rich, nvidia-ml-py: about what
@@ -14,6 +15,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 versions=("$@")
 [ ${#versions[@]} -gt 0 ] || versions=(3.2.0 3.4.0 3.6.0)
+tests=${MATRIX_TESTS:-tests/kernels}
 root=.cache/triton-matrix
 mkdir -p "$root"
 declare -A result
@@ -36,7 +38,7 @@ for v in "${versions[@]}"; do
     fi
   fi
   echo "triton-matrix: triton $v"
-  if "$venv/bin/pytest" -q -p no:cacheprovider tests/kernels -W ignore::DeprecationWarning 2>&1 | tail -n 3; then
+  if "$venv/bin/pytest" -q -p no:cacheprovider $tests -W ignore::DeprecationWarning 2>&1 | tail -n 3; then
     # (pipefail: pytest's status counts, not tail's)
     result[$v]=pass
   else
@@ -44,7 +46,7 @@ for v in "${versions[@]}"; do
   fi
 done
 echo
-echo "triton-matrix summary ($(date -u +%Y-%m-%d), $(uname -m)):"
+echo "triton-matrix summary ($(date -u '+%Y-%m-%d %H:%M UTC'), $(uname -m), $(nproc) cores, commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'), tests: $tests):"
 status=0
 for v in "${versions[@]}"; do
   echo "  triton $v: ${result[$v]:-FAIL}"

@@ -11,6 +11,15 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 ON_GPU = DEVICE.type == "cuda"
 requires_cuda = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA device")
 
+
+
+def dtype_id(dtype: torch.dtype) -> str:
+    """Test id of a dtype that says what is verified: the interpreter (no GPU) has no bf16 dots, so the
+    kernels upcast bf16 tiles and compute in fp32 there; only bf16 storage is checked on CPU."""
+    name = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+    return name if ON_GPU or dtype != torch.bfloat16 else "bf16-storage-fp32-compute"
+
+
 # (atol, rtol) per output dtype. fp16/bf16 include the P -> 16-bit cast inside the PV product.
 ATTN_TOL = {torch.float32: (2e-4, 2e-4), torch.float16: (4e-3, 4e-3), torch.bfloat16: (3e-2, 3e-2)}
 

@@ -37,20 +37,88 @@ def test_exits_nonzero_without_cuda() -> None:
     assert len(lines) == 1 and "no CUDA device" in lines[0]
 
 
-def test_cpu_smoke_writes_report(tmp_path: Path) -> None:
-    """Correctness section (tiny, interpreter) and the benchmark code paths at toy sizes."""
-    out = tmp_path / "report.md"
+NO_CAPS = ["--section-seconds", "a=900,b=900,c=900,d=900", "--engine-seconds", "300"]  # the interpreter is far slower than a GPU
+
+
+@pytest.fixture(scope="module")
+def smoke_report(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess, str]:
+    out = tmp_path_factory.mktemp("smoke") / "report.md"
     # CUDA hidden so the smoke run never touches a GPU even where one exists.
-    r = _run("--cpu-smoke", "--out", str(out), env_extra={"CUDA_VISIBLE_DEVICES": ""})
+    r = _run("--cpu-smoke", "--out", str(out), *NO_CAPS, env_extra={"CUDA_VISIBLE_DEVICES": ""}, timeout=900)
+    return r, out.read_text() if out.exists() else ""
+
+
+def _table_keys(text: str) -> set[str]:
+    """The first two cells of every table row (kernel + case, batch + context, M + N, layout + blocks)."""
+    keys = set()
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| ") and len(cells) >= 3 and not set(cells[0]) <= set("- "):
+            timed = "." in cells[1] and cells[1].replace(".", "").isdigit()  # a measured value, not a key
+            keys.add(cells[0] if timed else " | ".join(cells[:2]))
+    return keys
+
+
+def test_cpu_smoke_writes_report(smoke_report: tuple[subprocess.CompletedProcess, str]) -> None:
+    """Correctness section (tiny, interpreter) and the benchmark code paths at toy sizes, one process each."""
+    r, text = smoke_report
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    text = out.read_text()
     for needle in ("## (a) correctness", "## (b) decode attention", "## (c) INT4 GEMM", "--cpu-smoke",
                    "torch ", "triton ", "command: `python ", "## (d) the engine end to end",
                    "| engine | logits triton vs torch backend", "| engine | greedy tokens paged vs contiguous",
-                   "kvcli / transformers decode:", "| paged |", "| contiguous |"):
-        assert needle in text, needle
+                   "kvcli / transformers decode:", "| paged |", "| contiguous |",
+                   "== section (a), cap 900 s", "== section (d): done"):
+        assert needle in text or needle in r.stdout, needle
     assert "FAIL" not in text and "NOT met" not in text and "goals" not in text  # no verdicts on toy sizes
+    assert "Partial result" not in text
+    import re
+
+    assert re.search(r"\| (flash_attention|efficient_attention|math)[ |]", text)  # the forced SDPA backend is named
     assert r.stdout.rstrip().endswith(text.rstrip().splitlines()[-1])  # the table is printed last
+
+
+def test_injected_failures_keep_every_other_row(tmp_path: Path,
+                                                smoke_report: tuple[subprocess.CompletedProcess, str]) -> None:
+    """One failing case in each of (a), (b), (c) and (d): each is a FAIL row with its message, and every
+    row of the clean run that belongs to another case is still in the report."""
+    out = tmp_path / "report.md"
+    cases = ["paged_attention GQA 4, D 32, page 16, splits=8 bfloat16", "decode B=2 ctx=64", "int4 M=16 N=64",
+             "engine correctness"]
+    r = _run("--cpu-smoke", "--out", str(out), *NO_CAPS, *[a for c in cases for a in ("--inject-failure", c)],
+             env_extra={"CUDA_VISIBLE_DEVICES": ""}, timeout=900)
+    assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
+    text = out.read_text()
+    assert text.count("injected failure in") == 4, text
+    for c in cases:
+        assert f"injected failure in '{c}" in text, c
+    lost = {k for k in _table_keys(smoke_report[1]) - _table_keys(text) if not k.startswith("engine |")}
+    assert not lost, f"rows of other cases missing after one case failed: {sorted(lost)}"
+    assert "| paged |" in text and "| contiguous |" in text  # (d)'s speed part ran after its failed correctness
+
+
+def test_section_past_its_cap_is_cut_and_the_run_goes_on(tmp_path: Path) -> None:
+    """A section killed at its time cap is a note (exit 1); the next section still runs in its own process."""
+    out = tmp_path / "report.md"
+    r = _run("--cpu-smoke", "--sections", "bc", "--section-seconds", "b=1,c=900", "--out", str(out),
+             env_extra={"CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
+    text = out.read_text()
+    assert "(b) stopped at its 1 s cap" in text and "Partial result" in text
+    assert "## (c) INT4 GEMM" in text and "| 16 | 64 | 128 |" in text
+
+
+def test_dry_run_counts_variants_and_budget() -> None:
+    """--dry-run needs no GPU and no interpreter: variants per section, compile time measured, caps."""
+    r = _run("--dry-run", "--quick", timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    import re
+
+    total = re.search(r"total: (\d+) kernel variants; estimate (\d+) s against caps summing to (\d+) s", r.stdout)
+    assert total, r.stdout
+    assert int(total.group(1)) > 0 and int(total.group(2)) > 0 and int(total.group(3)) == 360
+    for letter in "abcd":
+        assert f"| ({letter}) |" in r.stdout
+    assert "paged_attention_kernel" in r.stdout  # a compile time was measured for it
 
 
 def test_sections_subset(tmp_path: Path) -> None:
@@ -65,7 +133,8 @@ def test_sections_subset(tmp_path: Path) -> None:
 
 
 def test_engine_section_crash_is_a_failed_row_not_a_lost_run(tmp_path: Path, monkeypatch) -> None:
-    """A crash inside section (d) becomes a FAIL row (exit 1) and a note; the report is still written."""
+    """A crash inside section (d) becomes a FAIL row (exit 1) and a note; the report is still written
+    (one section runs in this process, so the monkeypatch reaches it)."""
     sys.path.insert(0, str(REPO / "scripts"))
     import gpu_check
     import gpu_engine_check
@@ -79,7 +148,7 @@ def test_engine_section_crash_is_a_failed_row_not_a_lost_run(tmp_path: Path, mon
     rc = gpu_check.main(["--cpu-smoke", "--sections", "d", "--out", str(out)])
     assert rc == 1
     text = out.read_text()
-    assert "correctness did not run: RuntimeError: simulated engine failure" in text and "**FAIL**" in text
+    assert "correctness did not finish" in text and "**FAIL**: RuntimeError: simulated engine failure" in text
     assert "Not completed: RuntimeError: simulated engine failure" in text
 
 

@@ -7,7 +7,7 @@ import pytest
 pytest.importorskip("triton", reason="triton is not importable; the Triton kernels cannot be tested")
 
 import torch  # noqa: E402
-from kernel_test_utils import DEVICE, ON_GPU, generator, requires_cuda  # noqa: E402
+from kernel_test_utils import DEVICE, ON_GPU, dtype_id, generator, requires_cuda  # noqa: E402
 
 from kvcli_kernels.int4_gemm import GEMV_MAX_M, int4_launch_config, int4_matmul  # noqa: E402
 from kvcli_kernels.reference import (  # noqa: E402
@@ -40,7 +40,7 @@ def _check(x, codes, scale, mins, g: int, split_k: int | None, what: str) -> Non
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=0, msg=lambda m: f"{what}: {m}")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=dtype_id)
 @pytest.mark.parametrize(("m", "n", "k", "g", "split_k"), [
     (1, 40, 96, 32, None),  # GEMV; K = 96 is not a multiple of BLOCK_K = 256
     (1, 24, 640, 64, 3),  # GEMV, split-K with a ragged last slice
@@ -52,7 +52,7 @@ def test_gemv_path(dtype: torch.dtype, m: int, n: int, k: int, g: int, split_k: 
     _check(*_problem(m, n, k, g, dtype), g, split_k, f"gemv M={m} N={n} K={k} G={g} split={split_k}")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=dtype_id)
 @pytest.mark.parametrize(("m", "n", "k", "g", "split_k"), [
     (9, 72, 96, 32, None),  # GEMM; K = 96 not a multiple of BLOCK_K = 64, N not of BLOCK_N
     (20, 80, 320, 64, 2),  # GEMM split-K, K = 320 not a multiple of BLOCK_K * splits
@@ -121,7 +121,7 @@ def test_validation_errors() -> None:
 @requires_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 5, 16, 128])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=dtype_id)
 def test_gpu_llm_shapes(m: int, dtype: torch.dtype) -> None:
     for n, k in ((4096, 4096), (1024, 14336)):
         _check(*_problem(m, n, k, 32, dtype), 32, None, f"gpu M={m} N={n} K={k}")

@@ -9,7 +9,16 @@ pytest.importorskip("triton", reason="triton is not importable; the Triton kerne
 import torch  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from kernel_test_utils import ATTN_TOL, DEVICE, ON_GPU, PagedBatch, assert_close, generator, requires_cuda  # noqa: E402
+from kernel_test_utils import (  # noqa: E402
+    ATTN_TOL,
+    DEVICE,
+    ON_GPU,
+    PagedBatch,
+    assert_close,
+    dtype_id,
+    generator,
+    requires_cuda,
+)
 
 from kvcli_kernels.paged_attention import (  # noqa: E402
     MAX_SPLITS,
@@ -37,7 +46,7 @@ def run_and_check(batch: PagedBatch, num_splits: int | None, what: str) -> torch
     return out
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("group", [1, 3, 8])
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_decode(dtype: torch.dtype, group: int, num_splits: int) -> None:
@@ -48,7 +57,7 @@ def test_decode(dtype: torch.dtype, group: int, num_splits: int) -> None:
     run_and_check(batch, num_splits, f"decode {dtype} group={group} splits={num_splits}")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=dtype_id)
 @pytest.mark.parametrize("group", [1, 3, 8])
 @pytest.mark.parametrize("num_splits", [1, 2])
 def test_prefill_chunk_on_cached_prefix(dtype: torch.dtype, group: int, num_splits: int) -> None:
@@ -67,7 +76,10 @@ def test_prefill_chunk_on_cached_prefix(dtype: torch.dtype, group: int, num_spli
         (16, 80, 4, torch.float16),  # head_dim padded to 128 with a mask
         (32, 96, 2, torch.bfloat16),
         (24, 64, 2, torch.float16),  # a page size that is not a power of two (tiles straddle pages)
+        (128, 64, 2, torch.float16),  # a page larger than the KV tile: one page spans two tiles
+        (8, 256, 2, torch.float16),  # small pages, head_dim 256 (32-token tiles over 4 pages)
     ],
+    ids=lambda v: dtype_id(v) if isinstance(v, torch.dtype) else str(v),
 )
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_mixed_batch(block_size: int, head_dim: int, group: int, dtype: torch.dtype, num_splits: int) -> None:
@@ -147,14 +159,18 @@ def test_split_heuristic() -> None:
     assert choose_num_splits(num_programs=8, max_seq_len=1024, num_sms=132, block_n=64) == 4
 
 
-def test_launch_config_tiles_cover_pages() -> None:
-    for block_size in (16, 32, 64):
-        for group in (1, 3, 8, 16):
-            for max_q in (1, 300):
-                cfg = attention_launch_config(group, 128, block_size, max_q, torch.bfloat16)
-                assert cfg["BLOCK_N"] % block_size == 0
-                assert cfg["BLOCK_M"] >= 16 and cfg["BLOCK_M"] >= group
-                assert cfg["BLOCK_Q"] * group <= cfg["BLOCK_M"]
+def test_launch_config_tile_independent_of_page_size() -> None:
+    """BLOCK_N follows head_dim and dtype only: a page of 128 must not widen the tile (shared memory
+    and registers grow with it: page 128 x head_dim 256 would not fit sm_90's shared memory)."""
+    for head_dim, dtype, block_n in ((64, torch.bfloat16, 64), (128, torch.float16, 64), (256, torch.bfloat16, 32),
+                                     (128, torch.float32, 32)):
+        for block_size in (8, 16, 32, 64, 128):
+            for group in (1, 3, 8, 16):
+                for max_q in (1, 300):
+                    cfg = attention_launch_config(group, head_dim, block_size, max_q, dtype)
+                    assert cfg["BLOCK_N"] == block_n, (head_dim, dtype, block_size, cfg)
+                    assert cfg["BLOCK_M"] >= 16 and cfg["BLOCK_M"] >= group
+                    assert cfg["BLOCK_Q"] * group <= cfg["BLOCK_M"]
 
 
 def test_validation_errors() -> None:
@@ -185,7 +201,7 @@ def test_validation_errors() -> None:
 
 @requires_cuda
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=dtype_id)
 def test_gpu_realistic_sizes(dtype: torch.dtype) -> None:
     gen = generator("gpu", dtype)
     q_lens = [1] * 6 + [300, 1000]

@@ -3,8 +3,10 @@
 The interpreter checks numerics but accepts code the compiler rejects and says nothing about
 register spills or load vectorisation. aot_compile_check.py (run once, in a subprocess without
 TRITON_INTERPRET) compiles exactly the launches the launchers would issue, specialised as
-Triton's launcher would; here we assert on the results: every launch compiles, the hot sm_90
-configurations do not spill, and KV / weight loads are asynchronous (cp.async) or 16-byte wide.
+Triton's launcher would; here we assert on the results: every launch compiles and fits in the
+target's shared memory, the hot sm_90 configurations do not spill (a missing ptxas skips them with
+the reason, a failing one fails them: no count is never read as "no spills"), and KV / weight
+loads are asynchronous (cp.async) or 16-byte wide.
 """
 
 from __future__ import annotations
@@ -17,17 +19,21 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 pytest.importorskip("triton", reason="triton is not importable; the Triton kernels cannot be tested")
 pytest.importorskip("triton.backends.nvidia", reason="this triton has no NVIDIA backend to compile for")
 
 SCRIPT = Path(__file__).with_name("aot_compile_check.py")
 sys.path.insert(0, str(SCRIPT.parent))
-from aot_compile_check import ATTENTION_CASES, INT4_CASES  # noqa: E402
+from aot_compile_check import ATTENTION_CASES, INT4_CASES, LINEAR_CASES  # noqa: E402
 
-# Configurations that a model actually runs hot on Hopper: must not spill registers.
-NO_SPILL = {"decode-llama8b-bf16", "decode-llama8b-bf16-split8", "decode-g8-bs64-fp16", "decode-mha-d64-fp16",
-            "prefill-llama8b-bf16", *INT4_CASES}
+# Configurations a model runs hot on a GPU (16-bit KV / activations on sm_90): must not spill
+# registers. The fp32 ones (gpu_check's correctness engine, 3xTF32) must compile and fit in shared
+# memory; their spill counts are reported, not limited.
+NO_SPILL = {cid for cid, c in ATTENTION_CASES.items() if c[4] != torch.float32 and c[6] == 90}
+NO_SPILL |= {cid for cid, c in INT4_CASES.items() if c[2] != torch.float32}
+NO_SPILL |= {cid for cid, c in LINEAR_CASES.items() if c[1] != torch.float32}
 
 
 @pytest.fixture(scope="module")
@@ -40,38 +46,62 @@ def results() -> dict[str, Any]:
 
 
 def _check(results: dict[str, Any], cid: str) -> list[dict[str, Any]]:
+    """Every launch compiled and fits in shared memory; hot cases have a spill count of 0."""
     res = results[cid]
     if isinstance(res, dict) and "error" in res:
         pytest.fail(f"{cid} does not compile:\n{res['error']}")
     assert res, f"{cid}: no launch recorded"
+    for f in res:
+        assert f["shared"] <= f["shared_limit"], (
+            f"{cid}: {f['kernel']} needs {f['shared']} B of shared memory, over sm_{f['cc']}'s {f['shared_limit']} B")
+    if cid in NO_SPILL:
+        for f in res:
+            if f["spill"] is None:  # no count is not "no spills"
+                why = f"{cid}: no register/spill count for {f['kernel']}: ptxas {f['ptxas']}"
+                if str(f["ptxas"]).startswith("missing"):
+                    pytest.skip(why)
+                pytest.fail(why)
+            assert f["spill"] == 0, f"{cid}: {f['kernel']} spills {f['spill']} B on sm_{f['cc']}: {f}"
     return res
 
 
 @pytest.mark.parametrize("cid", list(ATTENTION_CASES))
 def test_paged_attention_compiles(results: dict[str, Any], cid: str) -> None:
     launches = _check(results, cid)
-    splits = ATTENTION_CASES[cid][5]
+    splits, batch = ATTENTION_CASES[cid][5], ATTENTION_CASES[cid][7]
     assert [f["kernel"] for f in launches] == ["_paged_attention_kernel"] + (["_merge_kernel"] if splits > 1 else [])
     main = launches[0]
+    assert main["batch_is_const"] == (batch == 1), main  # the batch-1 variant really was the one compiled
     kv_dtype = ATTENTION_CASES[cid][4]
     # 16-bit KV must take the native 16-bit tensor-core path on a GPU (fp32 upcast is interpreter-only).
-    assert main["flags"]["COMPUTE_F32"] == (str(kv_dtype) == "torch.float32"), main["flags"]
+    assert main["flags"]["COMPUTE_F32"] == (kv_dtype == torch.float32), main["flags"]
+    if kv_dtype == torch.float32:
+        assert main["flags"]["DOT_PRECISION"] == "tf32x3", main["flags"]
     assert main["mma"] > 0, f"{cid}: the score / PV products do not use tensor cores: {main}"
     assert main["cp_async"] > 0 or main["ld_v4"] > 0, f"{cid}: KV loads neither async nor vectorised: {main}"
-    if cid in NO_SPILL:
-        for f in launches:
-            assert f["spill"] in (0, None), f"{cid}: {f['kernel']} spills on sm_{f['cc']}: {f}"
 
 
 @pytest.mark.parametrize("cid", list(INT4_CASES))
 def test_int4_matmul_compiles(results: dict[str, Any], cid: str) -> None:
     launches = _check(results, cid)
+    m, _, dtype = INT4_CASES[cid]
     for f in launches:
         if f["kernel"] != "_splitk_reduce_kernel":
             assert f["cp_async"] > 0 or f["ld_v4"] > 0, f"{cid}: weight loads neither async nor vectorised: {f}"
-        assert f["spill"] in (0, None), f"{cid}: {f['kernel']} spills on sm_90: {f}"
+        if f["kernel"] == "_int4_gemm_kernel":
+            assert m > 8 and f["flags"]["COMPUTE_F32"] == (dtype == torch.float32), f
+
+
+@pytest.mark.parametrize("cid", list(LINEAR_CASES))
+def test_engine_triton_linear_compiles(results: dict[str, Any], cid: str) -> None:
+    """The engine's "triton" INT4 linear mode: qkv, o, gate_up and down of one layer."""
+    launches = _check(results, cid)
+    m = LINEAR_CASES[cid][2]
+    main = [f for f in launches if f["kernel"] != "_splitk_reduce_kernel"]
+    assert len(main) == 4, launches  # one matmul per linear
+    assert {f["kernel"] for f in main} == {"_int4_gemv_kernel" if m <= 8 else "_int4_gemm_kernel"}
 
 
 def test_cache_write_compiles(results: dict[str, Any]) -> None:
     (f,) = _check(results, "cache-write-bf16")
-    assert f["ld_v4"] > 0 and f["spill"] in (0, None), f
+    assert f["ld_v4"] > 0 and f["spill"] == 0, f
