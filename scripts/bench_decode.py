@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import time
 from datetime import datetime, timezone
 
@@ -38,13 +37,16 @@ def main() -> None:
 
     from kvcli.config import SamplingParams
     from kvcli.llm import LLM
+    from kvcli.bench.machine import machine_line
     from kvcli.model.loader import bundled_gguf_path
 
     sample = open(os.path.join(os.path.dirname(__file__), "..", "samples", "keepers-log.txt"), encoding="utf-8").read()
     rows = []
 
     def kvcli_side(label: str, **opts) -> None:
-        llm = LLM(**opts)
+        # No prefix caching: the warm-up would leave the prompt cached, and every later run would
+        # prefill 16 tokens where transformers prefills all of them.
+        llm = LLM(prefix_caching=False, **opts)
         ids = llm.tokenizer.encode(sample)[: a.prompt_tokens]
 
         def run(n: int):
@@ -81,8 +83,7 @@ def main() -> None:
 
     hf_rate = rows[-1][1]
     print(f"# decode benchmark — {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC")
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads")
+    print(machine_line())
     print(f"command: python scripts/bench_decode.py --prompt-tokens {a.prompt_tokens} --new-tokens "
           f"{a.new_tokens} --repeats {a.repeats}")
     print(f"workload: SmolLM2-135M-Instruct Q4_1 GGUF, batch 1, {len(ids)}-token prompt, {a.new_tokens} new "

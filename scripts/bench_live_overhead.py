@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import os
-import platform
 import time
 from datetime import datetime, timezone
 
@@ -18,6 +16,7 @@ from rich.console import Console
 
 from kvcli.config import SamplingParams
 from kvcli.llm import LLM
+from kvcli.bench.machine import machine_line
 from kvcli.metrics.memory import MemoryProbe
 from kvcli.view.dashboard import LiveDashboard
 from kvcli.workloads import SAMPLE_TEXT
@@ -29,7 +28,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     a = ap.parse_args()
-    llm = LLM()
+    llm = LLM(prefix_caching=False)  # every run prefills its prompt in full, as the first one did
     engine = llm.engine
     ids = llm.tokenizer.encode(SAMPLE_TEXT.read_text(encoding="utf-8"))[: a.prompt_tokens]
     probe = MemoryProbe(str(engine.device))
@@ -68,7 +67,8 @@ def main() -> None:
         live.append(run(True))
     b, l_ = max(base), max(live)
     print(f"# live dashboard overhead — {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC")
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cores; command: python scripts/bench_live_overhead.py "
+    print(machine_line())
+    print(f"command: python scripts/bench_live_overhead.py "
           f"--prompt-tokens {a.prompt_tokens} --new-tokens {a.new_tokens} --rounds {a.rounds}")
     print(f"decode tok/s without dashboard: {', '.join(f'{x:.1f}' for x in base)} (best {b:.1f})")
     print(f"decode tok/s with dashboard:    {', '.join(f'{x:.1f}' for x in live)} (best {l_:.1f})")

@@ -34,17 +34,6 @@ LABELS = {
 }
 
 
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def progress(mode: str, done: int, total: int) -> None:
     if sys.stderr.isatty():
         print(f"\r  {mode}: {done}/{total} requests", end="\n" if done == total else "", file=sys.stderr, flush=True)
@@ -76,7 +65,8 @@ def main() -> int:
 
     from kvcli import workloads
     from kvcli.config import SamplingParams
-    from kvcli.engine.llm_engine import parse_bytes
+    from kvcli.bench.machine import cpu_isa, cpu_name, machine_line
+    from kvcli.options import parse_bytes
     from kvcli.llm import LLM
     from kvcli.model.loader import bundled_gguf_path
 
@@ -94,7 +84,9 @@ def main() -> int:
 
     # --- kvcli: the whole trace at once ---------------------------------------------------------------------
     t = time.perf_counter()
-    llm = LLM(max_model_len=a.max_model_len, kv_budget=a.kv_budget, max_num_batched_tokens=512, max_num_seqs=256)
+    # No prefix caching: transformers has none, and shared prompt prefixes would skew the comparison.
+    llm = LLM(max_model_len=a.max_model_len, kv_budget=a.kv_budget, max_num_batched_tokens=512, max_num_seqs=256,
+              prefix_caching=False)
     load_s = time.perf_counter() - t
     prompts = workloads.prompt_ids(trace, llm.tokenizer, seed=a.seed)
     max_tokens = [r.max_tokens for r in trace.requests]
@@ -140,8 +132,7 @@ def main() -> int:
     now = datetime.now(timezone.utc)
     command = "python scripts/bench_throughput.py" + ("" if len(sys.argv) == 1 else " " + shlex.join(sys.argv[1:]))
     print(f"# throughput benchmark — {now:%Y-%m-%d %H:%M} UTC")
-    print(f"machine: {cpu_name()}, {platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch "
-          f"threads; torch {torch.__version__}, transformers {transformers.__version__}")
+    print(f"{machine_line()}; transformers {transformers.__version__}")
     if load_before is not None:
         busy = max(load_before, load_after) > (os.cpu_count() or 1)
         print(f"load average (1 min): {load_before:.2f} at start, {load_after:.2f} at end"
@@ -185,7 +176,7 @@ def main() -> int:
     if a.json:
         report = {
             "date_utc": now.isoformat(timespec="seconds"),
-            "machine": {"cpu": cpu_name(), "arch": platform.machine(), "cores": os.cpu_count(),
+            "machine": {"cpu": cpu_name(), "isa": cpu_isa(), "arch": platform.machine(), "cores": os.cpu_count(),
                         "torch_threads": torch.get_num_threads(), "loadavg_1min_start": load_before,
                         "loadavg_1min_end": load_after},
             "versions": {"torch": torch.__version__, "transformers": transformers.__version__},

@@ -10,6 +10,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from kernel_test_utils import DEVICE, generator  # noqa: E402
 
+from kvcli.kvcache.kv_cache import LayerKV
 from kvcli.attention.base import AttentionMetadata  # noqa: E402
 from kvcli.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 
@@ -55,8 +56,8 @@ def test_two_steps_match_dense_attention(num_splits: int | None) -> None:
         key = torch.cat([k[s] for k, s in zip(full_k, sl)])
         value = torch.cat([v[s] for v, s in zip(full_v, sl)])
         q = torch.cat([qq[s] for qq, s in zip(full_q, sl)])
-        backend.write_kv(key, value, k_cache, v_cache, meta)
-        out = backend.forward(q, k_cache, v_cache, meta, D**-0.5)
+        backend.write_kv(key, value, LayerKV(k_cache, v_cache), meta)
+        out = backend.forward(q, LayerKV(k_cache, v_cache), meta, D**-0.5)
         assert out.shape == q.shape and out.dtype == q.dtype
 
         # Dense reference: each request's full prefix, bottom-right aligned causal mask.
