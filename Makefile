@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 SAMPLE := samples/keepers-log.txt
 
-.PHONY: setup run test test-fast bench gpu-check triton-matrix clean
+.PHONY: setup run test test-fast bench figures gpu-check triton-matrix clean
 
 setup:
 	@bash scripts/setup.sh
@@ -20,6 +20,10 @@ test-fast: setup
 
 bench: setup
 	$(PY) scripts/bench_decode.py
+
+# Every figure in README.md and docs/benchmarks.md, raw outputs to docs/results/ (~15 min, idle machine).
+figures: setup
+	bash scripts/figures.sh
 
 # The plan (kernel variants, time budget) first, then the run: one capped process per section.
 gpu-check:
