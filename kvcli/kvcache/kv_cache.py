@@ -52,7 +52,6 @@ class KVCache:
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device) -> None:
         self.num_blocks = num_blocks  # usable blocks; one more (the null block) is allocated
-        self.block_size = block_size
         self.dtype = dtype
         self.device = device
         shape = (num_blocks + 1, block_size, config.num_kv_heads, config.head_dim)
@@ -61,6 +60,11 @@ class KVCache:
         self.layers = [LayerKV(torch.empty(shape, dtype=dtype, device=device),
                                torch.empty(shape, dtype=dtype, device=device)) for _ in range(config.num_layers)]
         self.zero_blocks([NULL_BLOCK])
+
+    @property
+    def block_size(self) -> int:
+        """Read from the tensors: the layout and the cache were both built from EngineOptions.block_size."""
+        return self.layers[0].block_size
 
     @property
     def nbytes(self) -> int:
