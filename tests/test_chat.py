@@ -86,7 +86,7 @@ def test_chat_live_flag_reaches_chat_args(monkeypatch, flags, live):
 def test_chat_pipe_two_replies_status_on_stderr_and_save(tmp_path):
     saved = tmp_path / "chat.json"
     p = chat(["Hello", "/nosuch", "What is 2+2?", "/save /nonexistent-dir/chat.json", f"/save {saved}",
-              "/stats", "/blocks"], "--temperature", "0", "--max-tokens", "24")
+              "/stats", "/blocks", "/help", "/live"], "--temperature", "0", "--max-tokens", "24")
     assert p.returncode == 0, p.stderr
     assert_clean(p)
     data = json.loads(saved.read_text(encoding="utf-8"))
@@ -108,6 +108,8 @@ def test_chat_pipe_two_replies_status_on_stderr_and_save(tmp_path):
     assert "KV blocks used (peak)" in p.stderr  # /stats and the exit summary
     assert re.search(r"blocks x 16 tokens", p.stderr)  # /blocks
     assert "kvcli chat: 2 turns" in p.stderr
+    assert re.search(r"/live +toggle the full dashboard", p.stderr)  # /help
+    assert "live dashboard on (shown only when stderr is a terminal)" in p.stderr
 
 
 def prefix_figures(stderr: str) -> list[tuple[int, int]]:

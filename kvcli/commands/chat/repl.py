@@ -289,7 +289,7 @@ class ChatRepl:
                     while not req.finished and not latch.hit:
                         outs = e.step()
                         if not req.finished:
-                            table = e.kv.block_table(rid)
+                            table = list(e.kv.block_table(rid))  # a copy: the layout reuses its list
                         view.update()
                         for o in outs:
                             if o.req_id != rid or not o.new_text or latch.hit:

@@ -35,16 +35,17 @@ def run_chat(a: ChatArgs, fail: Fail) -> int:
              f"{engine.max_model_len:,}-token context (lower --max-tokens or raise --max-model-len)")
 
     err.print(f"[dim]{escape(Path(str(engine.source)).name)} · {engine.config.num_layers} layers · weights "
-              f"{engine.linear_mode} · KV {engine.kv_dtype} on {engine.device} · loaded in {engine.load_seconds:.1f} s"
-              f"[/dim]", soft_wrap=True)
+              f"{engine.linear_mode} · KV {engine.kv_dtype} on {engine.device} · loaded in "
+              f"{engine.load_seconds:.1f} s[/dim]", soft_wrap=True)
     if interactive:
         try:
             import readline  # noqa: F401  (line editing and history for input())
         except ImportError:
             pass
         live = " · live dashboard on (/live toggles)" if a.live else ""
-        err.print(f"[dim]chat · {engine.max_model_len:,}-token context · up to {a.params.max_tokens} tokens per reply · "
-                  f"/help for commands · Ctrl-C stops a reply · Ctrl-D or /quit exits{live}[/dim]", soft_wrap=True)
+        err.print(f"[dim]chat · {engine.max_model_len:,}-token context · up to {a.params.max_tokens} tokens per "
+                  f"reply · /help for commands · Ctrl-C stops a reply · Ctrl-D or /quit exits{live}[/dim]",
+                  soft_wrap=True)
     repl = ChatRepl(engine, a, err, interactive)
     try:
         return repl.loop()

@@ -125,7 +125,7 @@ class Conversation:
                 self.dropped_turns += k
                 return Fit(ids, f"context full: dropped the {k} oldest turn{'s' if k != 1 else ''} to fit "
                                 f"({len(ids):,} prompt tokens + --max-tokens {max_tokens} <= {max_len:,})")
-        return Fit(alone)  # unreachable: the message alone fits, and dropping every turn leaves it alone
+        return Fit(None, "context full; not sent")  # unreachable: dropping every turn leaves the message alone
 
     def add(self, user: dict, rec: TurnRecord) -> None:
         """Keeps the exchange; an interrupted reply is kept as shown and marked (as chat UIs do)."""
