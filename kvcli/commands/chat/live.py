@@ -8,6 +8,7 @@ the dashboard closes. The dashboard goes away when the reply ends, leaving the r
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -47,6 +48,39 @@ class ChatDashboard(LiveDashboard):
         return Group(Text(tail, overflow="fold"), body)
 
 
+class _NoEcho:
+    """Terminal echo off on stdin while the dashboard is up: an echoed ^C or typed-ahead text would
+    move the cursor under rich's Live, which then redraws (and erases) from the wrong row."""
+
+    def __init__(self) -> None:
+        self.saved: tuple[int, list] | None = None
+
+    def __enter__(self) -> "_NoEcho":
+        try:
+            import termios
+
+            fd = sys.stdin.fileno()
+            if os.isatty(fd):
+                attrs = termios.tcgetattr(fd)
+                self.saved = (fd, list(attrs))
+                attrs[3] &= ~(termios.ECHO | getattr(termios, "ECHOCTL", 0))  # lflag
+                termios.tcsetattr(fd, termios.TCSANOW, attrs)
+        except (ImportError, OSError, ValueError, AttributeError):  # not a POSIX terminal
+            self.saved = None
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.saved is not None:
+            import termios
+
+            fd, attrs = self.saved
+            try:
+                termios.tcsetattr(fd, termios.TCSANOW, attrs)
+            except (OSError, termios.error):
+                pass
+            self.saved = None
+
+
 class ReplyView:
     """One reply's output: `with view:` around the engine loop, `update()` after each step,
     `write()` for each piece of text, `finish()` once the loop has left the `with`."""
@@ -59,9 +93,11 @@ class ReplyView:
         self.weights = sum(engine.weight_bytes().values()) if probe is not None else 0
         self.held = ""
         self.last = float("-inf")
+        self.no_echo = _NoEcho()
 
     def __enter__(self) -> "ReplyView":
         if self.dash is not None:
+            self.no_echo.__enter__()
             self.update(force=True)  # the first frame shows the pool before the prefill
             self.dash.__enter__()
         return self
@@ -70,6 +106,7 @@ class ReplyView:
         if self.dash is not None:
             self.dash.closing = True
             self.dash.__exit__(None, None, None)
+            self.no_echo.__exit__()
 
     def update(self, force: bool = False) -> None:
         if self.dash is None:
