@@ -166,13 +166,17 @@ def chat(
     attention_backend: BackendOpt = Backend.auto,
     max_model_len: MaxLenOpt = None,
     prefix_cache: PrefixOpt = True,
+    live: Annotated[bool, typer.Option("--live/--no-live", help="While a reply streams on a terminal, show the "
+                                       "full dashboard (memory, KV blocks, fragmentation, throughput) instead "
+                                       "of only the status line after it; /live toggles it.")] = False,
 ) -> None:
     """Chat with the model in a multi-turn REPL.
 
-    Uses the model's chat template; replies stream to stdout, a status line per turn goes to stderr.
-    Slash commands: /stats /blocks /reset /save FILE /help /quit. With stdin not a terminal, each
-    line is one message and replies go to stdout, one after another."""
-    from kvcli.commands.chat_cmd import ChatArgs, run_chat
+    Uses the model's chat template; replies stream to stdout, a status line per turn goes to stderr
+    (prompt tokens, prefix-cache hits, prefill saved, speed, KV blocks). Slash commands: /stats
+    /blocks /live /reset /save FILE /help /quit. With stdin not a terminal, each line is one message
+    and replies go to stdout, one after another."""
+    from kvcli.commands.chat import ChatArgs, run_chat
     from kvcli.commands.common import engine_options, sampling_params
 
     args = ChatArgs(
@@ -182,6 +186,7 @@ def chat(
         options=engine_options(fail, device=device, block_size=block_size, kv_budget=kv_budget,
                                dequantize=dequantize, max_model_len=max_model_len,
                                attention_backend=attention_backend.value, prefix_caching=prefix_cache),
+        live=live,
     )
     code = run_chat(args, fail)
     if code:

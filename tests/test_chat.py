@@ -1,6 +1,7 @@
 """`kvcli chat` with the real bundled model: one-line flag errors, scripted use through a pipe (replies
-on stdout, status on stderr, /save), context overflow with and without --truncate, and a real
-terminal session under tmux (streamed reply, status line, /blocks, Ctrl-C mid-reply, /quit).
+on stdout, status on stderr, /save), per-turn prefix-cache hits with and without --no-prefix-cache,
+context overflow with and without --truncate, and real terminal sessions under tmux (streamed reply,
+status line, /blocks, Ctrl-C mid-reply, /quit; the full dashboard while a reply streams after /live).
 
 The tmux test needs the `tmux` binary (CI: `apt-get install -y tmux`); it is skipped without it.
 """
@@ -31,6 +32,7 @@ from kvcli.cli import app
 _SCRIPT = Path(sys.executable).with_name("kvcli")
 KVCLI = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-c", "from kvcli.cli import main; main()"]
 STATUS = re.compile(r"[\d,]+ prompt tokens . [\d,]+ generated . [\d.,]+ tok/s decode")
+PREFIX = re.compile(r"prefix hit ([\d,]+) tokens . prefill saved ([\d,]+) tokens")
 # The bundled model loads in ~3 s; the limits are generous for a busy 2-core CI machine.
 RUN_TIMEOUT = 240
 
@@ -66,8 +68,17 @@ def test_chat_help_lists_options():
     r = CliRunner().invoke(app, ["chat", "--help"])
     assert r.exit_code == 0
     for opt in ("--system", "--max-tokens", "--temperature", "--top-p", "--top-k", "--seed", "--truncate",
-                "--model", "--kv-budget", "--max-model-len"):
+                "--model", "--kv-budget", "--max-model-len", "--live", "--no-live", "/live"):
         assert opt in r.stdout, opt
+
+
+@pytest.mark.parametrize("flags,live", [([], False), (["--live"], True), (["--no-live"], False)])
+def test_chat_live_flag_reaches_chat_args(monkeypatch, flags, live):
+    seen = []
+    monkeypatch.setattr("kvcli.commands.chat.run_chat", lambda a, fail: seen.append(a) or 0)
+    r = CliRunner().invoke(app, ["chat", *flags])
+    assert r.exit_code == 0, r.output
+    assert [a.live for a in seen] == [live]
 
 
 # --- through a pipe --------------------------------------------------------------------------------------
@@ -75,7 +86,7 @@ def test_chat_help_lists_options():
 def test_chat_pipe_two_replies_status_on_stderr_and_save(tmp_path):
     saved = tmp_path / "chat.json"
     p = chat(["Hello", "/nosuch", "What is 2+2?", "/save /nonexistent-dir/chat.json", f"/save {saved}",
-              "/stats", "/blocks"], "--temperature", "0", "--max-tokens", "24")
+              "/stats", "/blocks", "/help", "/live"], "--temperature", "0", "--max-tokens", "24")
     assert p.returncode == 0, p.stderr
     assert_clean(p)
     data = json.loads(saved.read_text(encoding="utf-8"))
@@ -97,6 +108,42 @@ def test_chat_pipe_two_replies_status_on_stderr_and_save(tmp_path):
     assert "KV blocks used (peak)" in p.stderr  # /stats and the exit summary
     assert re.search(r"blocks x 16 tokens", p.stderr)  # /blocks
     assert "kvcli chat: 2 turns" in p.stderr
+    assert re.search(r"/live +toggle the full dashboard", p.stderr)  # /help
+    assert "live dashboard on (shown only when stderr is a terminal)" in p.stderr
+
+
+def prefix_figures(stderr: str) -> list[tuple[int, int]]:
+    """(prefix hit, prefill saved) of each status line."""
+    out = []
+    for line in status_lines(stderr):
+        m = PREFIX.search(line)
+        assert m, line
+        out.append((int(m.group(1).replace(",", "")), int(m.group(2).replace(",", ""))))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_chat_second_turn_hits_the_prefix_cache(tmp_path, prefix_cache):
+    """Turn 2 resubmits turn 1's prompt and reply: with prefix caching its first blocks are hits and
+    their prefill is skipped; with --no-prefix-cache nothing is."""
+    saved = tmp_path / "chat.json"
+    flags = [] if prefix_cache else ["--no-prefix-cache"]
+    p = chat(["Hello", "What is 2+2?", f"/save {saved}"], "--temperature", "0", "--max-tokens", "4", *flags)
+    assert p.returncode == 0, p.stderr
+    assert_clean(p)
+    turns = json.loads(saved.read_text(encoding="utf-8"))["turns"]
+    figures = [(t["prefix_hit_tokens"], t["prefill_tokens_saved"]) for t in turns]
+    assert prefix_figures(p.stderr) == figures, p.stderr  # the status lines say what /save wrote
+    assert figures[0] == (0, 0)  # nothing cached before the first turn
+    hits, saved_tokens = figures[1]
+    if prefix_cache:
+        # Whole 16-token blocks of turn 1's prompt come back (the prompt alone is over 16 tokens).
+        assert hits > 0 and hits % 16 == 0 and hits < turns[1]["prompt_tokens"], figures
+        assert saved_tokens == hits, figures
+        assert f"prefix-cache hits {hits:,} tokens" in p.stderr  # the exit summary's total
+    else:
+        assert figures[1] == (0, 0), figures
 
 
 SEA = "Tell me about " + "the sea and the sky, " * 17 + "please."  # ~107 tokens
@@ -227,5 +274,48 @@ def test_chat_in_a_terminal_stream_blocks_ctrl_c_quit():
         screen = t.wait(lambda s: "KVCLI_EXIT=" in s, "the exit", timeout=60)
         assert "KVCLI_EXIT=0" in screen and "kvcli chat: 2 turns" in screen, screen
         assert "Traceback" not in screen
+    finally:
+        t.close()
+
+
+def saw_dashboard(s: str) -> bool:
+    return "KV blocks" in s and "KV fragmentation" in s and "throughput & latency" in s
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="needs the tmux binary for a real terminal "
+                    "(apt-get install -y tmux)")
+def test_chat_live_dashboard_while_a_reply_streams(tmp_path):
+    saved = tmp_path / "chat.json"
+    cmd = shlex.join([*KVCLI, "chat", "--temperature", "0", "--max-tokens", "40"])
+    t = Tmux(f"{cmd}; echo KVCLI_EXIT=$?; sleep 120", height=60)
+    try:
+        t.wait(at_prompt, "the first prompt", timeout=180)
+        t.type_line("/live")
+        t.wait(lambda s: "live dashboard on" in s and at_prompt(s), "the /live notice")
+
+        t.type_line("Write a short poem about the sea.")
+
+        def streaming(s: str) -> bool:
+            return saw_dashboard("\n".join(after(s, "you> Write a short poem"))) and not status_lines(s)
+
+        screen = t.wait(streaming, "the dashboard while the reply streams", timeout=120)
+        assert "prefix cache" in screen and "KV pool" in screen, screen  # throughput and memory panels
+
+        screen = t.wait(lambda s: len(status_lines(s)) == 1 and at_prompt(s), "the reply and its status", 180)
+        t.type_line(f"/save {saved}")
+        t.wait(lambda s: "saved 1 turn" in s and at_prompt(s), "/save")
+        reply = json.loads(saved.read_text(encoding="utf-8"))["messages"][1]["content"]
+        assert reply.strip()
+        # The reply reached the terminal whole: rich's line wrapping may only have changed spaces.
+        body = after(screen, "you> Write a short poem")
+        shown = "".join(body[:next(i for i, line in enumerate(body) if STATUS.search(line))])
+        squash = lambda x: re.sub(r"\s+", "", x)  # noqa: E731
+        assert squash(reply) in squash(shown), (reply, screen)
+        assert "KV fragmentation" not in shown  # the dashboard went away when the reply ended
+
+        t.type_line("/quit")
+        screen = t.wait(lambda s: "KVCLI_EXIT=" in s, "the exit", timeout=60)
+        assert "KVCLI_EXIT=0" in screen and "Traceback" not in screen, screen
     finally:
         t.close()
