@@ -15,7 +15,7 @@ from kvcli.options import ConfigError, EngineOptions
 Fail = Callable[[str], NoReturn]
 
 _SAMPLING_FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature", "top_p": "--top-p",
-                   "top_k": "--top-k"}
+                   "top_k": "--top-k", "seed": "--seed"}
 
 
 def engine_options(fail: Fail, **values: Any) -> EngineOptions:
