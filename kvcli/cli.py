@@ -168,8 +168,9 @@ KVBudgetOpt = Annotated[Optional[str], typer.Option(
     "--kv-budget", help="Bytes for the KV pool (2GiB, 512MB) or a fraction of free memory (0.5). "
     "Default: 90% of free GPU memory; on CPU min(1GiB, four full contexts).", show_default=False)]
 QuantOpt = Annotated[Quant, typer.Option(
-    "--quant", help="For Hugging Face checkpoints: nf4 (bitsandbytes, the default), int4 (kvcli's "
-    "group-wise Q4_1-style) or none. GGUF files keep their own quantization.")]
+    "--quant", help="For Hugging Face checkpoints: nf4 (bitsandbytes), int4 (kvcli's group-wise "
+    "Q4_1-style) or none; auto = nf4 when bitsandbytes is installed, else int4 (with a note). GGUF files "
+    "keep their own quantization.")]
 DequantOpt = Annotated[bool, typer.Option(
     "--dequantize", help="Expand INT4 weights to dense fp32 once at load: exact against transformers, "
     "about 8x the weight memory, faster on some CPUs.")]

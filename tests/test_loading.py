@@ -151,3 +151,30 @@ def test_dummy_config_file(tmp_path):
     out = llm.generate(["hello"], SamplingParams(max_tokens=5, ignore_eos=True))[0]
     assert len(out.token_ids) == 5
     assert llm.engine.config.num_layers == 2 and llm.engine.linear_mode == "int4-cpu"
+
+
+NO_BNB = ("import sys; sys.modules['bitsandbytes'] = None; "  # importing it now raises ImportError
+          "from kvcli.cli import main; main()")
+
+
+def test_checkpoint_without_bitsandbytes(tmp_path, tokenizer_files):
+    """The default --quant (auto) on a Hugging Face folder falls back to kvcli's int4 with a note
+    when bitsandbytes cannot be imported; an explicit --quant nf4 is a one-line error naming the fix."""
+    import subprocess
+    import sys
+
+    path, _ = make_checkpoint(tmp_path, tokenizer_files, "llama")
+    text = tmp_path / "in.txt"
+    text.write_text("The keeper climbed the stairs")
+    argv = [sys.executable, "-c", NO_BNB, "continue", str(text), "--model", str(path), "-n", "2", "--json",
+            "--kv-budget", "8MiB"]
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["weights_format"] == "int4-cpu"
+    notes = [ln for ln in p.stderr.splitlines() if ln.startswith("kvcli: note:")]
+    assert len(notes) == 1 and "bitsandbytes is not installed" in notes[0] and "int4" in notes[0], p.stderr
+    assert "Traceback" not in p.stderr
+    p = subprocess.run([*argv, "--quant", "nf4"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 1 and p.stdout == "" and "Traceback" not in p.stderr
+    assert p.stderr.strip().splitlines() == ["kvcli: error: --quant nf4 needs bitsandbytes, which is not "
+                                             "installed: pip install bitsandbytes, or use --quant int4"]

@@ -12,7 +12,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from kvcli.commands.common import Fail
+from kvcli.commands.common import Fail, print_notes
 from kvcli.engine.llm_engine import LLMEngine
 from kvcli.engine.scheduler import KVBudgetTooSmall
 from kvcli.options import ConfigError, EngineOptions
@@ -80,6 +80,8 @@ def run_profile(a: ProfileArgs, fail: Fail) -> int:
             else:
                 loaded = load_weights(a.model, quant=a.quant)
                 config = loaded.config
+        if loaded is not None:
+            print_notes(loaded.notes)
         tokenizer = loaded.tokenizer if loaded is not None else (
             load_tokenizer(a.model) if any(r.prompt_text is not None for r in trace.requests) else None)
         prompts = prompt_ids(trace, tokenizer, a.seed)
