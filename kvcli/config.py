@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -158,6 +159,9 @@ class SchedulerConfig:
     max_model_len: int = 2048
 
 
+MAX_SEED = 2**62  # room for seed + i (sample i of n, turn i of a chat) below torch's 2**63 limit
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 128
@@ -175,12 +179,14 @@ class SamplingParams:
             raise ValueError(f"n must be >= 1 (got {self.n})")
         if self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be > 0 (got {self.max_tokens})")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (got {self.temperature})")
+        if not 0 <= self.temperature < math.inf:  # also refuses nan
+            raise ValueError(f"temperature must be a finite number >= 0 (got {self.temperature})")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1] (got {self.top_p})")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (got {self.top_k})")
+        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:  # torch takes seeds below 2**63
+            raise ValueError(f"seed must be in [0, {MAX_SEED}] (got {self.seed})")
         self.stop = tuple(self.stop)
         self.stop_token_ids = tuple(self.stop_token_ids)
 

@@ -41,3 +41,11 @@ def check_writable(path: Path) -> None:
             pass
     except OSError as e:
         raise InputError(f"{path}: cannot write ({e.strerror})") from None
+
+
+def write_text_file(path: Path, text: str) -> None:
+    """Write a result file; a full disk or a folder removed since `check_writable` is an InputError."""
+    try:
+        path.write_text(text, encoding="utf-8")
+    except OSError as e:
+        raise InputError(f"{path}: cannot write ({e.strerror or e})") from None

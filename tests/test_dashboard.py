@@ -375,8 +375,12 @@ def test_memory_probe_nvml_path(monkeypatch):
     assert (m.device_total_bytes, m.device_used_bytes) == (140 * 1024 * MiB, 21 * 1024 * MiB)
     assert m.process_used_bytes == 7 * 1024 * MiB and (m.kv_pool_bytes, m.weight_bytes) == (5, 6)
     assert m2.device_used_bytes == m.device_used_bytes
-    # torch CPU build: no allocator counters, but the NVML numbers stand on their own
-    assert m.torch_allocated_bytes is None or m.torch_allocated_bytes >= 0
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.device_count() > 1:  # torch sees cuda:1: its counters
+        assert isinstance(m.torch_allocated_bytes, int) and m.torch_allocated_bytes >= 0
+    else:  # no such device for torch: no allocator counters, the NVML numbers stand on their own
+        assert m.torch_allocated_bytes is None and m.torch_reserved_bytes is None
 
 
 def test_memory_probe_nvml_hides_process(monkeypatch):

@@ -64,25 +64,87 @@ def test_preemption_keeps_greedy_outputs(shared_model, preempt):
     assert list(tight.outputs.values()) == list(free.outputs.values())
 
 
+def generate_alone(shared_model, ids: list[int], params: SamplingParams, **opts) -> list[int]:
+    engine = engine_for(shared_model, kv_budget="32MiB", **opts)
+    req = engine.add_request(ids, params)
+    while engine.has_unfinished():
+        engine.step()
+    return list(req.output_token_ids)
+
+
 def test_n_samples_share_prompt_blocks(shared_model):
+    """n = 3 seeded samples fork the leader's blocks; the partial prompt block is shared, so each
+    sample's first write must copy it. Sampled (not greedy) tokens differ between samples, so a
+    write into the shared block without copying would change a neighbour's KV and its tokens."""
     engine = engine_for(shared_model, kv_budget="32MiB")
     ids = engine.tokenizer.encode("The keeper climbed the stairs to the lamp room and")  # 11 tokens: a partial block
-    single = engine_for(shared_model, kv_budget="32MiB")
-    want = single.add_request(ids, SamplingParams(max_tokens=12, ignore_eos=True))
-    while single.has_unfinished():
-        single.step()
-    leader = engine.add_request(ids, SamplingParams(max_tokens=12, ignore_eos=True, n=3))
+    params = SamplingParams(max_tokens=4, ignore_eos=True, temperature=1.0, seed=40)
+    leader = engine.add_request(ids, params.with_(n=3))
     saved = []
     while engine.has_unfinished():
         engine.step()
         saved.append(engine.kv.stats([], None).shared_saved_blocks)
         engine.kv.check_invariants()
-    samples = [engine.requests[r] for r in engine.requests]
-    assert len(samples) == 3 and {s.parent_id for s in samples} == {None, leader.req_id}
-    # Greedy samples are identical to one greedy run: the copy-on-write kept each one's KV intact.
-    assert all(s.output_token_ids == want.output_token_ids for s in samples)
+    rids = [leader.req_id, f"{leader.req_id}.1", f"{leader.req_id}.2"]
+    assert set(engine.requests) == set(rids)
+    assert {engine.requests[r].parent_id for r in rids} == {None, leader.req_id}
+    outs = [list(engine.requests[r].output_token_ids) for r in rids]
+    assert len({tuple(o) for o in outs}) == 3  # the seeds really sample different continuations
+    # Sample i carries seed 40 + i: each must equal one request run alone with that seed.
+    for i, out in enumerate(outs):
+        assert out == generate_alone(shared_model, ids, params.with_(seed=40 + i)), f"sample {i}"
     assert max(saved) >= 2  # the full prompt block was shared by all three
     assert engine.kv.num_free_blocks == engine.num_blocks
+
+
+def test_contiguous_with_swap_preemption_keeps_greedy_outputs(shared_model):
+    """The contiguous layout under --preempt swap in a pool too small for the trace at once: the
+    requests take turns and their greedy outputs equal an unpressured run's. A contiguous request
+    reserves its final length at admission, so it never runs out of room mid-run: nothing is
+    preempted, and so nothing is swapped."""
+    trace = synthetic("alpaca", 3, 512, seed=5)
+    trace = type(trace)(trace.name, [type(t)(t.prompt_len + 20, 4, 0.0) for t in trace.requests])
+    prompts = prompt_ids(trace, shared_model[0].tokenizer)
+    free = run(engine_for(shared_model, kv_budget="64MiB"), trace, prompts)
+    # Each request reserves ~40-60 tokens (3-4 blocks): a 5-block pool runs one at a time.
+    tight_engine = engine_for(shared_model, kv_budget=str(6 * PER_BLOCK), kv_layout="contiguous",
+                              reserve="request", preempt="swap", max_num_batched_tokens=64)
+    tight = run(tight_engine, trace, prompts)
+    assert free.peak_running == 3 > tight.peak_running  # the pool forced the requests to wait
+    assert tight.preemptions == 0 and not any(r.num_swapped for r in tight.records)
+    assert not tight_engine.runner.swapped
+    assert list(tight.outputs.values()) == list(free.outputs.values())
+
+
+@pytest.mark.parametrize("block_size", [8, 128])
+def test_block_sizes_give_the_same_greedy_tokens(shared_model, block_size):
+    """Block tables of 8- and 128-token blocks (prompts spanning several 8-blocks, one crossing a
+    128-block boundary, prefilled in 64-token chunks) give block size 16's greedy tokens."""
+    tok = shared_model[0].tokenizer
+    ids = sample_ids(tok)
+    prompts = [ids[:140], ids[200:237]]
+    if 16 not in BY_BLOCK_SIZE:
+        BY_BLOCK_SIZE[16] = greedy_batch(shared_model, prompts, 16)
+    assert greedy_batch(shared_model, prompts, block_size) == BY_BLOCK_SIZE[16]
+
+
+BY_BLOCK_SIZE: dict[int, list[list[int]]] = {}  # block size 16's tokens, computed once for both cases
+
+
+def greedy_batch(shared_model, prompts: list[list[int]], block_size: int) -> list[list[int]]:
+    engine = engine_for(shared_model, kv_budget="32MiB", block_size=block_size, max_num_batched_tokens=64)
+    reqs = [engine.add_request(p, SamplingParams(max_tokens=4, ignore_eos=True)) for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+        engine.kv.check_invariants()
+    assert engine.options.block_size == block_size and engine.kv.block_size == block_size
+    return [list(r.output_token_ids) for r in reqs]
+
+
+def sample_ids(tok) -> list[int]:
+    from conftest import SAMPLE
+
+    return tok.encode(SAMPLE.read_text(encoding="utf-8")[:4000])
 
 
 def test_prefix_cache_second_turn_prefills_less_same_reply(shared_model):

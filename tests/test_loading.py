@@ -151,3 +151,128 @@ def test_dummy_config_file(tmp_path):
     out = llm.generate(["hello"], SamplingParams(max_tokens=5, ignore_eos=True))[0]
     assert len(out.token_ids) == 5
     assert llm.engine.config.num_layers == 2 and llm.engine.linear_mode == "int4-cpu"
+
+
+NO_BNB = ("import sys; sys.modules['bitsandbytes'] = None; "  # importing it now raises ImportError
+          "from kvcli.cli import main; main()")
+
+
+def test_checkpoint_without_bitsandbytes(tmp_path, tokenizer_files):
+    """The default --quant (auto) on a Hugging Face folder falls back to kvcli's int4 with a note
+    when bitsandbytes cannot be imported; an explicit --quant nf4 is a one-line error naming the fix."""
+    import subprocess
+    import sys
+
+    path, _ = make_checkpoint(tmp_path, tokenizer_files, "llama")
+    text = tmp_path / "in.txt"
+    text.write_text("The keeper climbed the stairs")
+    argv = [sys.executable, "-c", NO_BNB, "continue", str(text), "--model", str(path), "-n", "2", "--json",
+            "--kv-budget", "8MiB"]
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["weights_format"] == "int4-cpu"
+    notes = [ln for ln in p.stderr.splitlines() if ln.startswith("kvcli: note:")]
+    assert len(notes) == 1 and "bitsandbytes is not installed" in notes[0] and "int4" in notes[0], p.stderr
+    assert "Traceback" not in p.stderr
+    p = subprocess.run([*argv, "--quant", "nf4"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 1 and p.stdout == "" and "Traceback" not in p.stderr
+    assert p.stderr.strip().splitlines() == ["kvcli: error: --quant nf4 needs bitsandbytes, which is not "
+                                             "installed: pip install bitsandbytes, or use --quant int4"]
+
+
+# Tiny GGUFs written here: Q4_0 / Q8_0 linears, llama (q/k rows permuted as llama.cpp stores them)
+# and qwen2 (qkv bias) -------------------------------------------------------------------------------
+
+GGUF_NAMES = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+              "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+              "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+              "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
+              "self_attn.v_proj.bias": "attn_v.bias", "mlp.gate_proj.weight": "ffn_gate.weight",
+              "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}
+
+
+def llama_cpp_permute(w, n_head: int):
+    """llama.cpp's convert script: q/k rows interleaved for its rope kernel."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_tiny_gguf(path, arch: str, qtype_name: str):
+    """A random 2-layer model as a GGUF with quantized linears, and the transformers model holding
+    exactly the dequantized weights (the dense reference)."""
+    import gguf
+    import numpy as np
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    c = dict(TINY, vocab_size=512)
+    cfg = AutoConfig.for_model(arch, **c)
+    torch.manual_seed(1)
+    ref = AutoModelForCausalLM.from_config(cfg).float().eval()
+    qtype = getattr(gguf.GGMLQuantizationType, qtype_name)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(c["num_hidden_layers"])
+    w.add_context_length(c["max_position_embeddings"])
+    w.add_embedding_length(c["hidden_size"])
+    w.add_feed_forward_length(c["intermediate_size"])
+    w.add_head_count(c["num_attention_heads"])
+    w.add_head_count_kv(c["num_key_value_heads"])
+    w.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    w.add_rope_freq_base(c["rope_theta"])
+    w.add_vocab_size(c["vocab_size"])
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+            if name == "model.embed_tokens.weight":
+                gname = "token_embd.weight"
+            elif name == "lm_head.weight":
+                gname = "output.weight"
+            elif name == "model.norm.weight":
+                gname = "output_norm.weight"
+            else:
+                _, _, idx, rest = name.split(".", 3)
+                gname = f"blk.{idx}.{GGUF_NAMES[rest]}"
+            data = p.detach().numpy().astype(np.float32)
+            if p.ndim == 2 and "proj" in name:
+                if arch == "llama" and ("q_proj" in name or "k_proj" in name):
+                    heads = c["num_attention_heads"] if "q_proj" in name else c["num_key_value_heads"]
+                    data = llama_cpp_permute(data, heads)
+                q = gguf.quants.quantize(data, qtype)
+                w.add_tensor(gname, q, raw_dtype=qtype)
+                # Quantization is row-local, so dequantizing the unpermuted weight gives the same rows.
+                p.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(
+                    p.detach().numpy().astype(np.float32), qtype), qtype)))
+            else:
+                w.add_tensor(gname, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return ref
+
+
+@pytest.mark.parametrize("arch,qtype", [("llama", "Q4_0"), ("llama", "Q8_0"), ("qwen2", "Q4_0")])
+def test_tiny_gguf_linears_match_a_dense_reference(tmp_path, arch, qtype):
+    from kvcli.engine.llm_engine import EngineOptions, LLMEngine
+    from kvcli.model.loader import LoadedWeights
+    from kvcli.model.tokenizer import ByteTokenizer
+
+    path = tmp_path / f"tiny-{arch}-{qtype}.gguf"
+    ref = write_tiny_gguf(path, arch, qtype)
+    config, weights, types = load_gguf(path)
+    assert config.architecture == arch and config.attention_bias == (arch == "qwen2")
+    assert types[qtype] == 2 * 7 and not config.tie_word_embeddings
+    q = weights["model.layers.1.self_attn.k_proj.weight"]
+    assert isinstance(q, QuantTensor) and q.kind == {"Q4_0": "q4", "Q8_0": "q8"}[qtype]
+    ids = list(range(3, 80))
+    with torch.no_grad():
+        want = ref(torch.tensor([ids])).logits[0]
+    for dequantize in (True, False):
+        loaded = LoadedWeights(config, dict(weights), ByteTokenizer(), str(path))  # the model takes them
+        engine = LLMEngine(loaded, EngineOptions(kv_budget="4MiB", dequantize=dequantize, max_num_batched_tokens=32))
+        got = logits_through_engine(engine, ids, chunk=32)
+        if dequantize:  # dense fp32 from the file's codes: the reference's numbers
+            assert (got - want).abs().max().item() < 1e-4, (arch, qtype)
+        else:  # INT4 resident (bf16 activations in torch's CPU kernel) for Q4_0; Q8_0 stays exact
+            assert engine.linear_mode == ("int4-cpu" if qtype == "Q4_0" else "dense")
+            err = (got - want).abs().max().item() / want.abs().max().item()
+            assert err < (2e-2 if qtype == "Q4_0" else 1e-5), (arch, qtype, err)

@@ -39,11 +39,17 @@ def test_simulated_compare_contiguous_report(tmp_path):
 def test_jsonl_workload_and_reserve_request(tmp_path):
     f = tmp_path / "t.jsonl"
     f.write_text("\n".join(json.dumps({"prompt": "x" * (20 + i), "max_tokens": 10 + i}) for i in range(12)) + "\n")
-    r = runner.invoke(app, [*SIM, "--workload", str(f), "--kv-layout", "contiguous", "--reserve", "request",
-                            "--kv-budget", "1GiB", "--json", str(tmp_path / "r.json")])
-    assert r.exit_code == 0, r.stderr
-    run = json.loads((tmp_path / "r.json").read_text())["runs"][0]
-    assert run["completed"] == 12 and run["output_tokens"] == sum(10 + i for i in range(12))
+    runs = {}
+    for reserve in ("request", "max-len"):
+        # 4 GiB holds four 2,048-token max-len reservations (1 GiB each, fp16 llama-2-7b) but all
+        # twelve prompt + max_tokens ones (~40 tokens each).
+        r = runner.invoke(app, [*SIM, "--workload", str(f), "--kv-layout", "contiguous", "--reserve", reserve,
+                                "--kv-budget", "4GiB", "--json", str(tmp_path / f"{reserve}.json")])
+        assert r.exit_code == 0, r.stderr
+        runs[reserve] = json.loads((tmp_path / f"{reserve}.json").read_text())["runs"][0]
+    for run in runs.values():
+        assert run["completed"] == 12 and run["output_tokens"] == sum(10 + i for i in range(12))
+    assert runs["request"]["peak_running"] == 12 > runs["max-len"]["peak_running"]
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -78,13 +84,26 @@ def test_synthetic_traces_follow_published_means():
     assert all(g >= 0 for g in gaps) and 0.05 < sum(gaps) / len(gaps) < 0.5  # Poisson, mean 0.2 s
 
 
-def test_plan_numbers():
-    r = runner.invoke(app, ["plan", "--model", "dummy:llama-2-7b", "--context", "4096", "--memory", "24GiB",
-                            "--batch", "16"])
+def plan_text(*args: str) -> str:
+    r = runner.invoke(app, ["plan", "--model", "dummy:llama-2-7b", "--context", "4096", "--memory", "24GiB", *args],
+                      env={"COLUMNS": "200"})
     assert r.exit_code == 0, r.stderr
-    out = " ".join(r.stdout.split())
-    assert "512.0 KiB" in out  # KV per token, fp16: 2 x 32 x 32 x 128 x 2 B
-    assert "2.0 GiB" in out  # per 4,096-token request
-    # (24 GiB x 0.9 - weights) / 2 GiB per request, contiguous
-    assert "--batch 16 contiguous" in out
+    return " ".join(r.stdout.replace("│", " ").split())
+
+
+def test_plan_numbers():
+    out = plan_text("--batch", "16")
+    assert "KV per token 512.0 KiB" in out  # fp16: 2 x 32 x 32 x 128 x 2 B
+    assert "KV per request 2.0 GiB" in out  # per 4,096-token request
+    # (24 GiB x 0.9 - 4.0 GiB of weights) / 2 GiB per contiguous request = 8; paged at 1,024 tokens = 35
+    assert "requests, contiguous 8 " in out and "requests, paged 35 " in out
+    assert "--batch 16 contiguous does not fit (8 max)" in out and "--batch 16 paged fits" in out
     one_line_error(runner.invoke(app, ["plan", "--model", "dummy:nope"]), "unknown dummy preset")
+
+
+def test_plan_states_its_paged_assumption():
+    out = plan_text()
+    assert "each holds ~1,024 tokens on average (assumed: context / 4; set --mean-tokens)" in out
+    out = plan_text("--mean-tokens", "512")
+    assert "requests, paged 70 each holds ~512 tokens on average (--mean-tokens)" in out
+    assert "assumed" not in out

@@ -57,10 +57,11 @@ def test_stop_token_ids_and_stop_strings(tiny_llm):
     assert out.finish_reason == "stop" and out.token_ids == base.token_ids[:first + 1]
     # A stop string from the middle of the text: the text ends right before it.
     text = base.text
-    if len(text) >= 6:
-        s = text[3:5]
-        out = tiny_llm.generate(["hello"], SamplingParams(max_tokens=24, ignore_eos=True, stop=(s,)))[0]
-        assert out.finish_reason == "stop" and out.text == text[:text.find(s)]
+    assert len(text) >= 6, text
+    s = text[3:5]
+    out = tiny_llm.generate(["hello"], SamplingParams(max_tokens=24, ignore_eos=True, stop=(s,)))[0]
+    assert out.finish_reason == "stop" and out.text == text[:text.find(s)]
+    assert len(out.token_ids) < len(base.token_ids)
 
 
 def test_streaming_callback_sees_every_token(tiny_llm):
@@ -69,3 +70,18 @@ def test_streaming_callback_sees_every_token(tiny_llm):
     for o in outs:
         assert [t for s in seen if s.req_id == o.req_id for t in s.new_token_ids] == o.token_ids
     assert sum(s.finished for s in seen) == 2
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(tiny_llm):
+    """A request's seed fixes its tokens whatever runs beside it: alone, or batched with prompts of
+    other lengths, other seeds and no seed (each request draws from its own generator)."""
+    p = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.95, top_k=50, seed=11, ignore_eos=True)
+    alone = tiny_llm.generate(["the keeper"], p)[0].token_ids
+    mix = [("abc", SamplingParams(max_tokens=5, temperature=0.8, seed=3, ignore_eos=True)),
+           ("the keeper", p),
+           ("a much longer prompt " * 6, SamplingParams(max_tokens=30, temperature=1.2, ignore_eos=True)),
+           ("x", SamplingParams(max_tokens=9, temperature=0.7, seed=11, ignore_eos=True))]
+    outs = tiny_llm.generate([m[0] for m in mix], [m[1] for m in mix])
+    assert outs[1].token_ids == alone
+    later = tiny_llm.generate(["x", "the keeper"], [mix[3][1], p])  # another mix, another order
+    assert later[1].token_ids == alone and later[0].token_ids == outs[3].token_ids

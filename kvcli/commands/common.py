@@ -4,6 +4,7 @@ one-line message."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -15,7 +16,7 @@ from kvcli.options import ConfigError, EngineOptions
 Fail = Callable[[str], NoReturn]
 
 _SAMPLING_FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature", "top_p": "--top-p",
-                   "top_k": "--top-k"}
+                   "top_k": "--top-k", "seed": "--seed"}
 
 
 def engine_options(fail: Fail, **values: Any) -> EngineOptions:
@@ -39,8 +40,14 @@ def sampling_params(fail: Fail, **values: Any) -> SamplingParams:
 def build_engine(model: str | None, quant: str, options: EngineOptions, fail: Fail) -> LLMEngine:
     try:
         loaded = load_weights(model, quant=quant)
+        print_notes(loaded.notes)
         return LLMEngine(loaded, options)
     except (ModelLoadError, ConfigError) as e:
         fail(str(e))
     except MemoryError:
         fail("out of memory while loading the model (try a smaller --kv-budget or model)")
+
+
+def print_notes(notes: list[str]) -> None:
+    for note in notes:
+        print(f"kvcli: note: {note}", file=sys.stderr)

@@ -17,7 +17,7 @@ from kvcli.commands.common import Fail, build_engine
 from kvcli.config import SamplingParams
 from kvcli.engine.scheduler import KVBudgetTooSmall
 from kvcli.options import ConfigError, EngineOptions
-from kvcli.inputs import InputError, check_writable, read_text_file
+from kvcli.inputs import InputError, check_writable, read_text_file, write_text_file
 from kvcli.metrics.snapshot import Snapshot
 from kvcli.view.dashboard import LiveDashboard
 from kvcli.view.plain_log import human_bytes
@@ -101,7 +101,10 @@ def run_continue(a: ContinueArgs, fail: Fail) -> int:
         sys.stdout.write("\n")
         sys.stdout.flush()
     if a.output is not None:
-        a.output.write_text(continuation, encoding="utf-8")
+        try:
+            write_text_file(a.output, continuation)
+        except InputError as e:  # the continuation is already on stdout
+            fail(str(e))
     snap = engine.snapshot()
     if a.json_out:
         report = {

@@ -12,11 +12,11 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from kvcli.commands.common import Fail
+from kvcli.commands.common import Fail, print_notes
 from kvcli.engine.llm_engine import LLMEngine
 from kvcli.engine.scheduler import KVBudgetTooSmall
 from kvcli.options import ConfigError, EngineOptions
-from kvcli.inputs import InputError, check_writable
+from kvcli.inputs import InputError, check_writable, write_text_file
 from kvcli.model.loader import ModelLoadError, load_config, load_tokenizer, load_weights
 from kvcli.profile import ProfileResult, breakdown_rows, plot_timeline, run_trace
 from kvcli.workloads import WorkloadError, load as load_trace, prompt_ids
@@ -80,6 +80,8 @@ def run_profile(a: ProfileArgs, fail: Fail) -> int:
             else:
                 loaded = load_weights(a.model, quant=a.quant)
                 config = loaded.config
+        if loaded is not None:
+            print_notes(loaded.notes)
         tokenizer = loaded.tokenizer if loaded is not None else (
             load_tokenizer(a.model) if any(r.prompt_text is not None for r in trace.requests) else None)
         prompts = prompt_ids(trace, tokenizer, a.seed)
@@ -115,9 +117,15 @@ def run_profile(a: ProfileArgs, fail: Fail) -> int:
                   "model": config.name, "max_model_len": max_model_len, "block_size": options.block_size,
                   "kv_dtype": kv_dtype,
                   "runs": [r.to_dict() for r in results]}
-        a.json_path.write_text(json.dumps(report, indent=1))
+        try:
+            write_text_file(a.json_path, json.dumps(report, indent=1))
+        except InputError as e:  # the table is already on stdout
+            fail(str(e))
     if a.plot_path is not None:
-        plot_timeline(results, str(a.plot_path))
+        try:
+            plot_timeline(results, str(a.plot_path))
+        except OSError as e:
+            fail(f"{a.plot_path}: cannot write ({e.strerror or e})")
     return 130 if any(r.completed < r.num_requests for r in results) else 0
 
 

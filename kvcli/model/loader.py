@@ -36,6 +36,7 @@ class LoadedWeights:
     formats: dict[str, int] = field(default_factory=dict)  # tensor count per storage format
     dense_linears: str = "keep"  # what the model builder does with dense linear weights: keep | nf4
     load_seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)  # what the user should know (a fallback taken)
 
 
 def bundled_gguf_path() -> Path:
@@ -150,9 +151,18 @@ def _load_hf_dir(path: Path, quant: str) -> LoadedWeights:
             raw.update(load_file(str(f)))
         except Exception as e:
             raise ModelLoadError(f"{f.name}: not a readable safetensors file ({e})") from None
-    quant = "nf4" if quant == "auto" else quant
-    if quant not in ("nf4", "int4", "none"):
+    notes: list[str] = []
+    if quant not in ("auto", "nf4", "int4", "none"):
         raise ModelLoadError(f"unknown --quant {quant!r} (choose nf4, int4 or none)")
+    if quant in ("auto", "nf4") and not bitsandbytes_available():
+        if quant == "nf4":
+            raise ModelLoadError("--quant nf4 needs bitsandbytes, which is not installed: "
+                                 "pip install bitsandbytes, or use --quant int4")
+        # The default asks for 4-bit weights, not for one library: kvcli's own INT4 needs nothing.
+        quant = "int4"
+        notes.append("bitsandbytes is not installed, so the weights are quantized to kvcli's int4 "
+                     "instead of nf4 (pip install bitsandbytes for nf4; --quant int4 to silence this)")
+    quant = "nf4" if quant == "auto" else quant
     weights: dict[str, QuantTensor | torch.Tensor] = {}
     formats: dict[str, int] = {}
     for name, t in raw.items():
@@ -168,7 +178,16 @@ def _load_hf_dir(path: Path, quant: str) -> LoadedWeights:
         tok = load_dir_tokenizer(path, config.eos_token_ids)
     except Exception as e:
         raise ModelLoadError(f"{path}: cannot load its tokenizer ({type(e).__name__}: {e})") from None
-    return LoadedWeights(config, weights, tok, str(path), formats, dense_linears="nf4" if quant == "nf4" else "keep")
+    return LoadedWeights(config, weights, tok, str(path), formats, dense_linears="nf4" if quant == "nf4" else "keep",
+                         notes=notes)
+
+
+def bitsandbytes_available() -> bool:
+    try:
+        import bitsandbytes.functional  # noqa: F401
+    except Exception:  # not installed, or a build that fails to initialise on this machine
+        return False
+    return True
 
 
 def load_config(spec: str | None) -> ModelConfig:
