@@ -124,11 +124,13 @@ class ReplyView:
             return
         text = self.held + piece
         cut = text.rfind("\n") + 1
+        self.held = text[cut:]
+        # Before printing: the proxy's print redraws the dashboard, which must not show the printed
+        # line a second time as pending.
+        self.dash.pending = self.held
         if cut:
             sys.stdout.write(text[:cut])  # rich's proxy for stdout: printed above the panels
             sys.stdout.flush()
-        self.held = text[cut:]
-        self.dash.pending = self.held
 
     def finish(self) -> None:
         """After the dashboard closed: the held unfinished line, and plain writes from now on."""
