@@ -191,8 +191,9 @@ class Tmux:
     def __init__(self, command: str, width: int = 120, height: int = 40) -> None:
         self.sock = f"kvcli-test-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.name = "chat"
+        # COLUMNS/LINES from the test's environment would override the pane's size for rich.
         self._tmux("new-session", "-d", "-s", self.name, "-x", str(width), "-y", str(height),
-                   "-c", tempfile.gettempdir(), command)
+                   "-c", tempfile.gettempdir(), f"unset COLUMNS LINES; {command}")
 
     def _tmux(self, *args: str) -> str:
         # -u: UTF-8 whatever the locale (the status line uses "·").
@@ -286,33 +287,43 @@ def saw_dashboard(s: str) -> bool:
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="needs the tmux binary for a real terminal "
                     "(apt-get install -y tmux)")
 def test_chat_live_dashboard_while_a_reply_streams(tmp_path):
+    """/live, then a reply: the dashboard is up while it streams, the reply prints above it, keys typed
+    meanwhile and Ctrl-C leave the screen intact (echoed, they would shift rich's redraw by a row), and
+    once the reply stops the screen holds exactly the reply as kept: no line twice, no leftover panel."""
     saved = tmp_path / "chat.json"
-    cmd = shlex.join([*KVCLI, "chat", "--temperature", "0", "--max-tokens", "40"])
-    t = Tmux(f"{cmd}; echo KVCLI_EXIT=$?; sleep 120", height=60)
+    cmd = shlex.join([*KVCLI, "chat", "--temperature", "0", "--max-tokens", "200"])
+    t = Tmux(f"{cmd}; echo KVCLI_EXIT=$?; sleep 120", width=100, height=60)
     try:
         t.wait(at_prompt, "the first prompt", timeout=180)
         t.type_line("/live")
         t.wait(lambda s: "live dashboard on" in s and at_prompt(s), "the /live notice")
 
-        t.type_line("Write a short poem about the sea.")
+        t.type_line("Write a long story about a lighthouse keeper.")
 
         def streaming(s: str) -> bool:
-            return saw_dashboard("\n".join(after(s, "you> Write a short poem"))) and not status_lines(s)
+            body = after(s, "you> Write a long story")
+            head = next((i for i, line in enumerate(body) if line.startswith("kvcli · step")), None)
+            # ~200 characters of reply above it: past the story's first line break.
+            return (head is not None and saw_dashboard("\n".join(body[head:]))
+                    and len(re.sub(r"\s+", "", "".join(body[:head]))) >= 200)
 
-        screen = t.wait(streaming, "the dashboard while the reply streams", timeout=120)
+        screen = t.wait(streaming, "the dashboard and the reply's first lines", timeout=180)
         assert "prefix cache" in screen and "KV pool" in screen, screen  # throughput and memory panels
-
-        screen = t.wait(lambda s: len(status_lines(s)) == 1 and at_prompt(s), "the reply and its status", 180)
+        for key in "typed":  # a user typing while the reply streams, between dashboard refreshes
+            t.send("-l", key)
+            time.sleep(0.3)
+        t.send("C-c")
+        screen = t.wait(lambda s: "[interrupted]" in s and at_prompt(s), "the interrupted reply and the prompt")
         t.type_line(f"/save {saved}")
         t.wait(lambda s: "saved 1 turn" in s and at_prompt(s), "/save")
-        reply = json.loads(saved.read_text(encoding="utf-8"))["messages"][1]["content"]
-        assert reply.strip()
-        # The reply reached the terminal whole: rich's line wrapping may only have changed spaces.
-        body = after(screen, "you> Write a short poem")
-        shown = "".join(body[:next(i for i, line in enumerate(body) if STATUS.search(line))])
+        msg = json.loads(saved.read_text(encoding="utf-8"))["messages"][1]
+        assert msg.get("interrupted") and msg["content"].strip(), msg
+        # Between the message and the status line: the reply as kept, once. rich's line wrapping
+        # under the dashboard may only have changed whitespace.
+        body = after(screen, "you> Write a long story")
+        shown = "\n".join(body[:next(i for i, line in enumerate(body) if STATUS.search(line))])
         squash = lambda x: re.sub(r"\s+", "", x)  # noqa: E731
-        assert squash(reply) in squash(shown), (reply, screen)
-        assert "KV fragmentation" not in shown  # the dashboard went away when the reply ended
+        assert squash(shown) == squash(msg["content"]), (msg["content"], screen)
 
         t.type_line("/quit")
         screen = t.wait(lambda s: "KVCLI_EXIT=" in s, "the exit", timeout=60)

@@ -58,14 +58,16 @@ class _NoEcho:
     def __enter__(self) -> "_NoEcho":
         try:
             import termios
-
+        except ImportError:  # not POSIX
+            return self
+        try:
             fd = sys.stdin.fileno()
             if os.isatty(fd):
                 attrs = termios.tcgetattr(fd)
                 self.saved = (fd, list(attrs))
                 attrs[3] &= ~(termios.ECHO | getattr(termios, "ECHOCTL", 0))  # lflag
                 termios.tcsetattr(fd, termios.TCSANOW, attrs)
-        except (ImportError, OSError, ValueError, AttributeError):  # not a POSIX terminal
+        except (OSError, ValueError, AttributeError, termios.error):  # stdin replaced, closed, not a tty
             self.saved = None
         return self
 
@@ -105,8 +107,10 @@ class ReplyView:
     def __exit__(self, *exc: object) -> None:
         if self.dash is not None:
             self.dash.closing = True
-            self.dash.__exit__(None, None, None)
-            self.no_echo.__exit__()
+            try:
+                self.dash.__exit__(None, None, None)
+            finally:
+                self.no_echo.__exit__()
 
     def update(self, force: bool = False) -> None:
         if self.dash is None:
@@ -124,11 +128,13 @@ class ReplyView:
             return
         text = self.held + piece
         cut = text.rfind("\n") + 1
+        self.held = text[cut:]
+        # Before printing: the proxy's print redraws the dashboard, which must not show the printed
+        # line a second time as pending.
+        self.dash.pending = self.held
         if cut:
             sys.stdout.write(text[:cut])  # rich's proxy for stdout: printed above the panels
             sys.stdout.flush()
-        self.held = text[cut:]
-        self.dash.pending = self.held
 
     def finish(self) -> None:
         """After the dashboard closed: the held unfinished line, and plain writes from now on."""
