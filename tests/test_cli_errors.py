@@ -34,6 +34,10 @@ def paths(tmp_path: Path) -> dict[str, str]:
     bad_jsonl.write_text('{"prompt": "ok", "max_tokens": 4}\n{"prompt": 5, "max_tokens": 4}\n')
     neg_jsonl = tmp_path / "neg.jsonl"
     neg_jsonl.write_text('{"prompt": "ok", "max_tokens": -3}\n')
+    empty_jsonl = tmp_path / "empty.jsonl"
+    empty_jsonl.write_text("")
+    latin_jsonl = tmp_path / "latin.jsonl"
+    latin_jsonl.write_bytes('{"prompt": "caf\xe9", "max_tokens": 2}\n'.encode("latin-1"))
     nocfg = tmp_path / "ckpt"
     nocfg.mkdir()
     fake = tmp_path / "notes.gguf"
@@ -44,7 +48,7 @@ def paths(tmp_path: Path) -> dict[str, str]:
     badcfg.mkdir()
     (badcfg / "config.json").write_text("{not json")
     return {"OK": str(ok), "BADJSONL": str(bad_jsonl), "NEGJSONL": str(neg_jsonl), "NOCFG": str(nocfg),
-            "FAKEGGUF": str(fake), "BADCFG": str(badcfg), "DIR": str(tmp_path), "TINY": f"dummy:{tiny}"}
+            "FAKEGGUF": str(fake), "BADCFG": str(badcfg), "DIR": str(tmp_path), "EMPTYJSONL": str(empty_jsonl), "LATINJSONL": str(latin_jsonl), "TINY": f"dummy:{tiny}"}
 
 
 # (command line with placeholders, text the one error line must contain)
@@ -111,6 +115,11 @@ CASES = [
     ([*SIM, "--request-rate", "0"], "--request-rate"),
     ([*SIM, "--request-rate", "abc"], "--request-rate"),
     ([*SIM, "--request-rate", "nan"], "--request-rate"),
+    ([*SIM, "--request-rate", "-inf"], "--request-rate"),
+    ([*SIM, "--workload", "EMPTYJSONL"], "no requests"),
+    ([*SIM, "--workload", "LATINJSONL"], "not valid UTF-8"),
+    ([*SIM, "--kv-budget", "nan"], "--kv-budget"),
+    ([*SIM, "--kv-budget", "inf"], "--kv-budget"),
     ([*SIM, "--workload", "nonexistent.jsonl"], "nonexistent.jsonl"),
     ([*SIM, "--workload", "BADJSONL"], "bad.jsonl:2"),
     ([*SIM, "--workload", "NEGJSONL"], "neg.jsonl:1"),
@@ -145,6 +154,7 @@ CASES = [
     (["plan", "--memory", "abc"], "--memory"),
     (["plan", "--memory", "0"], "--memory"),
     (["plan", "--memory", "-4GiB"], "--memory"),
+    (["plan", "--memory", "nan"], "--memory"),
     (["plan", "--kv-dtype", "int3"], "--kv-dtype"),
     (["plan", "--block-size", "7"], "--block-size"),
     (["plan", "--block-size", "abc"], "--block-size"),
