@@ -268,6 +268,13 @@ def test_profile_json_on_a_full_disk_keeps_the_table():
     assert "token states" in r.stdout
 
 
+def test_profile_plot_on_a_full_disk():
+    r = runner.invoke(app, [*SIM, "--plot", "/dev/full"])
+    assert r.exit_code == 1
+    _assert_error_last(r.stderr, "/dev/full: cannot write (No space left on device)")
+    assert "token states" in r.stdout
+
+
 def shlex_quote(s: str) -> str:
     import shlex
 
