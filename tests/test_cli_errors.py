@@ -6,7 +6,6 @@ gets the same one-line error, and what was already written stays."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
