@@ -6,7 +6,6 @@ gets the same one-line error, and what was already written stays."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -34,6 +33,10 @@ def paths(tmp_path: Path) -> dict[str, str]:
     bad_jsonl.write_text('{"prompt": "ok", "max_tokens": 4}\n{"prompt": 5, "max_tokens": 4}\n')
     neg_jsonl = tmp_path / "neg.jsonl"
     neg_jsonl.write_text('{"prompt": "ok", "max_tokens": -3}\n')
+    empty_jsonl = tmp_path / "empty.jsonl"
+    empty_jsonl.write_text("")
+    latin_jsonl = tmp_path / "latin.jsonl"
+    latin_jsonl.write_bytes('{"prompt": "caf\xe9", "max_tokens": 2}\n'.encode("latin-1"))
     nocfg = tmp_path / "ckpt"
     nocfg.mkdir()
     fake = tmp_path / "notes.gguf"
@@ -44,7 +47,7 @@ def paths(tmp_path: Path) -> dict[str, str]:
     badcfg.mkdir()
     (badcfg / "config.json").write_text("{not json")
     return {"OK": str(ok), "BADJSONL": str(bad_jsonl), "NEGJSONL": str(neg_jsonl), "NOCFG": str(nocfg),
-            "FAKEGGUF": str(fake), "BADCFG": str(badcfg), "DIR": str(tmp_path), "TINY": f"dummy:{tiny}"}
+            "FAKEGGUF": str(fake), "BADCFG": str(badcfg), "DIR": str(tmp_path), "EMPTYJSONL": str(empty_jsonl), "LATINJSONL": str(latin_jsonl), "TINY": f"dummy:{tiny}"}
 
 
 # (command line with placeholders, text the one error line must contain)
@@ -111,6 +114,11 @@ CASES = [
     ([*SIM, "--request-rate", "0"], "--request-rate"),
     ([*SIM, "--request-rate", "abc"], "--request-rate"),
     ([*SIM, "--request-rate", "nan"], "--request-rate"),
+    ([*SIM, "--request-rate", "-inf"], "--request-rate"),
+    ([*SIM, "--workload", "EMPTYJSONL"], "no requests"),
+    ([*SIM, "--workload", "LATINJSONL"], "not valid UTF-8"),
+    ([*SIM, "--kv-budget", "nan"], "--kv-budget"),
+    ([*SIM, "--kv-budget", "inf"], "--kv-budget"),
     ([*SIM, "--workload", "nonexistent.jsonl"], "nonexistent.jsonl"),
     ([*SIM, "--workload", "BADJSONL"], "bad.jsonl:2"),
     ([*SIM, "--workload", "NEGJSONL"], "neg.jsonl:1"),
@@ -145,6 +153,7 @@ CASES = [
     (["plan", "--memory", "abc"], "--memory"),
     (["plan", "--memory", "0"], "--memory"),
     (["plan", "--memory", "-4GiB"], "--memory"),
+    (["plan", "--memory", "nan"], "--memory"),
     (["plan", "--kv-dtype", "int3"], "--kv-dtype"),
     (["plan", "--block-size", "7"], "--block-size"),
     (["plan", "--block-size", "abc"], "--block-size"),
@@ -253,6 +262,13 @@ def test_plan_to_a_full_stdout():
 
 def test_profile_json_on_a_full_disk_keeps_the_table():
     r = runner.invoke(app, [*SIM, "--json", "/dev/full"])
+    assert r.exit_code == 1
+    _assert_error_last(r.stderr, "/dev/full: cannot write (No space left on device)")
+    assert "token states" in r.stdout
+
+
+def test_profile_plot_on_a_full_disk():
+    r = runner.invoke(app, [*SIM, "--plot", "/dev/full"])
     assert r.exit_code == 1
     _assert_error_last(r.stderr, "/dev/full: cannot write (No space left on device)")
     assert "token states" in r.stdout

@@ -4,7 +4,6 @@ against transformers), side by side."""
 from __future__ import annotations
 
 import json
-import math
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -43,7 +42,7 @@ def parse_rate(text: str, fail: Fail) -> float:
         rate = float(text)
     except ValueError:
         fail(f"--request-rate: expected requests/s or inf (got {text!r})")
-    if not (rate > 0 or math.isinf(rate)):
+    if not rate > 0:  # inf (all at once) passes; 0, negatives, -inf and nan do not
         fail(f"--request-rate must be > 0 or inf (got {text})")
     return rate
 
