@@ -9,6 +9,7 @@ import torch
 
 from kvcli.attention.base import AttentionMetadata
 from kvcli.attention.torch_backend import TorchAttentionBackend
+from kvcli.kvcache.kv_cache import LayerKV
 
 
 def make_batch(q_lens, kv_lens, kvh, g, d, bs, num_blocks, permute, dtype=torch.float32, seed=0):
@@ -76,9 +77,9 @@ def test_mixed_batch_matches_reference(g, permute, bs):
     kvh, d = 2, 64
     q, nk, nv, kc, vc, meta, dk, dv = make_batch(q_lens, kv_lens, kvh, g, d, bs, 64, permute, seed=g + bs)
     be = TorchAttentionBackend()
-    be.write_kv(nk, nv, kc, vc, meta)
+    be.write_kv(nk, nv, LayerKV(kc, vc), meta)
     scale = 1 / math.sqrt(d)
-    got = be.forward(q, kc, vc, meta, scale)
+    got = be.forward(q, LayerKV(kc, vc), meta, scale)
     want = reference(q, dk, dv, q_lens, kv_lens, g, scale)
     assert not torch.isnan(got).any()
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
@@ -89,7 +90,7 @@ def test_negative_slots_are_skipped():
     meta = AttentionMetadata(torch.tensor([0, -1, 2]), meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
                              3, 3, (3,), (3,))
     untouched = kc[0, 1].clone()
-    TorchAttentionBackend().write_kv(nk, nv, kc, vc, meta)
+    TorchAttentionBackend().write_kv(nk, nv, LayerKV(kc, vc), meta)
     assert torch.equal(kc[0, 0], nk[0]) and torch.equal(kc[0, 2], nk[2]) and torch.equal(kc[0, 1], untouched)
 
 
@@ -100,8 +101,8 @@ def test_batched_decode_rows_match_reference(g):
     kvh, d = 2, 64
     q, nk, nv, kc, vc, meta, dk, dv = make_batch(q_lens, kv_lens, kvh, g, d, 16, 64, True, seed=5 + g)
     be = TorchAttentionBackend()
-    be.write_kv(nk, nv, kc, vc, meta)
-    got = be.forward(q, kc, vc, meta, 0.125)
+    be.write_kv(nk, nv, LayerKV(kc, vc), meta)
+    got = be.forward(q, LayerKV(kc, vc), meta, 0.125)
     assert sum(len(b[0]) for b in be._batches) == 5  # the batched path really ran
     want = reference(q, dk, dv, q_lens, kv_lens, g, 0.125)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
@@ -113,8 +114,8 @@ def test_decode_rows_grouped_by_length():
     kv_lens = [20, 22, 25, 300, 310, 320, 900]
     q, nk, nv, kc, vc, meta, dk, dv = make_batch(q_lens, kv_lens, 1, 3, 64, 16, 128, True, seed=9)
     be = TorchAttentionBackend()
-    be.write_kv(nk, nv, kc, vc, meta)
-    got = be.forward(q, kc, vc, meta, 0.125)
+    be.write_kv(nk, nv, LayerKV(kc, vc), meta)
+    got = be.forward(q, LayerKV(kc, vc), meta, 0.125)
     assert len(be._batches) >= 2  # not one call padded to the 900-token outlier
     for ids, _, tables, mask in be._batches:  # padding bounded: 1.5x the real work plus 64 per row
         real = sum(kv_lens[i] for i in ids)
