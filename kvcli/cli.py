@@ -245,7 +245,10 @@ def profile(
     model: ModelOpt = None,
     block_size: BlockSizeOpt = 16,
     kv_budget: KVBudgetOpt = None,
-    kv_dtype: KVDtypeOpt = None,
+    kv_dtype: Annotated[Optional[str], typer.Option(
+        "--kv-dtype", help="KV cache format (auto, fp32, fp16, bf16, int8), or several separated by commas "
+        "(fp32,int8) to run the same trace once per format, side by side. Default: the compute dtype; "
+        "fp16 with --simulate.", show_default=False)] = None,
     max_model_len: Annotated[int, typer.Option("--max-model-len", help="Context limit (and the contiguous "
                                                "max-len reservation).")] = 2048,
     max_batch_tokens: ChunkOpt = 512,
@@ -264,7 +267,11 @@ def profile(
     from kvcli.commands.common import engine_options
     from kvcli.commands.profile_cmd import ProfileArgs, run_profile
 
-    args = ProfileArgs(
+    kv_dtypes = tuple(d.strip() for d in kv_dtype.split(",")) if kv_dtype else (None,)
+    kv_dtype = kv_dtypes[0] or ("fp16" if simulate else None)
+    for d in kv_dtypes[1:]:
+        engine_options(fail, kv_dtype=d)  # each format validated before the model loads
+    args = ProfileArgs(kv_dtypes=kv_dtypes if len(kv_dtypes) > 1 else (None,),
         model=model, workload=workload, num_requests=num_requests, request_rate=request_rate, seed=seed,
         compare=compare.value, simulate=simulate, json_path=json_path, plot_path=plot_path, quant=quant.value,
         live=live,
@@ -273,7 +280,7 @@ def profile(
                                max_num_batched_tokens=max_batch_tokens, max_num_seqs=max_num_seqs,
                                attention_backend=attention_backend.value, kv_layout=kv_layout.value,
                                reserve=reserve.value, preempt=preempt.value,
-                               kv_dtype=kv_dtype or ("fp16" if simulate else None), prefix_caching=prefix_cache))
+                               kv_dtype=kv_dtype, prefix_caching=prefix_cache))
     code = run_profile(args, fail)
     if code:
         raise typer.Exit(code)
