@@ -76,4 +76,5 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dty
     """Stored K or V -> `dtype`; scale has codes' shape without the last dimension (or None)."""
     if scale is None:
         return codes.to(dtype)
-    return codes.to(dtype) * scale.to(dtype).unsqueeze(-1)
+    # int8 * fp32 promotes inside one kernel: no separate float copy of the codes.
+    return (codes * scale.unsqueeze(-1)).to(dtype)
