@@ -73,3 +73,24 @@ def test_kv_dtype_options():
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="fp8 is not available: the CPU has no fp8"):
             EngineOptions(kv_dtype="fp8")
+
+
+def test_int8_cache_blocks_carry_scales_through_zero_copy_and_swap():
+    from kvcli.kvcache.kv_cache import KVCache
+
+    c = preset_config("smollm2-135m")
+    cache = KVCache(c, num_blocks=6, block_size=16, kv_dtype="int8", device=torch.device("cpu"))
+    layer = cache.layers[0]
+    assert layer.quantized and len(layer.tensors()) == 4
+    assert cache.nbytes == 7 * 16 * c.kv_bytes_per_token("int8")  # 6 usable blocks + the null block
+    gen = torch.Generator().manual_seed(1)
+    for t in layer.tensors():
+        t[1] = (torch.rand(t[1].shape, generator=gen) * 100).to(t.dtype)
+    want = [t[1].clone() for t in layer.tensors()]
+    cache.copy_blocks([(1, 2)])
+    assert all(torch.equal(t[2], w) for t, w in zip(layer.tensors(), want))
+    host = cache.swap_out([1])
+    cache.zero_blocks([1])
+    assert all(not t[1].any() for t in layer.tensors())
+    cache.swap_in([3], host)
+    assert all(torch.equal(t[3], w) for t, w in zip(layer.tensors(), want))
