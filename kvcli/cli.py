@@ -93,6 +93,10 @@ MaxLenOpt = Annotated[Optional[int], typer.Option("--max-model-len", help="Conte
                                                   "Default: the model's.", show_default=False)]
 PrefixOpt = Annotated[bool, typer.Option("--prefix-cache/--no-prefix-cache", help="Reuse the KV blocks of "
                                          "prompt prefixes seen before (paged layout).")]
+KVDtypeOpt = Annotated[Optional[str], typer.Option(
+    "--kv-dtype", help="KV cache format: auto, fp32, fp16, bf16, int8 (codes + one fp32 scale per token "
+    "and KV head: 0.53x fp16's bytes; torch backend) or fp8 (not available yet). auto: the compute "
+    "dtype (fp32 on CPU, fp32 with --dequantize).", show_default=False)]
 ChunkOpt = Annotated[int, typer.Option("--max-batch-tokens", help="Tokens computed per engine step; "
                                        "long prompts are prefilled in chunks of this size.")]
 
@@ -121,6 +125,7 @@ def continue_(
     attention_backend: BackendOpt = Backend.auto,
     max_model_len: MaxLenOpt = None,
     max_batch_tokens: ChunkOpt = 512,
+    kv_dtype: KVDtypeOpt = None,
     live: Annotated[bool, typer.Option("--live/--no-live", help="Live dashboard (VRAM, KV block map, "
                                        "fragmentation, throughput) on a terminal; plain output otherwise."
                                        )] = True,
@@ -141,7 +146,7 @@ def continue_(
         options=engine_options(fail, device=device, block_size=block_size, kv_budget=kv_budget,
                                dequantize=dequantize, max_model_len=max_model_len,
                                max_num_batched_tokens=max_batch_tokens, attention_backend=attention_backend.value,
-                               prefix_caching=prefix_cache),
+                               kv_dtype=kv_dtype, prefix_caching=prefix_cache),
     )
     code = run_continue(args, fail)
     if code:
@@ -169,6 +174,7 @@ def chat(
     device: DeviceOpt = None,
     attention_backend: BackendOpt = Backend.auto,
     max_model_len: MaxLenOpt = None,
+    kv_dtype: KVDtypeOpt = None,
     prefix_cache: PrefixOpt = True,
     live: Annotated[bool, typer.Option("--live/--no-live", help="While a reply streams on a terminal, show the "
                                        "full dashboard (memory, KV blocks, fragmentation, throughput) instead "
@@ -189,7 +195,8 @@ def chat(
         truncate=truncate, model=model, quant=quant.value,
         options=engine_options(fail, device=device, block_size=block_size, kv_budget=kv_budget,
                                dequantize=dequantize, max_model_len=max_model_len,
-                               attention_backend=attention_backend.value, prefix_caching=prefix_cache),
+                               attention_backend=attention_backend.value, kv_dtype=kv_dtype,
+                               prefix_caching=prefix_cache),
         live=live,
     )
     code = run_chat(args, fail)
@@ -247,8 +254,10 @@ def profile(
     model: ModelOpt = None,
     block_size: BlockSizeOpt = 16,
     kv_budget: KVBudgetOpt = None,
-    kv_dtype: Annotated[Optional[str], typer.Option("--kv-dtype", help="fp32, fp16 or bf16.",
-                                                    show_default=False)] = None,
+    kv_dtype: Annotated[Optional[str], typer.Option(
+        "--kv-dtype", help="KV cache format (auto, fp32, fp16, bf16, int8), or several separated by commas "
+        "(fp32,int8) to run the same trace once per format, side by side. Default: the compute dtype; "
+        "fp16 with --simulate.", show_default=False)] = None,
     max_model_len: Annotated[int, typer.Option("--max-model-len", help="Context limit (and the contiguous "
                                                "max-len reservation).")] = 2048,
     max_batch_tokens: ChunkOpt = 512,
@@ -267,7 +276,11 @@ def profile(
     from kvcli.commands.common import engine_options
     from kvcli.commands.profile_cmd import ProfileArgs, run_profile
 
-    args = ProfileArgs(
+    kv_dtypes = tuple(d.strip() for d in kv_dtype.split(",")) if kv_dtype else (None,)
+    kv_dtype = kv_dtypes[0] or ("fp16" if simulate else None)
+    for d in kv_dtypes[1:]:
+        engine_options(fail, kv_dtype=d)  # each format validated before the model loads
+    args = ProfileArgs(kv_dtypes=kv_dtypes if len(kv_dtypes) > 1 else (None,),
         model=model, workload=workload, num_requests=num_requests, request_rate=request_rate, seed=seed,
         compare=compare.value, simulate=simulate, json_path=json_path, plot_path=plot_path, quant=quant.value,
         live=live,
@@ -276,7 +289,7 @@ def profile(
                                max_num_batched_tokens=max_batch_tokens, max_num_seqs=max_num_seqs,
                                attention_backend=attention_backend.value, kv_layout=kv_layout.value,
                                reserve=reserve.value, preempt=preempt.value,
-                               kv_dtype=kv_dtype or ("fp16" if simulate else None), prefix_caching=prefix_cache))
+                               kv_dtype=kv_dtype, prefix_caching=prefix_cache))
     code = run_profile(args, fail)
     if code:
         raise typer.Exit(code)
@@ -293,7 +306,8 @@ def plan(
                                                        "really holds (paged pays for these, contiguous "
                                                        "for --context). Default: context / 4.",
                                                        show_default=False)] = None,
-    kv_dtype: Annotated[str, typer.Option("--kv-dtype", help="fp16, bf16 or fp32.")] = "fp16",
+    kv_dtype: Annotated[str, typer.Option("--kv-dtype", help="KV cache format to plan for: fp16, bf16, fp32 "
+                                          "or int8 (scales included).")] = "fp16",
     block_size: BlockSizeOpt = 16,
     model: ModelOpt = None,
 ) -> None:
@@ -307,6 +321,48 @@ def plan(
     args = PlanArgs(model=model, context=context, batch=batch, memory=memory, mean_tokens=mean_tokens,
                     options=engine_options(fail, block_size=block_size, kv_dtype=kv_dtype))
     code = run_plan(args, fail)
+    if code:
+        raise typer.Exit(code)
+
+
+@app.command("perplexity")
+def perplexity(
+    file: Annotated[Path, typer.Argument(help="UTF-8 text to score.", show_default=False)],
+    window: Annotated[Optional[int], typer.Option("--window", help="Tokens per window. Default: the context "
+                                                  "length (--max-model-len).", show_default=False)] = None,
+    stride: Annotated[Optional[int], typer.Option("--stride", help="Tokens between window starts; below "
+                                                  "--window, windows overlap and each scores only its new "
+                                                  "tokens. Default: the window.", show_default=False)] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print only a JSON report on stdout.")] = False,
+    model: ModelOpt = None,
+    block_size: BlockSizeOpt = 16,
+    kv_budget: KVBudgetOpt = None,
+    kv_dtype: KVDtypeOpt = None,
+    quant: QuantOpt = Quant.auto,
+    dequantize: DequantOpt = False,
+    device: DeviceOpt = None,
+    attention_backend: BackendOpt = Backend.auto,
+    max_model_len: MaxLenOpt = None,
+    max_batch_tokens: ChunkOpt = 512,
+) -> None:
+    """Teacher-forced perplexity of a text through kvcli's own paged engine.
+
+    The text is prefilled in chunks through the KV cache in the chosen --kv-dtype; every token but
+    the first of each window is scored. With --dequantize and fp32 KV this is the exact path
+    (matches transformers within 1e-3)."""
+    from kvcli.commands.common import engine_options
+    from kvcli.commands.perplexity_cmd import PerplexityArgs, run_perplexity
+
+    for flag, value in (("--window", window), ("--stride", stride)):
+        if value is not None and value <= 0:
+            fail(f"{flag} must be a positive integer (got {value})")
+    args = PerplexityArgs(
+        file=file, window=window, stride=stride, json_out=json_out, model=model, quant=quant.value,
+        options=engine_options(fail, device=device, block_size=block_size, kv_budget=kv_budget,
+                               dequantize=dequantize, max_model_len=max_model_len,
+                               max_num_batched_tokens=max_batch_tokens, attention_backend=attention_backend.value,
+                               kv_dtype=kv_dtype, prefix_caching=False))
+    code = run_perplexity(args, fail)
     if code:
         raise typer.Exit(code)
 

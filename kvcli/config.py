@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from kvcli.kvcache.kv_dtype import KVDtype, kv_dtype_of
+
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 
 
@@ -32,10 +34,9 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
-    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        """K and V of every layer for one token."""
-        elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+    def kv_bytes_per_token(self, kv_dtype: "torch.dtype | str | KVDtype") -> int:
+        """K and V of every layer for one token, quantization scales included."""
+        return kv_dtype_of(kv_dtype).bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim)
 
     def num_params(self) -> int:
         h, i, L = self.hidden_size, self.intermediate_size, self.num_layers

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcli.kvcache.kv_dtype import KV_DTYPE_CHOICES, KVDtype, kv_dtype_of
+
 
 class ConfigError(ValueError):
     """Options that cannot work; the message is meant for the user as is and names the flag."""
@@ -69,6 +71,20 @@ def parse_dtype(name: str | None, flag: str) -> torch.dtype | None:
     return DTYPES[name]
 
 
+def parse_kv_dtype(name: str | None) -> KVDtype | None:
+    """`--kv-dtype`: None for auto; fp8 is refused here on every device (no kernel stores it yet)."""
+    if name is None or name == "auto":
+        return None
+    if name == "fp8":
+        where = ("the CPU has no fp8 arithmetic" if not torch.cuda.is_available()
+                 else "kvcli has no fp8 KV kernels yet")
+        raise ConfigError(f"--kv-dtype fp8 is not available: {where}; use int8 (about half of fp16's bytes) or fp16")
+    try:
+        return kv_dtype_of(name)
+    except KeyError:
+        raise ConfigError(f"--kv-dtype must be one of {', '.join(KV_DTYPE_CHOICES)} (got {name!r})") from None
+
+
 def _one_of(value: str, allowed: tuple[str, ...], flag: str) -> None:
     if value not in allowed:
         raise ConfigError(f"{flag} must be one of {', '.join(allowed)} (got {value!r})")
@@ -96,7 +112,7 @@ class EngineOptions:
     preempt: str = "recompute"  # recompute | swap
     swap_space: str = "4GiB"  # host memory for swapped-out blocks
     dtype: str | None = None  # compute dtype; default fp32 on CPU, bf16 (fp16 if unsupported) on CUDA
-    kv_dtype: str | None = None  # default: the compute dtype
+    kv_dtype: str | None = None  # auto | fp32 | fp16 | bf16 | int8; auto (None): see cache_dtype
     prefix_caching: bool = True  # reuse full blocks of shared prefixes across requests
     watermark: float = 0.01  # paged admission keeps this share of blocks free for running requests
 
@@ -115,7 +131,7 @@ class EngineOptions:
         _one_of(self.preempt, PREEMPT_MODES, "--preempt")
         parse_bytes(self.swap_space, "--swap-space")
         parse_dtype(self.dtype, "--dtype")
-        parse_dtype(self.kv_dtype, "--kv-dtype")
+        parse_kv_dtype(self.kv_dtype)
         if not 0 <= self.watermark < 1:
             raise ConfigError(f"watermark must be in [0, 1) (got {self.watermark})")
         if self.device not in (None, "auto"):
@@ -142,8 +158,9 @@ class EngineOptions:
             torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16)
         return parse_dtype(self.dtype, "--dtype") or default
 
-    def cache_dtype(self, device: torch.device) -> torch.dtype:
-        return parse_dtype(self.kv_dtype, "--kv-dtype") or self.compute_dtype(device)
+    def cache_dtype(self, device: torch.device) -> KVDtype:
+        """The KV format; auto follows the compute dtype."""
+        return parse_kv_dtype(self.kv_dtype) or kv_dtype_of(self.compute_dtype(device))
 
     def swap_space_bytes(self) -> int:
         return parse_bytes(self.swap_space, "--swap-space")

@@ -44,6 +44,8 @@ class ProfileResult:
     records: list[StepRecord] = field(default_factory=list)
     outputs: dict[str, list[int]] = field(default_factory=dict)
     simulated: bool = False
+    kv_dtype: str = ""
+    kv_bytes_per_token: int = 0
 
     def share(self, category: str) -> float:
         """A category as a share of the KV memory in use (token + reserved + internal + external)."""
@@ -65,6 +67,7 @@ class ProfileResult:
             "num_requests": self.num_requests, "completed": self.completed, "output_tokens": self.output_tokens,
             "wall_seconds": round(self.wall_s, 4), "steps": self.steps, "output_tokens_per_s": round(self.tokens_per_s, 2),
             "peak_running": self.peak_running, "preemptions": self.preemptions, "kv_pool_bytes": self.pool_bytes,
+            "kv_dtype": self.kv_dtype, "kv_bytes_per_token": self.kv_bytes_per_token,
             "kv_mean_bytes": {k: round(v) for k, v in self.kv_mean.items()},
             "kv_share_of_in_use": {k: round(self.share(k), 4) for k in CATEGORIES},
             "token_share_of_allocated": round(self.token_share_of_allocated, 4),
@@ -127,7 +130,8 @@ def run_trace(engine: LLMEngine, trace: Trace, prompts: list[list[int]], label: 
         output_tokens=sum(len(r.output_token_ids) for r in reqs), wall_s=wall, steps=engine.stats().step,
         peak_running=engine.metrics.peak_running, preemptions=engine.scheduler.num_preemptions,
         kv_mean=kv_mean, ttft_s=ttft, itl_s=itl, pool_bytes=engine.kv_pool_bytes, records=list(recs),
-        outputs={r.req_id: list(r.output_token_ids) for r in reqs}, simulated=engine.simulated)
+        outputs={r.req_id: list(r.output_token_ids) for r in reqs}, simulated=engine.simulated,
+        kv_dtype=str(engine.kv_dtype), kv_bytes_per_token=engine.config.kv_bytes_per_token(engine.kv_dtype))
 
 
 def plot_timeline(results: list[ProfileResult], path: str) -> None:
@@ -171,6 +175,7 @@ def breakdown_rows(results: list[ProfileResult]) -> list[tuple[str, list[str]]]:
 
     sim = any(r.simulated for r in results)
     rows = [
+        ("KV dtype, bytes/token", [f"{r.kv_dtype}, {r.kv_bytes_per_token:,}" for r in results]),
         ("token states", [pct(r.share("token_bytes")) for r in results]),
         ("reserved", [pct(r.share("reserved_bytes")) for r in results]),
         ("internal fragmentation", [pct(r.share("internal_bytes")) for r in results]),

@@ -400,3 +400,9 @@ def test_memory_probe_nvml_init_failure_is_quiet(monkeypatch):
     else:
         assert m.device == "cpu" and m.note == NO_GPU_NOTE
         assert m.process_used_bytes and m.process_used_bytes > 0
+
+
+def test_dashboard_header_names_the_kv_dtype_and_bytes_per_token():
+    s = make_snapshot(kv_dtype="int8", block_size=16, bytes_per_block=16 * 12240)
+    text = render_text(render_dashboard(s, width=120))
+    assert text.startswith("kvcli · step 120 · 12.3 s · paged KV layout · KV int8, 12,240 B/token\n")

@@ -106,3 +106,29 @@ def test_plan_states_its_paged_assumption():
     out = plan_text("--mean-tokens", "512")
     assert "requests, paged 70 each holds ~512 tokens on average (--mean-tokens)" in out
     assert "assumed" not in out
+
+
+def test_plan_prints_every_kv_dtype_side_by_side():
+    r = runner.invoke(app, ["plan", "--model", "dummy:llama-3-8b", "--memory", "24GiB", "--kv-dtype", "int8"],
+                      env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.stderr
+    out = " ".join(r.stdout.split())
+    # 2 x 32 layers x 8 KV heads x (128 B codes + 4 B scale) = 67,584 B; fp16: 131,072 B
+    assert "│ int8 * │ 67,584 │ 0.52x │ 15,887 │" in out
+    assert "│ fp16 │ 131,072 │ 1.00x │ 8,192 │" in out
+    assert "│ fp32 │ 262,144 │ 2.00x │ 4,096 │" in out
+    one_line_error(runner.invoke(app, ["plan", "--kv-dtype", "int5"]), "--kv-dtype must be one of")
+
+
+def test_simulated_profile_compares_kv_dtypes_on_one_trace(tmp_path):
+    path = tmp_path / "r.json"
+    r = runner.invoke(app, ["profile", "--simulate", "-N", "24", "--kv-dtype", "fp16,int8", "--kv-budget", "48MiB",
+                            "--no-live", "--json", str(path)], env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.stderr
+    out = " ".join(r.stdout.split())
+    assert "paged fp16" in out and "paged int8" in out and "fp16, 23,040 │ int8, 12,240" in out
+    runs = json.loads(path.read_text())["runs"]
+    assert [(x["kv_dtype"], x["kv_bytes_per_token"]) for x in runs] == [("fp16", 23040), ("int8", 12240)]
+    # Same budget, fewer bytes per token: int8 holds more requests at once.
+    assert runs[1]["peak_running"] > runs[0]["peak_running"]
+    one_line_error(runner.invoke(app, ["profile", "--simulate", "--kv-dtype", "fp16,fp8"]), "--kv-dtype fp8")

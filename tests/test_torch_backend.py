@@ -10,6 +10,7 @@ import torch
 from kvcli.kvcache.kv_cache import LayerKV
 from kvcli.attention.base import AttentionMetadata
 from kvcli.attention.torch_backend import TorchAttentionBackend
+from kvcli.kvcache.kv_cache import LayerKV
 
 
 def make_batch(q_lens, kv_lens, kvh, g, d, bs, num_blocks, permute, dtype=torch.float32, seed=0):

@@ -114,3 +114,30 @@ def test_int4_greedy_diverges_only_on_near_ties(int4_llm, hf_model):
         gaps.append((logits[ref[diff]] - logits[ours[diff]]).item())
     assert all(g < 1.0 for g in gaps), f"reference logit gaps at divergence: {gaps}"
     assert len(gaps) < len(PROMPTS), "every prompt diverged within 32 tokens"
+
+
+def test_perplexity_matches_transformers(exact_llm, hf_model, sample_text):
+    """`kvcli perplexity`'s engine path (chunked prefill through the paged fp32 cache, --dequantize)
+    against transformers' loss on the same tokens: whole text, and two overlapping windows."""
+    from kvcli.engine.perplexity import perplexity
+
+    engine = exact_llm.engine
+    assert engine.kv_dtype.name == "fp32"
+    ids = engine.tokenizer.encode(sample_text)[:1300]
+
+    def hf_nll(window: list[int], first: int) -> torch.Tensor:
+        with torch.no_grad():
+            logits = hf_model(torch.tensor([window])).logits[0].float()
+        logp = logits[:-1].log_softmax(-1).double()
+        return -logp.gather(1, torch.tensor(window[1:])[:, None])[first - 1:, 0]
+
+    whole = perplexity(engine, ids, window=1300, stride=1300)
+    ref = hf_nll(ids, 1).mean().exp().item()
+    assert whole.tokens_scored == 1299 and whole.windows == 1
+    assert abs(whole.perplexity / ref - 1) < 1e-3, (whole.perplexity, ref)
+    # Windows [0, 800) and [500, 1300): the second scores only tokens 800..1299, with 300 before them.
+    strided = perplexity(engine, ids, window=800, stride=500)
+    ref_nll = torch.cat([hf_nll(ids[:800], 1), hf_nll(ids[500:1300], 300)])
+    assert strided.windows == 2 and strided.tokens_scored == ref_nll.numel() == 1299
+    assert abs(strided.perplexity / ref_nll.mean().exp().item() - 1) < 1e-3
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from kvcli.attention.base import AttentionMetadata
 from kvcli.kvcache.kv_cache import LayerKV
+from kvcli.kvcache.kv_dtype import dequantize, quantize_int8
 
 _flash_cpu = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
@@ -40,8 +41,15 @@ class TorchAttentionBackend:
         if bool((slots < 0).any()):
             keep = slots >= 0
             slots, key, value = slots[keep], key[keep], value[keep]
-        kc.index_copy_(0, slots, key.to(kc.dtype))
-        vc.index_copy_(0, slots, value.to(vc.dtype))
+        if cache.k_scale is None or cache.v_scale is None:
+            kc.index_copy_(0, slots, key.to(kc.dtype))
+            vc.index_copy_(0, slots, value.to(vc.dtype))
+            return
+        # int8: quantize on write, one scale per token and KV head stored beside the codes.
+        for codes_cache, scale_cache, x in ((kc, cache.k_scale, key), (vc, cache.v_scale, value)):
+            codes, scale = quantize_int8(x)
+            codes_cache.index_copy_(0, slots, codes)
+            scale_cache.view(-1, scale_cache.shape[2]).index_copy_(0, slots, scale.to(scale_cache.dtype))
 
     def _blocks(self, meta: AttentionMetadata, b: int, block_size: int) -> slice | torch.Tensor:
         """Request b's used blocks: a slice when they are consecutive ids (read as a view), else
@@ -59,8 +67,12 @@ class TorchAttentionBackend:
         return self._reads[b]
 
     @staticmethod
-    def _read(cache: torch.Tensor, blocks: slice | torch.Tensor, kv_len: int) -> torch.Tensor:
-        return cache[blocks].flatten(0, 1)[:kv_len].transpose(0, 1)  # [kv_heads, kv_len, D]
+    def _read(cache: torch.Tensor, scale: torch.Tensor | None, blocks: slice | torch.Tensor, kv_len: int,
+              dtype: torch.dtype) -> torch.Tensor:
+        """Request's K or V as `dtype` [kv_heads, kv_len, D], dequantized when the cache is scaled."""
+        x = cache[blocks].flatten(0, 1)[:kv_len]
+        s = None if scale is None else scale[blocks].flatten(0, 1)[:kv_len]
+        return dequantize(x, s, dtype).transpose(0, 1)
 
     def _decode_batches(self, meta: AttentionMetadata, block_size: int, device: torch.device) -> list[tuple]:
         """Per step: the decode requests grouped by similar context length (so padding to a group's
@@ -104,8 +116,8 @@ class TorchAttentionBackend:
             kvh = k_cache.shape[2]
             # Padded slots are masked; their contents are finite because the runner zeroes every
             # block on first use (masking alone would not hide NaN: NaN * 0 is NaN).
-            k = k_cache[tables].flatten(1, 2).transpose(1, 2).to(q.dtype)  # [n, kvh, L, D]
-            v = v_cache[tables].flatten(1, 2).transpose(1, 2).to(q.dtype)
+            k = _gather(k_cache, cache.k_scale, tables, q.dtype)  # [n, kvh, L, D]
+            v = _gather(v_cache, cache.v_scale, tables, q.dtype)
             qg = q.index_select(0, rows).reshape(n, kvh, h // kvh, d)
             o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
             out.index_copy_(0, rows, o.reshape(n, h, d))
@@ -115,12 +127,18 @@ class TorchAttentionBackend:
                 start += q_len
                 continue
             blocks = self._blocks(meta, b, bs)
-            k = self._read(k_cache, blocks, kv_len).to(q.dtype)
-            v = self._read(v_cache, blocks, kv_len).to(q.dtype)
+            k = self._read(k_cache, cache.k_scale, blocks, kv_len, q.dtype)
+            v = self._read(v_cache, cache.v_scale, blocks, kv_len, q.dtype)
             qb = q[start:start + q_len].transpose(0, 1)  # [H, q_len, D]
             out[start:start + q_len] = attend(qb, k, v, scale).transpose(0, 1)
             start += q_len
         return out
+
+
+def _gather(cache: torch.Tensor, scale: torch.Tensor | None, tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Padded block tables [n, nblk] -> K or V [n, kv_heads, nblk * block_size, D] as `dtype`."""
+    s = None if scale is None else scale[tables].flatten(1, 2)
+    return dequantize(cache[tables].flatten(1, 2), s, dtype).transpose(1, 2)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -42,6 +42,21 @@ class PlanArgs:
     options: EngineOptions  # block size and KV dtype, validated like every other command's
 
 
+def kv_dtype_table(config, kv_budget: int, context: int, mean: int, block_size: int, chosen: str) -> Table:
+    """The same budget under every KV format, side by side (scales included in int8's bytes)."""
+    t = Table(title=f"per KV dtype, same {human_bytes(kv_budget)} KV budget", title_justify="left")
+    for col in ("KV dtype", "B/token", "vs fp16", "tokens/GiB", "tokens fit", "req. contig.", "req. paged"):
+        t.add_column(col, justify="left" if col == "KV dtype" else "right")
+    fp16 = config.kv_bytes_per_token("fp16")
+    for name in ("fp32", "fp16", "bf16", "int8"):
+        per_tok = config.kv_bytes_per_token(name)
+        t.add_row(name + (" *" if name == chosen else ""), f"{per_tok:,}", f"{per_tok / fp16:.2f}x",
+                  f"{(1 << 30) // per_tok:,}", f"{kv_budget // per_tok:,}",
+                  f"{kv_budget // (per_tok * blocks_for(context, block_size) * block_size):,}",
+                  f"{kv_budget // (per_tok * blocks_for(mean, block_size) * block_size):,}")
+    return t
+
+
 def run_plan(a: PlanArgs, fail: Fail) -> int:
     context, batch, mean_tokens = a.context, a.batch, a.mean_tokens
     block_size = a.options.block_size
@@ -94,4 +109,5 @@ def run_plan(a: PlanArgs, fail: Fail) -> int:
             verdict = "fits" if batch <= fits else f"does not fit ({fits:,} max)"
             t.add_row(f"--batch {batch} {name}", verdict, "")
     Console().print(t)
+    Console().print(kv_dtype_table(config, kv_budget, context, mean, block_size, dtype_name))
     return 0 if batch is None or batch <= max(paged, contiguous) else 2

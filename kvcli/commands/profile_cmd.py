@@ -35,6 +35,7 @@ class ProfileArgs:
     quant: str
     live: bool
     options: EngineOptions
+    kv_dtypes: tuple[str | None, ...] = (None,)  # --kv-dtype A,B: one run per format on the same trace
 
 
 def parse_rate(text: str, fail: Fail) -> float:
@@ -87,12 +88,16 @@ def run_profile(a: ProfileArgs, fail: Fail) -> int:
         if any(len(p) >= max_model_len for p in prompts):
             fail(f"a trace prompt has {max(map(len, prompts))} tokens; --max-model-len is {max_model_len}")
         model = None
-        for layout in layouts:
-            opts = replace(options, kv_layout=layout)
+        runs = [(layout, d) for layout in layouts for d in a.kv_dtypes]
+        for layout, dtype in runs:
+            opts = replace(options, kv_layout=layout) if dtype is None else replace(options, kv_layout=layout,
+                                                                                     kv_dtype=dtype)
             engine = LLMEngine(loaded, opts, config=config, model=model)
             model = engine.model
-            kv_dtype = str(engine.kv_dtype).removeprefix("torch.")
+            kv_dtype = str(engine.kv_dtype)
             label = layout if layout == "paged" else f"contiguous ({options.reserve})"
+            if len(a.kv_dtypes) > 1:
+                label += f" {kv_dtype}"
             err.print(f"[dim]{label}: {engine.num_blocks:,} blocks x {options.block_size} tokens = "
                       f"{engine.kv_pool_bytes / 2**20:,.1f} MiB KV ({engine.kv_dtype}) · {len(prompts)} requests"
                       f"{' · simulated' if a.simulate else ''}[/dim]")
@@ -114,7 +119,7 @@ def run_profile(a: ProfileArgs, fail: Fail) -> int:
                             "mean_prompt_tokens": trace.mean_prompt, "mean_output_tokens": trace.mean_output,
                             "request_rate": a.request_rate, "seed": a.seed},
                   "model": config.name, "max_model_len": max_model_len, "block_size": options.block_size,
-                  "kv_dtype": kv_dtype,
+                  "kv_dtype": kv_dtype if len(a.kv_dtypes) == 1 else ",".join(r.kv_dtype for r in results),
                   "runs": [r.to_dict() for r in results]}
         try:
             write_text_file(a.json_path, json.dumps(report, indent=1))
@@ -157,7 +162,7 @@ def _table(results: list[ProfileResult], trace, a: ProfileArgs) -> Table:
         t.add_column(r.label, justify="right")
     for name, cells in breakdown_rows(results):
         t.add_row(name, *cells)
-    if len(results) == 2 and results[1].peak_running:
+    if len(results) == 2 and results[1].peak_running and results[0].kv_dtype == results[1].kv_dtype:
         t.add_row("peak concurrency ratio", f"{results[0].peak_running / results[1].peak_running:.1f}x", "1.0x")
     return t
 

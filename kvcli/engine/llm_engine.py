@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -13,7 +14,7 @@ from kvcli.config import ModelConfig, SamplingParams
 from kvcli.engine.detokenizer import IncrementalDetokenizer
 from kvcli.engine.outputs import CompletionOutput, RequestOutput
 from kvcli.engine.request import Request
-from kvcli.engine.scheduler import Scheduler
+from kvcli.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from kvcli.kvcache.block_manager import PagedKVManager
 from kvcli.kvcache.contiguous import ContiguousArena
 from kvcli.kvcache.interface import KVLayout
@@ -97,6 +98,9 @@ class LLMEngine:
         self.formats: dict[str, int] = {}
         if loaded is not None:
             self.backend = pick_backend(options.attention_backend, self.device)
+            if self.kv_dtype.quantized and self.backend.name != "torch":
+                raise ConfigError(f"--kv-dtype {self.kv_dtype} runs on the torch attention backend only "
+                                  f"(add --attention-backend torch); the Triton kernels read float KV")
             if model is None:
                 self._build_model(loaded, dtype)
             else:  # a second engine over the same weights (profile --compare), no second load
@@ -265,6 +269,52 @@ class LLMEngine:
                     return RequestOutput(req.req_id, (tok,), text, True, "stop")
             req.output_text += text
         return RequestOutput(req.req_id, (tok,), text, req.finished, req.finish_reason)
+
+    # --- teacher forcing -------------------------------------------------------------------------------
+    def score(self, token_ids: list[int], first_scored: int = 1,
+              on_progress: Callable[[int], None] | None = None) -> torch.Tensor:
+        """Negative log-likelihood (float64) of token_ids[first_scored:], each given every token before
+        it: the sequence is prefilled in chunks of the step budget through the KV layout and the cache,
+        as the scheduler would issue them, and each chunk's logits are reduced to the targets' log
+        probabilities before the next chunk runs (never [tokens, vocab] for the whole text).
+        `on_progress(n)` after each chunk of n tokens. The engine must be idle."""
+        if self.simulated:
+            raise ConfigError("a simulated engine has no model to score with")
+        if self.has_unfinished():
+            raise RuntimeError("score() needs an idle engine")
+        if not 1 <= first_scored < len(token_ids):
+            raise ConfigError(f"nothing to score: {len(token_ids)} tokens, scoring from {first_scored}")
+        if len(token_ids) > self.max_model_len:
+            raise ConfigError(f"{len(token_ids)} tokens do not fit the {self.max_model_len}-token context")
+        req = f"score{next(self._ids)}"
+        if not self.kv.admit(req, min(len(token_ids), self.options.max_num_batched_tokens), 0, len(token_ids)):
+            raise ConfigError(f"--kv-budget: the KV pool cannot hold {len(token_ids)} tokens")
+        targets = torch.tensor(token_ids[1:], dtype=torch.int64)
+        nll = []
+        pos = 0
+        try:
+            while pos < len(token_ids):
+                n = min(self.options.max_num_batched_tokens, len(token_ids) - pos)
+                if not self.kv.allocate(req, pos + n, pos):
+                    raise ConfigError(f"--kv-budget: the KV pool cannot hold {len(token_ids)} tokens")
+                step = SchedulerOutput([ScheduledChunk(req, token_ids[pos:pos + n], pos, self.kv.block_table(req),
+                                                       True)], new_blocks=self.kv.take_new_blocks(),
+                                       block_copies=self.kv.take_copies())
+                t0 = time.perf_counter()
+                logits = self.runner.execute(step, all_logits=True).logits
+                rows = slice(max(pos, first_scored - 1) - pos, min(n, len(token_ids) - 1 - pos))
+                if rows.start < rows.stop:
+                    logp = logits[rows].float().log_softmax(-1)
+                    tgt = targets[pos + rows.start:pos + rows.stop].to(logp.device)
+                    nll.append(-logp.gather(1, tgt[:, None])[:, 0].double().cpu())
+                self.prefill_seconds += time.perf_counter() - t0
+                self.prompt_tokens += n
+                pos += n
+                if on_progress is not None:
+                    on_progress(n)
+        finally:
+            self.kv.free(req)
+        return torch.cat(nll)
 
     # --- results and statistics ----------------------------------------------------------------------
     def completion(self, req_id: str) -> CompletionOutput:

@@ -4,7 +4,9 @@ back). The model and the attention backends receive a `LayerKV`, never bare (k, 
 cache that carries more per block (quantization scales) changes this file, not their signatures.
 
 Layout per layer: k, v [num_blocks + 1, block_size, num_kv_heads, head_dim]; block 0 is the null
-block (kvcache/interface.py), zeroed here once and never handed out.
+block (kvcache/interface.py), zeroed here once and never handed out. Quantized formats (kv_dtype.py)
+add k_scale, v_scale [num_blocks + 1, block_size, num_kv_heads] beside them: they are part of
+`tensors()`, so zeroing, copy-on-write copies and swaps carry a block's scales with its codes.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 
 from kvcli.config import ModelConfig
 from kvcli.kvcache.interface import NULL_BLOCK
+from kvcli.kvcache.kv_dtype import KVDtype, kv_dtype_of
 
 
 @dataclass
@@ -23,6 +26,8 @@ class LayerKV:
 
     k: torch.Tensor
     v: torch.Tensor
+    k_scale: torch.Tensor | None = None  # quantized formats only: one scale per token and KV head
+    v_scale: torch.Tensor | None = None
 
     @property
     def block_size(self) -> int:
@@ -32,9 +37,15 @@ class LayerKV:
     def dtype(self) -> torch.dtype:
         return self.k.dtype
 
+    @property
+    def quantized(self) -> bool:
+        return self.k_scale is not None
+
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """Every tensor that holds per-block state (what a block copy or swap must carry)."""
-        return (self.k, self.v)
+        if self.k_scale is None or self.v_scale is None:
+            return (self.k, self.v)
+        return (self.k, self.v, self.k_scale, self.v_scale)
 
 
 @dataclass
@@ -49,16 +60,25 @@ class HostBlocks:
 
 
 class KVCache:
-    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int,
+                 kv_dtype: "KVDtype | torch.dtype | str", device: torch.device) -> None:
         self.num_blocks = num_blocks  # usable blocks; one more (the null block) is allocated
-        self.dtype = dtype
+        self.kv_dtype = kv_dtype_of(kv_dtype)
+        self.dtype = self.kv_dtype.storage
         self.device = device
         shape = (num_blocks + 1, block_size, config.num_kv_heads, config.head_dim)
+        sdt = self.kv_dtype.scale_dtype
+
         # No zero-fill: blocks are zeroed on first use (zero_blocks), which on CPU keeps start-up fast
         # and lets the OS back pages only as blocks are first used.
-        self.layers = [LayerKV(torch.empty(shape, dtype=dtype, device=device),
-                               torch.empty(shape, dtype=dtype, device=device)) for _ in range(config.num_layers)]
+        def layer() -> LayerKV:
+            k, v = (torch.empty(shape, dtype=self.dtype, device=device) for _ in range(2))
+            if sdt is None:
+                return LayerKV(k, v)
+            return LayerKV(k, v, torch.empty(shape[:-1], dtype=sdt, device=device),
+                           torch.empty(shape[:-1], dtype=sdt, device=device))
+
+        self.layers = [layer() for _ in range(config.num_layers)]
         self.zero_blocks([NULL_BLOCK])
 
     @property
@@ -98,10 +118,11 @@ class KVCache:
                 t[idx] = h.to(self.device)
 
 
-def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+def bytes_per_block(config: ModelConfig, block_size: int, dtype: "KVDtype | torch.dtype | str") -> int:
     return config.kv_bytes_per_token(dtype) * block_size
 
 
-def usable_blocks_for_budget(config: ModelConfig, block_size: int, dtype: torch.dtype, budget_bytes: int) -> int:
+def usable_blocks_for_budget(config: ModelConfig, block_size: int, dtype: "KVDtype | torch.dtype | str",
+                             budget_bytes: int) -> int:
     """Blocks requests can get from a budget: the null block comes out of the same budget."""
     return budget_bytes // bytes_per_block(config, block_size, dtype) - 1

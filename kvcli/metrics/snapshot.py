@@ -116,6 +116,11 @@ class Snapshot:
         return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
 
     @property
+    def kv_bytes_per_token(self) -> int:
+        """Scales included (a block's bytes over its slots)."""
+        return self.bytes_per_block // self.block_size if self.block_size else 0
+
+    @property
     def peak_kv_bytes(self) -> int:
         return self.peak_blocks_used * self.bytes_per_block
 

@@ -201,6 +201,8 @@ def render_dashboard(s: Snapshot, width: int = 100, map_rows: int = 12) -> Rende
     header = Text(no_wrap=True, overflow="ellipsis")
     header.append("kvcli", style="bold")
     header.append(f" · step {s.step:,} · {s.time_s:,.1f} s · {s.layout} KV layout")
+    if s.kv_dtype:
+        header.append(f" · KV {s.kv_dtype}, {s.kv_bytes_per_token:,} B/token")
     left = width // 2
     top = Table.grid()
     top.add_column(width=left)

@@ -18,7 +18,7 @@ def summary_table(s: Snapshot, title: str = "kvcli summary") -> Table:
     t.add_row("decode", f"{s.decode_tok_s:,.1f} tok/s ({s.decode_seconds:.2f} s)")
     t.add_row("KV blocks used (peak)", f"{s.peak_blocks_used:,} of {s.num_blocks:,} x {s.block_size} tokens")
     t.add_row("KV bytes used (peak)", f"{human_bytes(s.peak_kv_bytes)} of a {human_bytes(s.kv_pool_bytes)} pool "
-              f"({s.kv_dtype})")
+              f"({s.kv_dtype}, {s.kv_bytes_per_token:,} B/token)")
     parts = ", ".join(f"{k} {human_bytes(v)}" for k, v in s.weight_bytes.items())
     t.add_row("weight bytes", f"{human_bytes(s.total_weight_bytes)} ({parts})")
     if s.peak_shared_blocks:
@@ -45,6 +45,7 @@ def snapshot_dict(s: Snapshot) -> dict:
             "peak_bytes_used": s.peak_kv_bytes,
             "pool_bytes": s.kv_pool_bytes,
             "dtype": s.kv_dtype,
+            "bytes_per_token": s.kv_bytes_per_token,
             "peak_shared_blocks": s.peak_shared_blocks,
         },
         "weight_bytes": dict(s.weight_bytes, total=s.total_weight_bytes),

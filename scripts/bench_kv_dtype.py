@@ -1,0 +1,121 @@
+"""KV cache formats side by side, in one run: perplexity on held-out text, its delta against the fp32
+cache, bytes per token, tokens per GiB, decode speed at a long context, and greedy agreement with the
+fp32 cache, for each --kv-dtype. Prints the CPU's ISA flags (the float formats' speed depends on them).
+
+Method: one model load (the default weights for the device: INT4 on CPU), one engine per KV format
+over the same weights. Perplexity: teacher-forced over the first --context tokens of the text (one
+window, all but the first token scored) through the paged engine. Decode: a --context - --new-tokens
+prompt, then --new-tokens greedy tokens; decode tok/s is the engine's own count of decode-only steps
+(tokens / seconds; prefill excluded). Greedy agreement: tokens equal to the fp32 cache's before the
+first difference, over --new-tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16")
+
+
+def cpu_isa() -> tuple[str, list[str]]:
+    name, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8"):
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return name, [f for f in ISA_FLAGS if f in flags]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--text", type=Path, default=REPO / "samples" / "heldout-gpl-3.0.txt")
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--kv-dtypes", default="fp32,fp16,bf16,int8")
+    ap.add_argument("--dequantize", action="store_true", help="dense fp32 weights instead of the default")
+    a = ap.parse_args()
+
+    from kvcli.config import SamplingParams
+    from kvcli.engine.llm_engine import LLMEngine
+    from kvcli.engine.perplexity import perplexity
+    from kvcli.model.loader import load_weights
+    from kvcli.options import EngineOptions
+
+    cpu, isa = cpu_isa()
+    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    print(f"# kvcli KV formats · {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC} · commit {commit}")
+    print(f"# {cpu} · {os.cpu_count()} cores · torch {torch.__version__} · {torch.get_num_threads()} threads · "
+          f"ISA: {' '.join(isa) or 'none of ' + ' '.join(ISA_FLAGS)}")
+    loaded = load_weights(None)
+    ids = loaded.tokenizer.encode(a.text.read_text(encoding="utf-8"))
+    if len(ids) < a.context:
+        sys.exit(f"{a.text}: {len(ids)} tokens, fewer than --context {a.context}")
+    print(f"# text {a.text.name}: {len(ids)} tokens; context {a.context}; {a.new_tokens} decode tokens")
+    model = None
+    rows = []
+    ref_out: list[int] | None = None
+    ref_ppl: float | None = None
+    for name in a.kv_dtypes.split(","):
+        opts = EngineOptions(kv_dtype=name, max_model_len=a.context, kv_budget="768MiB",
+                             dequantize=a.dequantize, prefix_caching=False)
+        engine = LLMEngine(loaded, opts, model=model)
+        model = engine.model
+        t0 = time.perf_counter()
+        ppl = perplexity(engine, ids[:a.context], a.context, a.context)
+        ppl_s = time.perf_counter() - t0
+        before = engine.stats()
+        req = engine.add_request(ids[:a.context - a.new_tokens],
+                                 SamplingParams(max_tokens=a.new_tokens, ignore_eos=True))
+        while engine.has_unfinished():
+            engine.step()
+        st = engine.stats()
+        decode = (st.decode_tokens - before.decode_tokens) / (st.decode_seconds - before.decode_seconds)
+        out = list(req.output_token_ids)
+        if ref_out is None:
+            ref_out, ref_ppl = out, ppl.perplexity
+        same = next((i for i, (x, y) in enumerate(zip(out, ref_out)) if x != y), len(out))
+        per_tok = engine.config.kv_bytes_per_token(engine.kv_dtype)
+        rows.append(dict(kv_dtype=name, perplexity=ppl.perplexity, mean_nll=ppl.mean_nll,
+                         delta_vs_first=ppl.perplexity / ref_ppl - 1, tokens_scored=ppl.tokens_scored,
+                         bytes_per_token=per_tok, tokens_per_gib=(1 << 30) // per_tok,
+                         decode_tok_s=decode, greedy_agreement=same / len(out), perplexity_seconds=ppl_s,
+                         weights=engine.linear_mode))
+        print(f"# {name}: done ({ppl_s:.0f} s perplexity)", flush=True)
+        del engine
+    first = rows[0]["kv_dtype"]
+    fp16 = next((r["bytes_per_token"] for r in rows if r["kv_dtype"] == "fp16"), None)
+    print()
+    print(f"| KV dtype | perplexity | delta vs {first} | bytes/token | vs fp16 | tokens/GiB | decode tok/s at "
+          f"{a.context} | greedy agreement with {first} ({a.new_tokens} tokens) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        rel = f"{r['bytes_per_token'] / fp16:.3f}x" if fp16 else "-"
+        print(f"| {r['kv_dtype']} | {r['perplexity']:.4f} | {r['delta_vs_first']:+.3%} | {r['bytes_per_token']:,} | "
+              f"{rel} | {r['tokens_per_gib']:,} | {r['decode_tok_s']:.2f} | {r['greedy_agreement']:.2f} |")
+    print()
+    print(json.dumps({"context": a.context, "new_tokens": a.new_tokens, "text": a.text.name,
+                      "tokens_scored": rows[0]["tokens_scored"], "cpu": cpu, "isa": isa, "rows": rows},
+                     indent=1, default=lambda x: None if isinstance(x, float) and math.isnan(x) else x))
+
+
+if __name__ == "__main__":
+    main()
