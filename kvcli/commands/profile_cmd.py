@@ -53,8 +53,8 @@ def run_profile(a: ProfileArgs, fail: Fail) -> int:
     options = a.options
     max_model_len = options.max_model_len or 2048
     rate = parse_rate(a.request_rate, fail)
-    if a.compare not in ("none", "contiguous", "hf"):
-        fail(f"--compare must be none, contiguous or hf (got {a.compare})")
+    if a.compare not in ("none", "contiguous", "hf", "spec"):
+        fail(f"--compare must be none, contiguous, hf or spec (got {a.compare})")
     if a.compare == "hf" and a.simulate:
         fail("--compare hf runs the model; it cannot be simulated")
     if a.num_requests <= 0:
@@ -71,7 +71,11 @@ def run_profile(a: ProfileArgs, fail: Fail) -> int:
         fail(str(e))
 
     layout0 = options.kv_layout
-    layouts = [layout0] + (["contiguous" if layout0 == "paged" else "paged"] if a.compare == "contiguous" else [])
+    runs = [options]
+    if a.compare == "contiguous":
+        runs.append(replace(options, kv_layout="contiguous" if layout0 == "paged" else "paged"))
+    elif a.compare == "spec":  # the same trace with speculation switched the other way
+        runs.append(replace(options, speculate="ngram" if options.speculate == "none" else "none"))
     results: list[ProfileResult] = []
     try:
         with err.status("loading model…" if not a.simulate else "reading model config…", spinner="dots"):
@@ -86,12 +90,14 @@ def run_profile(a: ProfileArgs, fail: Fail) -> int:
         if any(len(p) >= max_model_len for p in prompts):
             fail(f"a trace prompt has {max(map(len, prompts))} tokens; --max-model-len is {max_model_len}")
         model = None
-        for layout in layouts:
-            opts = replace(options, kv_layout=layout)
+        for opts in runs:
+            layout = opts.kv_layout
             engine = LLMEngine(loaded, opts, config=config, model=model)
             model = engine.model
             kv_dtype = str(engine.kv_dtype).removeprefix("torch.")
             label = layout if layout == "paged" else f"contiguous ({options.reserve})"
+            if opts.speculate != "none":
+                label += f" + {opts.speculate} k={opts.num_speculative_tokens}"
             err.print(f"[dim]{label}: {engine.num_blocks:,} blocks x {options.block_size} tokens = "
                       f"{engine.kv_pool_bytes / 2**20:,.1f} MiB KV ({engine.kv_dtype}) · {len(prompts)} requests"
                       f"{' · simulated' if a.simulate else ''}[/dim]")
