@@ -210,6 +210,13 @@ def test_prefix_cache_entries_match_final_tokens():
                 block = tuple(r.token_slice(i * bs, (i + 1) * bs))
                 prev = kv.hashes["a"][i - 1] if i else 0
                 assert h == hash((prev, block))
+            # The pool's index: whole blocks of final tokens, each where the request has them.
+            for i, bid in enumerate(kv.block_table("a")):
+                b = kv.pool.blocks[bid]
+                if b.block_hash is not None:
+                    assert (i + 1) * bs <= r.num_computed_tokens and b.tokens == tuple(r.token_slice(i * bs, (i + 1) * bs))
+        for bid in kv.pool.cached.values():
+            assert len(kv.pool.blocks[bid].tokens) == bs
     assert sched.spec_accepted > 0 and sched.spec_proposed > sched.spec_accepted
 
 
