@@ -246,3 +246,39 @@ def test_stop_token_inside_an_accepted_run_ends_the_request_there():
     new = sched.update_from_output(out, RunnerOutput({"a": [9, 1, 2, 3, 7]}))
     assert [t for _, t in new] == [9] and r.output_token_ids == [3, 9] and r.finish_reason == "stop"
     assert kv.num_free_blocks == kv.num_blocks and sched.spec_accepted == 4
+
+
+# --- the command line ----------------------------------------------------------------------------------
+def test_speculation_flags_fail_in_one_line(tmp_path):
+    from typer.testing import CliRunner
+
+    from cli_helpers import one_line_error
+    from kvcli.cli import app
+
+    src = tmp_path / "t.txt"
+    src.write_text("hello")
+    runner = CliRunner()
+    for args, needle in ((["--num-speculative-tokens", "0"], "--num-speculative-tokens"),
+                         (["--num-speculative-tokens", "99"], "--num-speculative-tokens"),
+                         (["--ngram-min", "3", "--ngram-max", "2"], "--ngram-max")):
+        one_line_error(runner.invoke(app, ["continue", str(src), "--speculate", "ngram", *args]), needle)
+        one_line_error(runner.invoke(app, ["profile", "--simulate", "--no-live", *args]), needle)
+
+
+def test_profile_compare_spec_puts_a_speculative_run_beside_a_plain_one(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from kvcli.cli import app
+
+    out = tmp_path / "p.json"
+    r = CliRunner().invoke(app, ["profile", "--model", "dummy:llama-2-7b", "--simulate", "--no-live", "-N", "6",
+                                 "--workload", "alpaca", "--compare", "spec", "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "paged + ngram k=5" in r.stdout and "guesses accepted" in r.stdout
+    plain, spec = json.loads(out.read_text())["runs"]
+    assert plain["speculation"]["method"] == "none" and spec["speculation"]["proposed"] > 0
+    # The simulated model always says 0 and prompt lookup guesses 0s: fewer steps, same tokens.
+    assert spec["output_tokens"] == plain["output_tokens"] and spec["steps"] < plain["steps"]
+    assert spec["speculation"]["tokens_per_request_step"] > 1.0

@@ -156,7 +156,7 @@ def _table(results: list[ProfileResult], trace, a: ProfileArgs) -> Table:
         t.add_column(r.label, justify="right")
     for name, cells in breakdown_rows(results):
         t.add_row(name, *cells)
-    if len(results) == 2 and results[1].peak_running:
+    if len(results) == 2 and a.compare == "contiguous" and results[1].peak_running:
         t.add_row("peak concurrency ratio", f"{results[0].peak_running / results[1].peak_running:.1f}x", "1.0x")
     return t
 
