@@ -282,3 +282,23 @@ def test_profile_compare_spec_puts_a_speculative_run_beside_a_plain_one(tmp_path
     # The simulated model always says 0 and prompt lookup guesses 0s: fewer steps, same tokens.
     assert spec["output_tokens"] == plain["output_tokens"] and spec["steps"] < plain["steps"]
     assert spec["speculation"]["tokens_per_request_step"] > 1.0
+
+
+def test_guess_slots_never_cause_a_preemption():
+    """A's guesses would take the last free blocks, which B needs for its next token: A runs without
+    guesses this step rather than B being preempted."""
+    kv = PagedKVManager(6, 4, prefix_caching=False, watermark=0.0)
+    sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64,
+                      proposer=PromptLookupProposer(5, 1, 2))
+    a = Request("a", [1, 2, 3, 4, 5, 1, 2], SamplingParams(max_tokens=20, ignore_eos=True))
+    b = Request("b", [9, 8, 7, 6, 5, 4, 3, 2], SamplingParams(max_tokens=20, ignore_eos=True))
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()
+    sched.update_from_output(out, RunnerOutput({"a": [3], "b": [1]}))
+    assert kv.num_free_blocks == 2  # a: 8 tokens in 2 blocks; b: 9 tokens, the 9th needs a third block
+    out = sched.schedule()
+    assert not out.preempted and sched.num_preemptions == 0
+    chunks = {c.req_id: c for c in out.chunks}
+    assert chunks["a"].spec_token_ids == () and len(chunks["b"].token_ids) == 1
+    kv.check_invariants()

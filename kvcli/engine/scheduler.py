@@ -199,13 +199,17 @@ class Scheduler:
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if n == req.num_tokens - req.num_computed_tokens:
                 guesses = self._propose(req, budget - n)
-                # Guess slots only when free: a guess never preempts anyone.
+                # Guess slots only when free, leaving a block for each request still to be scheduled:
+                # a guess never causes a preemption.
+                free = self.kv.num_free_blocks
                 if guesses and self.kv.allocate(req.req_id, req.num_computed_tokens + n + len(guesses),
                                                 req.num_computed_tokens):
-                    budget -= n + len(guesses)
-                    i += 1
-                    out.chunks.append(self._chunk(req, n, guesses))
-                    continue
+                    if self.kv.num_free_blocks == free or self.kv.num_free_blocks >= len(self.running) - i - 1:
+                        budget -= n + len(guesses)
+                        i += 1
+                        out.chunks.append(self._chunk(req, n, guesses))
+                        continue
+                    self.kv.truncate(req.req_id, req.num_computed_tokens + n)
             while not self.kv.allocate(req.req_id, req.num_computed_tokens + n, req.num_computed_tokens):
                 if len(self.running) == 1 and not self.swapped:
                     # Alone and still out of blocks: the pool cannot hold this request's context, and
