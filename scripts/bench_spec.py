@@ -68,6 +68,7 @@ def main() -> None:
     ap.add_argument("-k", "--num-speculative-tokens", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--dequantize", action="store_true", help="kvcli on dense fp32 weights (exact) instead of INT4")
     ap.add_argument("--threads", type=int, default=1, help="torch threads for every engine (on a shared "
                     "machine one thread avoids OpenMP spinning against other processes)")
     a = ap.parse_args()
@@ -82,11 +83,13 @@ def main() -> None:
           f"{os.cpu_count()} cores · {cpu_isa()}")
     print(f"# python {platform.python_version()} · torch {torch.__version__} · threads {torch.get_num_threads()}")
     print(f"# k={a.num_speculative_tokens} · batch 1: {a.prompt_tokens} prompt / {a.new_tokens} new tokens · "
-          f"batch {a.batch}: {a.batch_prompt_tokens} / {a.batch_new_tokens} · best of {a.repeats}")
+          f"batch {a.batch}: {a.batch_prompt_tokens} / {a.batch_new_tokens} · best of {a.repeats} · "
+          f"kvcli weights {'fp32 (--dequantize)' if a.dequantize else 'INT4 resident'}")
     sys.stdout.flush()
     loaded = load_weights(None)
-    plain = LLMEngine(loaded, EngineOptions(kv_budget="512MiB", max_model_len=2048))
+    plain = LLMEngine(loaded, EngineOptions(kv_budget="512MiB", max_model_len=2048, dequantize=a.dequantize))
     spec = LLMEngine(loaded, EngineOptions(kv_budget="512MiB", max_model_len=2048, speculate="ngram",
+                                           dequantize=a.dequantize,
                                            num_speculative_tokens=a.num_speculative_tokens), model=plain.model)
     tok = loaded.tokenizer
     hf = None
