@@ -302,3 +302,28 @@ def test_guess_slots_never_cause_a_preemption():
     chunks = {c.req_id: c for c in out.chunks}
     assert chunks["a"].spec_token_ids == () and len(chunks["b"].token_ids) == 1
     kv.check_invariants()
+
+
+def test_views_show_the_speculation_figures():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_dashboard import flat, make_snapshot, render_text
+
+    from kvcli.metrics.snapshot import SpecSummary
+    from kvcli.view.dashboard import render_dashboard
+    from kvcli.view.plain_log import format_log_line
+    from kvcli.view.summary import snapshot_dict, summary_table
+
+    sp = SpecSummary(method="ngram", k=5, proposed=800, accepted=328, verifications=200, request_steps=250,
+                     request_step_tokens=578, paused=1, last_step_guesses=5)
+    s = make_snapshot(spec=sp)
+    text = flat(render_text(render_dashboard(s, width=140), width=140))
+    assert "ngram k=5: 41.0% of 800 accepted" in text and "2.31 tok/step/req" in text
+    assert "5 guess slots last step" in text and "1 paused" in text
+    assert "spec 41.0% accepted, 2.31 tok/step/req" in format_log_line(s)
+    summary = flat(render_text(summary_table(s), width=140))
+    assert "328 of 800 guesses accepted (41.0%)" in summary
+    assert snapshot_dict(s)["speculation"]["acceptance_rate"] == 0.41
+    assert "speculation" not in flat(render_text(render_dashboard(make_snapshot(), width=140), width=140))
