@@ -68,6 +68,7 @@ def main() -> None:
     ap.add_argument("-k", "--num-speculative-tokens", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--skip-batch", action="store_true", help="batch 1 only")
     ap.add_argument("--dequantize", action="store_true", help="kvcli on dense fp32 weights (exact) instead of INT4")
     ap.add_argument("--threads", type=int, default=1, help="torch threads for every engine (on a shared "
                     "machine one thread avoids OpenMP spinning against other processes)")
@@ -100,7 +101,8 @@ def main() -> None:
         hf = load_hf_reference(bundled_gguf_path())
 
     rows = []
-    for batch, p_len, n_new in ((1, a.prompt_tokens, a.new_tokens), (a.batch, a.batch_prompt_tokens, a.batch_new_tokens)):
+    shapes = [(1, a.prompt_tokens, a.new_tokens)] + ([] if a.skip_batch else [(a.batch, a.batch_prompt_tokens, a.batch_new_tokens)])
+    for batch, p_len, n_new in shapes:
         for name, prompts in texts(p_len, batch, tok).items():
             res = {}
             for label, engine in (("kvcli", plain), ("kvcli+ngram", spec)):
