@@ -101,6 +101,28 @@ ChunkOpt = Annotated[int, typer.Option("--max-batch-tokens", help="Tokens comput
                                        "long prompts are prefilled in chunks of this size.")]
 
 
+class Speculate(str, Enum):
+    none = "none"
+    ngram = "ngram"
+
+
+SpecOpt = Annotated[Speculate, typer.Option(
+    "--speculate", help="Speculative decoding. ngram: guess the next tokens by prompt lookup (the last "
+    "tokens matched earlier in the prompt and output) and verify them in one step; greedy output is "
+    "unchanged, sampling keeps its distribution.")]
+SpecTokensOpt = Annotated[int, typer.Option("--num-speculative-tokens", help="Most tokens guessed per step "
+                                            "(they count against --max-batch-tokens).")]
+NgramMinOpt = Annotated[int, typer.Option("--ngram-min", help="Shortest suffix matched by prompt lookup.")]
+NgramMaxOpt = Annotated[int, typer.Option("--ngram-max", help="Longest suffix matched by prompt lookup "
+                                          "(longest match first).")]
+
+
+def _spec(speculate: "Speculate", k: int, ngram_min: int, ngram_max: int) -> dict:
+    """The speculation fields of EngineOptions, as the commands pass them on."""
+    return {"speculate": speculate.value, "num_speculative_tokens": k, "ngram_min": ngram_min,
+            "ngram_max": ngram_max}
+
+
 @app.command("continue")
 def continue_(
     file: Annotated[Path, typer.Argument(help="UTF-8 text to continue.", show_default=False)],
@@ -130,6 +152,10 @@ def continue_(
                                        "fragmentation, throughput) on a terminal; plain output otherwise."
                                        )] = True,
     prefix_cache: PrefixOpt = True,
+    speculate: SpecOpt = Speculate.none,
+    num_speculative_tokens: SpecTokensOpt = 5,
+    ngram_min: NgramMinOpt = 2,
+    ngram_max: NgramMaxOpt = 4,
 ) -> None:
     """Continue a long text file with the model.
 
@@ -146,7 +172,8 @@ def continue_(
         options=engine_options(fail, device=device, block_size=block_size, kv_budget=kv_budget,
                                dequantize=dequantize, max_model_len=max_model_len,
                                max_num_batched_tokens=max_batch_tokens, attention_backend=attention_backend.value,
-                               kv_dtype=kv_dtype, prefix_caching=prefix_cache),
+                               kv_dtype=kv_dtype, prefix_caching=prefix_cache,
+                               **_spec(speculate, num_speculative_tokens, ngram_min, ngram_max)),
     )
     code = run_continue(args, fail)
     if code:
@@ -179,6 +206,10 @@ def chat(
     live: Annotated[bool, typer.Option("--live/--no-live", help="While a reply streams on a terminal, show the "
                                        "full dashboard (memory, KV blocks, fragmentation, throughput) instead "
                                        "of only the status line after it; /live toggles it.")] = False,
+    speculate: SpecOpt = Speculate.none,
+    num_speculative_tokens: SpecTokensOpt = 5,
+    ngram_min: NgramMinOpt = 2,
+    ngram_max: NgramMaxOpt = 4,
 ) -> None:
     """Chat with the model in a multi-turn REPL.
 
@@ -196,7 +227,8 @@ def chat(
         options=engine_options(fail, device=device, block_size=block_size, kv_budget=kv_budget,
                                dequantize=dequantize, max_model_len=max_model_len,
                                attention_backend=attention_backend.value, kv_dtype=kv_dtype,
-                               prefix_caching=prefix_cache),
+                               prefix_caching=prefix_cache,
+                               **_spec(speculate, num_speculative_tokens, ngram_min, ngram_max)),
         live=live,
     )
     code = run_chat(args, fail)
@@ -208,6 +240,7 @@ class Compare(str, Enum):
     none = "none"
     contiguous = "contiguous"
     hf = "hf"
+    spec = "spec"
 
 
 class Layout(str, Enum):
@@ -236,7 +269,8 @@ def profile(
     seed: Annotated[int, typer.Option("--seed", help="Trace seed.")] = 0,
     compare: Annotated[Compare, typer.Option("--compare", help="contiguous: the same trace again with "
                                              "contiguous preallocation in the same budget; hf: against "
-                                             "transformers on the same weights.")] = Compare.none,
+                                             "transformers on the same weights; spec: speculative "
+                                             "(--speculate ngram) beside plain decoding.")] = Compare.none,
     kv_layout: Annotated[Layout, typer.Option("--kv-layout", help="KV layout of the (first) run.")] = Layout.paged,
     reserve: Annotated[Reserve, typer.Option("--reserve", help="Contiguous layout: reserve max_model_len "
                                              "slots per request, or prompt + max_tokens.")] = Reserve.max_len,
@@ -267,6 +301,10 @@ def profile(
     device: DeviceOpt = None,
     attention_backend: BackendOpt = Backend.auto,
     prefix_cache: PrefixOpt = True,
+    speculate: SpecOpt = Speculate.none,
+    num_speculative_tokens: SpecTokensOpt = 5,
+    ngram_min: NgramMinOpt = 2,
+    ngram_max: NgramMaxOpt = 4,
 ) -> None:
     """Profile a request trace: paged vs contiguous KV memory, side by side.
 
@@ -289,7 +327,8 @@ def profile(
                                max_num_batched_tokens=max_batch_tokens, max_num_seqs=max_num_seqs,
                                attention_backend=attention_backend.value, kv_layout=kv_layout.value,
                                reserve=reserve.value, preempt=preempt.value,
-                               kv_dtype=kv_dtype, prefix_caching=prefix_cache))
+                               kv_dtype=kv_dtype, prefix_caching=prefix_cache,
+                               **_spec(speculate, num_speculative_tokens, ngram_min, ngram_max)))
     code = run_profile(args, fail)
     if code:
         raise typer.Exit(code)

@@ -25,6 +25,8 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 KV_LAYOUTS = ("paged", "contiguous")
 RESERVATIONS = ("max-len", "request")
 PREEMPT_MODES = ("recompute", "swap")
+SPECULATE_MODES = ("none", "ngram")
+MAX_SPECULATIVE_TOKENS = 32
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
           "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 
@@ -115,6 +117,12 @@ class EngineOptions:
     kv_dtype: str | None = None  # auto | fp32 | fp16 | bf16 | int8; auto (None): see cache_dtype
     prefix_caching: bool = True  # reuse full blocks of shared prefixes across requests
     watermark: float = 0.01  # paged admission keeps this share of blocks free for running requests
+    # Speculative decoding: guess up to num_speculative_tokens by prompt lookup (the last n tokens,
+    # ngram_max down to ngram_min, matched in the request's own context), verify them in one step.
+    speculate: str = "none"  # none | ngram
+    num_speculative_tokens: int = 5
+    ngram_min: int = 2
+    ngram_max: int = 4
 
     def __post_init__(self) -> None:
         if self.block_size not in SUPPORTED_BLOCK_SIZES:
@@ -132,6 +140,15 @@ class EngineOptions:
         parse_bytes(self.swap_space, "--swap-space")
         parse_dtype(self.dtype, "--dtype")
         parse_kv_dtype(self.kv_dtype)
+        _one_of(self.speculate, SPECULATE_MODES, "--speculate")
+        _positive(self.num_speculative_tokens, "--num-speculative-tokens")
+        if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+            raise ConfigError(f"--num-speculative-tokens must be at most {MAX_SPECULATIVE_TOKENS} "
+                              f"(got {self.num_speculative_tokens})")
+        _positive(self.ngram_min, "--ngram-min")
+        _positive(self.ngram_max, "--ngram-max")
+        if self.ngram_max < self.ngram_min:
+            raise ConfigError(f"--ngram-max ({self.ngram_max}) must be at least --ngram-min ({self.ngram_min})")
         if not 0 <= self.watermark < 1:
             raise ConfigError(f"watermark must be in [0, 1) (got {self.watermark})")
         if self.device not in (None, "auto"):

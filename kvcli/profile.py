@@ -12,6 +12,7 @@ from pathlib import Path
 from kvcli.config import SamplingParams
 from kvcli.engine.llm_engine import LLMEngine
 from kvcli.metrics.collector import StepRecord
+from kvcli.metrics.snapshot import SpecSummary
 from kvcli.workloads import Trace
 
 CATEGORIES = ("token_bytes", "reserved_bytes", "internal_bytes", "external_bytes")
@@ -46,6 +47,7 @@ class ProfileResult:
     simulated: bool = False
     kv_dtype: str = ""
     kv_bytes_per_token: int = 0
+    spec: SpecSummary = field(default_factory=SpecSummary)
 
     def share(self, category: str) -> float:
         """A category as a share of the KV memory in use (token + reserved + internal + external)."""
@@ -73,6 +75,9 @@ class ProfileResult:
             "token_share_of_allocated": round(self.token_share_of_allocated, 4),
             "ttft_s": {"p50": percentile(self.ttft_s, 0.5), "p99": percentile(self.ttft_s, 0.99)},
             "itl_s": {"p50": percentile(self.itl_s, 0.5), "p99": percentile(self.itl_s, 0.99)},
+            "speculation": {"method": self.spec.method, "k": self.spec.k, "proposed": self.spec.proposed,
+                            "accepted": self.spec.accepted, "acceptance_rate": round(self.spec.acceptance_rate, 4),
+                            "tokens_per_request_step": round(self.spec.tokens_per_request_step, 4)},
         }
         if timeline:
             d["timeline"] = [
@@ -131,7 +136,8 @@ def run_trace(engine: LLMEngine, trace: Trace, prompts: list[list[int]], label: 
         peak_running=engine.metrics.peak_running, preemptions=engine.scheduler.num_preemptions,
         kv_mean=kv_mean, ttft_s=ttft, itl_s=itl, pool_bytes=engine.kv_pool_bytes, records=list(recs),
         outputs={r.req_id: list(r.output_token_ids) for r in reqs}, simulated=engine.simulated,
-        kv_dtype=str(engine.kv_dtype), kv_bytes_per_token=engine.config.kv_bytes_per_token(engine.kv_dtype))
+        kv_dtype=str(engine.kv_dtype), kv_bytes_per_token=engine.config.kv_bytes_per_token(engine.kv_dtype),
+        spec=engine.metrics.spec_summary())
 
 
 def plot_timeline(results: list[ProfileResult], path: str) -> None:
@@ -186,6 +192,12 @@ def breakdown_rows(results: list[ProfileResult]) -> list[tuple[str, list[str]]]:
         ("preemptions", [str(r.preemptions) for r in results]),
         ("engine steps", [str(r.steps) for r in results]),
     ]
+    if any(r.spec.method != "none" for r in results):
+        rows += [
+            ("guesses accepted", [f"{pct(r.spec.acceptance_rate)} of {r.spec.proposed:,}" if r.spec.method != "none"
+                                  else "off" for r in results]),
+            ("tokens per step per request", [f"{r.spec.tokens_per_request_step:.2f}" for r in results]),
+        ]
     if not sim:
         rows += [
             ("output tokens/s", [f"{r.tokens_per_s:,.1f}" for r in results]),

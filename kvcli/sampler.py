@@ -11,15 +11,19 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     """logits: [vocab] float32."""
     if params.greedy:
         return int(torch.argmax(logits))
+    return int(torch.multinomial(probs(logits, params).cpu(), 1, generator=generator))
+
+
+def probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a non-greedy `sample` draws from: temperature, then top-k, then top-p."""
     x = logits / params.temperature
     if params.top_k and params.top_k < x.shape[-1]:
         kth = torch.topk(x, params.top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))
     if params.top_p < 1.0:
         sorted_x, order = torch.sort(x, descending=True)
-        probs = torch.softmax(sorted_x, dim=-1)
+        p = torch.softmax(sorted_x, dim=-1)
         # Drop a token when the tokens ranked above it already cover top_p (the first always stays).
-        drop = probs.cumsum(-1) - probs >= params.top_p
+        drop = p.cumsum(-1) - p >= params.top_p
         x = x.scatter(-1, order, sorted_x.masked_fill(drop, float("-inf")))
-    probs = torch.softmax(x, dim=-1)
-    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+    return torch.softmax(x, dim=-1)

@@ -53,8 +53,8 @@ def run_profile(a: ProfileArgs, fail: Fail) -> int:
     options = a.options
     max_model_len = options.max_model_len or 2048
     rate = parse_rate(a.request_rate, fail)
-    if a.compare not in ("none", "contiguous", "hf"):
-        fail(f"--compare must be none, contiguous or hf (got {a.compare})")
+    if a.compare not in ("none", "contiguous", "hf", "spec"):
+        fail(f"--compare must be none, contiguous, hf or spec (got {a.compare})")
     if a.compare == "hf" and a.simulate:
         fail("--compare hf runs the model; it cannot be simulated")
     if a.num_requests <= 0:
@@ -71,7 +71,11 @@ def run_profile(a: ProfileArgs, fail: Fail) -> int:
         fail(str(e))
 
     layout0 = options.kv_layout
-    layouts = [layout0] + (["contiguous" if layout0 == "paged" else "paged"] if a.compare == "contiguous" else [])
+    runs = [options]
+    if a.compare == "contiguous":
+        runs.append(replace(options, kv_layout="contiguous" if layout0 == "paged" else "paged"))
+    elif a.compare == "spec":  # the same trace with speculation switched the other way
+        runs.append(replace(options, speculate="ngram" if options.speculate == "none" else "none"))
     results: list[ProfileResult] = []
     try:
         with err.status("loading model…" if not a.simulate else "reading model config…", spinner="dots"):
@@ -88,16 +92,17 @@ def run_profile(a: ProfileArgs, fail: Fail) -> int:
         if any(len(p) >= max_model_len for p in prompts):
             fail(f"a trace prompt has {max(map(len, prompts))} tokens; --max-model-len is {max_model_len}")
         model = None
-        runs = [(layout, d) for layout in layouts for d in a.kv_dtypes]
-        for layout, dtype in runs:
-            opts = replace(options, kv_layout=layout) if dtype is None else replace(options, kv_layout=layout,
-                                                                                     kv_dtype=dtype)
+        for base, dtype in [(base, d) for base in runs for d in a.kv_dtypes]:
+            opts = base if dtype is None else replace(base, kv_dtype=dtype)
+            layout = opts.kv_layout
             engine = LLMEngine(loaded, opts, config=config, model=model)
             model = engine.model
             kv_dtype = str(engine.kv_dtype)
             label = layout if layout == "paged" else f"contiguous ({options.reserve})"
             if len(a.kv_dtypes) > 1:
                 label += f" {kv_dtype}"
+            if opts.speculate != "none":
+                label += f" + {opts.speculate} k={opts.num_speculative_tokens}"
             err.print(f"[dim]{label}: {engine.num_blocks:,} blocks x {options.block_size} tokens = "
                       f"{engine.kv_pool_bytes / 2**20:,.1f} MiB KV ({engine.kv_dtype}) · {len(prompts)} requests"
                       f"{' · simulated' if a.simulate else ''}[/dim]")
@@ -162,7 +167,8 @@ def _table(results: list[ProfileResult], trace, a: ProfileArgs) -> Table:
         t.add_column(r.label, justify="right")
     for name, cells in breakdown_rows(results):
         t.add_row(name, *cells)
-    if len(results) == 2 and results[1].peak_running and results[0].kv_dtype == results[1].kv_dtype:
+    if (len(results) == 2 and a.compare == "contiguous" and results[1].peak_running
+            and results[0].kv_dtype == results[1].kv_dtype):
         t.add_row("peak concurrency ratio", f"{results[0].peak_running / results[1].peak_running:.1f}x", "1.0x")
     return t
 

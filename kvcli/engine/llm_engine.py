@@ -29,6 +29,8 @@ from kvcli.model.tokenizer import Tokenizer
 from kvcli.options import ConfigError, EngineOptions, parse_kv_budget
 from kvcli.runner.model_runner import ModelRunner
 from kvcli.runner.simulated_runner import SimulatedRunner
+from kvcli.spec.backoff import AdaptiveBackoff
+from kvcli.spec.prompt_lookup import PromptLookupProposer
 
 __all__ = ["ConfigError", "EngineOptions", "LLMEngine"]
 
@@ -135,7 +137,8 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.kv, max_num_seqs=options.max_num_seqs, max_num_batched_tokens=options.max_num_batched_tokens,
             max_model_len=self.max_model_len, preempt=options.preempt, swap_blocks=swap_blocks,
-            eos_token_ids=tuple(self.tokenizer.eos_token_ids) if self.tokenizer is not None else ())
+            eos_token_ids=tuple(self.tokenizer.eos_token_ids) if self.tokenizer is not None else (),
+            **self._speculation(options))
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         # Run counters (the engine's own statistics, published through stats()).
@@ -146,6 +149,13 @@ class LLMEngine:
         self.prefill_seconds = 0.0
         self.decode_seconds = 0.0
         self.metrics = MetricsCollector(self)
+
+    @staticmethod
+    def _speculation(options: EngineOptions) -> dict:
+        if options.speculate == "none":
+            return {}
+        return {"proposer": PromptLookupProposer(options.num_speculative_tokens, options.ngram_min, options.ngram_max),
+                "backoff": AdaptiveBackoff()}
 
     def _build_model(self, loaded: LoadedWeights, dtype: torch.dtype) -> None:
         has_int4 = any(isinstance(w, QuantTensor) and w.kind == "q4" for w in loaded.weights.values())

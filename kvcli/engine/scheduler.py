@@ -13,6 +13,15 @@ cannot get a block, the most recently admitted running request is preempted: by 
 freed, num_computed_tokens reset, back to the front of the queue) or by swap (its blocks copied to
 host memory and freed; copied back later, nothing recomputed). Finished requests free their blocks
 in the step they finish; new requests join the next step.
+
+Speculative decoding (with a proposer): a running request whose share of the step reaches the end of
+its tokens may also get up to k guessed tokens, appended to its chunk (`spec_token_ids`). They count
+against the step's token budget and take KV slots through `KVLayout.allocate`; when those slots are
+not free the request simply does not guess this step. `update_from_output` then appends the tokens
+the runner accepted (the guesses the model agreed with, then the model's own next token), one by
+one through the stop checks, advances `num_computed_tokens` over the accepted guesses only (their
+K/V were written with a correct context; the model's own token has no K/V yet), gives the rejected
+guesses' slots back with `KVLayout.truncate`, and only then indexes full blocks for the prefix cache.
 """
 
 from __future__ import annotations
@@ -25,7 +34,9 @@ from typing import TYPE_CHECKING
 from kvcli.config import SamplingParams
 from kvcli.engine.request import Request, RequestStatus
 from kvcli.kvcache.interface import KVLayout
-from kvcli.metrics.stats import RequestExtent, SchedulerStats
+from kvcli.metrics.stats import RequestExtent, SchedulerStats, SpecStats
+from kvcli.spec.backoff import AdaptiveBackoff
+from kvcli.spec.prompt_lookup import PromptLookupProposer
 
 if TYPE_CHECKING:
     import torch
@@ -49,6 +60,7 @@ class ScheduledChunk:
     block_table: list[int]
     sample: bool  # this chunk reaches the end of the known tokens: sample the next one
     fork_ids: tuple[str, ...] = ()  # samples of the same prompt that branch off here (n > 1)
+    spec_token_ids: tuple[int, ...] = ()  # guesses: the last len() entries of token_ids, to verify
 
 
 @dataclass(frozen=True)
@@ -82,7 +94,8 @@ class KVBudgetTooSmall(RuntimeError):
 
 class Scheduler:
     def __init__(self, kv: KVLayout, *, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 preempt: str = "recompute", swap_blocks: int = 0, eos_token_ids: tuple[int, ...] = ()) -> None:
+                 preempt: str = "recompute", swap_blocks: int = 0, eos_token_ids: tuple[int, ...] = (),
+                 proposer: PromptLookupProposer | None = None, backoff: AdaptiveBackoff | None = None) -> None:
         if preempt not in ("recompute", "swap"):
             raise ValueError(f"unknown preemption mode {preempt!r} (recompute or swap)")
         self.kv = kv
@@ -100,6 +113,15 @@ class Scheduler:
         self._forks: dict[str, list[Request]] = {}  # leader -> samples waiting for its prompt
         self._new: list[NewRequest] = []
         self._released: list[str] = []
+        self.proposer = proposer
+        self.backoff = backoff
+        # Speculation counters (SpecStats): guesses proposed / accepted, verifications, and every
+        # request-step that sampled with the tokens it appended (mean tokens per step per request).
+        self.spec_proposed = 0
+        self.spec_accepted = 0
+        self.spec_steps = 0
+        self.sample_steps = 0
+        self.sample_tokens = 0
 
     # --- queue -----------------------------------------------------------------------------------
     def final_tokens(self, req: Request) -> int:
@@ -175,6 +197,19 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n == req.num_tokens - req.num_computed_tokens:
+                guesses = self._propose(req, budget - n)
+                # Guess slots only when free, leaving a block for each request still to be scheduled:
+                # a guess never causes a preemption.
+                free = self.kv.num_free_blocks
+                if guesses and self.kv.allocate(req.req_id, req.num_computed_tokens + n + len(guesses),
+                                                req.num_computed_tokens):
+                    if self.kv.num_free_blocks == free or self.kv.num_free_blocks >= len(self.running) - i - 1:
+                        budget -= n + len(guesses)
+                        i += 1
+                        out.chunks.append(self._chunk(req, n, guesses))
+                        continue
+                    self.kv.truncate(req.req_id, req.num_computed_tokens + n)
             while not self.kv.allocate(req.req_id, req.num_computed_tokens + n, req.num_computed_tokens):
                 if len(self.running) == 1 and not self.swapped:
                     # Alone and still out of blocks: the pool cannot hold this request's context, and
@@ -216,16 +251,27 @@ class Scheduler:
             raise KVBudgetTooSmall(f"request {req.req_id} cannot get KV blocks even with the pool empty")
         return out
 
-    def _chunk(self, req: Request, n: int) -> ScheduledChunk:
+    def _propose(self, req: Request, room: int) -> list[int]:
+        """Guesses for the tokens after `req`'s last one: at most `room` (the step's budget left) and
+        one fewer than the tokens it may still produce (the model's own token comes after them)."""
+        if self.proposer is None or req.req_id in self._forks:
+            return []
+        limit = min(room, self.final_tokens(req) - req.num_tokens - 1)
+        if limit <= 0 or (self.backoff is not None and not self.backoff.should_propose(req.req_id)):
+            return []
+        return self.proposer.propose(req.req_id, req.num_tokens, req.token_slice, limit)
+
+    def _chunk(self, req: Request, n: int, guesses: list[int] = ()) -> ScheduledChunk:
         start = req.num_computed_tokens
         sample = start + n == req.num_tokens
         return ScheduledChunk(
             req_id=req.req_id,
-            token_ids=req.token_slice(start, start + n),
+            token_ids=req.token_slice(start, start + n) + list(guesses),
             start_pos=start,
             block_table=list(self.kv.block_table(req.req_id)),
             sample=sample,
             fork_ids=tuple(c.req_id for c in self._forks.get(req.req_id, ())) if sample else (),
+            spec_token_ids=tuple(guesses),
         )
 
     # --- applying a step's results ---------------------------------------------------------------------
@@ -234,11 +280,16 @@ class Scheduler:
         """Advance every scheduled request by the tokens computed and append the sampled ones.
         Returns the new tokens in order (request, token); a request may have finished on it."""
         now = time.perf_counter() if now is None else now
+        verified: dict[str, ScheduledChunk] = {}
         for chunk in out.chunks:
             req = self.requests[chunk.req_id]
-            req.num_computed_tokens += len(chunk.token_ids)
-            # Every computed token is final here (no guesses yet): index its full blocks.
-            self.kv.cache_blocks(req.req_id, req.token_slice, req.num_computed_tokens)
+            k = len(chunk.spec_token_ids)
+            req.num_computed_tokens += len(chunk.token_ids) - k
+            if k:
+                verified[chunk.req_id] = chunk  # finished below, once the accepted guesses are appended
+            else:
+                # Every computed token is final: index its full blocks.
+                self.kv.cache_blocks(req.req_id, req.token_slice, req.num_computed_tokens)
             for child in self._forks.pop(req.req_id, []) if chunk.fork_ids else ():
                 self.kv.fork(req.req_id, child.req_id)
                 child.num_computed_tokens = req.num_computed_tokens
@@ -247,12 +298,34 @@ class Scheduler:
         new: list[tuple[Request, int]] = []
         for rid, tokens in result.sampled.items():
             req = self.requests[rid]
+            appended = 0
             for tok in tokens:
                 if req.finished:
                     break
                 self._append(req, tok, now)
                 new.append((req, tok))
+                appended += 1
+            self.sample_steps += 1
+            self.sample_tokens += appended
+            chunk = verified.get(rid)
+            if chunk is not None:
+                self._verified(req, chunk, accepted=len(tokens) - 1)
         return new
+
+    def _verified(self, req: Request, chunk: ScheduledChunk, accepted: int) -> None:
+        """After a verification: the accepted guesses' K/V are final; the rejected ones' slots go back
+        before the prefix cache indexes anything (it never hashes a guess)."""
+        k = len(chunk.spec_token_ids)
+        self.spec_steps += 1
+        self.spec_proposed += k
+        self.spec_accepted += accepted
+        if self.backoff is not None:
+            self.backoff.record(req.req_id, k, accepted)
+        if req.finished:  # its blocks are already free
+            return
+        req.num_computed_tokens += accepted
+        self.kv.truncate(req.req_id, req.num_computed_tokens)
+        self.kv.cache_blocks(req.req_id, req.token_slice, req.num_computed_tokens)
 
     def _append(self, req: Request, tok: int, now: float) -> None:
         req.output_token_ids.append(tok)
@@ -279,6 +352,10 @@ class Scheduler:
             self.swap_blocks_free += req.swapped_blocks
         self.kv.free(req.req_id)
         self._released.append(req.req_id)
+        if self.proposer is not None:
+            self.proposer.release(req.req_id)
+        if self.backoff is not None:
+            self.backoff.release(req.req_id)
 
     def abort(self, req_id: str) -> None:
         """End a request (and samples of it not forked yet) wherever it is."""
@@ -294,3 +371,9 @@ class Scheduler:
             num_running=len(self.running), num_waiting=len(self.waiting), num_swapped=len(self.swapped),
             num_preemptions=self.num_preemptions, running=tuple(self.extent(r) for r in self.running),
             next_waiting=self.final_tokens(self.waiting[0]) if self.waiting else None)
+
+    def spec_stats(self) -> SpecStats:
+        return SpecStats(
+            enabled=self.proposer is not None, proposed=self.spec_proposed, accepted=self.spec_accepted,
+            verifications=self.spec_steps, request_steps=self.sample_steps, request_step_tokens=self.sample_tokens,
+            paused=sum(1 for r in self.running if self.backoff is not None and self.backoff.paused(r.req_id)))

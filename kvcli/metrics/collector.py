@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvcli.metrics.snapshot import KVBreakdown, MemorySnapshot, RequestTiming, Snapshot
+from kvcli.metrics.snapshot import KVBreakdown, MemorySnapshot, RequestTiming, Snapshot, SpecSummary
 from kvcli.metrics.stats import KVLayoutStats, RequestExtent
 
 if TYPE_CHECKING:
@@ -30,6 +30,7 @@ class StepRecord:
     num_tokens: int  # tokens computed this step
     generated_tokens: int  # so far
     kv: KVBreakdown
+    spec_tokens: int = 0  # guessed tokens verified this step (their KV slots were held for the step)
 
 
 def _blocks_for(num_tokens: int, block_size: int) -> int:
@@ -67,6 +68,7 @@ class MetricsCollector:
         self.peak_running = 0
         self.peak_blocks_used = 0
         self.peak_shared_blocks = 0
+        self.last_step_guesses = 0
 
     @property
     def bytes_per_slot(self) -> int:
@@ -80,11 +82,12 @@ class MetricsCollector:
         self.peak_running = max(self.peak_running, s.num_running)
         self.peak_blocks_used = max(self.peak_blocks_used, kv.used_blocks)
         self.peak_shared_blocks = max(self.peak_shared_blocks, kv.shared_saved_blocks)
+        self.last_step_guesses = sum(len(c.spec_token_ids) for c in out.chunks)
         self.records.append(StepRecord(
             step=e.stats().step, time_s=time.perf_counter() - self.start, num_running=s.num_running,
             num_waiting=s.num_waiting, num_swapped=s.num_swapped, num_preemptions=s.num_preemptions,
             num_tokens=out.num_tokens, generated_tokens=e.stats().generated_tokens,
-            kv=breakdown_bytes(kv, self.bytes_per_slot)))
+            kv=breakdown_bytes(kv, self.bytes_per_slot), spec_tokens=self.last_step_guesses))
 
     def tokens_per_s(self, window: int = 8, points: int = 40) -> tuple[float, ...]:
         """Output-token throughput over sliding windows of steps, oldest first."""
@@ -128,4 +131,14 @@ class MetricsCollector:
             bytes_per_block=e.bytes_per_block, kv_pool_bytes=e.kv_pool_bytes,
             kv_dtype=str(e.kv_dtype).removeprefix("torch."), max_model_len=e.max_model_len,
             weight_bytes=e.weight_bytes(), prefill_seconds=run.prefill_seconds,
-            decode_seconds=run.decode_seconds, decode_tokens=run.decode_tokens)
+            decode_seconds=run.decode_seconds, decode_tokens=run.decode_tokens, spec=self.spec_summary())
+
+    def spec_summary(self) -> SpecSummary:
+        e = self.engine
+        sp = e.scheduler.spec_stats()
+        if not sp.enabled:
+            return SpecSummary(request_steps=sp.request_steps, request_step_tokens=sp.request_step_tokens)
+        return SpecSummary(
+            method=e.options.speculate, k=e.options.num_speculative_tokens, proposed=sp.proposed,
+            accepted=sp.accepted, verifications=sp.verifications, request_steps=sp.request_steps,
+            request_step_tokens=sp.request_step_tokens, paused=sp.paused, last_step_guesses=self.last_step_guesses)

@@ -75,6 +75,30 @@ class RequestTiming:
 
 
 @dataclass(frozen=True)
+class SpecSummary:
+    """Speculative decoding so far (all zero when it is off)."""
+
+    method: str = "none"  # none | ngram
+    k: int = 0  # most guesses per step
+    proposed: int = 0
+    accepted: int = 0
+    verifications: int = 0  # request-steps that carried guesses
+    request_steps: int = 0  # request-steps that sampled
+    request_step_tokens: int = 0  # tokens those appended
+    paused: int = 0  # running requests not guessing now (low recent acceptance)
+    last_step_guesses: int = 0  # KV slots the last step held for guesses (given back unless accepted)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def tokens_per_request_step(self) -> float:
+        """Mean tokens a request gains per step it samples in (1.0 without speculation)."""
+        return self.request_step_tokens / self.request_steps if self.request_steps else 0.0
+
+
+@dataclass(frozen=True)
 class Snapshot:
     """The one record every view reads: the live dashboard, the plain log, the end-of-run summary."""
 
@@ -110,6 +134,7 @@ class Snapshot:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     decode_tokens: int = 0  # tokens sampled in decode-only steps
+    spec: SpecSummary = field(default_factory=lambda: SpecSummary())
 
     @property
     def prefix_hit_rate(self) -> float:

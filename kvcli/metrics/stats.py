@@ -3,6 +3,7 @@ into a Snapshot. Plain frozen dataclasses: nothing here points back at a live ob
 
   SchedulerStats  queues, preemptions, and the extent of every live request (scheduler)
   KVLayoutStats   blocks, sharing, prefix-cache counters and the slot breakdown (the KV layout)
+  SpecStats       speculative decoding: guesses proposed and accepted (scheduler)
   RunStats        step count, token counters and time spent in prefill and decode (engine)
 """
 
@@ -57,3 +58,17 @@ class RunStats:
     decode_tokens: int  # tokens sampled in decode-only steps
     prefill_seconds: float
     decode_seconds: float
+
+
+@dataclass(frozen=True)
+class SpecStats:
+    """Speculative decoding so far. request_steps: scheduled steps in which a request sampled (each
+    appends 1 token without speculation, up to 1 + k with it)."""
+
+    enabled: bool = False
+    proposed: int = 0  # guessed tokens sent for verification
+    accepted: int = 0  # of those, the ones the model agreed with
+    verifications: int = 0  # request-steps that carried guesses
+    request_steps: int = 0
+    request_step_tokens: int = 0  # tokens appended in those request-steps
+    paused: int = 0  # running requests whose guessing is paused (low recent acceptance)

@@ -1,5 +1,7 @@
 """Turns a SchedulerOutput into tensors (ids, positions, slot mapping, block tables), runs the model
-and samples the next token of the requests that sample this step."""
+and samples the next token of the requests that sample this step. A request carrying guesses gets
+logits at its last token and at each guess, and the guesses are verified here (spec/acceptance.py):
+the runner returns the accepted guesses followed by the model's own next token."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from kvcli.kvcache.interface import NULL_BLOCK
 from kvcli.kvcache.kv_cache import HostBlocks, KVCache
 from kvcli.model.llama import LlamaModel
 from kvcli.sampler import sample
+from kvcli.spec.acceptance import accept
 
 
 def build_metadata(out: SchedulerOutput, block_size: int, device: torch.device
@@ -33,8 +36,8 @@ def build_metadata(out: SchedulerOutput, block_size: int, device: torch.device
         cu.append(cu[-1] + n)
         seq_lens.append(c.start_pos + n)
         q_lens.append(n)
-        if c.sample:
-            logit_rows.append(cu[-1] - 1)
+        if c.sample:  # the last real token, then each guess
+            logit_rows.extend(range(cu[-1] - 1 - len(c.spec_token_ids), cu[-1]))
     max_blocks = max(len(c.block_table) for c in out.chunks)
     tables = torch.full((len(out.chunks), max_blocks), NULL_BLOCK, dtype=torch.int32)
     for b, c in enumerate(out.chunks):
@@ -113,7 +116,15 @@ class ModelRunner:
         rows_t = torch.tensor(rows, dtype=torch.int64, device=self.device)
         logits = self.model.forward(ids, positions, self.kv_cache, meta, self.backend, rows_t)
         sampled: dict[str, list[int]] = {}
-        for row, c in enumerate(sampling):
-            for rid in (c.req_id, *c.fork_ids):
-                sampled[rid] = [sample(logits[row], self.params[rid], self.generators[rid])]
+        row = 0
+        for c in sampling:
+            k = len(c.spec_token_ids)
+            if k:
+                rid = c.req_id
+                sampled[rid] = accept(logits[row:row + k + 1], c.spec_token_ids, self.params[rid],
+                                      self.generators[rid])
+            else:
+                for rid in (c.req_id, *c.fork_ids):
+                    sampled[rid] = [sample(logits[row], self.params[rid], self.generators[rid])]
+            row += k + 1
         return RunnerOutput(sampled)

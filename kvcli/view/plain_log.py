@@ -77,4 +77,6 @@ def format_log_line(s: Snapshot) -> str:
         f"{current_tok_s(s):.1f} tok/s",
         f"TTFT p50 {seconds(percentile(ttft_values(s), 50))}",
     ]
+    if s.spec.method != "none":
+        parts.append(f"spec {pct(s.spec.acceptance_rate)} accepted, {s.spec.tokens_per_request_step:.2f} tok/step/req")
     return " · ".join(parts)

@@ -26,6 +26,11 @@ def summary_table(s: Snapshot, title: str = "kvcli summary") -> Table:
                   f"{human_bytes(s.peak_shared_blocks * s.bytes_per_block)}")
     if s.num_preempted:
         t.add_row("preemptions", str(s.num_preempted))
+    sp = s.spec
+    if sp.method != "none":
+        t.add_row("speculation", f"{sp.method} k={sp.k}: {sp.accepted:,} of {sp.proposed:,} guesses accepted "
+                  f"({sp.acceptance_rate:.1%}) in {sp.verifications:,} verifications")
+        t.add_row("tokens per step per request", f"{sp.tokens_per_request_step:.2f}")
     return t
 
 
@@ -50,4 +55,9 @@ def snapshot_dict(s: Snapshot) -> dict:
         },
         "weight_bytes": dict(s.weight_bytes, total=s.total_weight_bytes),
         "preemptions": s.num_preempted,
+        "speculation": {
+            "method": s.spec.method, "k": s.spec.k, "proposed": s.spec.proposed, "accepted": s.spec.accepted,
+            "acceptance_rate": round(s.spec.acceptance_rate, 4), "verifications": s.spec.verifications,
+            "tokens_per_request_step": round(s.spec.tokens_per_request_step, 4),
+        },
     }

@@ -209,3 +209,14 @@ def test_gpu_realistic_sizes(dtype: torch.dtype) -> None:
     batch = PagedBatch(q_lens, seq_lens, 32, 8, 128, 16, dtype, gen)
     for splits in (None, 1, 8):
         run_and_check(batch, splits, f"gpu {dtype} splits={splits}")
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, None])
+def test_speculative_verification_rows(num_splits: int | None) -> None:
+    """Decoding requests verifying guesses: ragged query lengths (1 + k, k = 5, 0, 2, 1) at the end of
+    long cached contexts, beside a prefill chunk, in one launch (split-K included)."""
+    gen = generator("spec-verify", num_splits)
+    q_lens = [6, 1, 3, 2, 7]
+    seq_lens = [70, 37, 129, 17, 7 + 40]
+    batch = PagedBatch(q_lens, seq_lens, 6, 2, 64, 16, torch.float32, gen)
+    run_and_check(batch, num_splits, f"speculative verify splits={num_splits}")
