@@ -119,7 +119,7 @@ def check_engine_correctness(record: Record, smoke: bool) -> None:
             llm = LLM(spec, kv_budget="64MiB" if smoke else "2GiB", kv_layout=layout, max_model_len=1024,
                       max_num_batched_tokens=chunk)
             outs[layout] = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=new, ignore_eos=True))]
-            dtype = llm.engine.kv_dtype
+            dtype = llm.engine.kv_dtype.storage
             del llm
         mismatch = sum(a != b for a, b in zip(outs["paged"], outs["contiguous"]))
         record("engine", f"greedy tokens paged vs contiguous layout, {len(prompts)} prompts x {new}", dtype,

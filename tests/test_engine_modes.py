@@ -194,5 +194,5 @@ def test_compute_dtype_option_sets_model_and_kv_dtype(tmp_path):
         assert llm.engine.kv_dtype.storage == {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
         outs[dtype] = llm.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids
         assert len(outs[dtype]) == 4
-    with pytest.raises(ConfigError, match="--dtype must be fp32, fp16 or bf16 \(got 'fp8'\)"):
+    with pytest.raises(ConfigError, match=r"--dtype must be fp32, fp16 or bf16 \(got 'fp8'\)"):
         LLM(f"dummy:{cfg}", kv_budget="4MiB", dtype="fp8")
