@@ -117,28 +117,30 @@ def test_contiguous_with_swap_preemption_keeps_greedy_outputs(shared_model):
 
 
 @pytest.mark.parametrize("block_size", [8, 128])
-def test_block_sizes_give_the_same_greedy_tokens(shared_model, block_size):
-    """Block tables of 8- and 128-token blocks (prompts spanning several 8-blocks, one crossing a
-    128-block boundary, prefilled in 64-token chunks) give block size 16's greedy tokens."""
+def test_block_sizes_give_the_same_logits(shared_model, block_size):
+    """Block tables of 8- and 128-token blocks (a 237-token text spanning many 8-blocks and crossing a
+    128-block boundary, prefilled in 64-token chunks) give block size 16's teacher-forced
+    log-likelihoods on the exact fp32 path. (Greedy tokens were compared here first; near-ties made
+    that order-dependent in the full suite, so the logits themselves are compared, to 1e-4.)"""
     tok = shared_model[0].tokenizer
-    ids = sample_ids(tok)
-    prompts = [ids[:140], ids[200:237]]
+    ids = sample_ids(tok)[:237]
     if 16 not in BY_BLOCK_SIZE:
-        BY_BLOCK_SIZE[16] = greedy_batch(shared_model, prompts, 16)
-    assert greedy_batch(shared_model, prompts, block_size) == BY_BLOCK_SIZE[16]
+        BY_BLOCK_SIZE[16] = scored(shared_model, ids, 16)
+    got = scored(shared_model, ids, block_size)
+    assert got.shape == BY_BLOCK_SIZE[16].shape
+    assert float((got - BY_BLOCK_SIZE[16]).abs().max()) < 1e-4
 
 
-BY_BLOCK_SIZE: dict[int, list[list[int]]] = {}  # block size 16's tokens, computed once for both cases
+BY_BLOCK_SIZE: dict[int, "torch.Tensor"] = {}  # block size 16's NLLs, computed once for both cases
 
 
-def greedy_batch(shared_model, prompts: list[list[int]], block_size: int) -> list[list[int]]:
-    engine = engine_for(shared_model, kv_budget="32MiB", block_size=block_size, max_num_batched_tokens=64)
-    reqs = [engine.add_request(p, SamplingParams(max_tokens=4, ignore_eos=True)) for p in prompts]
-    while engine.has_unfinished():
-        engine.step()
-        engine.kv.check_invariants()
+def scored(shared_model, ids: list[int], block_size: int):
+    engine = engine_for(shared_model, kv_budget="32MiB", block_size=block_size, max_num_batched_tokens=64,
+                        prefix_caching=False)
+    nll = engine.score(ids)
+    engine.kv.check_invariants()
     assert engine.options.block_size == block_size and engine.kv.block_size == block_size
-    return [list(r.output_token_ids) for r in reqs]
+    return nll
 
 
 def sample_ids(tok) -> list[int]:
