@@ -194,7 +194,8 @@ def whatif_line(fits: int, running: int, max_model_len: int) -> Text:
         line = Text(f"{head}, so only {fits:,} of these {running:,} requests could run at once")
         line.stylize(NOTE)
         return line
-    return Text(f"{head}: these {running:,} request{'s' if running != 1 else ''}, and at most {fits:,} at once")
+    these = "this request" if running == 1 else f"these {running:,} requests"
+    return Text(f"{head}: {these}, and at most {fits:,} at once")
 
 
 def block_map_panel(s: Snapshot, width: int, map_rows: int) -> Panel:
