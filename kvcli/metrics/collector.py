@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvcli.kvcache.contiguous import reservation_split
+from kvcli.kvcache.interface import blocks_for
 from kvcli.metrics.snapshot import KVBreakdown, MemorySnapshot, RequestTiming, Snapshot, SpecSummary
 from kvcli.metrics.stats import KVLayoutStats, RequestExtent
 
@@ -33,10 +35,6 @@ class StepRecord:
     spec_tokens: int = 0  # guessed tokens verified this step (their KV slots were held for the step)
 
 
-def _blocks_for(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
-
-
 def breakdown_bytes(s: KVLayoutStats, bytes_per_slot: int) -> KVBreakdown:
     return KVBreakdown(s.token_slots * bytes_per_slot, s.reserved_slots * bytes_per_slot,
                        s.internal_slots * bytes_per_slot, s.external_slots * bytes_per_slot,
@@ -47,13 +45,13 @@ def contiguous_whatif(running: Sequence[RequestExtent], num_blocks: int, block_s
                       bytes_per_slot: int) -> tuple[KVBreakdown, int]:
     """The given live requests under max-length contiguous preallocation in a pool of the same size,
     and how many max-length regions that pool holds at once."""
-    region = _blocks_for(max_model_len, block_size) * block_size
+    region = blocks_for(max_model_len, block_size) * block_size
     tokens = reserved = internal = 0
     for r in running:
-        usable = min(region, r.final_tokens)
+        res, inter = reservation_split(region, r.num_tokens, r.final_tokens)
         tokens += r.num_tokens
-        reserved += max(0, usable - r.num_tokens)
-        internal += region - max(r.num_tokens, usable)
+        reserved += res
+        internal += inter
     pool = num_blocks * block_size
     used = tokens + reserved + internal
     return KVBreakdown(tokens * bytes_per_slot, reserved * bytes_per_slot, internal * bytes_per_slot, 0,
@@ -77,6 +75,7 @@ class MetricsCollector:
     def record(self, out: "SchedulerOutput") -> None:
         """One StepRecord per engine step (cheap: no block walk unless blocks are shared)."""
         e = self.engine
+        run = e.stats()
         s = e.scheduler.stats()
         kv = e.kv.stats(s.running, s.next_waiting)
         self.peak_running = max(self.peak_running, s.num_running)
@@ -84,9 +83,9 @@ class MetricsCollector:
         self.peak_shared_blocks = max(self.peak_shared_blocks, kv.shared_saved_blocks)
         self.last_step_guesses = sum(len(c.spec_token_ids) for c in out.chunks)
         self.records.append(StepRecord(
-            step=e.stats().step, time_s=time.perf_counter() - self.start, num_running=s.num_running,
+            step=run.step, time_s=time.perf_counter() - self.start, num_running=s.num_running,
             num_waiting=s.num_waiting, num_swapped=s.num_swapped, num_preemptions=s.num_preemptions,
-            num_tokens=out.num_tokens, generated_tokens=e.stats().generated_tokens,
+            num_tokens=out.num_tokens, generated_tokens=run.generated_tokens,
             kv=breakdown_bytes(kv, self.bytes_per_slot), spec_tokens=self.last_step_guesses))
 
     def tokens_per_s(self, window: int = 8, points: int = 40) -> tuple[float, ...]:
