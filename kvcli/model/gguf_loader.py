@@ -1,4 +1,4 @@
-"""Read a GGUF file's config and tensors directly with the `gguf` package.
+"""Read a GGUF file's config and tensors (header parsed by kvcli.model.gguf_file; gguf-py for types).
 
 Q4_0 / Q4_1 / Q8_0 tensors stay quantized (canonical QuantTensor layouts, lossless); F32 / F16 /
 BF16 load as dense tensors; any other GGML type is dequantized by gguf-py (and said so in the report).
@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from kvcli.config import ModelConfig
+from kvcli.model.gguf_file import GGUFFile, GGUFTensor, read_gguf
 from kvcli.model.quant import QuantTensor, from_gguf_q4_0, from_gguf_q4_1, from_gguf_q8_0
 
 _LAYER_NAMES = {
@@ -40,15 +41,11 @@ class GGUFError(ValueError):
     pass
 
 
-def _field(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    v = f.contents()
-    return v
+def _field(reader: GGUFFile, key: str, default=None):
+    return reader.get(key, default)
 
 
-def read_config(reader, path: Path) -> ModelConfig:
+def read_config(reader: GGUFFile, path: Path) -> ModelConfig:
     arch = _field(reader, "general.architecture")
     if arch not in ("llama", "qwen2"):
         raise GGUFError(f"{path.name}: unsupported architecture {arch!r} (kvcli runs llama-family GGUFs: llama, qwen2)")
@@ -57,7 +54,7 @@ def read_config(reader, path: Path) -> ModelConfig:
     hidden = int(_field(reader, f"{a}.embedding_length"))
     n_vocab = _field(reader, f"{a}.vocab_size")
     if n_vocab is None:
-        n_vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+        n_vocab = len(reader.get("tokenizer.ggml.tokens") or ())
     names = {t.name for t in reader.tensors}
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     head_dim = _field(reader, f"{a}.attention.key_length") or hidden // heads
@@ -88,7 +85,7 @@ def _unpermute_index(rows: int, n_head: int) -> torch.Tensor:
     return torch.arange(rows).reshape(n_head, half, 2).transpose(1, 2).reshape(-1)
 
 
-def _tensor(t) -> QuantTensor | torch.Tensor:
+def _tensor(t: GGUFTensor) -> QuantTensor | torch.Tensor:
     import gguf
 
     qt = t.tensor_type
@@ -114,14 +111,16 @@ def _tensor(t) -> QuantTensor | torch.Tensor:
     return out.reshape(k) if len(dims) == 1 else out.reshape(n, k)
 
 
+def open_gguf(path: Path) -> GGUFFile:
+    try:
+        return read_gguf(path)
+    except (ValueError, OSError) as e:  # bad magic, truncated header, unreadable file
+        raise GGUFError(f"{path}: not a readable GGUF file ({e})") from None
+
+
 def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, QuantTensor | torch.Tensor], dict[str, int]]:
     """Returns (config, weights by Hugging Face name, count of tensors per GGML type)."""
-    import gguf
-
-    try:
-        reader = gguf.GGUFReader(str(path), "r")
-    except Exception as e:  # gguf raises ValueError / struct errors / OSError on corrupt files
-        raise GGUFError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+    reader = open_gguf(path)
     config = read_config(reader, path)
     weights: dict[str, QuantTensor | torch.Tensor] = {}
     types: dict[str, int] = {}
