@@ -334,6 +334,65 @@ def profile(
         raise typer.Exit(code)
 
 
+@app.command("serve")
+def serve(
+    host: Annotated[str, typer.Option("--host", help="Address to listen on. Loopback by default: the API has "
+                                      "no authentication; 0.0.0.0 exposes it to the network.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", "-p", help="TCP port (0 = any free port, announced on "
+                                      "stderr).")] = 8000,
+    served_model_name: Annotated[Optional[str], typer.Option(
+        "--served-model-name", help="The model id clients send and /v1/models lists. Default: the model "
+        "file's name.", show_default=False)] = None,
+    log_level: Annotated[str, typer.Option("--log-level", help="uvicorn's log level (debug logs each "
+                                           "request).")] = "warning",
+    model: ModelOpt = None,
+    block_size: BlockSizeOpt = 16,
+    kv_budget: KVBudgetOpt = None,
+    kv_dtype: KVDtypeOpt = None,
+    max_model_len: MaxLenOpt = None,
+    max_batch_tokens: ChunkOpt = 512,
+    max_num_seqs: Annotated[int, typer.Option("--max-num-seqs", help="Most requests running at once.")] = 64,
+    kv_layout: Annotated[Layout, typer.Option("--kv-layout", help="paged, or contiguous preallocation "
+                                              "(for comparison).")] = Layout.paged,
+    preempt: Annotated[Preempt, typer.Option("--preempt", help="When blocks run out: recompute the "
+                                             "preempted request later, or swap its blocks to host memory."
+                                             )] = Preempt.recompute,
+    quant: QuantOpt = Quant.auto,
+    dequantize: DequantOpt = False,
+    device: DeviceOpt = None,
+    attention_backend: BackendOpt = Backend.auto,
+    prefix_cache: PrefixOpt = True,
+    speculate: SpecOpt = Speculate.none,
+    num_speculative_tokens: SpecTokensOpt = 5,
+    ngram_min: NgramMinOpt = 2,
+    ngram_max: NgramMaxOpt = 4,
+) -> None:
+    """Serve the model over an OpenAI-compatible HTTP API, with Prometheus metrics.
+
+    Endpoints: POST /v1/completions and /v1/chat/completions (stream: true for server-sent events),
+    GET /v1/models, /health, and /metrics (vLLM's metric names, plus kvcli: ones for the KV memory
+    breakdown and the contiguous what-if; `kvcli watch URL` shows them live). One engine thread runs
+    every request through the paged KV cache with continuous batching; a client that disconnects
+    frees its request's blocks. Ctrl-C or SIGTERM stops the server."""
+    from kvcli.commands.common import engine_options
+    from kvcli.commands.serve_cmd import ServeArgs, run_serve
+
+    if log_level not in ("critical", "error", "warning", "info", "debug"):
+        fail(f"--log-level must be critical, error, warning, info or debug (got {log_level})")
+    args = ServeArgs(
+        model=model, quant=quant.value, host=host, port=port, served_model_name=served_model_name,
+        log_level=log_level,
+        options=engine_options(fail, device=device, block_size=block_size, kv_budget=kv_budget,
+                               dequantize=dequantize, max_model_len=max_model_len,
+                               max_num_batched_tokens=max_batch_tokens, max_num_seqs=max_num_seqs,
+                               attention_backend=attention_backend.value, kv_layout=kv_layout.value,
+                               preempt=preempt.value, kv_dtype=kv_dtype, prefix_caching=prefix_cache,
+                               **_spec(speculate, num_speculative_tokens, ngram_min, ngram_max)))
+    code = run_serve(args, fail)
+    if code:
+        raise typer.Exit(code)
+
+
 @app.command("plan")
 def plan(
     context: Annotated[int, typer.Option("--context", "-c", help="Tokens per request (prompt + output).")] = 8192,
