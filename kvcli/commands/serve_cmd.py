@@ -4,11 +4,15 @@ cancelled, which aborts them in the engine)."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import ipaddress
+import signal
 import socket
 import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,6 +61,37 @@ def is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, except that Ctrl-C / SIGTERM only stop it: uvicorn re-raises the signal
+        after its graceful shutdown, which would kill the process before the engine thread stops."""
+
+        signal_received: int | None = None
+        on_exit: "Callable[[], None] | None" = None
+
+        def handle_exit(self, sig: int, frame) -> None:
+            self.signal_received = sig
+            if self.on_exit is not None:
+                self.on_exit()  # open requests end now (in-band error), so the graceful shutdown is quick
+            super().handle_exit(sig, frame)
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            old = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in old.items():
+                    signal.signal(sig, handler)
+
+    return Server
+
+
 def run_serve(a: ServeArgs, fail: Fail) -> int:
     import uvicorn
 
@@ -88,7 +123,8 @@ def run_serve(a: ServeArgs, fail: Fail) -> int:
     print(f"kvcli serve: listening on http://{shown}:{port} (Ctrl-C stops)", file=sys.stderr, flush=True)
     config = uvicorn.Config(app, log_level=a.log_level, access_log=a.log_level == "debug",
                             timeout_graceful_shutdown=3, lifespan="off")
-    server = uvicorn.Server(config)
+    server = _server_class()(config)
+    server.on_exit = worker.request_stop
     worker.start()
     try:
         server.run(sockets=[sock])
@@ -96,4 +132,4 @@ def run_serve(a: ServeArgs, fail: Fail) -> int:
         worker.stop()
         sock.close()
     print("kvcli serve: stopped", file=sys.stderr)
-    return 0
+    return 130 if server.signal_received == signal.SIGINT else 0

@@ -93,9 +93,13 @@ class EngineWorker:
         self._publish()
         self._thread.start()
 
-    def stop(self, timeout: float = 30.0) -> None:
+    def request_stop(self) -> None:
+        """Ask the engine thread to stop after its current step; open requests get a 503 event."""
         self._stop.set()
         self._cmds.put(None)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.request_stop()
         self._thread.join(timeout)
 
     @property
