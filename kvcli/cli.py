@@ -393,6 +393,35 @@ def serve(
         raise typer.Exit(code)
 
 
+@app.command("watch")
+def watch(
+    url: Annotated[str, typer.Argument(help="The server: http://host:port (its /metrics is read) or the full "
+                                       "metrics URL. vLLM, llama.cpp's server (--metrics) and kvcli serve.",
+                                       show_default=False)],
+    interval: Annotated[float, typer.Option("--interval", "-i", help="Seconds between scrapes (0.25 = 4 Hz).")] = 0.25,
+    duration: Annotated[Optional[float], typer.Option("--duration", help="Stop after this many seconds "
+                                                      "(default: until Ctrl-C).", show_default=False)] = None,
+    once: Annotated[bool, typer.Option("--once", help="Scrape once, print the dashboard and exit.")] = False,
+    record: Annotated[Optional[Path], typer.Option("--record", help="Write the timeline (one row per scrape, "
+                                                   "and scrape errors) to FILE as JSON.", show_default=False)] = None,
+    plot: Annotated[Optional[Path], typer.Option("--plot", help="Draw KV memory, requests and throughput over "
+                                                 "time to FILE.png.", show_default=False)] = None,
+    live: Annotated[bool, typer.Option("--live/--no-live", help="Live dashboard on a terminal; otherwise one "
+                                       "line per scrape, then the dashboard once.")] = True,
+) -> None:
+    """Watch a serving engine through its Prometheus /metrics: KV usage and blocks over time,
+    running / waiting requests, preemptions, prefix-cache hit rate, throughput, TTFT and
+    inter-token latency percentiles; for kvcli serve also the KV memory breakdown and the
+    contiguous what-if. A server that stops answering is reported in the view, which keeps its
+    last sample; one unreachable at the start is an error."""
+    from kvcli.commands.watch_cmd import WatchArgs, run_watch
+
+    code = run_watch(WatchArgs(url=url, interval=interval, duration=duration, once=once, record=record,
+                               plot=plot, live=live), fail)
+    if code:
+        raise typer.Exit(code)
+
+
 @app.command("plan")
 def plan(
     context: Annotated[int, typer.Option("--context", "-c", help="Tokens per request (prompt + output).")] = 8192,
