@@ -285,6 +285,14 @@ def profile(
     plot_path: Annotated[Optional[Path], typer.Option("--plot", help="Draw KV memory over time, stacked by "
                                                       "category, to FILE.png.", show_default=False)] = None,
     live: Annotated[bool, typer.Option("--live/--no-live", help="Live dashboard on a terminal.")] = True,
+    endpoint: Annotated[Optional[list[str]], typer.Option(
+        "--endpoint", help="Send the trace to a running OpenAI-compatible server (http://host:port; vLLM, "
+        "llama.cpp's server, kvcli serve) instead of a local engine: streamed /v1/completions with token-id "
+        "prompts, measured at the client while its /metrics is sampled. Repeat for several servers, run one "
+        "after the other and reported side by side. Only these URLs are contacted; --model names the "
+        "tokenizer for the prompts.", show_default=False)] = None,
+    concurrency: Annotated[int, typer.Option("--concurrency", help="--endpoint: most requests in flight per "
+                                             "server (1..1024).")] = 64,
     model: ModelOpt = None,
     block_size: BlockSizeOpt = 16,
     kv_budget: KVBudgetOpt = None,
@@ -319,6 +327,7 @@ def profile(
     for d in kv_dtypes[1:]:
         engine_options(fail, kv_dtype=d)  # each format validated before the model loads
     args = ProfileArgs(kv_dtypes=kv_dtypes if len(kv_dtypes) > 1 else (None,),
+        endpoints=tuple(endpoint or ()), concurrency=concurrency,
         model=model, workload=workload, num_requests=num_requests, request_rate=request_rate, seed=seed,
         compare=compare.value, simulate=simulate, json_path=json_path, plot_path=plot_path, quant=quant.value,
         live=live,

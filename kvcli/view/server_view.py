@@ -13,7 +13,7 @@ from rich.text import Text
 from kvcli.metrics.snapshot import Snapshot
 from kvcli.remote.scrape import ServerSample
 from kvcli.remote.timeline import Timeline
-from kvcli.view.dashboard import NOTE, _kv_table, fragmentation_panel, hbar, sparkline
+from kvcli.view.dashboard import NOTE, SPARK, _kv_table, fragmentation_panel, hbar, sparkline
 from kvcli.view.plain_log import human_bytes, pct, seconds
 
 
@@ -33,6 +33,12 @@ def detail_snapshot(s: ServerSample) -> Snapshot | None:
                     block_size=d.block_size, num_blocks=s.blocks_total or 0, blocks_used=s.blocks_used or 0)
 
 
+def usage_line(values: list[float], width: int) -> str:
+    """Fractions 0..1 as ▁..█ on an absolute scale (a sparkline scales to its maximum: a near-empty
+    cache would look full)."""
+    return "".join(SPARK[min(len(SPARK) - 1, max(0, round(v * (len(SPARK) - 1))))] for v in values[-width:])
+
+
 def kv_panel(tl: Timeline, width: int) -> Panel:
     s = tl.latest
     assert s is not None
@@ -41,7 +47,7 @@ def kv_panel(tl: Timeline, width: int) -> Panel:
     rows: list[tuple[str, str]] = []
     if s.kv_usage is not None:
         rows.append(("usage", f"{hbar(s.kv_usage, max(4, spark_w - 8))} {pct(s.kv_usage)}"))
-        rows.append(("over time", sparkline([u + 1e-9 for u in usage], spark_w) if usage else "no samples yet"))
+        rows.append(("over time", usage_line(usage, spark_w) if usage else "no samples yet"))
     else:
         rows.append(("usage", "not exported by this server"))
     if s.blocks_total is not None:
