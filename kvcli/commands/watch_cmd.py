@@ -61,7 +61,10 @@ class Scraper:
             raise ScrapeError(f"{self.url}: {type(e).__name__} ({e})") from None
         if r.status_code != 200:
             raise ScrapeError(f"{self.url}: HTTP {r.status_code}")
-        return parse(r.text, t)
+        try:
+            return parse(r.text, t)
+        except ScrapeError as e:
+            raise ScrapeError(f"{self.url}: {e}") from None
 
     def close(self) -> None:
         self.client.close()
