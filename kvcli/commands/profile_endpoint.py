@@ -15,7 +15,7 @@ from kvcli.commands.common import Fail
 from kvcli.inputs import InputError, write_text_file
 from kvcli.model.loader import ModelLoadError, load_tokenizer
 from kvcli.profile import percentile
-from kvcli.remote.loadgen import EndpointError, EndpointRun, run_endpoint
+from kvcli.remote.loadgen import EndpointError, EndpointRun, model_id, run_endpoint
 from kvcli.workloads import Trace, prompt_ids
 
 MAX_CONCURRENCY = 1024
@@ -142,11 +142,17 @@ def run_endpoint_profile(endpoints: tuple[str, ...], concurrency: int, trace: Tr
     except ModelLoadError as e:
         fail(str(e))
     prompts = prompt_ids(trace, tokenizer, seed)
+    models = {}
+    for url in endpoints:  # every endpoint answers before the first trace starts
+        try:
+            models[url] = model_id(url)
+        except EndpointError as e:
+            fail(str(e))
     runs: list[EndpointRun] = []
     for url in endpoints:
-        err.print(f"[dim]{url}: {len(prompts)} requests, at most {concurrency} at once[/dim]")
+        err.print(f"[dim]{url} ({models[url]}): {len(prompts)} requests, at most {concurrency} at once[/dim]")
         try:
-            runs.append(asyncio.run(run_endpoint(url, trace, prompts, concurrency)))
+            runs.append(asyncio.run(run_endpoint(url, trace, prompts, concurrency, model=models[url])))
         except EndpointError as e:
             fail(str(e))
         except KeyboardInterrupt:

@@ -9,14 +9,17 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.live import Live
 
-from kvcli.commands.common import Fail
 from kvcli.inputs import InputError, check_writable, write_text_file
 from kvcli.remote.scrape import ScrapeError, ServerSample, parse
 from kvcli.remote.timeline import Timeline
+
+if TYPE_CHECKING:  # common imports the engine (torch): watch needs neither
+    from kvcli.commands.common import Fail
 
 
 @dataclass(frozen=True)
@@ -30,7 +33,7 @@ class WatchArgs:
     live: bool
 
 
-def metrics_url(url: str, fail: Fail) -> str:
+def metrics_url(url: str, fail: "Fail") -> str:
     """URL as given, or its /metrics when only the server's root is given."""
     url = url.strip().rstrip("/")
     if not url.startswith(("http://", "https://")):
@@ -70,7 +73,7 @@ class Scraper:
         self.client.close()
 
 
-def run_watch(a: WatchArgs, fail: Fail) -> int:
+def run_watch(a: WatchArgs, fail: "Fail") -> int:
     from kvcli.view.server_view import log_line, render_server
 
     if not a.interval > 0:

@@ -75,11 +75,13 @@ def base_url(url: str) -> str:
     return url if url.startswith(("http://", "https://")) else "http://" + url
 
 
-async def _model_id(client, url: str) -> str:
+def model_id(url: str) -> str:
+    """The first model the server lists (vLLM needs it in each request); fails when it cannot say."""
     import httpx
 
+    url = base_url(url)
     try:
-        r = await client.get(f"{url}/v1/models", timeout=10.0)
+        r = httpx.get(f"{url}/v1/models", timeout=10.0, trust_env=False)
     except httpx.HTTPError as e:
         raise EndpointError(f"{url}: cannot reach /v1/models ({type(e).__name__}: {e})") from None
     try:
@@ -150,7 +152,7 @@ async def _sample_metrics(client, url: str, tl: Timeline, t0: float, interval: f
     return errors
 
 
-async def run_endpoint(url: str, trace: Trace, prompts: list[list[int]], concurrency: int,
+async def run_endpoint(url: str, trace: Trace, prompts: list[list[int]], concurrency: int, model: str | None = None,
                        metrics_interval: float = 0.5, request_timeout: float = 600.0) -> EndpointRun:
     import httpx
 
@@ -158,7 +160,8 @@ async def run_endpoint(url: str, trace: Trace, prompts: list[list[int]], concurr
     limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency + 2)
     async with httpx.AsyncClient(timeout=httpx.Timeout(request_timeout, connect=10.0), limits=limits,
                                  trust_env=False) as client:
-        model = await _model_id(client, url)
+        if model is None:
+            model = await asyncio.to_thread(model_id, url)
         tl = Timeline(f"{url}/metrics")
         sem = asyncio.Semaphore(concurrency)
         stop = asyncio.Event()
