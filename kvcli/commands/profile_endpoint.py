@@ -137,17 +137,17 @@ def run_endpoint_profile(endpoints: tuple[str, ...], concurrency: int, trace: Tr
     if not 1 <= concurrency <= MAX_CONCURRENCY:
         fail(f"--concurrency must be in 1..{MAX_CONCURRENCY} (got {concurrency})")
     err = Console(stderr=True)
+    models = {}
+    for url in endpoints:  # every endpoint answers before the tokenizer loads and the first trace starts
+        try:
+            models[url] = model_id(url)
+        except EndpointError as e:
+            fail(str(e))
     try:
         tokenizer = load_tokenizer(model)
     except ModelLoadError as e:
         fail(str(e))
     prompts = prompt_ids(trace, tokenizer, seed)
-    models = {}
-    for url in endpoints:  # every endpoint answers before the first trace starts
-        try:
-            models[url] = model_id(url)
-        except EndpointError as e:
-            fail(str(e))
     runs: list[EndpointRun] = []
     for url in endpoints:
         err.print(f"[dim]{url} ({models[url]}): {len(prompts)} requests, at most {concurrency} at once[/dim]")
