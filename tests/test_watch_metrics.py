@@ -56,12 +56,16 @@ def test_garbage_is_a_scrape_error(body):
 class _Server:
     """A tiny HTTP server on a free loopback port whose /metrics body the test can change."""
 
-    def __init__(self, body: str, status: int = 200) -> None:
+    def __init__(self, body: str, status: int = 200, then: str | None = None, after: int = 0) -> None:
         self.body, self.status = body, status
+        self.served = 0
         outer = self
 
         class H(BaseHTTPRequestHandler):
             def do_GET(self):  # noqa: N802
+                outer.served += 1
+                if then is not None and outer.served > after:
+                    outer.body = then  # turns bad after `after` good answers
                 data = outer.body.encode()
                 self.send_response(outer.status)
                 self.send_header("Content-Type", "text/plain")
@@ -98,18 +102,19 @@ def test_watch_once_over_vllm(vllm_server):
     assert "breakdown and the contiguous what-if need per-request lengths" in out
 
 
-def test_watch_keeps_last_sample_when_server_turns_bad(vllm_server, tmp_path):
-    """The first scrapes are good, then the server answers garbage and later 500: the run still ends
-    normally, the view says what went wrong and the record holds the good samples and the errors."""
+def test_watch_keeps_last_sample_when_server_turns_bad(tmp_path):
+    """Three good scrapes, then garbage: the run still ends normally, the view says what went wrong
+    and the record holds the good samples and the errors."""
+    server = _Server(VLLM, then="<html>oops</html>", after=3)
     rec = tmp_path / "t.json"
-    timer = threading.Timer(0.5, lambda: setattr(vllm_server, "body", "<html>oops</html>"))
-    timer.start()
-    r = runner.invoke(app, ["watch", vllm_server.url, "--duration", "1.2", "--interval", "0.2", "--record",
-                            str(rec), "--no-live"])
-    timer.join()
+    try:
+        r = runner.invoke(app, ["watch", server.url, "--duration", "1.5", "--interval", "0.1", "--record",
+                                str(rec), "--no-live"])
+    finally:
+        server.close()
     assert r.exit_code == 0, r.output
     data = json.loads(rec.read_text())
-    assert data["flavor"] == "vllm" and len(data["samples"]) >= 2
+    assert data["flavor"] == "vllm" and len(data["samples"]) == 3
     assert data["errors"] and "not Prometheus text" in data["errors"][-1]["message"]
     assert "showing the last good sample" in r.stdout
     assert "running 5 · waiting 4" in r.stdout  # the final view still shows the last good sample

@@ -5,7 +5,6 @@ shown in the view, which keeps the last good sample, and polling goes on."""
 
 from __future__ import annotations
 
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +15,7 @@ from rich.live import Live
 
 from kvcli.inputs import InputError, check_writable, write_text_file
 from kvcli.remote.scrape import ScrapeError, ServerSample, parse
-from kvcli.remote.timeline import Timeline
+from kvcli.remote.timeline import Timeline, plot_timeline
 
 if TYPE_CHECKING:  # common imports the engine (torch): watch needs neither
     from kvcli.commands.common import Fail
@@ -138,7 +137,7 @@ def run_watch(a: WatchArgs, fail: "Fail") -> int:
             fail(str(e))
     if a.plot is not None:
         try:
-            tl.plot(str(a.plot))
+            plot_timeline(tl, str(a.plot))
         except OSError as e:
             fail(f"{a.plot}: cannot write ({e.strerror or e})")
     return 130 if stopped else 0

@@ -14,8 +14,8 @@ import json
 import time
 from dataclasses import dataclass, field
 
+from kvcli.metrics.server import Timeline
 from kvcli.remote.scrape import ScrapeError, parse
-from kvcli.remote.timeline import Timeline
 from kvcli.workloads import Trace
 
 

@@ -9,81 +9,16 @@ server, as a one-model deployment's dashboard shows it.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
-
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvcli.metrics.server import Histogram, KVDetail, ServerSample
 from kvcli.metrics.snapshot import KVBreakdown
+
+__all__ = ["Histogram", "KVDetail", "ScrapeError", "ServerSample", "parse"]
 
 
 class ScrapeError(ValueError):
     """The body is not Prometheus text, or holds no metric kvcli understands."""
-
-
-@dataclass(frozen=True)
-class Histogram:
-    """Cumulative bucket counts by upper bound (the +Inf bucket included), as exposed."""
-
-    buckets: tuple[tuple[float, float], ...]
-    count: float
-    sum: float
-
-    def minus(self, earlier: "Histogram | None") -> "Histogram":
-        """Observations since `earlier` (a server restart, where counts fall, gives self)."""
-        if earlier is None or earlier.count > self.count or len(earlier.buckets) != len(self.buckets):
-            return self
-        return Histogram(tuple((le, c - c0) for (le, c), (_, c0) in zip(self.buckets, earlier.buckets)),
-                         self.count - earlier.count, self.sum - earlier.sum)
-
-    def quantile(self, q: float) -> float | None:
-        """Prometheus' histogram_quantile: linear within the bucket holding the q-th observation."""
-        if self.count <= 0 or not self.buckets:
-            return None
-        rank = q * self.count
-        prev_le, prev_c = 0.0, 0.0
-        for le, c in self.buckets:
-            if c >= rank:
-                if math.isinf(le):
-                    return prev_le  # in the open bucket: its lower bound is all that is known
-                if c == prev_c:
-                    return le
-                return prev_le + (le - prev_le) * (rank - prev_c) / (c - prev_c)
-            prev_le, prev_c = le, c
-        return prev_le
-
-
-@dataclass(frozen=True)
-class KVDetail:
-    """kvcli's own metrics: the live breakdown and the contiguous what-if (kvcli serve only)."""
-
-    kv: KVBreakdown
-    whatif: KVBreakdown | None
-    whatif_fits: int | None
-    pool_bytes: int
-    bytes_per_token: int
-    block_size: int
-    max_model_len: int
-
-
-@dataclass(frozen=True)
-class ServerSample:
-    t: float  # seconds since the watch began
-    flavor: str  # vllm | kvcli | llama.cpp
-    kv_usage: float | None  # fraction of the KV cache in use, 0..1
-    blocks_total: int | None
-    blocks_used: int | None
-    running: float | None
-    waiting: float | None
-    preemptions: float | None  # counter
-    prefix_queries: float | None  # counters, tokens
-    prefix_hits: float | None
-    prompt_tokens: float | None  # counters
-    generation_tokens: float | None
-    ttft: Histogram | None
-    itl: Histogram | None
-    detail: KVDetail | None = None
-    cache_info: dict[str, str] = field(default_factory=dict)
 
 
 def _first(values: dict[str, float], *names: str) -> float | None:

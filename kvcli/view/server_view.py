@@ -10,9 +10,8 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from kvcli.metrics.server import ServerSample, Timeline
 from kvcli.metrics.snapshot import Snapshot
-from kvcli.remote.scrape import ServerSample
-from kvcli.remote.timeline import Timeline
 from kvcli.view.dashboard import NOTE, SPARK, _kv_table, fragmentation_panel, hbar, sparkline
 from kvcli.view.plain_log import human_bytes, pct, seconds
 
