@@ -46,6 +46,29 @@ def test_histogram_delta_and_empty():
     assert b.minus(Histogram(((0.1, 50.0),), 50.0, 9.0)) is b  # counts fell (restart): no delta
 
 
+LLAMACPP = """# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.
+# TYPE llamacpp:prompt_tokens_total counter
+llamacpp:prompt_tokens_total 300
+# HELP llamacpp:tokens_predicted_total Number of generation tokens processed.
+# TYPE llamacpp:tokens_predicted_total counter
+llamacpp:tokens_predicted_total 900
+# HELP llamacpp:requests_processing Number of requests processing.
+# TYPE llamacpp:requests_processing gauge
+llamacpp:requests_processing 4
+# HELP llamacpp:requests_deferred Number of requests deferred.
+# TYPE llamacpp:requests_deferred gauge
+llamacpp:requests_deferred 2
+"""
+
+
+def test_llamacpp_exposition_parsed():
+    """The names llama.cpp's server README documents for --metrics (this version has no KV usage)."""
+    s = parse(LLAMACPP)
+    assert s.flavor == "llama.cpp" and s.running == 4 and s.waiting == 2
+    assert s.generation_tokens == 900 and s.prompt_tokens == 300
+    assert s.kv_usage is None and s.ttft is None and s.preemptions is None
+
+
 @pytest.mark.parametrize("body", ["<html><body>It works!</body></html>", "{\"status\": \"ok\"}",
                                   "# HELP x y\n# TYPE x gauge\nx 1\n"])
 def test_garbage_is_a_scrape_error(body):
