@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import re
 import signal
 import subprocess
@@ -52,6 +53,8 @@ def main() -> None:
     ap.add_argument("--kv-budget", default="128MiB")
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads for the engine, in-process and in "
+                    "the server (default: torch's). 1 is steadier when other work shares the cores.")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
     lines: list[str] = []
@@ -59,9 +62,17 @@ def main() -> None:
     def say(s: str) -> None:
         print(s, flush=True)
         lines.append(s)
+        if a.out is not None:  # rewritten after every line: an interrupted run still leaves its numbers
+            a.out.parent.mkdir(parents=True, exist_ok=True)
+            a.out.write_text("\n".join(lines) + "\n")
 
+    if a.threads:
+        import torch
+
+        torch.set_num_threads(a.threads)
+        os.environ["OMP_NUM_THREADS"] = str(a.threads)  # the server subprocess reads it at torch's start
     say(f"bench_serve · {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC}")
-    say(machine_line())
+    say(machine_line() + ("" if not a.threads else " (set for the engine in-process and in the server)"))
     say("note: measured while other work may share this machine's cores; treat the numbers as provisional")
     say(f"trace: {a.workload}, {a.num_requests} requests, all at t=0, max_model_len {a.max_model_len}, "
         f"kv-budget {a.kv_budget}, greedy, ignore_eos; client concurrency {a.concurrency}")
@@ -75,7 +86,7 @@ def main() -> None:
         engine = LLMEngine(loaded, opts)
         res = run_trace(engine, trace, prompts, "in-process")
         say(f"in-process engine ({tag}) : {res.completed}/{res.num_requests} done, {res.output_tokens} tokens in "
-            f"{res.wall_s:.1f} s = {res.tokens_per_s:.1f} tok/s")
+            f"{res.wall_s:.1f} s = {res.tokens_per_s:.1f} tok/s · load avg {os.getloadavg()[0]:.1f}")
         return res.tokens_per_s
 
     inproc = [in_process("before")]
@@ -95,8 +106,8 @@ def main() -> None:
                 time.sleep(3)  # its startup (imports) is not part of what is measured
             run = asyncio.run(run_endpoint(url, trace, prompts, a.concurrency))
             if watch is not None:
-                watch.send_signal(signal.SIGINT)
-                watch.wait(30)
+                watch.send_signal(signal.SIGTERM)  # (SIGINT is ignored by a shell's background jobs)
+                watch.wait(60)
             m = parse(httpx.get(f"{url}/metrics", timeout=10).text)
             lost = len(run.results) - run.completed
             tokens_ok = run.output_tokens == total_out
@@ -106,7 +117,7 @@ def main() -> None:
             say(f"kvcli serve{' + watch 4 Hz' if with_watch else '             '} : {run.completed}/{len(run.results)} done, "
                 f"{run.output_tokens} tokens ({'all' if tokens_ok else 'NOT all'} asked) in {run.wall_s:.1f} s = "
                 f"{run.tokens_per_s:.1f} tok/s · after: {m.blocks_used} blocks used, running {m.running:.0f}, "
-                f"waiting {m.waiting:.0f} · TTFT p50 {sorted(run.ttft)[len(run.ttft) // 2]:.2f} s")
+                f"waiting {m.waiting:.0f} · TTFT p50 {sorted(run.ttft)[len(run.ttft) // 2]:.2f} s · load avg {os.getloadavg()[0]:.1f}")
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
@@ -118,9 +129,6 @@ def main() -> None:
     say(f"watch overhead     : {1 - watched / serve:+.1%} of serve's tok/s (goal < 5 %) -> "
         f"{'met' if watched >= 0.95 * serve else 'NOT met'}")
     say(f"no request lost, all tokens, all blocks free after each run: {'yes' if ok else 'NO'}")
-    if a.out is not None:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -206,7 +206,8 @@ def test_profile_endpoint_and_watch(server, tmp_path):
     before = metrics(server)
     rec, rep = tmp_path / "watch.json", tmp_path / "profile.json"
     # watch runs as its own process (CliRunner redirects sys.stdout process-wide: two at once clash)
-    # until Ctrl-C after the trace; it prints a line per scrape, the first once it is watching.
+    # until SIGTERM after the trace (SIGINT would do, but a shell's background jobs ignore it); it prints
+    # a line per scrape, the first once it is watching.
     watch = subprocess.Popen([sys.executable, "-m", "kvcli.cli", "watch", server, "--duration", "300",
                               "--interval", "0.25", "--record", str(rec), "--no-live"], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, env=os.environ.copy())
@@ -214,7 +215,7 @@ def test_profile_endpoint_and_watch(server, tmp_path):
     r = runner.invoke(app, ["profile", "--endpoint", server, "--workload", "alpaca", "-N", "8", "--max-model-len",
                             "128", "--concurrency", "4", "--json", str(rep), "--seed", "3"])
     time.sleep(0.6)  # a couple of idle scrapes after the trace
-    watch.send_signal(signal.SIGINT)
+    watch.send_signal(signal.SIGTERM)
     w_out, w_err = watch.communicate(timeout=60)
     assert r.exit_code == 0, r.output
     run = json.loads(rep.read_text())["endpoints"][0]
@@ -224,7 +225,7 @@ def test_profile_endpoint_and_watch(server, tmp_path):
     after = wait_idle(server)
     assert after.generation_tokens - before.generation_tokens == run["output_tokens"]
     assert run["ttft_s"]["p50"] > 0 and run["itl_s"]["p50"] > 0
-    assert watch.returncode == 130, w_err  # Ctrl-C: the record is still written
+    assert watch.returncode == 143, w_err  # stopped by the signal; the record is still written
     samples = json.loads(rec.read_text())["samples"]
     span = samples[-1]["t"] - samples[0]["t"]
     assert len(samples) >= 2 * span  # 4 Hz asked; at least half of that on a busy machine

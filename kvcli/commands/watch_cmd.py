@@ -5,6 +5,7 @@ shown in the view, which keeps the last good sample, and polling goes on."""
 
 from __future__ import annotations
 
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,7 +101,15 @@ def run_watch(a: WatchArgs, fail: "Fail") -> int:
     status = ""
     use_live = a.live and out.is_terminal and not a.once
     deadline = None if a.duration is None else time.monotonic() + a.duration
-    stopped = False
+    stopped = 0
+
+    term = [False]
+
+    def on_term(signum, frame) -> None:  # SIGTERM ends a watch as Ctrl-C does: record and plot still written
+        term[0] = True
+        raise KeyboardInterrupt
+
+    old_term = signal.signal(signal.SIGTERM, on_term)
     live = Live(get_renderable=lambda: render_server(tl, status, out.width), console=out,
                 refresh_per_second=max(1.0, 1 / a.interval), transient=False) if use_live else None
     try:
@@ -123,8 +132,9 @@ def run_watch(a: WatchArgs, fail: "Fail") -> int:
             if live is None:
                 print(log_line(tl, status), flush=True)
     except KeyboardInterrupt:
-        stopped = True
+        stopped = 143 if term[0] else 130  # 128 + the signal, as a shell reports it
     finally:
+        signal.signal(signal.SIGTERM, old_term)
         if live is not None:
             live.stop()
         scraper.close()
@@ -140,4 +150,4 @@ def run_watch(a: WatchArgs, fail: "Fail") -> int:
             plot_timeline(tl, str(a.plot))
         except OSError as e:
             fail(f"{a.plot}: cannot write ({e.strerror or e})")
-    return 130 if stopped else 0
+    return stopped
