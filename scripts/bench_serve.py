@@ -82,8 +82,11 @@ def main() -> None:
     prompts = prompt_ids(trace, loaded.tokenizer, a.seed)
     total_out = sum(r.max_tokens for r in trace.requests)
 
+    model = []  # building an engine consumes the loaded tensors: the second one reuses the first's model
+
     def in_process(tag: str) -> float:
-        engine = LLMEngine(loaded, opts)
+        engine = LLMEngine(loaded, opts, model=model[0] if model else None)
+        model[:] = [engine.model]
         res = run_trace(engine, trace, prompts, "in-process")
         say(f"in-process engine ({tag}) : {res.completed}/{res.num_requests} done, {res.output_tokens} tokens in "
             f"{res.wall_s:.1f} s = {res.tokens_per_s:.1f} tok/s · load avg {os.getloadavg()[0]:.1f}")

@@ -25,7 +25,8 @@ from kvcli.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvcli.server.worker import Accepted, EngineWorker, Rejected, RequestStream
 
 BodyT = TypeVar("BodyT", bound=BaseModel)
-DISCONNECT_CHECK_S = 0.25  # how often a handler asks whether its client is still there
+DISCONNECT_CHECK_S = 0.5  # how often a handler asks whether its client is still there
+GONE = object()  # put on a request's queue when its client disconnected
 
 
 @dataclass(frozen=True)
@@ -121,27 +122,29 @@ def create_app(worker: EngineWorker, tokenizer: Tokenizer, info: ServerInfo, met
 
     async def events(request: Request, req_id: str, stream: RequestStream) -> AsyncIterator[RequestOutput]:
         """The request's outputs until it finishes; a client that went away aborts it (the engine frees
-        its blocks), and so does any other way out of the loop (cancellation at shutdown)."""
+        its blocks), and so does any other way out of the loop (cancellation at shutdown, or starlette
+        cancelling a stream whose client disconnected)."""
         done = False
-        last_check = time.monotonic()
+
+        async def watch_disconnect() -> None:
+            # A slow poll, off the token path: a non-streamed request has no other way to notice.
+            while not await request.is_disconnected():
+                await asyncio.sleep(DISCONNECT_CHECK_S)
+            stream.queue.put_nowait(GONE)
+
+        watcher = asyncio.create_task(watch_disconnect())
         try:
             while not done:
-                try:
-                    item = await asyncio.wait_for(stream.queue.get(), DISCONNECT_CHECK_S)
-                except asyncio.TimeoutError:
-                    item = None
-                if time.monotonic() - last_check >= DISCONNECT_CHECK_S or item is None:
-                    last_check = time.monotonic()
-                    if await request.is_disconnected():
-                        raise ClientGone
-                if item is None:
-                    continue
+                item = await stream.queue.get()
+                if item is GONE:
+                    raise ClientGone
                 if isinstance(item, Rejected):  # the engine stopped under the request
                     done = True
                     raise ApiError(item.status, item.message)
                 done = item.finished
                 yield item
         finally:
+            watcher.cancel()
             if not done:
                 worker.abort(req_id)
 

@@ -49,8 +49,23 @@ class RequestStream:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
 
     def push(self, item: Accepted | Rejected | RequestOutput) -> None:
+        deliver([(self, item)])
+
+
+def _put_all(batch: list[tuple[RequestStream, object]]) -> None:
+    for stream, item in batch:
+        stream.queue.put_nowait(item)
+
+
+def deliver(batch: list[tuple[RequestStream, object]]) -> None:
+    """Hand events to their event loops with one wake-up per loop, not one per token: each wake-up
+    costs the engine thread a syscall and the event loop a turn holding the GIL."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, object]]] = {}
+    for stream, item in batch:
+        by_loop.setdefault(stream.loop, []).append((stream, item))
+    for loop, items in by_loop.items():
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            loop.call_soon_threadsafe(_put_all, items)
         except RuntimeError:  # the event loop is closed (shutdown): nobody is listening
             pass
 
@@ -182,6 +197,7 @@ class EngineWorker:
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         e = self.engine
         m = self.metrics
+        batch: list[tuple[RequestStream, object]] = []
         for out in outputs:
             live = self._live.get(out.req_id)
             req = e.requests.get(out.req_id)
@@ -196,7 +212,7 @@ class EngineWorker:
                     else:
                         m.itl.observe(times[i] - times[i - 1])
                 live.tokens_seen = len(times)
-            live.stream.push(out)
+            batch.append((live.stream, out))
             if out.finished:
                 if m is not None:
                     m.finished(out.finish_reason, time.perf_counter() - live.arrival, req.num_prompt_tokens,
@@ -208,11 +224,12 @@ class EngineWorker:
         for rid in [rid for rid, live in self._live.items() if e.requests[rid].finished]:
             live = self._live.pop(rid)
             req = e.requests[rid]
-            live.stream.push(RequestOutput(rid, (), "", True, req.finish_reason))
+            batch.append((live.stream, RequestOutput(rid, (), "", True, req.finish_reason)))
             if m is not None:
                 m.finished(req.finish_reason, time.perf_counter() - live.arrival, req.num_prompt_tokens,
                            len(req.output_token_ids))
             e.release(rid)
+        deliver(batch)
 
     def _publish(self) -> None:
         self._latest = self.engine.snapshot()
