@@ -237,6 +237,14 @@ class LLMEngine:
     def abort(self, req_id: str) -> None:
         self.scheduler.abort(req_id)
 
+    def release(self, req_id: str) -> None:
+        """Forget a finished request (its blocks are already free). `completion()` needs the record,
+        so batch callers keep it; a long-running server releases each one as it finishes."""
+        req = self.scheduler.requests.get(req_id)
+        if req is not None and req.finished:
+            del self.scheduler.requests[req_id]
+            self._detok.pop(req_id, None)
+
     # --- one iteration ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
