@@ -28,6 +28,10 @@ def _cpuinfo() -> tuple[str, set[str]]:
     return name or platform.processor() or platform.machine(), flags
 
 
+def cpu_flags() -> set[str]:
+    return _cpuinfo()[1]
+
+
 def cpu_name() -> str:
     return _cpuinfo()[0]
 

@@ -18,6 +18,7 @@ from kvcli.config import ModelConfig
 from kvcli.kvcache.kv_cache import KVCache
 from kvcli.model.layers import Embedding, Linear, RMSNorm, Rotary
 from kvcli.model.quant import QuantTensor
+from kvcli.model.vocab_head import VocabHead
 
 Weights = dict[str, "QuantTensor | torch.Tensor"]
 
@@ -80,7 +81,7 @@ class LlamaModel:
         else:
             w = take("lm_head.weight")
             head = w.dequantize(head_dtype) if isinstance(w, QuantTensor) else w.to(head_dtype)
-        self.lm_head = head.contiguous()
+        self.lm_head = VocabHead(head, head_dtype)
         weights.pop("lm_head.weight", None)
         self.rotary = Rotary(c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling, device)
 
@@ -91,7 +92,7 @@ class LlamaModel:
         return {
             "layers": layers,
             "embedding": self.embed.nbytes,
-            "lm_head": self.lm_head.numel() * self.lm_head.element_size(),
+            "lm_head": self.lm_head.nbytes,
         }
 
     @torch.inference_mode()
@@ -124,4 +125,4 @@ class LlamaModel:
         if logits_indices is not None:
             h = h[logits_indices]
         h = self.norm(h)
-        return F.linear(h.to(self.lm_head.dtype), self.lm_head).float()
+        return self.lm_head(h)
