@@ -47,11 +47,8 @@ def test_inspect_text_names_what_matters():
     assert "int8 12,240" in out
 
 
-def test_inspect_loads_a_kquant_file(tmp_path):
-    from kquant_model import write_tiny_kquant_gguf
-
-    path = write_tiny_kquant_gguf(tmp_path / "tiny-kquant.gguf")
-    rep = inspect_json(str(path))
+def test_inspect_loads_a_kquant_file(tiny_kquant):
+    rep = inspect_json(str(tiny_kquant))
     types = {g["type"]: g["count"] for g in rep["tensors"]}
     assert types == {"F16": 1, "F32": 5, "Q4_K": 5, "Q6_K": 2, "Q5_K": 2, "Q5_0": 2, "Q5_1": 2, "Q8_0": 1}
     assert rep["linear_paths"] == "int4-cpu+lowbit-torch"
@@ -71,3 +68,19 @@ def test_inspect_damaged_gguf_is_one_line(tmp_path):
     bad.write_bytes(b"GGUF" + b"\0" * 20)
     one_line_error(runner.invoke(app, ["inspect", str(bad)]), "broken.gguf")
     one_line_error(runner.invoke(app, ["inspect", "--context", "0"]), "--context")
+
+
+def test_inspect_checkpoint_folder_counts_safetensors_dtypes(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+           "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "vocab_size": 100, "max_position_embeddings": 256}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    save_file({"a": torch.zeros(10, 64, dtype=torch.bfloat16), "b": torch.zeros(64, 64, dtype=torch.bfloat16),
+               "c": torch.zeros(64)}, str(tmp_path / "model.safetensors"))
+    rep = inspect_json(str(tmp_path), "--no-load")
+    assert (rep["layers"], rep["kv_heads"], rep["head_dim"], rep["context_length"]) == (2, 2, 16, 256)
+    assert {g["type"]: (g["count"], g["bytes"]) for g in rep["tensors"]} == {"BF16": (2, (640 + 4096) * 2),
+                                                                            "F32": (1, 256)}

@@ -125,13 +125,6 @@ def test_gguf_without_required_metadata_is_a_one_line_error(tmp_path):
 # --- A whole K-quant model against transformers --------------------------------------------------
 
 @pytest.fixture(scope="module")
-def tiny_kquant(tmp_path_factory) -> Path:
-    from kquant_model import write_tiny_kquant_gguf
-
-    return write_tiny_kquant_gguf(tmp_path_factory.mktemp("kq") / "tiny-kquant.gguf")
-
-
-@pytest.fixture(scope="module")
 def tiny_runs(tiny_kquant):
     """Teacher-forced logits of kvcli's exact and packed paths and transformers' on the same ids."""
     from test_vs_transformers import teacher_forced_logits

@@ -66,41 +66,56 @@ def _resolve(spec: str | None) -> str | None:
     return str(path)
 
 
-def _tensor_groups(spec: str | None) -> list[TensorGroup]:
+def _config_and_tensors(spec: str | None) -> tuple[ModelConfig, list[TensorGroup]]:
+    """The config and the tensors by type; a GGUF's metadata is parsed once (its vocabulary is slow)."""
     if spec is not None and spec.startswith("dummy:"):
-        return []
+        return load_config(spec), []
     path = bundled_gguf_path() if spec is None else Path(spec)
     if path.is_dir():
-        from safetensors import safe_open
+        return load_config(spec), _safetensors_groups(path)
+    import gguf
 
-        groups: dict[str, list[int]] = {}
-        for f in sorted(path.glob("*.safetensors")):
-            with safe_open(str(f), "pt") as st:
-                for key in st.keys():
-                    sl = st.get_slice(key)
-                    dtype = str(sl.get_dtype())
-                    n = 1
-                    for d in sl.get_shape():
-                        n *= d
-                    size = {"F32": 4, "F16": 2, "BF16": 2, "I8": 1, "U8": 1, "I32": 4, "I64": 8}.get(dtype, 4)
-                    c, b = groups.setdefault(dtype, [0, 0])
-                    groups[dtype] = [c + 1, b + n * size]
-        return [TensorGroup(k, c, b) for k, (c, b) in sorted(groups.items())]
-    from kvcli.model.gguf_loader import tensor_bytes_by_type
+    from kvcli.model.gguf_loader import GGUFError, read_config, tensor_bytes_by_type
 
-    return [TensorGroup(k, c, b) for k, (c, b) in sorted(tensor_bytes_by_type(path).items())]
+    try:
+        reader = gguf.GGUFReader(str(path), "r")
+        config = read_config(reader, path)
+        groups = tensor_bytes_by_type(reader)
+    except GGUFError as e:
+        raise ModelLoadError(str(e)) from None
+    except Exception as e:
+        raise ModelLoadError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+    return config, [TensorGroup(k, c, b) for k, (c, b) in sorted(groups.items())]
+
+
+def _safetensors_groups(path: Path) -> list[TensorGroup]:
+    """Storage dtype -> count and bytes over a checkpoint folder's safetensors files (headers only)."""
+    from safetensors import safe_open
+
+    groups: dict[str, list[int]] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            for key in st.keys():
+                sl = st.get_slice(key)
+                dtype = str(sl.get_dtype())
+                n = 1
+                for d in sl.get_shape():
+                    n *= d
+                size = {"F32": 4, "F16": 2, "BF16": 2, "I8": 1, "U8": 1, "I32": 4, "I64": 8}.get(dtype, 4)
+                c, b = groups.setdefault(dtype, [0, 0])
+                groups[dtype] = [c + 1, b + n * size]
+    return [TensorGroup(k, c, b) for k, (c, b) in sorted(groups.items())]
 
 
 def inspect_model(spec: str | None, options: EngineOptions, load: bool, context: int | None) -> InspectReport:
     from kvcli.engine.llm_engine import available_memory
 
     spec = _resolve(spec)
-    config: ModelConfig = load_config(spec)
     try:
-        groups = _tensor_groups(spec)
+        config, groups = _config_and_tensors(spec)
     except ModelLoadError:
         raise
-    except Exception as e:  # a file load_config could read but whose tensors are damaged
+    except Exception as e:  # e.g. a damaged safetensors header
         raise ModelLoadError(f"{spec}: cannot read its tensors ({type(e).__name__}: {e})") from None
     device = options.resolve_device()
     rep = InspectReport(

@@ -138,11 +138,8 @@ def _tensor(t, path: Path) -> QuantTensor | torch.Tensor:
     return out.reshape(k) if len(dims) == 1 else out.reshape(n, k)
 
 
-def tensor_bytes_by_type(path: Path) -> dict[str, tuple[int, int]]:
-    """GGML type name -> (tensor count, bytes in the file), for `kvcli inspect`."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(path), "r")
+def tensor_bytes_by_type(reader) -> dict[str, tuple[int, int]]:
+    """GGML type name -> (tensor count, bytes in the file) of an open GGUFReader, for `kvcli inspect`."""
     out: dict[str, tuple[int, int]] = {}
     for t in reader.tensors:
         c, b = out.get(t.tensor_type.name, (0, 0))
