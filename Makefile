@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 SAMPLE := samples/keepers-log.txt
 
-.PHONY: setup run test test-fast bench figures gpu-check triton-matrix clean
+.PHONY: setup run test test-fast bench bench-deps figures gpu-check triton-matrix clean
 
 setup:
 	@bash scripts/setup.sh
@@ -18,8 +18,17 @@ test: setup
 test-fast: setup
 	$(VENV)/bin/pytest -q -p no:cacheprovider -m "not slow"
 
-bench: setup
-	$(PY) scripts/bench_decode.py
+# kvcli, transformers and llama.cpp in one run each: batch-1 prefill/decode at 512 and 4k tokens, then the
+# 64-request trace. `make bench ISA=avx2` holds torch and llama.cpp to AVX2 on an AVX-512 machine.
+ISA ?= native
+bench: setup bench-deps
+	$(PY) scripts/bench_cpu.py --isa $(ISA)
+	$(if $(filter avx2,$(ISA)),ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2) $(PY) scripts/bench_throughput.py --workload alpaca --num-requests 64
+
+# llama.cpp for the comparison, built once per ISA into .cache/bench (never a kvcli dependency);
+# a failed build only skips llama.cpp's rows.
+bench-deps:
+	-bash scripts/build_llama_cpp.sh $(ISA)
 
 # Every figure in README.md and docs/benchmarks.md, raw outputs to docs/results/ (~15 min, idle machine).
 figures: setup

@@ -285,6 +285,14 @@ def profile(
     plot_path: Annotated[Optional[Path], typer.Option("--plot", help="Draw KV memory over time, stacked by "
                                                       "category, to FILE.png.", show_default=False)] = None,
     live: Annotated[bool, typer.Option("--live/--no-live", help="Live dashboard on a terminal.")] = True,
+    endpoint: Annotated[Optional[list[str]], typer.Option(
+        "--endpoint", help="Send the trace to a running OpenAI-compatible server (http://host:port; vLLM, "
+        "llama.cpp's server, kvcli serve) instead of a local engine: streamed /v1/completions with token-id "
+        "prompts, measured at the client while its /metrics is sampled. Repeat for several servers, run one "
+        "after the other and reported side by side. Only these URLs are contacted; --model names the "
+        "tokenizer for the prompts.", show_default=False)] = None,
+    concurrency: Annotated[int, typer.Option("--concurrency", help="--endpoint: most requests in flight per "
+                                             "server (1..1024).")] = 64,
     model: ModelOpt = None,
     block_size: BlockSizeOpt = 16,
     kv_budget: KVBudgetOpt = None,
@@ -319,6 +327,7 @@ def profile(
     for d in kv_dtypes[1:]:
         engine_options(fail, kv_dtype=d)  # each format validated before the model loads
     args = ProfileArgs(kv_dtypes=kv_dtypes if len(kv_dtypes) > 1 else (None,),
+        endpoints=tuple(endpoint or ()), concurrency=concurrency,
         model=model, workload=workload, num_requests=num_requests, request_rate=request_rate, seed=seed,
         compare=compare.value, simulate=simulate, json_path=json_path, plot_path=plot_path, quant=quant.value,
         live=live,
@@ -330,6 +339,94 @@ def profile(
                                kv_dtype=kv_dtype, prefix_caching=prefix_cache,
                                **_spec(speculate, num_speculative_tokens, ngram_min, ngram_max)))
     code = run_profile(args, fail)
+    if code:
+        raise typer.Exit(code)
+
+
+@app.command("serve")
+def serve(
+    host: Annotated[str, typer.Option("--host", help="Address to listen on. Loopback by default: the API has "
+                                      "no authentication; 0.0.0.0 exposes it to the network.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", "-p", help="TCP port (0 = any free port, announced on "
+                                      "stderr).")] = 8000,
+    served_model_name: Annotated[Optional[str], typer.Option(
+        "--served-model-name", help="The model id clients send and /v1/models lists. Default: the model "
+        "file's name.", show_default=False)] = None,
+    log_level: Annotated[str, typer.Option("--log-level", help="uvicorn's log level (debug logs each "
+                                           "request).")] = "warning",
+    model: ModelOpt = None,
+    block_size: BlockSizeOpt = 16,
+    kv_budget: KVBudgetOpt = None,
+    kv_dtype: KVDtypeOpt = None,
+    max_model_len: MaxLenOpt = None,
+    max_batch_tokens: ChunkOpt = 512,
+    max_num_seqs: Annotated[int, typer.Option("--max-num-seqs", help="Most requests running at once.")] = 64,
+    kv_layout: Annotated[Layout, typer.Option("--kv-layout", help="paged, or contiguous preallocation "
+                                              "(for comparison).")] = Layout.paged,
+    preempt: Annotated[Preempt, typer.Option("--preempt", help="When blocks run out: recompute the "
+                                             "preempted request later, or swap its blocks to host memory."
+                                             )] = Preempt.recompute,
+    quant: QuantOpt = Quant.auto,
+    dequantize: DequantOpt = False,
+    device: DeviceOpt = None,
+    attention_backend: BackendOpt = Backend.auto,
+    prefix_cache: PrefixOpt = True,
+    speculate: SpecOpt = Speculate.none,
+    num_speculative_tokens: SpecTokensOpt = 5,
+    ngram_min: NgramMinOpt = 2,
+    ngram_max: NgramMaxOpt = 4,
+) -> None:
+    """Serve the model over an OpenAI-compatible HTTP API, with Prometheus metrics.
+
+    Endpoints: POST /v1/completions and /v1/chat/completions (stream: true for server-sent events),
+    GET /v1/models, /health, and /metrics (vLLM's metric names, plus kvcli: ones for the KV memory
+    breakdown and the contiguous what-if; `kvcli watch URL` shows them live). One engine thread runs
+    every request through the paged KV cache with continuous batching; a client that disconnects
+    frees its request's blocks. Ctrl-C or SIGTERM stops the server."""
+    from kvcli.commands.common import engine_options
+    from kvcli.commands.serve_cmd import ServeArgs, run_serve
+
+    if log_level not in ("critical", "error", "warning", "info", "debug"):
+        fail(f"--log-level must be critical, error, warning, info or debug (got {log_level})")
+    args = ServeArgs(
+        model=model, quant=quant.value, host=host, port=port, served_model_name=served_model_name,
+        log_level=log_level,
+        options=engine_options(fail, device=device, block_size=block_size, kv_budget=kv_budget,
+                               dequantize=dequantize, max_model_len=max_model_len,
+                               max_num_batched_tokens=max_batch_tokens, max_num_seqs=max_num_seqs,
+                               attention_backend=attention_backend.value, kv_layout=kv_layout.value,
+                               preempt=preempt.value, kv_dtype=kv_dtype, prefix_caching=prefix_cache,
+                               **_spec(speculate, num_speculative_tokens, ngram_min, ngram_max)))
+    code = run_serve(args, fail)
+    if code:
+        raise typer.Exit(code)
+
+
+@app.command("watch")
+def watch(
+    url: Annotated[str, typer.Argument(help="The server: http://host:port (its /metrics is read) or the full "
+                                       "metrics URL. vLLM, llama.cpp's server (--metrics) and kvcli serve.",
+                                       show_default=False)],
+    interval: Annotated[float, typer.Option("--interval", "-i", help="Seconds between scrapes (0.25 = 4 Hz).")] = 0.25,
+    duration: Annotated[Optional[float], typer.Option("--duration", help="Stop after this many seconds "
+                                                      "(default: until Ctrl-C).", show_default=False)] = None,
+    once: Annotated[bool, typer.Option("--once", help="Scrape once, print the dashboard and exit.")] = False,
+    record: Annotated[Optional[Path], typer.Option("--record", help="Write the timeline (one row per scrape, "
+                                                   "and scrape errors) to FILE as JSON.", show_default=False)] = None,
+    plot: Annotated[Optional[Path], typer.Option("--plot", help="Draw KV memory, requests and throughput over "
+                                                 "time to FILE.png.", show_default=False)] = None,
+    live: Annotated[bool, typer.Option("--live/--no-live", help="Live dashboard on a terminal; otherwise one "
+                                       "line per scrape, then the dashboard once.")] = True,
+) -> None:
+    """Watch a serving engine through its Prometheus /metrics: KV usage and blocks over time,
+    running / waiting requests, preemptions, prefix-cache hit rate, throughput, TTFT and
+    inter-token latency percentiles; for kvcli serve also the KV memory breakdown and the
+    contiguous what-if. A server that stops answering is reported in the view, which keeps its
+    last sample; one unreachable at the start is an error."""
+    from kvcli.commands.watch_cmd import WatchArgs, run_watch
+
+    code = run_watch(WatchArgs(url=url, interval=interval, duration=duration, once=once, record=record,
+                               plot=plot, live=live), fail)
     if code:
         raise typer.Exit(code)
 

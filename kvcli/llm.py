@@ -28,7 +28,8 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         on_output: Callable[[RequestOutput], None] | None = None,
     ) -> list[CompletionOutput]:
-        """Run all prompts together through the paged cache; `on_output` streams each new token."""
+        """Run all prompts together through the paged cache; `on_output` streams each new token.
+        One result per prompt; with SamplingParams(n > 1) the other samples are in its `.samples`."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         if params is None:

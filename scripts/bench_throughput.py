@@ -56,6 +56,9 @@ def main() -> int:
                     help="hf: run the transformers baselines (default); none: kvcli only")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch intra-op threads for both sides (default: torch's default, one per core)")
+    ap.add_argument("--llama-cpp", choices=("auto", "none"), default="auto",
+                    help="auto: also run llama.cpp with --parallel sequences where scripts/build_llama_cpp.sh built it")
+    ap.add_argument("--parallel", type=int, default=16, help="llama.cpp sequences in flight (default 16)")
     ap.add_argument("--json", metavar="FILE", help="also write the numbers to FILE as JSON")
     a = ap.parse_args()
     if a.threads is not None:
@@ -68,7 +71,7 @@ def main() -> int:
     from kvcli.bench.machine import cpu_isa, cpu_name, machine_line
     from kvcli.options import parse_bytes
     from kvcli.llm import LLM
-    from kvcli.model.loader import bundled_gguf_path
+    from kvcli.model.loader import bundled_gguf_path, load_config
 
     modes = [m.strip() for m in a.modes.split(",") if m.strip()] if a.compare == "hf" else []
     bad = [m for m in modes if m not in GOALS]
@@ -125,6 +128,24 @@ def main() -> int:
         hf = run_hf_baselines(model, prompts, max_tokens, batch_size=a.batch_size, modes=modes, progress=progress,
                               kv_budget_bytes=kv_bytes)
 
+    # --- llama.cpp, same file, same token ids, --parallel sequences in one unified KV pool of the same bytes ------
+    llama: dict | None = None
+    llama_note = ""
+    if a.llama_cpp == "auto":
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import llama_bench
+
+        # f16 K and V for every layer and KV head: llama.cpp's default cache type.
+        c = load_config(None)
+        per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 2
+        job = {"model": str(bundled_gguf_path()), "threads": torch.get_num_threads(), "parallel": a.parallel,
+               "n_ctx": kv_bytes // per_token, "trace": [{"prompt": p, "max_tokens": m} for p, m in zip(prompts, max_tokens)]}
+        print(f"llama.cpp: running {len(prompts)} requests, {a.parallel} in parallel", file=sys.stderr, flush=True)
+        llama, llama_note = llama_bench.run(job)
+        if llama is not None and llama["trace"]["output_tokens"] != kv_tokens:
+            llama_note = f"llama.cpp produced {llama['trace']['output_tokens']} tokens instead of {kv_tokens}; not counted"
+            llama = None
+
     # --- report -------------------------------------------------------------------------------------------------
     import transformers
 
@@ -156,7 +177,12 @@ def main() -> int:
         else:
             ratios[mode] = None
             print(f"| {label} | — | — | — |")
-    notes = [(m, r.note) for m, r in hf.items() if r.note]
+    if llama is not None:
+        lt = llama["trace"]
+        ratios["llama.cpp"] = kv_rate / lt["tok_s"]
+        print(f"| llama.cpp {llama['llama_cpp_version']}, {lt['parallel']} parallel sequences, same file "
+              f"(Q4_1, f16 KV) | {lt['wall_s']:.2f} | {lt['tok_s']:.1f} | {ratios['llama.cpp']:.2f}x |")
+    notes = [(m, r.note) for m, r in hf.items() if r.note] + ([("llama.cpp", llama_note)] if llama_note else [])
     if notes:
         print()
         for mode, note in notes:
@@ -172,6 +198,11 @@ def main() -> int:
             status = f"{'met' if ratios[mode] >= target else 'missed'} (measured {ratios[mode]:.2f}x)"
         goals[mode] = {"target": target, "ratio": ratios.get(mode), "status": status}
         print(f"goal >= {target:g}x {mode}: {status}")
+    if a.llama_cpp == "auto":
+        r = ratios.get("llama.cpp")
+        status = "not measured" if r is None else f"{'met' if r >= 2.0 else 'missed'} (measured {r:.2f}x)"
+        goals["llama.cpp"] = {"target": 2.0, "ratio": r, "status": status}
+        print(f"goal >= 2x llama.cpp parallel decoding: {status}")
 
     if a.json:
         report = {
@@ -190,6 +221,7 @@ def main() -> int:
             "hf": {m: {"wall_seconds": r.wall_seconds, "output_tokens": r.output_tokens,
                        "computed_tokens": r.computed_tokens, "tokens_per_s": r.tokens_per_s, "note": r.note,
                        "kvcli_speedup": ratios[m]} for m, r in hf.items()},
+            "llama_cpp": None if llama is None else {**llama["trace"], "version": llama["llama_cpp_version"]},
             "goals": goals,
         }
         with open(a.json, "w", encoding="utf-8") as f:

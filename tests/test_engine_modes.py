@@ -92,6 +92,10 @@ def test_n_samples_share_prompt_blocks(shared_model):
     assert {engine.requests[r].parent_id for r in rids} == {None, leader.req_id}
     outs = [list(engine.requests[r].output_token_ids) for r in rids]
     assert len({tuple(o) for o in outs}) == 3  # the seeds really sample different continuations
+    # What LLM.generate returns: one result per prompt, the other samples in .samples, in seed order.
+    result = engine.completion(leader.req_id)
+    assert [result.token_ids] + [s.token_ids for s in result.samples] == outs
+    assert [s.req_id for s in result.samples] == rids[1:] and all(not s.samples for s in result.samples)
     # Sample i carries seed 40 + i: each must equal one request run alone with that seed.
     for i, out in enumerate(outs):
         assert out == generate_alone(shared_model, ids, params.with_(seed=40 + i)), f"sample {i}"

@@ -67,18 +67,16 @@ def _resolve(spec: str | None) -> str | None:
 
 
 def _config_and_tensors(spec: str | None) -> tuple[ModelConfig, list[TensorGroup]]:
-    """The config and the tensors by type; a GGUF's metadata is parsed once (its vocabulary is slow)."""
+    """The config and the tensors by type, from one parse of a GGUF's header."""
     if spec is not None and spec.startswith("dummy:"):
         return load_config(spec), []
     path = bundled_gguf_path() if spec is None else Path(spec)
     if path.is_dir():
         return load_config(spec), _safetensors_groups(path)
-    import gguf
-
-    from kvcli.model.gguf_loader import GGUFError, read_config, tensor_bytes_by_type
+    from kvcli.model.gguf_loader import GGUFError, open_gguf, read_config, tensor_bytes_by_type
 
     try:
-        reader = gguf.GGUFReader(str(path), "r")
+        reader = open_gguf(path)
         config = read_config(reader, path)
         groups = tensor_bytes_by_type(reader)
     except GGUFError as e:

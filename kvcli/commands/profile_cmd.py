@@ -36,6 +36,8 @@ class ProfileArgs:
     live: bool
     options: EngineOptions
     kv_dtypes: tuple[str | None, ...] = (None,)  # --kv-dtype A,B: one run per format on the same trace
+    endpoints: tuple[str, ...] = ()  # --endpoint URL: send the trace to these servers instead
+    concurrency: int = 64  # --endpoint: most requests in flight per server
 
 
 def parse_rate(text: str, fail: Fail) -> float:
@@ -65,10 +67,17 @@ def run_profile(a: ProfileArgs, fail: Fail) -> int:
                 check_writable(p)
             except InputError as e:
                 fail(str(e))
+    if a.endpoints and (a.compare != "none" or a.simulate):
+        fail("--endpoint sends the trace to running servers; it does not combine with --compare or --simulate")
     try:
         trace = load_trace(a.workload, a.num_requests, max_model_len, rate, a.seed)
     except WorkloadError as e:
         fail(str(e))
+    if a.endpoints:
+        from kvcli.commands.profile_endpoint import run_endpoint_profile
+
+        return run_endpoint_profile(a.endpoints, a.concurrency, trace, a.model, a.seed, a.json_path, a.plot_path,
+                                    fail)
 
     layout0 = options.kv_layout
     runs = [options]

@@ -246,6 +246,14 @@ class LLMEngine:
     def abort(self, req_id: str) -> None:
         self.scheduler.abort(req_id)
 
+    def release(self, req_id: str) -> None:
+        """Forget a finished request (its blocks are already free). `completion()` needs the record,
+        so batch callers keep it; a long-running server releases each one as it finishes."""
+        req = self.scheduler.requests.get(req_id)
+        if req is not None and req.finished:
+            del self.scheduler.requests[req_id]
+            self._detok.pop(req_id, None)
+
     # --- one iteration ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
@@ -337,10 +345,14 @@ class LLMEngine:
 
     # --- results and statistics ----------------------------------------------------------------------
     def completion(self, req_id: str) -> CompletionOutput:
+        """A request's result; a prompt sampled n > 1 times carries its forks (`{id}.1`, ...) in .samples."""
         r = self.scheduler.requests[req_id]
         ttft = None if r.first_token_time is None else r.first_token_time - r.arrival_time
+        forks = []
+        while r.parent_id is None and f"{req_id}.{len(forks) + 1}" in self.scheduler.requests:
+            forks.append(self.completion(f"{req_id}.{len(forks) + 1}"))
         return CompletionOutput(r.req_id, r.prompt_token_ids, list(r.output_token_ids), r.output_text,
-                                r.finish_reason, ttft, r.num_preemptions)
+                                r.finish_reason, ttft, r.num_preemptions, tuple(forks))
 
     def weight_bytes(self) -> dict[str, int]:
         return self.model.weight_bytes() if self.model is not None else {}

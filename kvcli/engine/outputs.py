@@ -23,3 +23,4 @@ class CompletionOutput:
     finish_reason: str | None
     ttft_s: float | None
     num_preemptions: int = 0
+    samples: tuple["CompletionOutput", ...] = ()  # with SamplingParams(n > 1): the other n - 1 samples

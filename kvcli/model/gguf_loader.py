@@ -1,4 +1,4 @@
-"""Read a GGUF file's config and tensors directly with the `gguf` package.
+"""Read a GGUF file's config and tensors (header parsed by kvcli.model.gguf_file; gguf-py for types).
 
 Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K tensors stay quantized (canonical QuantTensor
 layouts, lossless); F32 loads as float32, F16 / BF16 stay half precision. Any other GGML type is
@@ -15,6 +15,7 @@ import torch
 
 from kvcli.config import ModelConfig
 from kvcli.model import kquants
+from kvcli.model.gguf_file import GGUFFile, GGUFTensor, read_gguf
 from kvcli.model.quant import QuantTensor, from_gguf_q4_0, from_gguf_q4_1, from_gguf_q8_0
 
 # GGML type name -> decoder of its raw blocks (uint8 tensor, rows N, in_features K) into a QuantTensor.
@@ -50,28 +51,18 @@ class GGUFError(ValueError):
     pass
 
 
-def _field(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    v = f.contents()
-    return v
+def _field(reader: GGUFFile, key: str, default=None):
+    return reader.get(key, default)
 
 
-def _required(reader, key: str, path: Path):
+def _required(reader: GGUFFile, key: str, path: Path):
     v = _field(reader, key)
     if v is None:
         raise GGUFError(f"{path.name}: missing metadata {key}")
     return v
 
 
-def _required_field(reader, key: str, path: Path):
-    if key not in reader.fields:
-        raise GGUFError(f"{path.name}: missing metadata {key}")
-    return reader.fields[key]
-
-
-def read_config(reader, path: Path) -> ModelConfig:
+def read_config(reader: GGUFFile, path: Path) -> ModelConfig:
     arch = _field(reader, "general.architecture")
     if arch not in ("llama", "qwen2"):
         raise GGUFError(f"{path.name}: unsupported architecture {arch!r} (kvcli runs llama-family GGUFs: llama, qwen2)")
@@ -80,7 +71,7 @@ def read_config(reader, path: Path) -> ModelConfig:
     hidden = int(_required(reader, f"{a}.embedding_length", path))
     n_vocab = _field(reader, f"{a}.vocab_size")
     if n_vocab is None:
-        n_vocab = len(_required_field(reader, "tokenizer.ggml.tokens", path).data)
+        n_vocab = len(_required(reader, "tokenizer.ggml.tokens", path))
     names = {t.name for t in reader.tensors}
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     head_dim = _field(reader, f"{a}.attention.key_length") or hidden // heads
@@ -111,7 +102,7 @@ def _unpermute_index(rows: int, n_head: int) -> torch.Tensor:
     return torch.arange(rows).reshape(n_head, half, 2).transpose(1, 2).reshape(-1)
 
 
-def _tensor(t, path: Path) -> QuantTensor | torch.Tensor:
+def _tensor(t: GGUFTensor, path: Path) -> QuantTensor | torch.Tensor:
     import gguf
 
     qt = t.tensor_type
@@ -138,23 +129,25 @@ def _tensor(t, path: Path) -> QuantTensor | torch.Tensor:
     return out.reshape(k) if len(dims) == 1 else out.reshape(n, k)
 
 
-def tensor_bytes_by_type(reader) -> dict[str, tuple[int, int]]:
-    """GGML type name -> (tensor count, bytes in the file) of an open GGUFReader, for `kvcli inspect`."""
+def tensor_bytes_by_type(reader: GGUFFile) -> dict[str, tuple[int, int]]:
+    """GGML type name -> (tensor count, bytes in the file), for `kvcli inspect`."""
     out: dict[str, tuple[int, int]] = {}
     for t in reader.tensors:
         c, b = out.get(t.tensor_type.name, (0, 0))
-        out[t.tensor_type.name] = (c + 1, b + int(t.n_bytes))
+        out[t.tensor_type.name] = (c + 1, b + int(t.nbytes))
     return out
+
+
+def open_gguf(path: Path) -> GGUFFile:
+    try:
+        return read_gguf(path)
+    except (ValueError, OSError) as e:  # bad magic, truncated header, unreadable file
+        raise GGUFError(f"{path}: not a readable GGUF file ({e})") from None
 
 
 def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, QuantTensor | torch.Tensor], dict[str, int]]:
     """Returns (config, weights by Hugging Face name, count of tensors per GGML type)."""
-    import gguf
-
-    try:
-        reader = gguf.GGUFReader(str(path), "r")
-    except Exception as e:  # gguf raises ValueError / struct errors / OSError on corrupt files
-        raise GGUFError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+    reader = open_gguf(path)
     config = read_config(reader, path)
     weights: dict[str, QuantTensor | torch.Tensor] = {}
     types: dict[str, int] = {}

@@ -210,12 +210,10 @@ def load_config(spec: str | None) -> ModelConfig:
             raise ModelLoadError(f"{path}: no config.json") from None
         except (ValueError, KeyError) as e:
             raise ModelLoadError(f"{path / 'config.json'}: {e}") from None
-    import gguf
-
-    from kvcli.model.gguf_loader import GGUFError, read_config
+    from kvcli.model.gguf_loader import GGUFError, open_gguf, read_config
 
     try:
-        return read_config(gguf.GGUFReader(str(path), "r"), path)
+        return read_config(open_gguf(path), path)
     except GGUFError as e:
         raise ModelLoadError(str(e)) from None
     except Exception as e:

@@ -1,5 +1,6 @@
-"""Tokenizers, always offline: from a GGUF's metadata or a checkpoint folder via transformers,
-or a byte-level tokenizer for dummy models (random weights have no vocabulary to speak of)."""
+"""Tokenizers, always offline: byte-level BPE GGUFs built directly with `tokenizers` (fast, also on a
+first run), other GGUFs and checkpoint folders through transformers, and a byte-level tokenizer for
+dummy models (random weights have no vocabulary to speak of)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import hashlib
 import os
 import shutil
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 # Never contact a model hub: kvcli only reads local files.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -49,6 +50,40 @@ class HFTokenizer:
         return list(out)
 
 
+class BPETokenizer:
+    """A `tokenizers.Tokenizer` built from GGUF metadata (kvcli.model.gguf_tokenizer). transformers is
+    imported only for the chat template, so `continue` and `profile` never pay for it."""
+
+    def __init__(self, tk, eos_token_ids: tuple[int, ...], meta: dict[str, Any]) -> None:
+        self.tk = tk
+        self.eos_token_ids = tuple(sorted(set(eos_token_ids)))
+        tokens = meta.get("tokenizer.ggml.tokens") or []
+
+        def token(key: str) -> str | None:
+            i = meta.get(f"tokenizer.ggml.{key}")
+            return tokens[i] if i is not None and 0 <= i < len(tokens) else None
+
+        self._specials = {"bos_token": token("bos_token_id"), "eos_token": token("eos_token_id"),
+                          "unk_token": token("unknown_token_id"), "pad_token": token("padding_token_id")}
+        self._chat_template = meta.get("tokenizer.chat_template")
+        self._hf: HFTokenizer | None = None
+
+    def encode(self, text: str) -> list[int]:
+        return self.tk.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tk.decode(ids, skip_special_tokens=True)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        if self._hf is None:
+            from transformers import PreTrainedTokenizerFast
+
+            tok = PreTrainedTokenizerFast(tokenizer_object=self.tk, chat_template=self._chat_template,
+                                          **{k: v for k, v in self._specials.items() if v is not None})
+            self._hf = HFTokenizer(tok, self.eos_token_ids)
+        return self._hf.apply_chat_template(messages, add_generation_prompt)
+
+
 class ByteTokenizer:
     """UTF-8 bytes shifted by 3 (0 pad, 1 bos, 2 eos); fits any vocabulary of >= 259 ids."""
 
@@ -71,9 +106,20 @@ def cache_dir() -> Path:
     return Path(base)
 
 
-def load_gguf_tokenizer(path: Path, eos_token_ids: tuple[int, ...]) -> HFTokenizer:
-    """transformers rebuilds a GGUF's tokenizer from its metadata (seconds); the result is kept as
-    tokenizer files in the cache, keyed by the file's identity, and loaded from there next time."""
+def load_gguf_tokenizer(path: Path, eos_token_ids: tuple[int, ...],
+                        metadata: dict[str, Any] | None = None) -> BPETokenizer | HFTokenizer:
+    """Byte-level BPE files are built directly (kvcli.model.gguf_tokenizer). For the rest transformers
+    rebuilds the tokenizer from the metadata (seconds); the result is kept as tokenizer files in the
+    cache, keyed by the file's identity, and loaded from there next time."""
+    from kvcli.model.gguf_tokenizer import build_bpe_tokenizer
+
+    if metadata is None:
+        from kvcli.model.gguf_file import read_gguf
+
+        metadata = read_gguf(path).metadata
+    tk = build_bpe_tokenizer(metadata)
+    if tk is not None:
+        return BPETokenizer(tk, eos_token_ids, metadata)
     from transformers import AutoTokenizer
 
     st = path.stat()

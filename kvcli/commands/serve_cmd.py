@@ -1,0 +1,135 @@
+"""`kvcli serve`: build the engine once, run it in its worker thread, and serve the HTTP API with
+uvicorn until Ctrl-C / SIGTERM (uvicorn's own handlers: open requests get a few seconds, then are
+cancelled, which aborts them in the engine)."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import ipaddress
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvcli.commands.common import Fail, build_engine
+from kvcli.options import EngineOptions
+
+
+@dataclass(frozen=True)
+class ServeArgs:
+    model: str | None
+    quant: str
+    options: EngineOptions
+    host: str
+    port: int
+    served_model_name: str | None
+    log_level: str
+
+
+def bind(host: str, port: int, fail: Fail) -> socket.socket:
+    """The listening socket, bound here so a taken port or a bad host is one line before the model
+    loads, and so port 0 (any free port) can be announced."""
+    if not 0 <= port <= 65535:
+        fail(f"--port must be in 0..65535 (got {port})")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        fail(f"--host {host}: cannot resolve ({e.strerror})")
+    family, _, _, _, addr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        why = "address already in use" if e.errno == errno.EADDRINUSE else (e.strerror or str(e))
+        fail(f"cannot listen on {host}:{port}: {why}")
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, except that Ctrl-C / SIGTERM only stop it: uvicorn re-raises the signal
+        after its graceful shutdown, which would kill the process before the engine thread stops."""
+
+        signal_received: int | None = None
+        on_exit: "Callable[[], None] | None" = None
+
+        def handle_exit(self, sig: int, frame) -> None:
+            self.signal_received = sig
+            if self.on_exit is not None:
+                self.on_exit()  # open requests end now (in-band error), so the graceful shutdown is quick
+            super().handle_exit(sig, frame)
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            old = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in old.items():
+                    signal.signal(sig, handler)
+
+    return Server
+
+
+def run_serve(a: ServeArgs, fail: Fail) -> int:
+    import uvicorn
+
+    from kvcli.server.app import ServerInfo, create_app
+    from kvcli.server.metrics import ServerMetrics
+    from kvcli.server.worker import EngineWorker
+
+    sock = bind(a.host, a.port, fail)
+    engine = build_engine(a.model, a.quant, a.options, fail)
+    if engine.tokenizer is None:
+        fail("kvcli serve needs a model with a tokenizer")
+    name = a.served_model_name or (Path(engine.source).name if engine.source else engine.config.name)
+    cache_info = {"block_size": str(engine.options.block_size), "cache_dtype": str(engine.kv_dtype).removeprefix("torch."),
+                  "num_gpu_blocks": str(engine.num_blocks), "enable_prefix_caching": str(engine.options.prefix_caching),
+                  "kv_layout": engine.options.kv_layout}
+    worker_ref: list[EngineWorker] = []
+    metrics = ServerMetrics(name, engine.max_model_len, lambda: worker_ref[0].latest(), cache_info)
+    worker = EngineWorker(engine, metrics)
+    worker_ref.append(worker)
+    info = ServerInfo(name, engine.max_model_len, int(time.time()), engine.config.vocab_size)
+    app = create_app(worker, engine.tokenizer, info, metrics)
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    print(f"kvcli serve: {name} · {engine.num_blocks:,} KV blocks x {engine.options.block_size} tokens "
+          f"({engine.kv_pool_bytes / 2**20:,.1f} MiB, {str(engine.kv_dtype).removeprefix('torch.')}) · "
+          f"max_model_len {engine.max_model_len:,}", file=sys.stderr)
+    if not is_loopback(host):
+        print("kvcli: note: listening beyond loopback; the API has no authentication", file=sys.stderr)
+    print(f"kvcli serve: listening on http://{shown}:{port} (Ctrl-C stops)", file=sys.stderr, flush=True)
+    config = uvicorn.Config(app, log_level=a.log_level, access_log=a.log_level == "debug",
+                            timeout_graceful_shutdown=3, lifespan="off")
+    server = _server_class()(config)
+    server.on_exit = worker.request_stop
+    worker.start()
+    try:
+        server.run(sockets=[sock])
+    finally:
+        worker.stop()
+        sock.close()
+    print("kvcli serve: stopped", file=sys.stderr)
+    return 130 if server.signal_received == signal.SIGINT else 0

@@ -1,0 +1,80 @@
+"""A byte-level BPE tokenizer built straight from a GGUF's vocabulary and merges with `tokenizers`.
+
+transformers rebuilds a GGUF's tokenizer through its slow-tokenizer converter: seconds on a first run
+(17-27 s measured on an AVX2 laptop-class VM), then cached. Byte-level BPE files (`tokenizer.ggml.model`
+= "gpt2": SmolLM, Llama 3, Qwen2, StarCoder, ...) describe everything `tokenizers` needs, so kvcli
+builds those itself in ~0.2 s, the same way transformers does (tests/test_gguf_tokenizer.py checks it
+token for token against transformers' conversion). Other tokenizer models (sentencepiece "llama",
+"t5", ...) and unknown pre-tokenizers return None and go through transformers.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any
+
+# Pre-tokenizer split patterns by `tokenizer.ggml.pre`, as the models' own tokenizer.json files and
+# llama.cpp define them. Names not listed here fall back to transformers.
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+GPT2_REGEX = None  # ByteLevel's built-in GPT-2 pattern
+PRE_TOKENIZER_SPLITS: dict[str, str | None] = {
+    "gpt-2": GPT2_REGEX, "gpt2": GPT2_REGEX, "smollm": GPT2_REGEX, "starcoder": GPT2_REGEX, "refact": GPT2_REGEX,
+    "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT,
+    "dbrx": _LLAMA3_SPLIT, "falcon3": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT, "megrez": _QWEN2_SPLIT,
+}
+CONTROL, USER_DEFINED = 3, 4  # llama.cpp token types
+
+
+@lru_cache(maxsize=1)
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map (the alphabet byte-level vocabularies use)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars = keep[:]
+    n = 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + n)
+            n += 1
+    return dict(zip(keep, map(chr, chars)))
+
+
+def supported(meta: dict[str, Any]) -> bool:
+    return (meta.get("tokenizer.ggml.model") == "gpt2" and "tokenizer.ggml.merges" in meta
+            and meta.get("tokenizer.ggml.pre", "gpt-2") in PRE_TOKENIZER_SPLITS)
+
+
+def build_bpe_tokenizer(meta: dict[str, Any]):
+    """A `tokenizers.Tokenizer` for a byte-level BPE GGUF, or None when this file needs transformers."""
+    if not supported(meta):
+        return None
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    spelling = bytes_to_unicode()
+    alphabet = set(spelling.values())
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    # A token written outside the byte alphabet (a raw special like "<|x|>" is inside it) is respelled
+    # byte by byte, as transformers' converter does; a later duplicate wins, as in a dict literal.
+    vocab = {t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")): i
+             for i, t in enumerate(tokens)}
+    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    tk = Tokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
+    split = PRE_TOKENIZER_SPLITS[meta.get("tokenizer.ggml.pre", "gpt-2")]
+    if split is None:
+        tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    else:
+        tk.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                                                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tk.decoder = decoders.ByteLevel()
+    # Control tokens match whole and are special (skipped when decoding); a "control" token spelled
+    # outside the byte alphabet is a mislabel that would grow the vocabulary, so it is left out.
+    types = meta.get("tokenizer.ggml.token_type") or []
+    tk.add_special_tokens([AddedToken(t, normalized=False, special=True)
+                           for t, ty in zip(tokens, types) if ty == CONTROL and set(t) <= alphabet])
+    tk.add_tokens([AddedToken(t, normalized=False, special=False)
+                   for t, ty in zip(tokens, types) if ty == USER_DEFINED and t in vocab])
+    return tk

@@ -1,0 +1,147 @@
+"""Batch-1 prefill and decode at 512 and 4k tokens of context: kvcli (INT4 resident), transformers (fp32,
+dequantized by its GGUF loader) and llama.cpp (llama-cpp-python, the same Q4_1 file) in one run, on the
+same token ids. Prints the machine's vector ISA and a markdown table of ratios against each goal.
+
+  python scripts/bench_cpu.py                 # the CPU's own ISA
+  python scripts/bench_cpu.py --isa avx2      # torch held to AVX2 and llama.cpp built for AVX2
+
+Method, the same for every engine: prefill tok/s = N / time to the first token from an empty cache
+(kvcli: prefix caching off); decode tok/s = new tokens / time of the decode steps after it (kvcli and
+transformers: (M - 1) / (t_M - t_1) over whole generations). Best of --repeats after a warm-up.
+llama.cpp is skipped with a message where it is not built (scripts/build_llama_cpp.sh).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+import time
+from datetime import datetime, timezone
+
+ISA_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--isa", choices=("native", "avx2"), default="native")
+    ap.add_argument("--contexts", default="512,4096", help="prompt lengths in tokens (default 512,4096)")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--engines", default="kvcli,transformers,llama.cpp")
+    a = ap.parse_args()
+    if a.isa == "avx2" and any(os.environ.get(k) != v for k, v in ISA_ENV.items()):
+        # torch reads ATEN_CPU_CAPABILITY once, at import: start again with it set.
+        os.execve(sys.executable, [sys.executable] + sys.argv, dict(os.environ, **ISA_ENV))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+    import torch
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import llama_bench
+
+    from kvcli.bench.machine import machine_line
+    from kvcli.config import SamplingParams
+    from kvcli.llm import LLM
+    from kvcli.model.loader import bundled_gguf_path
+
+    contexts = [int(x) for x in a.contexts.split(",")]
+    engines = [e.strip() for e in a.engines.split(",")]
+    text = open(os.path.join(os.path.dirname(__file__), "..", "samples", "heldout-gpl-3.0.txt"), encoding="utf-8").read()
+    load_before = os.getloadavg()[0]
+    results: dict[str, dict[int, tuple[float, float]]] = {}
+    notes: list[str] = []
+
+    def timed(fn) -> float:
+        best = float("inf")
+        for _ in range(a.repeats):
+            t = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - t)
+        return best
+
+    max_len = max(contexts) + a.new_tokens + 16
+    llm = LLM(prefix_caching=False, max_model_len=max_len, max_num_batched_tokens=512, kv_budget="512MiB")
+    ids_all = llm.tokenizer.encode(text * (1 + max(contexts) * 5 // len(text)))
+    if len(ids_all) < max(contexts):
+        print(f"error: the sample text has only {len(ids_all)} tokens", file=sys.stderr)
+        return 1
+    linear_mode = llm.engine.linear_mode
+    if "kvcli" in engines:
+        out = results["kvcli"] = {}
+        for n in contexts:
+            ids = ids_all[:n]
+            gen = lambda m: (lambda: llm.generate([ids], SamplingParams(max_tokens=m, ignore_eos=True)))  # noqa: E731
+            gen(a.new_tokens)()  # warm-up
+            t1, tm = timed(gen(1)), timed(gen(a.new_tokens))
+            out[n] = (n / t1, (a.new_tokens - 1) / (tm - t1))
+            print(f"kvcli {n}: prefill {out[n][0]:.1f} tok/s, decode {out[n][1]:.1f} tok/s", file=sys.stderr, flush=True)
+    del llm
+
+    path = bundled_gguf_path()
+    if "transformers" in engines:
+        from transformers import AutoModelForCausalLM, GenerationConfig
+
+        hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+        hf.generation_config = GenerationConfig(eos_token_id=None, pad_token_id=0)
+        out = results["transformers"] = {}
+        for n in contexts:
+            x = torch.tensor([ids_all[:n]])
+
+            def gen(m: int):
+                def f():
+                    with torch.inference_mode():
+                        hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=m, min_new_tokens=m, do_sample=False)
+                return f
+            gen(2)()
+            t1, tm = timed(gen(1)), timed(gen(a.new_tokens))
+            out[n] = (n / t1, (a.new_tokens - 1) / (tm - t1))
+            print(f"transformers {n}: prefill {out[n][0]:.1f}, decode {out[n][1]:.1f}", file=sys.stderr, flush=True)
+        del hf
+
+    if "llama.cpp" in engines:
+        job = {"model": str(path), "threads": torch.get_num_threads(), "contexts": contexts,
+               "new_tokens": a.new_tokens, "repeats": a.repeats, "prompt_ids": ids_all[:max(contexts)]}
+        res, note = llama_bench.run(job, a.isa)
+        if res is None:
+            notes.append(note)
+        else:
+            results["llama.cpp"] = {r["context"]: (r["prefill_tok_s"], r["decode_tok_s"]) for r in res["batch1"]}
+            notes.append(f"llama.cpp: llama-cpp-python {res['llama_cpp_version']}; {res['system_info'].strip()}")
+
+    load_after = os.getloadavg()[0]
+    print(f"# CPU batch-1 benchmark — {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC")
+    print(machine_line())
+    busy = max(load_before, load_after) > (os.cpu_count() or 1)
+    print(f"load average (1 min): {load_before:.2f} at start, {load_after:.2f} at end"
+          + (" — other work shared the CPU, timings are not clean" if busy else ""))
+    print("command: python scripts/bench_cpu.py" + ("" if len(sys.argv) == 1 else " " + shlex.join(sys.argv[1:])))
+    print(f"model: SmolLM2-135M-Instruct Q4_1 GGUF; kvcli {linear_mode} weights, fp32 activations and KV "
+          f"(default --kv-dtype); transformers fp32; {a.new_tokens} new tokens, greedy, batch 1\n")
+    print("| context | engine | prefill tok/s | decode tok/s | kvcli prefill ratio | kvcli decode ratio |")
+    print("|---:|---|---:|---:|---:|---:|")
+    for n in contexts:
+        k = results.get("kvcli", {}).get(n)
+        for eng, res in results.items():
+            p, d = res[n]
+            rp = f"{k[0] / p:.2f}x" if k and eng != "kvcli" else "—"
+            rd = f"{k[1] / d:.2f}x" if k and eng != "kvcli" else "—"
+            print(f"| {n} | {eng} | {p:.1f} | {d:.1f} | {rp} | {rd} |")
+    print()
+    for note in notes:
+        print(f"- {note}")
+    k = results.get("kvcli")
+    if k:
+        for n in contexts:
+            if "llama.cpp" in results:
+                r = k[n][1] / results["llama.cpp"][n][1]
+                print(f"goal decode >= 1.0x llama.cpp at {n}: {'met' if r >= 1 else 'missed'} ({r:.2f}x)")
+            if "transformers" in results:
+                r = k[n][0] / results["transformers"][n][0]
+                print(f"goal prefill >= 1.0x transformers at {n}: {'met' if r >= 1 else 'missed'} ({r:.2f}x)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,38 @@
+"""kvcli-side handle on the benchmark-only llama.cpp (scripts/build_llama_cpp.sh): find its venv for the
+ISA under test and run scripts/llama_cpp_worker.py there with a JSON job. Shared by the benchmarks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def bench_isa() -> str:
+    """native, or avx2 when torch is being held to AVX2 (ATEN_CPU_CAPABILITY=avx2)."""
+    return "avx2" if os.environ.get("ATEN_CPU_CAPABILITY", "").lower() == "avx2" else "native"
+
+
+def python_for(isa: str) -> Path | None:
+    py = REPO / ".cache" / "bench" / f"llama-{isa}" / "bin" / "python"
+    if not py.exists():
+        return None
+    ok = subprocess.run([str(py), "-c", "import llama_cpp"], capture_output=True).returncode == 0
+    return py if ok else None
+
+
+def run(job: dict, isa: str | None = None, timeout: float = 3600) -> tuple[dict | None, str]:
+    """(result, note): result None with a one-line reason when llama.cpp is not built or fails."""
+    isa = isa or bench_isa()
+    py = python_for(isa)
+    if py is None:
+        return None, f"llama.cpp not built for {isa}: run `bash scripts/build_llama_cpp.sh {isa}` (or `make bench-deps`)"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
+    p = subprocess.run([str(py), str(REPO / "scripts" / "llama_cpp_worker.py")], input=json.dumps(job),
+                       capture_output=True, text=True, env=env, timeout=timeout)
+    if p.returncode != 0:
+        return None, f"llama.cpp worker failed: {(p.stderr.strip().splitlines() or ['?'])[-1]}"
+    return json.loads(p.stdout.strip().splitlines()[-1]), ""

@@ -1,0 +1,94 @@
+"""kvcli's own GGUF header reader and byte-level BPE tokenizer against the independent references:
+gguf-py's GGUFReader (every metadata value, every tensor's bytes) and transformers' GGUF tokenizer
+conversion (token for token on a large mixed text, decode, chat template)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvcli.model.gguf_file import GGUFFormatError, read_gguf
+from kvcli.model.gguf_tokenizer import build_bpe_tokenizer
+from kvcli.model.tokenizer import BPETokenizer, load_gguf_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _texts() -> list[str]:
+    texts = [(REPO / f).read_text(encoding="utf-8") for f in
+             ("samples/keepers-log.txt", "samples/heldout-gpl-3.0.txt", "kvcli/engine/scheduler.py", "README.md")]
+    rng = random.Random(0)
+    # Digits, contractions, CJK, emoji, control-token text, CRLF and runs of spaces: where the
+    # pre-tokenizer patterns differ from each other.
+    alphabet = list("ab Zé日本語\n\t  1234567890'sSre-.,") + ["<|im_start|>", "<|endoftext|>", "🙂", "\r\n", "'LL", "   "]
+    texts += ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 120))) for _ in range(400)]
+    return texts
+
+
+def test_header_matches_gguf_reader(gguf_path) -> None:
+    import gguf
+
+    ours = read_gguf(gguf_path)
+    ref = gguf.GGUFReader(str(gguf_path), "r")
+    fields = {k: f.contents() for k, f in ref.fields.items() if not k.startswith("GGUF.")}
+    assert ours.metadata == fields
+    assert [t.name for t in ours.tensors] == [t.name for t in ref.tensors]
+    for a, b in zip(ours.tensors, ref.tensors):
+        assert a.shape == [int(x) for x in b.shape] and a.tensor_type == b.tensor_type, a.name
+        assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape, a.name
+        assert np.array_equal(a.data.view(np.uint8), b.data.view(np.uint8)), a.name
+
+
+def test_truncated_or_foreign_file_is_a_clear_error(tmp_path, gguf_path) -> None:
+    bad = tmp_path / "x.gguf"
+    bad.write_bytes(b"not a gguf at all, just text" * 4)
+    with pytest.raises(GGUFFormatError, match="bad magic"):
+        read_gguf(bad)
+    head = gguf_path.read_bytes()[: 2_000_000]  # header intact, tensor data cut off
+    bad.write_bytes(head)
+    with pytest.raises(GGUFFormatError, match="past the end|truncated"):
+        read_gguf(bad)
+
+
+def test_bundled_tokenizer_matches_transformers(gguf_path) -> None:
+    from transformers import AutoTokenizer
+
+    ours = load_gguf_tokenizer(gguf_path, (2,))
+    assert isinstance(ours, BPETokenizer)  # built directly, not through transformers
+    ref = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    n = 0
+    for text in _texts():
+        ids = ours.encode(text)
+        assert ids == ref.encode(text, add_special_tokens=False), text[:80]
+        assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True), text[:80]
+        n += len(ids)
+    assert n > 40_000  # a large text (~49k tokens), not a handful of words
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Go on"}]
+    for gen in (True, False):
+        expect = ref.apply_chat_template(msgs, add_generation_prompt=gen, tokenize=True)
+        expect = expect["input_ids"] if hasattr(expect, "keys") else expect
+        assert ours.apply_chat_template(msgs, add_generation_prompt=gen) == list(expect)
+
+
+@pytest.mark.parametrize("pre", ["llama-bpe", "qwen2", "gpt-2"])
+def test_pre_tokenizer_families_match_transformers(gguf_path, pre) -> None:
+    """The bundled vocabulary under Llama 3's and Qwen2's split patterns, built by both."""
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer, get_gguf_tokenizer
+
+    arch, tdict, _ = get_gguf_tokenizer(str(gguf_path))
+    ref = convert_gguf_tokenizer(arch, dict(tdict, pre_tokenizer_type=pre))[0]
+    meta = dict(read_gguf(gguf_path).metadata)
+    meta["tokenizer.ggml.pre"] = pre
+    ours = build_bpe_tokenizer(meta)
+    assert ours is not None
+    for text in _texts()[4:]:
+        assert ours.encode(text, add_special_tokens=False).ids == ref.encode(text, add_special_tokens=False).ids, text
+
+
+def test_other_tokenizer_models_fall_back(gguf_path) -> None:
+    meta = dict(read_gguf(gguf_path).metadata)
+    assert build_bpe_tokenizer(dict(meta, **{"tokenizer.ggml.model": "llama"})) is None
+    assert build_bpe_tokenizer(dict(meta, **{"tokenizer.ggml.pre": "some-future-pre"})) is None
