@@ -461,6 +461,33 @@ def plan(
         raise typer.Exit(code)
 
 
+@app.command("inspect")
+def inspect(
+    model: Annotated[Optional[str], typer.Argument(
+        help="A .gguf file, a Hugging Face checkpoint folder, or dummy:NAME. Default: the bundled model.",
+        show_default=False)] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print only a JSON report on stdout.")] = False,
+    load: Annotated[bool, typer.Option("--load/--no-load", help="Build the model to measure its resident "
+                                       "bytes (seconds); --no-load reads only the file's metadata.")] = True,
+    context: Annotated[Optional[int], typer.Option("--context", "-c", help="Tokens per request for the fit "
+                                                   "figures. Default: the model's context length.",
+                                                   show_default=False)] = None,
+    block_size: BlockSizeOpt = 16,
+    device: DeviceOpt = None,
+) -> None:
+    """What a model is and what it costs: architecture, tensors by type, memory after load, KV fit.
+
+    Prints the architecture (layers, heads and KV heads, head dim, context length), the file's tensors
+    by GGML type (count and bytes), the weights' resident bytes once kvcli has built the model and the
+    matmul path each kind of linear takes, KV bytes per token for each KV dtype, and how many tokens and
+    requests fit in the memory available on the device now (the same arithmetic as `kvcli plan`)."""
+    from kvcli.commands.common import engine_options
+    from kvcli.commands.inspect_cmd import run_inspect
+
+    options = engine_options(fail, block_size=block_size, device=device)
+    run_inspect(model, options, load, context, json_out, fail)
+
+
 @app.command("perplexity")
 def perplexity(
     file: Annotated[Path, typer.Argument(help="UTF-8 text to score.", show_default=False)],

@@ -52,3 +52,11 @@ def hf_model(gguf_path):
                                              dtype=torch.float32)
     m.eval()
     return m
+
+
+@pytest.fixture(scope="session")
+def tiny_kquant(tmp_path_factory) -> Path:
+    """A 2-layer llama GGUF with K-quant (and Q5/Q8) linears, written once per session (kquant_model.py)."""
+    from kquant_model import write_tiny_kquant_gguf
+
+    return write_tiny_kquant_gguf(tmp_path_factory.mktemp("kq") / "tiny-kquant.gguf")

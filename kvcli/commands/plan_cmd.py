@@ -42,18 +42,45 @@ class PlanArgs:
     options: EngineOptions  # block size and KV dtype, validated like every other command's
 
 
+@dataclass(frozen=True)
+class KVFit:
+    """What one KV format makes of a KV budget (shared by `plan` and `inspect`)."""
+
+    kv_dtype: str
+    bytes_per_token: int  # K and V over all layers, scales included
+    tokens_fit: int
+    requests_contiguous: int  # each preallocating `context` tokens in whole blocks
+    requests_paged: int  # each holding `mean` tokens in whole blocks
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def kv_fit(config, kv_dtype: str, kv_budget: int, context: int, mean: int, block_size: int) -> KVFit:
+    per_tok = config.kv_bytes_per_token(kv_dtype)
+    budget = max(kv_budget, 0)
+    return KVFit(str(kv_dtype), per_tok, budget // per_tok,
+                 budget // (per_tok * blocks_for(context, block_size) * block_size),
+                 budget // (per_tok * blocks_for(mean, block_size) * block_size))
+
+
+KV_DTYPE_NAMES = ("fp32", "fp16", "bf16", "int8")
+
+
+def kv_fits(config, kv_budget: int, context: int, mean: int, block_size: int) -> list[KVFit]:
+    return [kv_fit(config, name, kv_budget, context, mean, block_size) for name in KV_DTYPE_NAMES]
+
+
 def kv_dtype_table(config, kv_budget: int, context: int, mean: int, block_size: int, chosen: str) -> Table:
     """The same budget under every KV format, side by side (scales included in int8's bytes)."""
     t = Table(title=f"per KV dtype, same {human_bytes(kv_budget)} KV budget", title_justify="left")
     for col in ("KV dtype", "B/token", "vs fp16", "tokens/GiB", "tokens fit", "req. contig.", "req. paged"):
         t.add_column(col, justify="left" if col == "KV dtype" else "right")
     fp16 = config.kv_bytes_per_token("fp16")
-    for name in ("fp32", "fp16", "bf16", "int8"):
-        per_tok = config.kv_bytes_per_token(name)
-        t.add_row(name + (" *" if name == chosen else ""), f"{per_tok:,}", f"{per_tok / fp16:.2f}x",
-                  f"{(1 << 30) // per_tok:,}", f"{kv_budget // per_tok:,}",
-                  f"{kv_budget // (per_tok * blocks_for(context, block_size) * block_size):,}",
-                  f"{kv_budget // (per_tok * blocks_for(mean, block_size) * block_size):,}")
+    for f in kv_fits(config, kv_budget, context, mean, block_size):
+        t.add_row(f.kv_dtype + (" *" if f.kv_dtype == chosen else ""), f"{f.bytes_per_token:,}",
+                  f"{f.bytes_per_token / fp16:.2f}x", f"{(1 << 30) // f.bytes_per_token:,}", f"{f.tokens_fit:,}",
+                  f"{f.requests_contiguous:,}", f"{f.requests_paged:,}")
     return t
 
 
@@ -97,10 +124,9 @@ def run_plan(a: PlanArgs, fail: Fail) -> int:
         Console().print(t)
         return 1
     t.add_row("KV budget", human_bytes(kv_budget), f"{USABLE:.0%} of memory minus weights")
-    tokens_fit = kv_budget // per_tok
-    t.add_row("tokens that fit", f"{tokens_fit:,}", "")
-    contiguous = kv_budget // (per_tok * blocks_for(context, block_size) * block_size)
-    paged = kv_budget // (per_tok * blocks_for(mean, block_size) * block_size)
+    fit = kv_fit(config, dtype_name, kv_budget, context, mean, block_size)
+    t.add_row("tokens that fit", f"{fit.tokens_fit:,}", "")
+    contiguous, paged = fit.requests_contiguous, fit.requests_paged
     t.add_row("requests, contiguous", f"{contiguous:,}", f"each preallocates {context:,} tokens")
     assumed = "--mean-tokens" if mean_tokens else "assumed: context / 4; set --mean-tokens"
     t.add_row("requests, paged", f"{paged:,}", f"each holds ~{mean:,} tokens on average ({assumed}) in blocks")

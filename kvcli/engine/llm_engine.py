@@ -158,14 +158,21 @@ class LLMEngine:
                 "backoff": AdaptiveBackoff()}
 
     def _build_model(self, loaded: LoadedWeights, dtype: torch.dtype) -> None:
-        has_int4 = any(isinstance(w, QuantTensor) and w.kind == "q4" for w in loaded.weights.values())
-        if self.options.dequantize or not (has_int4 or loaded.dense_linears == "nf4"):
+        # Packed: any quantized linear, or (GGUF only) fp16/bf16 linears, which stay half precision.
+        gguf_file = any(k.startswith("gguf:") for k in loaded.formats)
+        has_packed = any(
+            isinstance(w, QuantTensor) or (gguf_file and w.dim() == 2 and w.dtype in (torch.float16, torch.bfloat16))
+            for name, w in loaded.weights.items() if name.endswith("proj.weight"))
+        if self.options.dequantize or not (has_packed or loaded.dense_linears == "nf4"):
             mode, head_dtype = "dense", dtype
         elif loaded.dense_linears == "nf4":
             mode, head_dtype = "nf4", dtype
         elif self.device.type == "cpu":
-            # The INT4 CPU kernel runs in bf16; the vocabulary projection follows it (half of fp32's bytes).
-            mode, head_dtype = "int4-cpu", torch.bfloat16
+            # The INT4 CPU kernel runs in bf16; the vocabulary projection follows it (half of fp32's
+            # bytes). Without 4-bit linears (e.g. a Q8_0 file) everything stays in the compute dtype.
+            has_q4 = any(isinstance(w, QuantTensor) and w.kind == "q4"
+                         for name, w in loaded.weights.items() if name.endswith("proj.weight"))
+            mode, head_dtype = "int4-cpu", (torch.bfloat16 if has_q4 else dtype)
         else:
             mode, head_dtype = ("triton" if self.backend.name == "triton" else "int4-torch"), dtype
         self.linear_mode = mode
@@ -175,7 +182,9 @@ class LLMEngine:
                                     device=self.device, lm_head_dtype=head_dtype)
         except KeyError as e:
             raise ConfigError(f"{loaded.source}: missing weight {e.args[0]}") from None
-        self.model.linear_mode = mode
+        # What the layers really run: e.g. "int4-cpu+lowbit-torch" for a Q4_K_M file (Q6_K parts).
+        self.linear_mode = mode if mode in ("dense", "nf4") else self.model.linear_modes()
+        self.model.linear_mode = self.linear_mode
 
     def _kv_budget_bytes(self) -> int:
         spec = self.options.kv_budget

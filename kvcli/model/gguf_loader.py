@@ -1,7 +1,8 @@
 """Read a GGUF file's config and tensors (header parsed by kvcli.model.gguf_file; gguf-py for types).
 
-Q4_0 / Q4_1 / Q8_0 tensors stay quantized (canonical QuantTensor layouts, lossless); F32 / F16 /
-BF16 load as dense tensors; any other GGML type is dequantized by gguf-py (and said so in the report).
+Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K tensors stay quantized (canonical QuantTensor
+layouts, lossless); F32 loads as float32, F16 / BF16 stay half precision. Any other GGML type is
+refused at load with a one-line error naming the tensor and its type.
 llama.cpp stores q/k rows permuted for its rope kernel; they are permuted back to Hugging Face order.
 """
 
@@ -13,8 +14,17 @@ import numpy as np
 import torch
 
 from kvcli.config import ModelConfig
+from kvcli.model import kquants
 from kvcli.model.gguf_file import GGUFFile, GGUFTensor, read_gguf
 from kvcli.model.quant import QuantTensor, from_gguf_q4_0, from_gguf_q4_1, from_gguf_q8_0
+
+# GGML type name -> decoder of its raw blocks (uint8 tensor, rows N, in_features K) into a QuantTensor.
+_DECODERS = {
+    "Q4_0": from_gguf_q4_0, "Q4_1": from_gguf_q4_1, "Q8_0": from_gguf_q8_0,
+    "Q5_0": kquants.from_gguf_q5_0, "Q5_1": kquants.from_gguf_q5_1,
+    "Q4_K": kquants.from_gguf_q4_k, "Q5_K": kquants.from_gguf_q5_k, "Q6_K": kquants.from_gguf_q6_k,
+}
+SUPPORTED_TYPES = ("F32", "F16", "BF16", *_DECODERS)
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -45,16 +55,23 @@ def _field(reader: GGUFFile, key: str, default=None):
     return reader.get(key, default)
 
 
+def _required(reader: GGUFFile, key: str, path: Path):
+    v = _field(reader, key)
+    if v is None:
+        raise GGUFError(f"{path.name}: missing metadata {key}")
+    return v
+
+
 def read_config(reader: GGUFFile, path: Path) -> ModelConfig:
     arch = _field(reader, "general.architecture")
     if arch not in ("llama", "qwen2"):
         raise GGUFError(f"{path.name}: unsupported architecture {arch!r} (kvcli runs llama-family GGUFs: llama, qwen2)")
     a = arch
-    heads = int(_field(reader, f"{a}.attention.head_count"))
-    hidden = int(_field(reader, f"{a}.embedding_length"))
+    heads = int(_required(reader, f"{a}.attention.head_count", path))
+    hidden = int(_required(reader, f"{a}.embedding_length", path))
     n_vocab = _field(reader, f"{a}.vocab_size")
     if n_vocab is None:
-        n_vocab = len(reader.get("tokenizer.ggml.tokens") or ())
+        n_vocab = len(_required(reader, "tokenizer.ggml.tokens", path))
     names = {t.name for t in reader.tensors}
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     head_dim = _field(reader, f"{a}.attention.key_length") or hidden // heads
@@ -63,8 +80,8 @@ def read_config(reader: GGUFFile, path: Path) -> ModelConfig:
         architecture=arch,
         vocab_size=int(n_vocab),
         hidden_size=hidden,
-        intermediate_size=int(_field(reader, f"{a}.feed_forward_length")),
-        num_layers=int(_field(reader, f"{a}.block_count")),
+        intermediate_size=int(_required(reader, f"{a}.feed_forward_length", path)),
+        num_layers=int(_required(reader, f"{a}.block_count", path)),
         num_heads=heads,
         num_kv_heads=int(_field(reader, f"{a}.attention.head_count_kv", heads)),
         head_dim=int(head_dim),
@@ -85,30 +102,40 @@ def _unpermute_index(rows: int, n_head: int) -> torch.Tensor:
     return torch.arange(rows).reshape(n_head, half, 2).transpose(1, 2).reshape(-1)
 
 
-def _tensor(t: GGUFTensor) -> QuantTensor | torch.Tensor:
+def _tensor(t: GGUFTensor, path: Path) -> QuantTensor | torch.Tensor:
     import gguf
 
     qt = t.tensor_type
+    name = getattr(qt, "name", str(qt))
+    if name not in SUPPORTED_TYPES:
+        raise GGUFError(f"{path.name}: tensor {t.name} is {name}, a GGML type kvcli does not read "
+                        f"(supported: {', '.join(SUPPORTED_TYPES)})")
     dims = [int(x) for x in t.shape]  # GGUF order: ne0 (in_features) first
-    raw = torch.from_numpy(np.array(t.data, copy=True))  # the reader hands out a read-only memmap
     if len(dims) == 1:
         n, k = 1, dims[0]
     else:
         k, n = dims[0], int(np.prod(dims[1:]))
-    T = gguf.GGMLQuantizationType
-    if qt == T.Q4_1:
-        return from_gguf_q4_1(raw, n, k)
-    if qt == T.Q4_0:
-        return from_gguf_q4_0(raw, n, k)
-    if qt == T.Q8_0:
-        return from_gguf_q8_0(raw, n, k)
-    if qt in (T.F32, T.F16):
-        out = raw.float() if qt == T.F16 else raw
-    elif qt == T.BF16:
-        out = raw.view(torch.int16).to(torch.int32).bitwise_left_shift(16).view(torch.float32)
-    else:
-        out = torch.from_numpy(gguf.quants.dequantize(t.data, qt).astype(np.float32))
+    block = gguf.GGML_QUANT_SIZES[qt][0]
+    if k % block:
+        raise GGUFError(f"{path.name}: tensor {t.name} ({name}) has {k} columns, not a multiple of its "
+                        f"{block}-element blocks")
+    raw = torch.from_numpy(np.array(t.data, copy=True))  # the reader hands out a read-only memmap
+    if name in _DECODERS:
+        return _DECODERS[name](raw, n, k)
+    if name == "F32":
+        out = raw
+    else:  # F16 / BF16 stay half precision; linears upcast them per call, --dequantize once
+        out = raw.view(torch.float16 if name == "F16" else torch.bfloat16)
     return out.reshape(k) if len(dims) == 1 else out.reshape(n, k)
+
+
+def tensor_bytes_by_type(reader: GGUFFile) -> dict[str, tuple[int, int]]:
+    """GGML type name -> (tensor count, bytes in the file), for `kvcli inspect`."""
+    out: dict[str, tuple[int, int]] = {}
+    for t in reader.tensors:
+        c, b = out.get(t.tensor_type.name, (0, 0))
+        out[t.tensor_type.name] = (c + 1, b + int(t.nbytes))
+    return out
 
 
 def open_gguf(path: Path) -> GGUFFile:
@@ -136,7 +163,7 @@ def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, QuantTensor | torch.Te
         else:
             continue
         types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
-        w = _tensor(t)
+        w = _tensor(t, path)
         if config.architecture == "llama" and (".q_proj." in hf or ".k_proj." in hf):
             n_head = config.num_heads if ".q_proj." in hf else config.num_kv_heads
             rows = w.shape[0]

@@ -1,10 +1,14 @@
 """Model building blocks: linears over INT4 / dense weights, embedding, RMSNorm, rotary embedding.
 
-An INT4 linear is built from a canonical QuantTensor and keeps only the form its matmul path needs:
+A quantized linear is built from a canonical QuantTensor and keeps only the form its matmul path needs:
   "int4-cpu"    torch's packed int4 CPU kernel (bf16 activations, bf16 scale/zero): 4-bit resident,
-                not bit-exact (activations and scales rounded to bf16).
-  "triton"      kvcli_kernels.int4_matmul on the canonical layout (CUDA).
-  "int4-torch"  dequantize per call in plain torch: 4-bit resident, exact, slow (fallback).
+                not bit-exact (activations and scales rounded to bf16). 4-bit codes only (Q4_0,
+                Q4_1, Q4_K: K-quant group scales are multiplied out to per-32 scale/zero first).
+  "triton"      kvcli_kernels.int4_matmul on the canonical layout (CUDA; plain fp16 group scales).
+  "int4-torch"  4-bit codes dequantized per call in plain torch: exact, slow (fallback).
+  "lowbit-torch" 5/6/8-bit codes (Q5_0, Q5_1, Q5_K, Q6_K, Q8_0) dequantized per call in plain torch:
+                resident as in the file, exact, slow (no packed 5/6/8-bit group kernel in torch).
+  "half-torch"  an fp16/bf16 weight from the file kept half precision, upcast per call.
   "dense"       weights dequantized once to the compute dtype (`--dequantize`): exact, 8x the bytes.
   "nf4"         a dense checkpoint weight quantized by bitsandbytes to NF4 (blocksize 64).
 """
@@ -37,28 +41,37 @@ class Linear:
             self.out_features, self.in_features = weight.shape
             self.nf4, self.nf4_state = bnbf.quantize_4bit(weight.to(dtype), blocksize=64, quant_type="nf4")
             return
-        if not self.quantized or mode == "dense" or weight.kind != "q4":
+        half = (not self.quantized and weight.dtype in (torch.float16, torch.bfloat16)
+                and weight.dtype != dtype and weight.dim() == 2)
+        if mode == "dense" or (not self.quantized and not half):
             w = weight.dequantize(dtype) if isinstance(weight, QuantTensor) else weight.to(dtype)
             self.mode, self.weight = "dense", w.contiguous()
             return
         self.out_features, self.in_features = weight.shape
+        if half:
+            self.mode, self.weight = "half-torch", weight.contiguous()
+            return
         self.group_size = weight.group_size
-        if mode == "int4-cpu" and self.out_features % 16 == 0:
+        if mode not in ("triton", "int4-torch", "int4-cpu"):
+            raise ValueError(f"unknown linear mode {mode!r}")
+        if weight.kind != "q4":
+            self.mode, self.q = "lowbit-torch", weight
+        elif mode == "int4-cpu" and self.out_features % 16 == 0 and weight.offset == 0:
             q = weight.unpack_codes().to(torch.int32)
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
             # torch's kernel computes (q - 8) * scale + zero, so zero = min + 8 * scale.
-            s = weight.scale.float()
-            zero = weight.min.float() + 8.0 * s  # type: ignore[union-attr]
+            s = weight.group_scales()
+            mins = weight.group_mins()
+            zero = (mins if mins is not None else torch.zeros_like(s)) + 8.0 * s
             self.scale_zero = torch.stack([s, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
-        elif mode in ("triton", "int4-torch", "int4-cpu"):
-            self.mode = "int4-torch" if mode == "int4-cpu" else mode
+        elif mode == "triton" and weight.exact_fp16_groups:
             self.q = weight
-        else:
-            raise ValueError(f"unknown linear mode {mode!r}")
+        else:  # CPU rows not a multiple of 16, or a layout the Triton GEMM does not read
+            self.mode, self.q = "int4-torch", weight
 
     @property
     def nbytes(self) -> int:
-        if self.mode == "dense":
+        if self.mode in ("dense", "half-torch"):
             return _nbytes(self.weight, self.bias)
         if self.mode == "int4-cpu":
             return _nbytes(self.packed, self.scale_zero, self.bias)
@@ -81,22 +94,48 @@ class Linear:
             from kvcli_kernels.int4_gemm import int4_matmul
 
             y = int4_matmul(x, self.q.codes, self.q.scale, self.q.min, group_size=self.group_size)
+        elif self.mode == "half-torch":
+            y = F.linear(x, self.weight.to(x.dtype))
         else:
             y = F.linear(x, self.q.dequantize(x.dtype))
         return y if self.bias is None else y + self.bias
 
 
+class LinearGroup:
+    """Linears that would be one fused matmul (q/k/v, gate/up) but whose weights cannot be concatenated
+    (e.g. Q4_K_M files: q/k in Q4_K, v in Q6_K): each part keeps its own form, outputs concatenated."""
+
+    def __init__(self, parts: list[Linear], bias: torch.Tensor | None) -> None:
+        self.parts = parts
+        self.bias = bias
+        self.mode = "+".join(dict.fromkeys(p.mode for p in parts))
+
+    @property
+    def modes(self) -> list[str]:
+        return [p.mode for p in self.parts]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts) + _nbytes(self.bias)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.cat([p(x) for p in self.parts], dim=-1)
+        return y if self.bias is None else y + self.bias
+
+
 class Embedding:
-    """Token embedding; a Q8_0 table stays int8 and rows are dequantized on lookup (exactly)."""
+    """Token embedding; a quantized table stays quantized and looked-up rows are dequantized (exactly);
+    an fp16/bf16 table stays half precision."""
 
     def __init__(self, weight: QuantTensor | torch.Tensor, dtype: torch.dtype) -> None:
         self.dtype = dtype
-        if isinstance(weight, QuantTensor) and weight.kind == "q8":
+        if isinstance(weight, QuantTensor):
             self.q: QuantTensor | None = weight
             self.weight = None
         else:
             self.q = None
-            self.weight = weight.dequantize(dtype) if isinstance(weight, QuantTensor) else weight.to(dtype)
+            half = weight.dtype in (torch.float16, torch.bfloat16)
+            self.weight = weight if half else weight.to(dtype)
 
     @property
     def nbytes(self) -> int:
@@ -107,11 +146,13 @@ class Embedding:
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         if self.q is None:
-            return F.embedding(ids, self.weight)  # type: ignore[arg-type]
+            return F.embedding(ids, self.weight).to(self.dtype)  # type: ignore[arg-type]
         q = self.q
-        g = q.group_size
-        rows = q.codes[ids].to(torch.float32).reshape(ids.shape[0], -1, g)
-        return (rows * q.scale[ids].to(torch.float32).unsqueeze(-1)).reshape(ids.shape[0], -1).to(self.dtype)
+        if q.kind == "q8" and q.sub_scale is None:  # the common Q8_0 table: no repacking per lookup
+            g = q.group_size
+            rows = q.codes[ids].to(torch.float32).reshape(ids.shape[0], -1, g)
+            return (rows * q.scale[ids].to(torch.float32).unsqueeze(-1)).reshape(ids.shape[0], -1).to(self.dtype)
+        return q.rows(ids).dequantize(self.dtype)
 
 
 class RMSNorm:

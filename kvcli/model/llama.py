@@ -16,26 +16,41 @@ import torch.nn.functional as F
 from kvcli.attention.base import AttentionBackend, AttentionMetadata
 from kvcli.config import ModelConfig
 from kvcli.kvcache.kv_cache import KVCache
-from kvcli.model.layers import Embedding, Linear, RMSNorm, Rotary
+from kvcli.model.layers import Embedding, Linear, LinearGroup, RMSNorm, Rotary
 from kvcli.model.quant import QuantTensor
 from kvcli.model.vocab_head import VocabHead
 
 Weights = dict[str, "QuantTensor | torch.Tensor"]
 
 
-def _fuse(parts: list[QuantTensor | torch.Tensor]) -> QuantTensor | torch.Tensor:
-    if all(isinstance(p, QuantTensor) for p in parts) and len({p.kind for p in parts}) == 1:  # type: ignore[union-attr]
-        return QuantTensor.cat(parts)  # type: ignore[arg-type]
-    return torch.cat([p.dequantize() if isinstance(p, QuantTensor) else p.float() for p in parts])
+def _fuse(parts: list[QuantTensor | torch.Tensor]) -> QuantTensor | torch.Tensor | list[QuantTensor | torch.Tensor]:
+    """One weight for a fused matmul when the parts share a layout; else the parts, kept as they are
+    (a LinearGroup), so a mixed Q4_K/Q6_K q/k/v never falls back to a dense copy."""
+    if all(isinstance(p, QuantTensor) for p in parts):
+        if len({p.layout() for p in parts}) == 1:  # type: ignore[union-attr]
+            return QuantTensor.cat(parts)  # type: ignore[arg-type]
+        return parts
+    if all(isinstance(p, torch.Tensor) for p in parts) and len({p.dtype for p in parts}) == 1:
+        return torch.cat(parts)  # type: ignore[arg-type]
+    return parts
+
+
+def _linear(w: QuantTensor | torch.Tensor | list, bias: torch.Tensor | None, mode: str,
+            dtype: torch.dtype) -> Linear | LinearGroup:
+    if isinstance(w, list) and mode == "dense":  # one dense matmul after all
+        w = torch.cat([p.dequantize(dtype) if isinstance(p, QuantTensor) else p.to(dtype) for p in w])
+    if isinstance(w, list):
+        return LinearGroup([Linear(p, None, mode, dtype) for p in w], None if bias is None else bias.to(dtype))
+    return Linear(w, bias, mode, dtype)
 
 
 @dataclass
 class DecoderLayer:
     attn_norm: RMSNorm
-    qkv: Linear
+    qkv: Linear | LinearGroup
     o: Linear
     ffn_norm: RMSNorm
-    gate_up: Linear
+    gate_up: Linear | LinearGroup
     down: Linear
 
 
@@ -66,10 +81,10 @@ class LlamaModel:
             gate_up = _fuse([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
             self.layers.append(DecoderLayer(
                 attn_norm=RMSNorm(take(p + "input_layernorm.weight"), c.rms_norm_eps, dtype),
-                qkv=Linear(qkv, bias, linear_mode, dtype),
+                qkv=_linear(qkv, bias, linear_mode, dtype),
                 o=Linear(take(a + "o_proj.weight"), None, linear_mode, dtype),
                 ffn_norm=RMSNorm(take(p + "post_attention_layernorm.weight"), c.rms_norm_eps, dtype),
-                gate_up=Linear(gate_up, None, linear_mode, dtype),
+                gate_up=_linear(gate_up, None, linear_mode, dtype),
                 down=Linear(take(p + "mlp.down_proj.weight"), None, linear_mode, dtype),
             ))
         self.norm = RMSNorm(take("model.norm.weight"), c.rms_norm_eps, dtype)
@@ -86,6 +101,15 @@ class LlamaModel:
         self.rotary = Rotary(c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling, device)
 
     # ---------------------------------------------------------------------------------------------
+    def linear_modes(self) -> str:
+        """The matmul paths the layer linears took, e.g. "int4-cpu" or "int4-cpu+lowbit-torch"."""
+        modes: dict[str, None] = {}
+        for l in self.layers:
+            for lin in (l.qkv, l.o, l.gate_up, l.down):
+                for m in (lin.modes if isinstance(lin, LinearGroup) else [lin.mode]):
+                    modes[m] = None
+        return "+".join(modes)
+
     def weight_bytes(self) -> dict[str, int]:
         layers = sum(l.qkv.nbytes + l.o.nbytes + l.gate_up.nbytes + l.down.nbytes
                      + 2 * l.attn_norm.weight.numel() * l.attn_norm.weight.element_size() for l in self.layers)

@@ -1,0 +1,196 @@
+"""`kvcli inspect MODEL`: what a model file is, what kvcli makes of it in memory, and what fits.
+
+Architecture and tensor types come from the file; resident bytes from really building the model the
+way `continue` would (skipped with --no-load); KV bytes per token and the fit arithmetic are
+`plan`'s (plan_cmd.kv_fits), over the memory this machine has available now.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from kvcli.commands.common import Fail
+from kvcli.commands.plan_cmd import USABLE, KVFit, kv_fits
+from kvcli.config import ModelConfig
+from kvcli.model.loader import ModelLoadError, bundled_gguf_path, load_config
+from kvcli.options import ConfigError, EngineOptions
+from kvcli.view.plain_log import human_bytes
+
+
+@dataclass(frozen=True)
+class TensorGroup:
+    type: str  # GGML type (GGUF) or storage dtype (safetensors)
+    count: int
+    bytes: int
+
+
+@dataclass
+class InspectReport:
+    source: str
+    name: str
+    architecture: str
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+    context_length: int
+    tensors: list[TensorGroup]
+    file_tensor_bytes: int
+    resident: dict[str, int] | None = None  # layers / embedding / lm_head, after load
+    linear_paths: str | None = None
+    device: str = "cpu"
+    memory_available: int = 0
+    kv_budget: int = 0  # what is left for KV: USABLE x available memory minus the weights
+    fits: list[KVFit] = field(default_factory=list)  # per KV dtype, at `context_length`
+
+
+def _resolve(spec: str | None) -> str | None:
+    """The model spec as the loaders take it; a path that does not exist fails here, fast."""
+    if spec is None or spec in ("", "bundled"):
+        return None
+    if spec.startswith("dummy:"):
+        return spec
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model not found: {spec}")
+    if path.is_file() and path.suffix.lower() != ".gguf":
+        raise ModelLoadError(f"{spec}: expected a .gguf file, a checkpoint folder or dummy:NAME")
+    return str(path)
+
+
+def _config_and_tensors(spec: str | None) -> tuple[ModelConfig, list[TensorGroup]]:
+    """The config and the tensors by type, from one parse of a GGUF's header."""
+    if spec is not None and spec.startswith("dummy:"):
+        return load_config(spec), []
+    path = bundled_gguf_path() if spec is None else Path(spec)
+    if path.is_dir():
+        return load_config(spec), _safetensors_groups(path)
+    from kvcli.model.gguf_loader import GGUFError, open_gguf, read_config, tensor_bytes_by_type
+
+    try:
+        reader = open_gguf(path)
+        config = read_config(reader, path)
+        groups = tensor_bytes_by_type(reader)
+    except GGUFError as e:
+        raise ModelLoadError(str(e)) from None
+    except Exception as e:
+        raise ModelLoadError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+    return config, [TensorGroup(k, c, b) for k, (c, b) in sorted(groups.items())]
+
+
+def _safetensors_groups(path: Path) -> list[TensorGroup]:
+    """Storage dtype -> count and bytes over a checkpoint folder's safetensors files (headers only)."""
+    from safetensors import safe_open
+
+    groups: dict[str, list[int]] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            for key in st.keys():
+                sl = st.get_slice(key)
+                dtype = str(sl.get_dtype())
+                n = 1
+                for d in sl.get_shape():
+                    n *= d
+                size = {"F32": 4, "F16": 2, "BF16": 2, "I8": 1, "U8": 1, "I32": 4, "I64": 8}.get(dtype, 4)
+                c, b = groups.setdefault(dtype, [0, 0])
+                groups[dtype] = [c + 1, b + n * size]
+    return [TensorGroup(k, c, b) for k, (c, b) in sorted(groups.items())]
+
+
+def inspect_model(spec: str | None, options: EngineOptions, load: bool, context: int | None) -> InspectReport:
+    from kvcli.engine.llm_engine import available_memory
+
+    spec = _resolve(spec)
+    try:
+        config, groups = _config_and_tensors(spec)
+    except ModelLoadError:
+        raise
+    except Exception as e:  # e.g. a damaged safetensors header
+        raise ModelLoadError(f"{spec}: cannot read its tensors ({type(e).__name__}: {e})") from None
+    device = options.resolve_device()
+    rep = InspectReport(
+        source=spec or str(bundled_gguf_path()), name=config.name, architecture=config.architecture,
+        layers=config.num_layers, heads=config.num_heads, kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+        hidden_size=config.hidden_size, intermediate_size=config.intermediate_size, vocab_size=config.vocab_size,
+        context_length=config.max_position_embeddings, tensors=groups,
+        file_tensor_bytes=sum(g.bytes for g in groups), device=str(device))
+    weights = rep.file_tensor_bytes
+    if load:
+        from kvcli.engine.llm_engine import LLMEngine
+        from kvcli.model.loader import load_weights
+
+        # The smallest pool the engine accepts: two blocks (one pads block tables).
+        kv_dtype = options.cache_dtype(device)
+        pool = 2 * options.block_size * config.kv_bytes_per_token(kv_dtype)
+        engine = LLMEngine(load_weights(spec), replace(options, kv_budget=str(pool)))
+        rep.resident = engine.model.weight_bytes()  # type: ignore[union-attr]
+        rep.linear_paths = engine.linear_mode
+        weights = sum(rep.resident.values())
+        del engine
+    rep.memory_available = available_memory(device)
+    rep.kv_budget = max(0, int(rep.memory_available * USABLE) - weights)
+    ctx = context or config.max_position_embeddings
+    rep.fits = kv_fits(config, rep.kv_budget, ctx, max(1, ctx // 4), options.block_size)
+    return rep
+
+
+def to_json(rep: InspectReport) -> str:
+    d = asdict(rep)
+    return json.dumps(d, indent=2)
+
+
+def render(rep: InspectReport, context: int) -> None:
+    con = Console()
+    t = Table(title=f"kvcli inspect · {Path(rep.source).name}", title_justify="left", show_header=False)
+    t.add_column(style="bold")
+    t.add_column()
+    t.add_row("name", rep.name)
+    t.add_row("architecture", f"{rep.architecture} · {rep.layers} layers · hidden {rep.hidden_size} · "
+                              f"ffn {rep.intermediate_size} · vocab {rep.vocab_size:,}")
+    t.add_row("attention", f"{rep.heads} heads · {rep.kv_heads} KV heads · head dim {rep.head_dim}")
+    t.add_row("context length", f"{rep.context_length:,} tokens")
+    for g in rep.tensors:
+        t.add_row(f"tensors {g.type}", f"{g.count} · {human_bytes(g.bytes)}")
+    t.add_row("file tensors", human_bytes(rep.file_tensor_bytes))
+    if rep.resident is not None:
+        parts = ", ".join(f"{k} {human_bytes(v)}" for k, v in rep.resident.items())
+        t.add_row("resident after load", f"{human_bytes(sum(rep.resident.values()))} ({parts})")
+        t.add_row("linear paths", rep.linear_paths or "")
+    else:
+        t.add_row("resident after load", "not loaded (--no-load): the file's bytes are used below")
+    t.add_row("memory", f"{human_bytes(rep.memory_available)} available on {rep.device}; KV budget "
+                        f"{human_bytes(rep.kv_budget)} ({USABLE:.0%} of it minus the weights)")
+    con.print(t)
+    k = Table(title=f"KV per dtype · requests of {context:,} tokens (contiguous) or ~{max(1, context // 4):,} "
+                    f"(paged, assumed context / 4)", title_justify="left")
+    for col in ("KV dtype", "B/token", "tokens fit", "req. contig.", "req. paged"):
+        k.add_column(col, justify="left" if col == "KV dtype" else "right")
+    for f in rep.fits:
+        k.add_row(f.kv_dtype, f"{f.bytes_per_token:,}", f"{f.tokens_fit:,}", f"{f.requests_contiguous:,}",
+                  f"{f.requests_paged:,}")
+    con.print(k)
+
+
+def run_inspect(model: str | None, options: EngineOptions, load: bool, context: int | None, as_json: bool,
+                fail: Fail) -> None:
+    if context is not None and context <= 0:
+        fail(f"--context must be a positive integer (got {context})")
+    try:
+        rep = inspect_model(model, options, load, context)
+    except (ModelLoadError, ConfigError) as e:
+        fail(str(e))
+    except MemoryError:
+        fail("out of memory while loading the model (try --no-load)")
+    if as_json:
+        print(to_json(rep))
+    else:
+        render(rep, context or rep.context_length)
+

@@ -1,0 +1,72 @@
+"""A tiny llama GGUF whose linears are K-quants (and the other types kvcli reads), written with gguf's
+GGUFWriter: 2 layers, hidden 256 (so 256-element super-blocks fit), the bundled model's tokenizer.
+
+Layer 0 is laid out like a Q4_K_M file (Q4_K, with Q6_K for attn_v and ffn_down); layer 1 covers
+Q5_K, Q5_0, Q5_1 and Q8_0; the embedding is F16 and tied to the output (a vocabulary-sized
+K-quant output would cost seconds to encode). Q4_K / Q6_K come from
+kvcli's own encoders (gguf-py has none), Q5_K from random well-formed blocks, the rest from gguf-py's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+HIDDEN, INTER, HEADS, KV_HEADS, LAYERS = 256, 512, 4, 2, 2
+HEAD_DIM = HIDDEN // HEADS
+
+LAYER_TYPES = [
+    {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q4_K",
+     "ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "Q6_K"},
+    {"attn_q": "Q5_K", "attn_k": "Q5_0", "attn_v": "Q5_1", "attn_output": "Q8_0",
+     "ffn_gate": "Q5_K", "ffn_up": "Q5_1", "ffn_down": "Q5_0"},
+]
+
+
+def tensor_shapes() -> dict[str, tuple[int, int]]:
+    """Layer linear -> [out_features, in_features]."""
+    return {"attn_q": (HIDDEN, HIDDEN), "attn_k": (KV_HEADS * HEAD_DIM, HIDDEN),
+            "attn_v": (KV_HEADS * HEAD_DIM, HIDDEN), "attn_output": (HIDDEN, HIDDEN),
+            "ffn_gate": (INTER, HIDDEN), "ffn_up": (INTER, HIDDEN), "ffn_down": (HIDDEN, INTER)}
+
+
+def write_tiny_kquant_gguf(path: Path, seed: int = 0) -> Path:
+    import gguf
+
+    from kvcli.model.kquant_encode import add_tensor, copy_fields, encode, finish, random_blocks
+    from kvcli.model.loader import bundled_gguf_path
+
+    rng = np.random.default_rng(seed)
+    src = gguf.GGUFReader(str(bundled_gguf_path()), "r")
+    vocab = len(src.fields["tokenizer.ggml.tokens"].data)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name("tiny-kquant")
+    w.add_block_count(LAYERS)
+    w.add_context_length(512)
+    w.add_embedding_length(HIDDEN)
+    w.add_feed_forward_length(INTER)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV_HEADS)
+    w.add_rope_dimension_count(HEAD_DIM)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(vocab)
+    copy_fields(src, w, keep=lambda key: key.startswith("tokenizer."))
+
+    def normal(*shape: int, std: float) -> np.ndarray:
+        return (rng.standard_normal(shape) * std).astype(np.float32)
+
+    add_tensor(w, "token_embd.weight", normal(vocab, HIDDEN, std=0.5).astype(np.float16), "F16")
+    add_tensor(w, "output_norm.weight", (1 + normal(HIDDEN, std=0.1)), "F32")
+    shapes = tensor_shapes()
+    for i, types in enumerate(LAYER_TYPES):
+        add_tensor(w, f"blk.{i}.attn_norm.weight", 1 + normal(HIDDEN, std=0.1), "F32")
+        add_tensor(w, f"blk.{i}.ffn_norm.weight", 1 + normal(HIDDEN, std=0.1), "F32")
+        for name, (n, k) in shapes.items():
+            t = types[name]
+            std = 1.0 / np.sqrt(k)
+            data = random_blocks(t, n, k, rng, scale=std / 4) if t == "Q5_K" else encode(normal(n, k, std=std), t)
+            add_tensor(w, f"blk.{i}.{name}.weight", data, t)
+    finish(w)
+    return path

@@ -1,0 +1,86 @@
+"""`kvcli inspect`: the bundled model's metadata, a K-quant file loaded, and bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from cli_helpers import one_line_error
+from kvcli.cli import app
+
+runner = CliRunner()
+
+
+def inspect_json(*args: str) -> dict:
+    r = runner.invoke(app, ["inspect", *args, "--json"])
+    assert r.exit_code == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def test_inspect_bundled_metadata_without_loading():
+    rep = inspect_json("--no-load", "--context", "4096")
+    assert (rep["architecture"], rep["layers"], rep["heads"], rep["kv_heads"], rep["head_dim"]) == ("llama", 30, 9, 3, 64)
+    assert rep["context_length"] == 8192 and rep["resident"] is None
+    types = {g["type"]: (g["count"], g["bytes"]) for g in rep["tensors"]}
+    assert types["Q4_1"][0] == 210 and types["Q8_0"][0] == 1 and types["F32"][0] == 61
+    # Q4_1: 20 B per 32 weights; 30 layers x 3,538,944 linear weights
+    assert types["Q4_1"][1] == 30 * 3_538_944 * 20 // 32
+    fits = {f["kv_dtype"]: f for f in rep["fits"]}
+    assert fits["fp16"]["bytes_per_token"] == 2 * 30 * 3 * 64 * 2  # K and V, 30 layers, 3 KV heads
+    assert fits["int8"]["bytes_per_token"] == 2 * 30 * 3 * (64 + 4)  # codes + one fp32 scale per head
+    budget = rep["kv_budget"]
+    assert 0 < budget < rep["memory_available"]
+    for f in fits.values():  # plan's arithmetic: whole 16-token blocks, 4,096 contiguous, ~1,024 paged
+        assert f["tokens_fit"] == budget // f["bytes_per_token"]
+        assert f["requests_contiguous"] == budget // (f["bytes_per_token"] * 4096)
+        assert f["requests_paged"] == budget // (f["bytes_per_token"] * 1024)
+
+
+def test_inspect_text_names_what_matters():
+    r = runner.invoke(app, ["inspect", "--no-load"], env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.stderr
+    out = " ".join(r.stdout.replace("│", " ").split())
+    assert "9 heads · 3 KV heads · head dim 64" in out and "context length 8,192 tokens" in out
+    assert "tensors Q4_1 210 · 63.3 MiB" in out and "not loaded (--no-load)" in out
+    assert "int8 12,240" in out
+
+
+def test_inspect_loads_a_kquant_file(tiny_kquant):
+    rep = inspect_json(str(tiny_kquant))
+    types = {g["type"]: g["count"] for g in rep["tensors"]}
+    assert types == {"F16": 1, "F32": 5, "Q4_K": 5, "Q6_K": 2, "Q5_K": 2, "Q5_0": 2, "Q5_1": 2, "Q8_0": 1}
+    assert rep["linear_paths"] == "int4-cpu+lowbit-torch"
+    assert rep["resident"]["embedding"] == 49152 * 256 * 2  # F16 stays half precision
+    linear_file = sum(g["bytes"] for g in rep["tensors"] if g["type"] not in ("F16", "F32"))
+    assert linear_file <= rep["resident"]["layers"] <= 1.15 * linear_file
+
+
+@pytest.mark.parametrize("arg,needle", [("/nonexistent/model.gguf", "model not found"),
+                                        ("dummy:nope", "unknown dummy preset")])
+def test_inspect_bad_model_is_one_line(arg, needle):
+    one_line_error(runner.invoke(app, ["inspect", arg]), needle)
+
+
+def test_inspect_damaged_gguf_is_one_line(tmp_path):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 20)
+    one_line_error(runner.invoke(app, ["inspect", str(bad)]), "broken.gguf")
+    one_line_error(runner.invoke(app, ["inspect", "--context", "0"]), "--context")
+
+
+def test_inspect_checkpoint_folder_counts_safetensors_dtypes(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+           "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "vocab_size": 100, "max_position_embeddings": 256}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    save_file({"a": torch.zeros(10, 64, dtype=torch.bfloat16), "b": torch.zeros(64, 64, dtype=torch.bfloat16),
+               "c": torch.zeros(64)}, str(tmp_path / "model.safetensors"))
+    rep = inspect_json(str(tmp_path), "--no-load")
+    assert (rep["layers"], rep["kv_heads"], rep["head_dim"], rep["context_length"]) == (2, 2, 16, 256)
+    assert {g["type"]: (g["count"], g["bytes"]) for g in rep["tensors"]} == {"BF16": (2, (640 + 4096) * 2),
+                                                                            "F32": (1, 256)}
