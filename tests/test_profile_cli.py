@@ -131,4 +131,4 @@ def test_simulated_profile_compares_kv_dtypes_on_one_trace(tmp_path):
     assert [(x["kv_dtype"], x["kv_bytes_per_token"]) for x in runs] == [("fp16", 23040), ("int8", 12240)]
     # Same budget, fewer bytes per token: int8 holds more requests at once.
     assert runs[1]["peak_running"] > runs[0]["peak_running"]
-    one_line_error(runner.invoke(app, ["profile", "--simulate", "--kv-dtype", "fp16,fp8"]), "--kv-dtype fp8")
+    one_line_error(runner.invoke(app, ["profile", "--simulate", "--kv-dtype", "fp16,fp4"]), "--kv-dtype must be one of")

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from kvcli.attention.base import AttentionMetadata
 from kvcli.kvcache.kv_cache import LayerKV
-from kvcli.kvcache.kv_dtype import dequantize, quantize_int8
+from kvcli.kvcache.kv_dtype import dequantize, quantize
 
 _flash_cpu = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
@@ -45,10 +45,12 @@ class TorchAttentionBackend:
             kc.index_copy_(0, slots, key.to(kc.dtype))
             vc.index_copy_(0, slots, value.to(vc.dtype))
             return
-        # int8: quantize on write, one scale per token and KV head stored beside the codes.
+        # int8 / fp8: quantize on write, one scale per token and KV head stored beside the codes.
         for codes_cache, scale_cache, x in ((kc, cache.k_scale, key), (vc, cache.v_scale, value)):
-            codes, scale = quantize_int8(x)
-            codes_cache.index_copy_(0, slots, codes)
+            codes, scale = quantize(x, codes_cache.dtype)
+            # index_copy_ has no float8 CPU kernel: move fp8 codes as their bytes.
+            raw = torch.uint8 if codes.dtype == torch.float8_e4m3fn else codes.dtype
+            codes_cache.view(raw).index_copy_(0, slots, codes.view(raw))
             scale_cache.view(-1, scale_cache.shape[2]).index_copy_(0, slots, scale.to(scale_cache.dtype))
 
     def _blocks(self, meta: AttentionMetadata, b: int, block_size: int) -> slice | torch.Tensor:
