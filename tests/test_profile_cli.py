@@ -117,6 +117,7 @@ def test_plan_prints_every_kv_dtype_side_by_side():
     assert "│ int8 * │ 67,584 │ 0.52x │ 15,887 │" in out
     assert "│ fp16 │ 131,072 │ 1.00x │ 8,192 │" in out
     assert "│ fp32 │ 262,144 │ 2.00x │ 4,096 │" in out
+    assert "│ fp8 │ 67,584 │ 0.52x │ 15,887 │" in out  # e4m3 codes + the same fp32 scales as int8
     one_line_error(runner.invoke(app, ["plan", "--kv-dtype", "int5"]), "--kv-dtype must be one of")
 
 

@@ -43,12 +43,12 @@ class PlanArgs:
 
 
 def kv_dtype_table(config, kv_budget: int, context: int, mean: int, block_size: int, chosen: str) -> Table:
-    """The same budget under every KV format, side by side (scales included in int8's bytes)."""
+    """The same budget under every KV format, side by side (scales included in int8's and fp8's bytes)."""
     t = Table(title=f"per KV dtype, same {human_bytes(kv_budget)} KV budget", title_justify="left")
     for col in ("KV dtype", "B/token", "vs fp16", "tokens/GiB", "tokens fit", "req. contig.", "req. paged"):
         t.add_column(col, justify="left" if col == "KV dtype" else "right")
     fp16 = config.kv_bytes_per_token("fp16")
-    for name in ("fp32", "fp16", "bf16", "int8"):
+    for name in ("fp32", "fp16", "bf16", "int8", "fp8"):
         per_tok = config.kv_bytes_per_token(name)
         t.add_row(name + (" *" if name == chosen else ""), f"{per_tok:,}", f"{per_tok / fp16:.2f}x",
                   f"{(1 << 30) // per_tok:,}", f"{kv_budget // per_tok:,}",
