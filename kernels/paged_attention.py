@@ -5,6 +5,8 @@ Inputs (see kvcli/attention/base.py for the cache layout):
   k/v_cache    : [num_blocks, block_size, num_kv_heads, head_dim]
   seq_lens     : [batch] KV length of request b *including* this step's tokens (already in the cache)
   block_tables : [batch, max_blocks] physical block ids
+  k/v_scale    : int8 / float8_e4m3fn caches only: [num_blocks, block_size, num_kv_heads] fp32, one
+                 scale per token and KV head (kvcli.kvcache.kv_dtype)
 Query row i of request b sits at absolute position seq_lens[b] - q_len + i and sees keys 0..that position.
 
 Main kernel, grid (num_q_blocks, num_kv_heads, num_splits):
@@ -18,6 +20,11 @@ Main kernel, grid (num_q_blocks, num_kv_heads, num_splits):
   * KV is walked in tiles of BLOCK_N tokens (a multiple of the page size), gathering physical block
     ids from the block table; online softmax in the exp2 domain, fp32 statistics and accumulator.
   * All pool offsets are int64 (block id * block stride exceeds 2^31 on large pools).
+Quantized KV (int8 or e4m3 codes + per-token scales) is dequantized in registers, never in memory:
+the codes of a K tile are converted to the compute dtype (exact: |code| <= 127 fits fp16/bf16, e4m3
+embeds in both) and the key scales are folded into the score columns after the dot (s = (q @ codes)
+* k_scale); a V tile is multiplied by its scales before the P @ V dot (folding them into P instead
+would push P * scale into fp16's subnormal range for small scales).
 Split-K ("flash decoding"): when too few (request, kv-head) programs exist to fill the GPU, the
 KV range of every program is cut into num_splits segments (grid axis 2); each writes unnormalised
 (max, sum, acc) partials in fp32 and _merge_kernel combines them.
@@ -30,6 +37,8 @@ import functools
 import torch
 import triton
 import triton.language as tl
+
+from kvcli_kernels.cache_write import check_cache_format
 
 __all__ = ["paged_attention", "auto_num_splits", "choose_num_splits", "attention_launch_config"]
 
@@ -63,6 +72,8 @@ def _paged_attention_kernel(
     cu_seqlens_q_ptr,
     seq_lens_ptr,
     block_tables_ptr,
+    k_scale_ptr,  # QUANT only: [num_blocks, block_size, kv_heads] fp32
+    v_scale_ptr,
     out_ptr,  # [T, Hq, D] final output (SPLIT=False)
     part_acc_ptr,  # [T, Hq, S, D] fp32 (SPLIT=True)
     part_ml_ptr,  # [T, Hq, S, 2] fp32 running max (log2 domain) and sum (SPLIT=True)
@@ -80,6 +91,12 @@ def _paged_attention_kernel(
     stride_vt,
     stride_vh,
     stride_vd,
+    stride_ksb,
+    stride_kst,
+    stride_ksh,
+    stride_vsb,
+    stride_vst,
+    stride_vsh,
     stride_btb,
     stride_btn,
     stride_ot,
@@ -95,6 +112,7 @@ def _paged_attention_kernel(
     SPLIT: tl.constexpr,
     COMPUTE_F32: tl.constexpr,  # upcast tiles and run the dots in fp32 (fp32 KV, or bf16 in the interpreter)
     DOT_PRECISION: tl.constexpr,
+    QUANT: tl.constexpr,  # int8 / e4m3 codes + fp32 scales; dots run in q's dtype (or fp32)
 ):
     q_block_id = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -129,7 +147,7 @@ def _paged_attention_kernel(
     )
     if COMPUTE_F32:
         q = q.to(tl.float32)
-    else:
+    elif not QUANT:
         q = q.to(k_cache_ptr.dtype.element_ty)
 
     # Keys this program needs: up to the last position among its rows.
@@ -150,6 +168,8 @@ def _paged_attention_kernel(
     bt_row = block_tables_ptr + b.to(tl.int64) * stride_btb
     k_head = kv_head.to(tl.int64) * stride_kh
     v_head = kv_head.to(tl.int64) * stride_vh
+    ks_head = kv_head.to(tl.int64) * stride_ksh
+    vs_head = kv_head.to(tl.int64) * stride_vsh
     offs_n_base = tl.arange(0, BLOCK_N)
     for tile in range(tile_lo, tile_hi):
         offs_n = tile * BLOCK_N + offs_n_base
@@ -166,9 +186,14 @@ def _paged_attention_kernel(
             mask=n_valid[None, :] & d_valid[:, None],
             other=0.0,
         )
-        if COMPUTE_F32:
-            k = k.to(tl.float32)
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
+        if COMPUTE_F32 or QUANT:
+            k = k.to(q.dtype)
+        if QUANT:
+            # Masked tokens get scale 0 (never a poisoned scale) and are then set to -inf below.
+            k_s = tl.load(k_scale_ptr + phys * stride_ksb + slot_in_page * stride_kst + ks_head, mask=n_valid, other=0.0)
+            s = tl.dot(q, k, input_precision=DOT_PRECISION) * (k_s * qk_scale)[None, :]
+        else:
+            s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
         visible = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
         s = tl.where(visible, s, float("-inf"))
 
@@ -185,7 +210,10 @@ def _paged_attention_kernel(
             mask=n_valid[:, None] & d_valid[None, :],
             other=0.0,
         )
-        if COMPUTE_F32:
+        if QUANT:
+            v_s = tl.load(v_scale_ptr + phys * stride_vsb + slot_in_page * stride_vst + vs_head, mask=n_valid, other=0.0)
+            v = (v.to(tl.float32) * v_s[:, None]).to(q.dtype)
+        elif COMPUTE_F32:
             v = v.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
 
@@ -299,11 +327,17 @@ def choose_num_splits(num_programs: int, max_seq_len: int, num_sms: int, block_n
     return max(1, min(want, useful, MAX_SPLITS))
 
 
+def _tile_dtype(q: torch.Tensor, k_cache: torch.Tensor) -> torch.dtype:
+    """The dtype K/V tiles are computed in: the cache's, or q's for quantized caches (codes are converted)."""
+    return k_cache.dtype if k_cache.dtype in _FLOAT_DTYPES else q.dtype
+
+
 def auto_num_splits(q: torch.Tensor, k_cache: torch.Tensor, batch: int, max_seqlen_q: int, max_seq_len: int) -> int:
     """The split count paged_attention(num_splits=None) uses for these inputs."""
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    cfg = attention_launch_config(num_q_heads // num_kv_heads, head_dim, block_size, max_seqlen_q, k_cache.dtype)
+    cfg = attention_launch_config(num_q_heads // num_kv_heads, head_dim, block_size, max_seqlen_q,
+                                  _tile_dtype(q, k_cache))
     # Programs that do work (the global q-block numbering also launches some that exit at once).
     q_blocks = min(num_tokens // cfg["BLOCK_Q"] + batch, batch * triton.cdiv(max(max_seqlen_q, 1), cfg["BLOCK_Q"]))
     return choose_num_splits(q_blocks * num_kv_heads, max_seq_len, _num_sms(q.device), cfg["BLOCK_N"])
@@ -319,6 +353,8 @@ def _check(
     seq_lens: torch.Tensor,
     block_tables: torch.Tensor,
     out: torch.Tensor | None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     if q.dim() != 3:
         raise ValueError(f"q must be [num_tokens, q_heads, head_dim]; got shape {tuple(q.shape)}")
@@ -327,11 +363,9 @@ def _check(
             "k_cache/v_cache must both be [num_blocks, block_size, kv_heads, head_dim]; "
             f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
         )
-    if k_cache.dtype != v_cache.dtype:
-        raise ValueError(f"k_cache and v_cache dtypes differ: {k_cache.dtype} vs {v_cache.dtype}")
-    for name, t in (("q", q), ("k_cache", k_cache)):
-        if t.dtype not in _FLOAT_DTYPES:
-            raise ValueError(f"{name} must be float16/bfloat16/float32; got {t.dtype}")
+    if q.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"q must be float16/bfloat16/float32; got {q.dtype}")
+    check_cache_format(k_cache, v_cache, k_scale, v_scale)
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
     if k_cache.shape[3] != head_dim:
@@ -353,6 +387,7 @@ def _check(
         if t.dtype != torch.int32:
             raise ValueError(f"{name} must be int32; got {t.dtype}")
     tensors = [q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables]
+    tensors += [t for t in (k_scale, v_scale) if t is not None]
     if out is not None:
         if out.shape != q.shape or out.dtype != q.dtype:
             raise ValueError(f"out must be {tuple(q.shape)} {q.dtype}; got {tuple(out.shape)} {out.dtype}")
@@ -375,6 +410,8 @@ def paged_attention(
     num_splits: int | None = None,
     *,
     out: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal paged attention for a packed batch of decode and prefill rows.
 
@@ -382,8 +419,9 @@ def paged_attention(
     max_seqlen_q / max_seq_len are host-side upper bounds (no device sync is done): max_seqlen_q
     picks the tile shape, max_seq_len the split count. num_splits: None = automatic (split-K only
     when batch x kv_heads cannot fill the GPU), 1 = never split, n > 1 = exactly n KV segments.
+    int8 / float8_e4m3fn caches need k_scale, v_scale [num_blocks, block_size, kv_heads] fp32.
     """
-    _check(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out)
+    _check(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out, k_scale, v_scale)
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     batch = seq_lens.shape[0]
@@ -395,13 +433,15 @@ def paged_attention(
         raise ValueError(f"num_splits must be >= 1 or None; got {num_splits}")
 
     group = num_q_heads // num_kv_heads
-    cfg = attention_launch_config(group, head_dim, block_size, max_seqlen_q, k_cache.dtype)
+    tile_dtype = _tile_dtype(q, k_cache)
+    cfg = attention_launch_config(group, head_dim, block_size, max_seqlen_q, tile_dtype)
     num_q_blocks = num_tokens // cfg["BLOCK_Q"] + batch
     if num_splits is None:
         num_splits = auto_num_splits(q, k_cache, batch, max_seqlen_q, max_seq_len)
     split = num_splits > 1
 
-    compute_f32 = k_cache.dtype == torch.float32 or (k_cache.dtype == torch.bfloat16 and _INTERPRETED)
+    compute_f32 = tile_dtype == torch.float32 or (tile_dtype == torch.bfloat16 and _INTERPRETED)
+    quant = k_scale is not None and v_scale is not None
     common = dict(
         GROUP=group,
         HEAD_DIM=head_dim,
@@ -415,6 +455,7 @@ def paged_attention(
         DOT_PRECISION="tf32x3" if compute_f32 else "tf32",  # ignored for 16-bit operands
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
+        QUANT=quant,
     )
     if split:
         part_acc = torch.empty((num_tokens, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
@@ -429,6 +470,8 @@ def paged_attention(
         cu_seqlens_q,
         seq_lens,
         block_tables,
+        k_scale if quant else q,  # unused placeholders for float caches
+        v_scale if quant else q,
         out,
         part_acc,
         part_ml,
@@ -438,6 +481,8 @@ def paged_attention(
         *q.stride(),
         *k_cache.stride(),
         *v_cache.stride(),
+        *(k_scale.stride() if quant else (0, 0, 0)),
+        *(v_scale.stride() if quant else (0, 0, 0)),
         *block_tables.stride(),
         *out.stride(),
         SPLIT=split,

@@ -23,14 +23,23 @@ def write_kv_cache_ref(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """In place: cache[slot // block_size, slot % block_size] = row, skipping slots < 0."""
+    """In place: cache[slot // block_size, slot % block_size] = row, skipping slots < 0; quantized
+    caches (scales given) store kvcli.kvcache.kv_dtype.quantize's codes and scales."""
+    if k_scale is not None:
+        from kvcli.kvcache.kv_dtype import quantize  # the definition the kernel must reproduce
     block_size = k_cache.shape[1]
     for t, slot in enumerate(slot_mapping.tolist()):
         if slot < 0:
             continue
-        k_cache[slot // block_size, slot % block_size] = key[t].to(k_cache.dtype)
-        v_cache[slot // block_size, slot % block_size] = value[t].to(v_cache.dtype)
+        blk, off = slot // block_size, slot % block_size
+        for cache, scales, x in ((k_cache, k_scale, key[t]), (v_cache, v_scale, value[t])):
+            if scales is None:
+                cache[blk, off] = x.to(cache.dtype)
+            else:
+                cache[blk, off], scales[blk, off] = quantize(x, cache.dtype)
 
 
 def paged_attention_ref(
@@ -41,8 +50,11 @@ def paged_attention_ref(
     seq_lens: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Per-request loop: gather the request's KV through its block table, causal softmax in fp32."""
+    """Per-request loop: gather the request's KV through its block table, causal softmax in fp32.
+    Quantized caches (int8 / e4m3 codes) are dequantized first: codes * k_scale/v_scale per token and head."""
     num_tokens, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
@@ -58,6 +70,9 @@ def paged_attention_ref(
         slots = pos % block_size
         k = k_cache[blocks, slots].float()  # [S, Hkv, D]
         v = v_cache[blocks, slots].float()
+        if k_scale is not None and v_scale is not None:
+            k = k * k_scale[blocks, slots].unsqueeze(-1)
+            v = v * v_scale[blocks, slots].unsqueeze(-1)
         k = k.repeat_interleave(group, dim=1)  # query head h uses KV head h // group
         v = v.repeat_interleave(group, dim=1)
         qb = q[lo:hi].float()  # [L, Hq, D]

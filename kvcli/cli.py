@@ -94,9 +94,9 @@ MaxLenOpt = Annotated[Optional[int], typer.Option("--max-model-len", help="Conte
 PrefixOpt = Annotated[bool, typer.Option("--prefix-cache/--no-prefix-cache", help="Reuse the KV blocks of "
                                          "prompt prefixes seen before (paged layout).")]
 KVDtypeOpt = Annotated[Optional[str], typer.Option(
-    "--kv-dtype", help="KV cache format: auto, fp32, fp16, bf16, int8 (codes + one fp32 scale per token "
-    "and KV head: 0.53x fp16's bytes; torch backend) or fp8 (not available yet). auto: the compute "
-    "dtype (fp32 on CPU, fp32 with --dequantize).", show_default=False)]
+    "--kv-dtype", help="KV cache format: auto, fp32, fp16, bf16, int8 or fp8 (e4m3; codes + one fp32 scale "
+    "per token and KV head: 0.53x fp16's bytes; fp8 on the Triton backend needs compute capability >= 8.9). "
+    "auto: the compute dtype (fp32 on CPU, fp32 with --dequantize).", show_default=False)]
 ChunkOpt = Annotated[int, typer.Option("--max-batch-tokens", help="Tokens computed per engine step; "
                                        "long prompts are prefilled in chunks of this size.")]
 
@@ -297,7 +297,7 @@ def profile(
     block_size: BlockSizeOpt = 16,
     kv_budget: KVBudgetOpt = None,
     kv_dtype: Annotated[Optional[str], typer.Option(
-        "--kv-dtype", help="KV cache format (auto, fp32, fp16, bf16, int8), or several separated by commas "
+        "--kv-dtype", help="KV cache format (auto, fp32, fp16, bf16, int8, fp8), or several separated by commas "
         "(fp32,int8) to run the same trace once per format, side by side. Default: the compute dtype; "
         "fp16 with --simulate.", show_default=False)] = None,
     max_model_len: Annotated[int, typer.Option("--max-model-len", help="Context limit (and the contiguous "
@@ -442,8 +442,8 @@ def plan(
                                                        "really holds (paged pays for these, contiguous "
                                                        "for --context). Default: context / 4.",
                                                        show_default=False)] = None,
-    kv_dtype: Annotated[str, typer.Option("--kv-dtype", help="KV cache format to plan for: fp16, bf16, fp32 "
-                                          "or int8 (scales included).")] = "fp16",
+    kv_dtype: Annotated[str, typer.Option("--kv-dtype", help="KV cache format to plan for: fp16, bf16, fp32, "
+                                          "int8 or fp8 (scales included).")] = "fp16",
     block_size: BlockSizeOpt = 16,
     model: ModelOpt = None,
 ) -> None:

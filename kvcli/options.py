@@ -74,13 +74,10 @@ def parse_dtype(name: str | None, flag: str) -> torch.dtype | None:
 
 
 def parse_kv_dtype(name: str | None) -> KVDtype | None:
-    """`--kv-dtype`: None for auto; fp8 is refused here on every device (no kernel stores it yet)."""
+    """`--kv-dtype`: None for auto. fp8 (e4m3 + scales) is storage only on CPU (dequantized to fp32 to
+    attend); the Triton kernels need compute capability >= 8.9, checked where the engine picks its backend."""
     if name is None or name == "auto":
         return None
-    if name == "fp8":
-        where = ("the CPU has no fp8 arithmetic" if not torch.cuda.is_available()
-                 else "kvcli has no fp8 KV kernels yet")
-        raise ConfigError(f"--kv-dtype fp8 is not available: {where}; use int8 (about half of fp16's bytes) or fp16")
     try:
         return kv_dtype_of(name)
     except KeyError:
@@ -114,7 +111,7 @@ class EngineOptions:
     preempt: str = "recompute"  # recompute | swap
     swap_space: str = "4GiB"  # host memory for swapped-out blocks
     dtype: str | None = None  # compute dtype; default fp32 on CPU, bf16 (fp16 if unsupported) on CUDA
-    kv_dtype: str | None = None  # auto | fp32 | fp16 | bf16 | int8; auto (None): see cache_dtype
+    kv_dtype: str | None = None  # auto | fp32 | fp16 | bf16 | int8 | fp8; auto (None): see cache_dtype
     prefix_caching: bool = True  # reuse full blocks of shared prefixes across requests
     watermark: float = 0.01  # paged admission keeps this share of blocks free for running requests
     # Speculative decoding: guess up to num_speculative_tokens by prompt lookup (the last n tokens,

@@ -49,7 +49,7 @@ def main() -> None:
     ap.add_argument("--text", type=Path, default=REPO / "samples" / "heldout-gpl-3.0.txt")
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--kv-dtypes", default="fp32,fp16,bf16,int8")
+    ap.add_argument("--kv-dtypes", default="fp32,fp16,bf16,int8,fp8")
     ap.add_argument("--dequantize", action="store_true", help="dense fp32 weights instead of the default")
     a = ap.parse_args()
 
@@ -65,6 +65,9 @@ def main() -> None:
     print(f"# kvcli KV formats · {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC} · commit {commit}")
     print(f"# {cpu} · {os.cpu_count()} cores · torch {torch.__version__} · {torch.get_num_threads()} threads · "
           f"ISA: {' '.join(isa) or 'none of ' + ' '.join(ISA_FLAGS)}")
+    from kvcli.bench.machine import machine_line
+
+    print(f"# {machine_line()} · load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     loaded = load_weights(None)
     ids = loaded.tokenizer.encode(a.text.read_text(encoding="utf-8"))
     if len(ids) < a.context:

@@ -30,6 +30,7 @@ def test_inspect_bundled_metadata_without_loading():
     fits = {f["kv_dtype"]: f for f in rep["fits"]}
     assert fits["fp16"]["bytes_per_token"] == 2 * 30 * 3 * 64 * 2  # K and V, 30 layers, 3 KV heads
     assert fits["int8"]["bytes_per_token"] == 2 * 30 * 3 * (64 + 4)  # codes + one fp32 scale per head
+    assert fits["fp8"]["bytes_per_token"] == fits["int8"]["bytes_per_token"]  # e4m3 codes, same scales
     budget = rep["kv_budget"]
     assert 0 < budget < rep["memory_available"]
     for f in fits.values():  # plan's arithmetic: whole 16-token blocks, 4,096 contiguous, ~1,024 paged

@@ -117,6 +117,7 @@ def test_plan_prints_every_kv_dtype_side_by_side():
     assert "│ int8 * │ 67,584 │ 0.52x │ 15,887 │" in out
     assert "│ fp16 │ 131,072 │ 1.00x │ 8,192 │" in out
     assert "│ fp32 │ 262,144 │ 2.00x │ 4,096 │" in out
+    assert "│ fp8 │ 67,584 │ 0.52x │ 15,887 │" in out  # e4m3 codes + the same fp32 scales as int8
     one_line_error(runner.invoke(app, ["plan", "--kv-dtype", "int5"]), "--kv-dtype must be one of")
 
 
@@ -131,4 +132,4 @@ def test_simulated_profile_compares_kv_dtypes_on_one_trace(tmp_path):
     assert [(x["kv_dtype"], x["kv_bytes_per_token"]) for x in runs] == [("fp16", 23040), ("int8", 12240)]
     # Same budget, fewer bytes per token: int8 holds more requests at once.
     assert runs[1]["peak_running"] > runs[0]["peak_running"]
-    one_line_error(runner.invoke(app, ["profile", "--simulate", "--kv-dtype", "fp16,fp8"]), "--kv-dtype fp8")
+    one_line_error(runner.invoke(app, ["profile", "--simulate", "--kv-dtype", "fp16,fp4"]), "--kv-dtype must be one of")

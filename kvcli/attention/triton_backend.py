@@ -3,6 +3,9 @@
 On a machine without CUDA the kernels only run under the Triton interpreter, which must be
 enabled (TRITON_INTERPRET=1) before kvcli_kernels is first imported; the kernels are therefore
 imported lazily, on first use, not when this module is imported.
+
+Quantized caches (int8, fp8): the scales of LayerKV go to both kernels; the cache-write kernel
+quantizes on write and paged attention dequantizes in registers (docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ class TritonAttentionBackend:
         """Store the step's K/V rows into their slots (slot_mapping < 0 skipped)."""
         from kvcli_kernels.cache_write import write_kv_cache
 
-        write_kv_cache(key, value, cache.k, cache.v, meta.slot_mapping)
+        write_kv_cache(key, value, cache.k, cache.v, meta.slot_mapping, cache.k_scale, cache.v_scale)
 
     def forward(
         self,
@@ -64,4 +67,6 @@ class TritonAttentionBackend:
             meta.max_seqlen_q,
             meta.max_seq_len,
             num_splits=self.num_splits,
+            k_scale=cache.k_scale,
+            v_scale=cache.v_scale,
         )

@@ -64,7 +64,7 @@ def kv_fit(config, kv_dtype: str, kv_budget: int, context: int, mean: int, block
                  budget // (per_tok * blocks_for(mean, block_size) * block_size))
 
 
-KV_DTYPE_NAMES = ("fp32", "fp16", "bf16", "int8")
+KV_DTYPE_NAMES = ("fp32", "fp16", "bf16", "int8", "fp8")
 
 
 def kv_fits(config, kv_budget: int, context: int, mean: int, block_size: int) -> list[KVFit]:
@@ -72,7 +72,7 @@ def kv_fits(config, kv_budget: int, context: int, mean: int, block_size: int) ->
 
 
 def kv_dtype_table(config, kv_budget: int, context: int, mean: int, block_size: int, chosen: str) -> Table:
-    """The same budget under every KV format, side by side (scales included in int8's bytes)."""
+    """The same budget under every KV format, side by side (scales included in int8's and fp8's bytes)."""
     t = Table(title=f"per KV dtype, same {human_bytes(kv_budget)} KV budget", title_justify="left")
     for col in ("KV dtype", "B/token", "vs fp16", "tokens/GiB", "tokens fit", "req. contig.", "req. paged"):
         t.add_column(col, justify="left" if col == "KV dtype" else "right")

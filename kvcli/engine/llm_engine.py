@@ -100,9 +100,11 @@ class LLMEngine:
         self.formats: dict[str, int] = {}
         if loaded is not None:
             self.backend = pick_backend(options.attention_backend, self.device)
-            if self.kv_dtype.quantized and self.backend.name != "torch":
-                raise ConfigError(f"--kv-dtype {self.kv_dtype} runs on the torch attention backend only "
-                                  f"(add --attention-backend torch); the Triton kernels read float KV")
+            if self.kv_dtype.name == "fp8" and self.device.type == "cuda" and self.backend.name == "triton":
+                cap = torch.cuda.get_device_capability(self.device)
+                if cap < (8, 9):
+                    raise ConfigError(f"--kv-dtype fp8 needs a GPU of compute capability >= 8.9 (Ada, Hopper) for "
+                                      f"the Triton kernels; this one is {cap[0]}.{cap[1]}: use --kv-dtype int8")
             if model is None:
                 self._build_model(loaded, dtype)
             else:  # a second engine over the same weights (profile --compare), no second load

@@ -1,11 +1,18 @@
 """KV cache formats: how one token's K and V are stored, and the one place their bytes are counted.
 
-Float formats (fp32, fp16, bf16) store K/V as is. int8 stores codes plus one fp32 scale per token
-and KV head (symmetric absmax / 127): a token's scale is final the moment it is written, so a
-streaming write never re-quantizes its neighbours, blocks copy and swap as plain tensors, and a
-partly filled block needs no special case. Per-channel key scales (KIVI) would need the scale of a
-whole block of tokens before any of them could be stored. At head_dim 64 the scales add 4 B to 64 B
-of codes per head: 68 / 128 = 0.53x of fp16.
+Float formats (fp32, fp16, bf16) store K/V as is. int8 and fp8 (e4m3fn) store codes plus one fp32
+scale per token and KV head (symmetric absmax / qmax, qmax = 127 or 448): a token's scale is final
+the moment it is written, so a streaming write never re-quantizes its neighbours, blocks copy and
+swap as plain tensors, and a partly filled block needs no special case. Per-channel key scales
+(KIVI) would need the scale of a whole block of tokens before any of them could be stored; a
+per-tensor fp8 scale (vLLM's default) needs calibration data kvcli does not have, and one outlier
+token would coarsen every other token's codes. At head_dim 64 the scales add 4 B to 64 B of codes
+per head: 68 / 128 = 0.53x of fp16.
+
+The quantization arithmetic below is THE definition: the Triton cache-write kernel
+(kvcli_kernels/cache_write.py) performs the same IEEE fp32 operations in the same order
+(amax / qmax with a correctly rounded division, x / scale likewise, round half to even, clamp), so
+both backends produce bit-identical codes and scales (tests/kernels/test_kernel_cache_write.py).
 """
 
 from __future__ import annotations
@@ -17,9 +24,10 @@ import torch
 
 @dataclass(frozen=True)
 class KVDtype:
-    name: str  # fp32 | fp16 | bf16 | int8
+    name: str  # fp32 | fp16 | bf16 | int8 | fp8
     storage: torch.dtype  # element type of the K/V tensors
     scale_dtype: torch.dtype | None = None  # None: stored unscaled
+    qmax: float = 0.0  # quantized formats: the code that a vector's absmax maps to
 
     @property
     def quantized(self) -> bool:
@@ -39,14 +47,16 @@ def _size(dtype: torch.dtype) -> int:
 
 
 INT8_QMAX = 127.0
+FP8_QMAX = 448.0  # largest finite float8_e4m3fn
 
 KV_DTYPES: dict[str, KVDtype] = {
     "fp32": KVDtype("fp32", torch.float32),
     "fp16": KVDtype("fp16", torch.float16),
     "bf16": KVDtype("bf16", torch.bfloat16),
-    "int8": KVDtype("int8", torch.int8, torch.float32),
+    "int8": KVDtype("int8", torch.int8, torch.float32, INT8_QMAX),
+    "fp8": KVDtype("fp8", torch.float8_e4m3fn, torch.float32, FP8_QMAX),
 }
-ALIASES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+ALIASES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "fp8_e4m3": "fp8", "fp8-e4m3": "fp8"}
 KV_DTYPE_CHOICES = ("auto", "fp32", "fp16", "bf16", "int8", "fp8")
 
 
@@ -62,19 +72,30 @@ def kv_dtype_of(spec: "str | torch.dtype | KVDtype") -> KVDtype:
     return KV_DTYPES[ALIASES.get(spec, spec)]
 
 
-def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., head_dim] -> (int8 codes [..., head_dim], fp32 scales [...]); symmetric per vector.
-    An all-zero vector gets scale 0 and codes 0, and dequantizes back to zeros."""
+def quantize(x: torch.Tensor, storage: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., head_dim] -> (codes [..., head_dim] of `storage` (int8 or float8_e4m3fn), fp32 scales [...]);
+    symmetric per vector. An all-zero vector gets scale 0 and codes 0, and dequantizes back to zeros."""
+    qmax = INT8_QMAX if storage == torch.int8 else FP8_QMAX
     x = x.float()
-    scale = x.abs().amax(-1) / INT8_QMAX
+    scale = x.abs().amax(-1) / qmax
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    codes = torch.round(x / safe.unsqueeze(-1)).clamp_(-INT8_QMAX, INT8_QMAX).to(torch.int8)
-    return codes, scale
+    y = (x / safe.unsqueeze(-1)).clamp_(-qmax, qmax)  # |y| <= qmax up to one rounding of the division
+    if storage == torch.int8:
+        return torch.round(y).to(torch.int8), scale  # round half to even
+    if storage == torch.float8_e4m3fn:
+        return y.to(storage), scale  # round to nearest even, in range after the clamp
+    raise ValueError(f"no quantized KV format stores {storage}")
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return quantize(x, torch.int8)
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     """Stored K or V -> `dtype`; scale has codes' shape without the last dimension (or None)."""
     if scale is None:
         return codes.to(dtype)
-    # int8 * fp32 promotes inside one kernel: no separate float copy of the codes.
-    return (codes * scale.unsqueeze(-1)).to(dtype)
+    if codes.dtype == torch.int8:
+        # int8 * fp32 promotes inside one kernel: no separate float copy of the codes.
+        return (codes * scale.unsqueeze(-1)).to(dtype)
+    return (codes.float() * scale.unsqueeze(-1)).to(dtype)  # float8 does not promote

@@ -35,7 +35,7 @@ KERNELS = Path(__file__).resolve().parents[2] / "kernels"
 _NVBIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 _TORCH_TO_TRITON = {
     torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
-    torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8",
+    torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8", torch.int8: "i8", torch.float8_e4m3fn: "fp8e4nv",
 }
 H200_SMS = 132
 
@@ -165,7 +165,7 @@ def _compile(fn: Any, args: tuple, kwargs: dict, cc: int) -> dict[str, Any]:
         spill=None,
         ptxas=None,  # why there is no spill count, when there is none
         options=options,
-        flags={k: v for k, v in values.items() if k in ("COMPUTE_F32", "SPLIT", "SPLIT_K", "DOT_PRECISION")},
+        flags={k: v for k, v in values.items() if k in ("COMPUTE_F32", "SPLIT", "SPLIT_K", "DOT_PRECISION", "QUANT")},
         batch_is_const=values.get("batch") == 1,
     )
     tools = [p for p in (_NVBIN / "ptxas-blackwell", _NVBIN / "ptxas") if p.exists()]
@@ -216,6 +216,22 @@ ATTENTION_CASES: dict[str, tuple] = {
     **{f"{kind}-p{bs}-d{d}-bf16": (ql, 4, d, bs, torch.bfloat16, 1, 90, 2)
        for kind, ql in (("decode", 1), ("prefill", 300)) for bs in (8, 16, 32, 64, 128) for d in (64, 128, 256)},
 }
+# Quantized KV (int8 / e4m3 codes + fp32 scales per token and KV head): id -> ATTENTION_CASES' fields
+# (dtype = q's) + the cache's storage dtype. fp8 only on sm_90 (the launchers refuse it below 8.9).
+QUANT_ATTENTION_CASES: dict[str, tuple] = {
+    "decode-llama8b-bf16-int8": (1, 4, 128, 16, torch.bfloat16, 1, 90, 2, torch.int8),
+    "decode-llama8b-bf16-int8-split8": (1, 4, 128, 16, torch.bfloat16, 8, 90, 2, torch.int8),
+    "prefill-llama8b-bf16-int8": (300, 4, 128, 16, torch.bfloat16, 1, 90, 2, torch.int8),
+    "decode-llama8b-bf16-fp8": (1, 4, 128, 16, torch.bfloat16, 1, 90, 2, torch.float8_e4m3fn),
+    "prefill-llama8b-bf16-fp8": (300, 4, 128, 16, torch.bfloat16, 1, 90, 2, torch.float8_e4m3fn),
+    "decode-fp16-int8-sm80": (1, 4, 128, 16, torch.float16, 1, 80, 2, torch.int8),
+}
+# id -> (K/V dtype, cache storage dtype, cc)
+QUANT_CACHE_WRITE_CASES: dict[str, tuple] = {
+    "cache-write-bf16-int8": (torch.bfloat16, torch.int8, 90),
+    "cache-write-bf16-fp8": (torch.bfloat16, torch.float8_e4m3fn, 90),
+    "cache-write-fp16-int8-sm80": (torch.float16, torch.int8, 80),
+}
 # id -> (M, group size, x dtype); N = K = 4096
 INT4_CASES: dict[str, tuple[int, int, torch.dtype]] = {
     **{f"int4-m{m}": (m, 32, torch.float16) for m in (1, 2, 8, 16, 64, 200)},
@@ -245,6 +261,20 @@ def attention_case(pa: ModuleType, case: tuple) -> list[dict[str, Any]]:
     bt = torch.zeros(batch, 32, dtype=torch.int32)
     launches = record(pa, ["_paged_attention_kernel", "_merge_kernel"], lambda: pa.paged_attention(
         q, cache, cache, cu, sl, bt, 0.1, q_len, q_len + 100, num_splits=splits))
+    return [compile_launch(fn, a, k, cc) for fn, a, k in launches]
+
+
+def quant_attention_case(pa: ModuleType, case: tuple) -> list[dict[str, Any]]:
+    q_len, group, head_dim, block_size, dtype, splits, cc, batch, storage = case
+    kv_heads = 8 if group <= 4 else 1
+    q = torch.zeros(q_len * batch, kv_heads * group, head_dim, dtype=dtype)
+    cache = torch.zeros(64, block_size, kv_heads, head_dim).to(storage)
+    scale = torch.zeros(64, block_size, kv_heads)
+    cu = torch.arange(batch + 1, dtype=torch.int32) * q_len
+    sl = torch.full((batch,), q_len + 100, dtype=torch.int32)
+    bt = torch.zeros(batch, 32, dtype=torch.int32)
+    launches = record(pa, ["_paged_attention_kernel", "_merge_kernel"], lambda: pa.paged_attention(
+        q, cache, cache, cu, sl, bt, 0.1, q_len, q_len + 100, num_splits=splits, k_scale=scale, v_scale=scale))
     return [compile_launch(fn, a, k, cc) for fn, a, k in launches]
 
 
@@ -296,6 +326,16 @@ def cache_write_case(cw: ModuleType) -> list[dict[str, Any]]:
     return [compile_launch(fn, a, k, 90) for fn, a, k in launches]
 
 
+def quant_cache_write_case(cw: ModuleType, dtype: torch.dtype, storage: torch.dtype, cc: int) -> list[dict[str, Any]]:
+    key = torch.zeros(5, 8, 128, dtype=dtype)
+    cache = torch.zeros(4, 16, 8, 128).to(storage)
+    scale = torch.zeros(4, 16, 8)
+    slots = torch.arange(5, dtype=torch.int64)
+    launches = record(cw, ["_write_kv_cache_kernel"],
+                      lambda: cw.write_kv_cache(key, key, cache, cache, slots, scale, scale))
+    return [compile_launch(fn, a, k, cc) for fn, a, k in launches]
+
+
 def main() -> int:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("aot_compile_check: unset TRITON_INTERPRET", file=sys.stderr)
@@ -310,6 +350,10 @@ def main() -> int:
     for cid, (preset, dt, m) in LINEAR_CASES.items():
         jobs[cid] = lambda preset=preset, dt=dt, m=m: linear_case(ig, preset, dt, m)
     jobs["cache-write-bf16"] = lambda: cache_write_case(cw)
+    for cid, case in QUANT_ATTENTION_CASES.items():
+        jobs[cid] = lambda case=case: quant_attention_case(pa, case)
+    for cid, (dt, st, cc) in QUANT_CACHE_WRITE_CASES.items():
+        jobs[cid] = lambda dt=dt, st=st, cc=cc: quant_cache_write_case(cw, dt, st, cc)
     results: dict[str, Any] = {}
     for cid, job in jobs.items():
         if only and cid not in only:

@@ -92,3 +92,23 @@ class PagedBatch:
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float, rtol: float, what: str = "") -> None:
     assert not torch.isnan(actual).any(), f"{what}: {int(torch.isnan(actual).sum())} NaN (unwritten?) elements"
     torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
+
+
+QUANT_STORAGE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+
+
+def quantized_cache(cache: torch.Tensor, storage: torch.dtype, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """A PagedBatch cache (NaN in unused slots) -> (codes, fp32 scales) as kvcli.kvcache.kv_dtype.quantize
+    stores them, with unused slots poisoned: NaN scales, and codes that are garbage (int8: random
+    bytes) or NaN (e4m3 0x7F), so a kernel that reads them, or ignores a mask on them, fails."""
+    from kvcli.kvcache.kv_dtype import quantize
+
+    unused = cache.isnan().any(-1).cpu()  # [blocks, block_size, kv_heads]
+    codes, scales = quantize(torch.nan_to_num(cache.float().cpu()), storage)
+    raw = codes.view(torch.uint8)
+    garbage = torch.randint(0, 256, raw.shape, generator=gen, dtype=torch.uint8)
+    if storage != torch.int8:
+        garbage.fill_(0x7F)
+    raw[unused] = garbage[unused]
+    scales[unused] = float("nan")
+    return codes.to(DEVICE), scales.to(DEVICE)

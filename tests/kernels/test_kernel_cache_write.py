@@ -110,3 +110,94 @@ def test_gpu_prefill_sized_write() -> None:
     blk, off = slots[valid] // block_size, slots[valid] % block_size
     assert torch.equal(k_cache[blk, off], key[valid]) and torch.equal(v_cache[blk, off], value[valid])
     assert int(k_cache.isnan().any(-1).any(-1).sum()) == num_blocks * block_size - int(valid.sum())
+
+
+# --- quantized caches (int8 / fp8 codes + one fp32 scale per token and KV head) -------------------
+
+
+def _check_quantized(key, value, storage, block_size, num_blocks, slots) -> None:
+    """Kernel and reference (kvcli.kvcache.kv_dtype.quantize) must agree bit for bit on codes and scales;
+    slots not written keep their poison (0x7F codes: NaN in e4m3, 127 in int8; NaN scales)."""
+    kv_heads, head_dim = key.shape[1:]
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    caches = []
+    for _ in range(2):
+        k_cache = torch.full(shape, 0x7F, dtype=torch.uint8, device=DEVICE).view(storage)
+        v_cache = torch.full(shape, 0x7F, dtype=torch.uint8, device=DEVICE).view(storage)
+        k_scale = torch.full(shape[:3], float("nan"), device=DEVICE)
+        caches.append((k_cache, v_cache, k_scale, k_scale.clone()))
+    kc, vc, ks, vs = caches[0]
+    write_kv_cache(key, value, kc, vc, slots, ks, vs)
+    write_kv_cache_ref(key, value, *caches[1][:2], slots, *caches[1][2:])
+    for got, want, what in zip(caches[0], caches[1], ("k codes", "v codes", "k scales", "v scales")):
+        if got.dtype == torch.float32:
+            assert torch.equal(got.isnan(), want.isnan()), what
+            assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(want)), what
+        else:
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), what
+    assert int((~ks.isnan()).any(-1).sum()) == int((slots >= 0).sum())
+
+
+@pytest.mark.parametrize("storage", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+@pytest.mark.parametrize(
+    ("src_dtype", "block_size", "kv_heads", "head_dim"),
+    [(torch.float32, 16, 3, 80), (torch.float16, 32, 2, 64), (torch.bfloat16, 8, 1, 128)],
+    ids=str,
+)
+def test_quantized_write_is_bit_identical_to_torch(
+    storage: torch.dtype, src_dtype: torch.dtype, block_size: int, kv_heads: int, head_dim: int
+) -> None:
+    """Rows over 6 orders of magnitude, an all-zero row (scale 0), padded head_dim (80), skipped slots."""
+    gen = generator("write-quant", storage, src_dtype, block_size, kv_heads, head_dim)
+    num_blocks, num_tokens = 5, 21
+    mag = torch.logspace(-3, 3, num_tokens)[:, None, None]
+    key = (torch.randn((num_tokens, kv_heads, head_dim), generator=gen) * mag).to(src_dtype).to(DEVICE)
+    value = randn((num_tokens, kv_heads, head_dim), src_dtype, gen)
+    key[3, 0] = 0
+    slots = _random_slots(num_tokens, num_blocks, block_size, gen).to(DEVICE)
+    _check_quantized(key, value, storage, block_size, num_blocks, slots)
+
+
+@pytest.mark.parametrize("storage", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+def test_quantized_write_rounds_every_grid_point_and_tie_like_torch(storage: torch.dtype) -> None:
+    """Each row holds +qmax (so its scale is exactly 1 and y = x) and then grid points, exact ties
+    between neighbours, and values one ulp either side of the ties: rounding half to even, the
+    e4m3 subnormal range and the clamp all have to match torch's conversion exactly."""
+    if storage == torch.int8:
+        grid = torch.arange(-127.0, 128.0)
+        qmax = 127.0
+    else:
+        grid = torch.arange(256, dtype=torch.int16).to(torch.uint8).view(storage).float()
+        grid = grid[grid.isfinite()].unique()
+        qmax = 448.0
+    ties = (grid[1:] + grid[:-1]) / 2
+    vals = torch.cat([grid, ties, ties.nextafter(torch.tensor(-1e9)), ties.nextafter(torch.tensor(1e9))])
+    head_dim = 64
+    per_row = head_dim - 1
+    pad = -len(vals) % per_row
+    vals = torch.cat([vals, torch.zeros(pad)]).reshape(-1, per_row)
+    rows = torch.cat([torch.full((vals.shape[0], 1), qmax), vals], 1)  # [T, 64]
+    key = rows[:, None, :].to(DEVICE)  # one KV head
+    value = -key
+    num_tokens = key.shape[0]
+    block_size = 16
+    num_blocks = -(-num_tokens // block_size) + 1
+    slots = torch.randperm(num_blocks * block_size, generator=generator("ties", storage))[:num_tokens].to(DEVICE)
+    _check_quantized(key, value, storage, block_size, num_blocks, slots)
+
+
+def test_quantized_validation_errors() -> None:
+    key = torch.zeros(3, 2, 32, device=DEVICE)
+    slots = torch.zeros(3, dtype=torch.int64, device=DEVICE)
+    codes = torch.zeros(2, 16, 2, 32, dtype=torch.int8, device=DEVICE)
+    scale = torch.zeros(2, 16, 2, device=DEVICE)
+    with pytest.raises(ValueError, match="needs k_scale and v_scale"):
+        write_kv_cache(key, key, codes, codes, slots)
+    with pytest.raises(ValueError, match=r"k_scale must be float32 \[2, 16, 2\]"):
+        write_kv_cache(key, key, codes, codes, slots, scale.half(), scale)
+    with pytest.raises(ValueError, match=r"v_scale must be float32"):
+        write_kv_cache(key, key, codes, codes, slots, scale, scale[:, :8])
+    with pytest.raises(ValueError, match="is not quantized"):
+        write_kv_cache(key, key, codes.float(), codes.float(), slots, scale, scale)
+    with pytest.raises(ValueError, match="int8 or float8_e4m3fn"):
+        write_kv_cache(key, key, codes.to(torch.int16), codes.to(torch.int16), slots, scale, scale)

@@ -27,8 +27,11 @@ def test_triton_and_torch_backends_same_greedy_tokens(tmp_path):
     assert outs["torch"] == outs["triton"]
 
 
-def test_triton_and_torch_backends_same_logits_over_chunks(tmp_path):
-    """Stronger than tokens for a random model: logits at every position of a chunked prompt."""
+@pytest.mark.parametrize("kv_dtype", [None, "int8", "fp8"])
+def test_triton_and_torch_backends_same_logits_over_chunks(tmp_path, kv_dtype):
+    """Stronger than tokens for a random model: logits at every position of a chunked prompt, over the
+    default (fp32) cache and over int8 / fp8 caches (the Triton kernels quantize on write and
+    dequantize in registers; the torch backend quantizes with kv_dtype.quantize and dequantizes)."""
     import torch
 
     from kvcli.engine.scheduler import ScheduledChunk, SchedulerOutput
@@ -39,7 +42,8 @@ def test_triton_and_torch_backends_same_logits_over_chunks(tmp_path):
     ids = [(i * 37) % 500 + 3 for i in range(45)]
     logits = {}
     for backend in ("torch", "triton"):
-        eng = LLM(f"dummy:{f}", kv_budget="4MiB", attention_backend=backend, dequantize=True).engine
+        eng = LLM(f"dummy:{f}", kv_budget="4MiB", attention_backend=backend, dequantize=True, kv_dtype=kv_dtype).engine
+        assert eng.kv_dtype.name == (kv_dtype or "fp32")
         rows = []
         for pos in range(0, len(ids), 20):  # chunks of 20 over 16-token blocks: ends mid-block
             part = ids[pos:pos + 20]

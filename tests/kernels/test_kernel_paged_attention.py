@@ -13,10 +13,12 @@ from kernel_test_utils import (  # noqa: E402
     ATTN_TOL,
     DEVICE,
     ON_GPU,
+    QUANT_STORAGE,
     PagedBatch,
     assert_close,
     dtype_id,
     generator,
+    quantized_cache,
     requires_cuda,
 )
 
@@ -220,3 +222,73 @@ def test_speculative_verification_rows(num_splits: int | None) -> None:
     seq_lens = [70, 37, 129, 17, 7 + 40]
     batch = PagedBatch(q_lens, seq_lens, 6, 2, 64, 16, torch.float32, gen)
     run_and_check(batch, num_splits, f"speculative verify splits={num_splits}")
+
+
+# --- quantized caches: int8 / e4m3 codes + one fp32 scale per token and KV head ------------------
+
+
+def run_quantized(batch: PagedBatch, storage: torch.dtype, num_splits: int | None, what: str) -> torch.Tensor:
+    """The batch's KV quantized as the cache stores it (unused slots: garbage codes, NaN scales),
+    attention into a NaN-poisoned output, against the reference on the dequantized KV."""
+    gen = generator("quant-poison", what)
+    kc, ks = quantized_cache(batch.k_cache, storage, gen)
+    vc, vs = quantized_cache(batch.v_cache, storage, gen)
+    out = batch.nan_out()
+    paged_attention(batch.q, kc, vc, batch.cu_seqlens_q, batch.seq_lens_t, batch.block_tables, batch.scale,
+                    batch.max_seqlen_q, batch.max_seq_len, num_splits=num_splits, out=out, k_scale=ks, v_scale=vs)
+    ref = paged_attention_ref(batch.q, kc, vc, batch.cu_seqlens_q, batch.seq_lens_t, batch.block_tables,
+                              batch.scale, ks, vs)
+    assert_close(out, ref, *ATTN_TOL[batch.q.dtype], what)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("storage", "q_dtype", "block_size", "head_dim", "group", "num_splits"),
+    [
+        ("int8", torch.float16, 16, 64, 3, 1),
+        ("int8", torch.float32, 32, 80, 1, 3),  # padded head_dim, split-K
+        ("int8", torch.bfloat16, 8, 64, 8, 2),  # many pages per tile, GQA 8
+        ("fp8", torch.float16, 16, 64, 4, 1),
+        ("fp8", torch.float32, 64, 32, 2, 4),  # a 64-token page, split-K
+        ("fp8", torch.bfloat16, 24, 64, 2, 1),  # page size not a power of two
+    ],
+    ids=lambda v: dtype_id(v) if isinstance(v, torch.dtype) else str(v),
+)
+def test_quantized_mixed_batch(storage: str, q_dtype: torch.dtype, block_size: int, head_dim: int, group: int,
+                               num_splits: int) -> None:
+    """Decodes, a prefill chunk on a cached prefix, a fresh prompt and an empty request in one launch
+    over an int8 / fp8 cache: codes dequantized in registers (K scales folded into the scores, V tiles
+    scaled) must equal attention over the dequantized KV."""
+    gen = generator("quant-mixed", storage, q_dtype, block_size, head_dim, group, num_splits)
+    q_lens, seq_lens = [1, 19, 0, 23, 1], [70, 19 + 45, 12, 23, 129]
+    batch = PagedBatch(q_lens, seq_lens, group * 2, 2, head_dim, block_size, torch.float32, gen, q_dtype=q_dtype)
+    run_quantized(batch, QUANT_STORAGE[storage], num_splits,
+                  f"{storage} q={q_dtype} bs={block_size} D={head_dim} group={group} splits={num_splits}")
+
+
+@pytest.mark.parametrize("storage", ["int8", "fp8"])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_quantized_decode(storage: str, num_splits: int) -> None:
+    """A decode-only batch (16-row tiles) with ragged contexts; the result stays near full-precision
+    attention (quantization error only: a wrong or missing scale is far off)."""
+    gen = generator("quant-decode", storage, num_splits)
+    batch = PagedBatch([1, 1, 1], [37, 1, 150], 6, 2, 64, 16, torch.float32, gen, q_dtype=torch.float16)
+    out = run_quantized(batch, QUANT_STORAGE[storage], num_splits, f"{storage} decode splits={num_splits}")
+    exact = paged_attention_ref(batch.q, batch.k_cache, batch.v_cache, batch.cu_seqlens_q, batch.seq_lens_t,
+                                batch.block_tables, batch.scale)
+    assert (out.float() - exact.float()).abs().max() < (0.02 if storage == "int8" else 0.1)
+
+
+def test_quantized_validation_errors() -> None:
+    gen = generator("quant-validation")
+    b = PagedBatch([1], [5], 4, 2, 32, 16, torch.float32, gen, q_dtype=torch.float16)
+    kc, ks = quantized_cache(b.k_cache, torch.int8, gen)
+    args = [b.q, kc, kc, b.cu_seqlens_q, b.seq_lens_t, b.block_tables, b.scale, 1, 5]
+    with pytest.raises(ValueError, match="needs k_scale and v_scale"):
+        paged_attention(*args)
+    with pytest.raises(ValueError, match="v_scale must be float32"):
+        paged_attention(*args, k_scale=ks, v_scale=ks[:, :4])
+    with pytest.raises(ValueError, match="is not quantized"):
+        paged_attention(b.q, b.k_cache, b.v_cache, *args[3:], k_scale=ks, v_scale=ks)
+    with pytest.raises(ValueError, match="q must be"):
+        paged_attention(b.q.to(torch.int8), *args[1:], k_scale=ks, v_scale=ks)

@@ -26,7 +26,13 @@ pytest.importorskip("triton.backends.nvidia", reason="this triton has no NVIDIA 
 
 SCRIPT = Path(__file__).with_name("aot_compile_check.py")
 sys.path.insert(0, str(SCRIPT.parent))
-from aot_compile_check import ATTENTION_CASES, INT4_CASES, LINEAR_CASES  # noqa: E402
+from aot_compile_check import (  # noqa: E402
+    ATTENTION_CASES,
+    INT4_CASES,
+    LINEAR_CASES,
+    QUANT_ATTENTION_CASES,
+    QUANT_CACHE_WRITE_CASES,
+)
 
 # Configurations a model runs hot on a GPU (16-bit KV / activations on sm_90): must not spill
 # registers. The fp32 ones (gpu_check's correctness engine, 3xTF32) must compile and fit in shared
@@ -34,6 +40,7 @@ from aot_compile_check import ATTENTION_CASES, INT4_CASES, LINEAR_CASES  # noqa:
 NO_SPILL = {cid for cid, c in ATTENTION_CASES.items() if c[4] != torch.float32 and c[6] == 90}
 NO_SPILL |= {cid for cid, c in INT4_CASES.items() if c[2] != torch.float32}
 NO_SPILL |= {cid for cid, c in LINEAR_CASES.items() if c[1] != torch.float32}
+NO_SPILL |= {cid for cid, c in QUANT_ATTENTION_CASES.items() if c[6] == 90} | set(QUANT_CACHE_WRITE_CASES)
 
 
 @pytest.fixture(scope="module")
@@ -105,3 +112,21 @@ def test_engine_triton_linear_compiles(results: dict[str, Any], cid: str) -> Non
 def test_cache_write_compiles(results: dict[str, Any]) -> None:
     (f,) = _check(results, "cache-write-bf16")
     assert f["ld_v4"] > 0 and f["spill"] == 0, f
+
+
+@pytest.mark.parametrize("cid", list(QUANT_ATTENTION_CASES))
+def test_quantized_paged_attention_compiles(results: dict[str, Any], cid: str) -> None:
+    """int8 / e4m3 KV: codes converted to q's 16-bit dtype in registers, so the dots stay on tensor
+    cores; no fp32 upcast on a GPU; no spills on sm_90 (checked in _check)."""
+    launches = _check(results, cid)
+    main = launches[0]
+    assert main["kernel"] == "_paged_attention_kernel" and main["flags"]["QUANT"] is True, main
+    assert main["flags"]["COMPUTE_F32"] is False, main["flags"]
+    assert main["mma"] > 0, f"{cid}: the score / PV products do not use tensor cores: {main}"
+    assert main["cp_async"] > 0 or main["ld_v4"] > 0, f"{cid}: KV loads neither async nor vectorised: {main}"
+
+
+@pytest.mark.parametrize("cid", list(QUANT_CACHE_WRITE_CASES))
+def test_quantized_cache_write_compiles(results: dict[str, Any], cid: str) -> None:
+    (launch,) = _check(results, cid)
+    assert launch["kernel"] == "_write_kv_cache_kernel" and launch["flags"]["QUANT"] in (1, 2), launch

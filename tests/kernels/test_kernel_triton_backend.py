@@ -74,3 +74,50 @@ def test_two_steps_match_dense_attention(num_splits: int | None) -> None:
 def test_rejects_bad_num_splits() -> None:
     with pytest.raises(ValueError):
         TritonAttentionBackend(num_splits=0)
+
+
+@pytest.mark.parametrize("kv_format", ["int8", "fp8"])
+def test_quantized_cache_two_steps_match_torch_backend(kv_format: str) -> None:
+    """The backend over an int8 / fp8 LayerKV (codes + scales, unused slots poisoned): the cache-write
+    kernel stores the same codes and scales as the torch backend, bit for bit, and attention equals
+    the torch backend's (which dequantizes before attending) over a prompt step and a chunk + decode step."""
+    from kvcli.attention.torch_backend import TorchAttentionBackend
+    from kvcli.kvcache.kv_dtype import kv_dtype_of
+
+    storage = kv_dtype_of(kv_format).storage
+    gen = generator("backend-quant", kv_format)
+    total = [40, 21]
+    full_q = [torch.randn(n, HQ, D, generator=gen) for n in total]
+    full_k = [torch.randn(n, HKV, D, generator=gen) * 3 for n in total]
+    full_v = [torch.randn(n, HKV, D, generator=gen) for n in total]
+
+    def layer(device: torch.device) -> LayerKV:
+        codes = [torch.full((8, BLOCK, HKV, D), 0x7F, dtype=torch.uint8).view(storage) for _ in range(2)]
+        scales = [torch.full((8, BLOCK, HKV), float("nan")) for _ in range(2)]
+        return LayerKV(*(t.to(device) for t in (*codes, *scales)))
+
+    tri, ref = layer(DEVICE), layer(torch.device("cpu"))  # the torch backend runs on CPU
+    tables = torch.tensor([[5, 0, 7, 0], [2, 6, 0, 0]], dtype=torch.int32)
+    backend, torch_backend = TritonAttentionBackend(), TorchAttentionBackend()
+    for starts, q_lens in (([0, 0], [30, 20]), ([30, 20], [10, 1])):
+        meta = _meta(tables, starts, q_lens)
+        sl = [slice(s, s + n) for s, n in zip(starts, q_lens)]
+        key, value, q = (torch.cat([x[s] for x, s in zip(full, sl)]) for full in (full_k, full_v, full_q))
+        backend.write_kv(key.to(DEVICE), value.to(DEVICE), tri, meta)
+        torch_backend.write_kv(key, value, ref, _cpu(meta))
+        for got, want in zip(tri.tensors(), ref.tensors()):
+            got = got.cpu()
+            if got.dtype == torch.float32:
+                assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+            else:
+                assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+        out = backend.forward(q.to(DEVICE), tri, meta, D**-0.5)
+        expect = torch_backend.forward(q, ref, _cpu(meta), D**-0.5)
+        torch.testing.assert_close(out.cpu(), expect, atol=2e-4, rtol=2e-4)
+
+
+def _cpu(meta: AttentionMetadata) -> AttentionMetadata:
+    from dataclasses import fields
+
+    return AttentionMetadata(**{f.name: (v.cpu() if isinstance(v := getattr(meta, f.name), torch.Tensor) else v)
+                                for f in fields(meta)})
