@@ -11,7 +11,7 @@ PY=.venv/bin/python
 KVCLI=.venv/bin/kvcli
 OUT=docs/results
 mkdir -p "$OUT"
-ALL="decode load continue throughput profile simulate live dashboard kv-dtype kv-decode"
+ALL="decode load continue throughput profile simulate live dashboard kv-dtype kv-decode cpu cpu-avx2"
 WANT=" ${FIGURES:-$ALL} "
 
 header() {  # name, command...
@@ -38,6 +38,8 @@ run decode "$PY" scripts/bench_decode.py
 run load "$PY" scripts/bench_load.py
 run continue "$KVCLI" continue samples/keepers-log.txt -n 40 --no-live
 run throughput "$PY" scripts/bench_throughput.py --workload alpaca --num-requests 64
+run cpu "$PY" scripts/bench_cpu.py --repeats 1  # kvcli vs transformers vs llama.cpp, 512 and 4k, batch 1
+run cpu-avx2 "$PY" scripts/bench_cpu.py --repeats 1 --isa avx2  # the same with torch and llama.cpp held to AVX2
 run kv-dtype "$PY" scripts/bench_kv_dtype.py  # every --kv-dtype: perplexity, bytes, decode at 4k
 run kv-decode "$PY" scripts/bench_kv_decode.py  # decode at 4k per --kv-dtype, interleaved rounds
 run profile "$KVCLI" profile --workload sharegpt --num-requests 64 --max-model-len 2048 --block-size 16 \
