@@ -82,6 +82,7 @@ class LLMEngine:
 
     def __init__(self, loaded: LoadedWeights | None, options: EngineOptions = EngineOptions(),
                  config: ModelConfig | None = None, model: LlamaModel | None = None) -> None:
+        t_build = time.perf_counter()
         self.options = options
         self.simulated = loaded is None
         c = config if loaded is None else loaded.config
@@ -151,6 +152,9 @@ class LLMEngine:
         self.prefill_seconds = 0.0
         self.decode_seconds = 0.0
         self.metrics = MetricsCollector(self)
+        # What a user waits for: reading the file and tokenizer, then the model build (weight packing)
+        # and the KV pool allocation here.
+        self.load_seconds += time.perf_counter() - t_build
 
     @staticmethod
     def _speculation(options: EngineOptions) -> dict:
