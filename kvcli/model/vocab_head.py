@@ -1,12 +1,13 @@
 """The output (vocabulary) projection: hidden states -> logits over the whole vocabulary.
 
 It is the largest single matmul of a decode step for small models (SmolLM2-135M: 49152 x 576, 56 MB
-in bf16, a quarter of a step's CPU time). How to run it best depends on the processor, measured by
+in bf16). How to run it best depends on the processor, measured by
 scripts/bench_cpu_ops.py (docs/results/cpu-ops-*.txt):
   - CPUs with native bf16 dot products (AVX-512-BF16, AMX): torch's bf16 GEMM, at every batch size.
   - CPUs without (AVX2): bf16 is emulated. One row is still fastest as a bf16 GEMV, but from 4 rows up
     the table is converted to fp32 one 1024-row slice at a time (the slice stays in cache) and each
-    slice is an fp32 GEMM: 2.8x faster at 16 rows, 3.6x at 64, no extra resident bytes, and more exact.
+    slice is an fp32 GEMM: several times faster than the emulated bf16 GEMM at 16 and 64 rows (the
+    "fp32 slices" rows of the op benchmark), no extra resident bytes, and more exact.
 The table is stored once, in `dtype`; which path ran is visible as `path`.
 """
 
