@@ -258,6 +258,11 @@ class Preempt(str, Enum):
     swap = "swap"
 
 
+MaxSeqsOpt = Annotated[int, typer.Option("--max-num-seqs", help="Most requests running at once.")]
+PreemptOpt = Annotated[Preempt, typer.Option("--preempt", help="When blocks run out: recompute the "
+                                             "preempted request later, or swap its blocks to host memory.")]
+
+
 @app.command("profile")
 def profile(
     workload: Annotated[str, typer.Option("--workload", "-w", help="sharegpt (mean 161 prompt / 338 output "
@@ -274,9 +279,7 @@ def profile(
     kv_layout: Annotated[Layout, typer.Option("--kv-layout", help="KV layout of the (first) run.")] = Layout.paged,
     reserve: Annotated[Reserve, typer.Option("--reserve", help="Contiguous layout: reserve max_model_len "
                                              "slots per request, or prompt + max_tokens.")] = Reserve.max_len,
-    preempt: Annotated[Preempt, typer.Option("--preempt", help="When blocks run out: recompute the "
-                                             "preempted request later, or swap its blocks to host memory."
-                                             )] = Preempt.recompute,
+    preempt: PreemptOpt = Preempt.recompute,
     simulate: Annotated[bool, typer.Option("--simulate", help="Run the scheduler and block manager without "
                                            "the model (KV in fp16 unless --kv-dtype): exact memory figures "
                                            "for any config in seconds.")] = False,
@@ -303,7 +306,7 @@ def profile(
     max_model_len: Annotated[int, typer.Option("--max-model-len", help="Context limit (and the contiguous "
                                                "max-len reservation).")] = 2048,
     max_batch_tokens: ChunkOpt = 512,
-    max_num_seqs: Annotated[int, typer.Option("--max-num-seqs", help="Most requests running at once.")] = 256,
+    max_num_seqs: MaxSeqsOpt = 256,
     quant: QuantOpt = Quant.auto,
     dequantize: DequantOpt = False,
     device: DeviceOpt = None,
@@ -360,12 +363,10 @@ def serve(
     kv_dtype: KVDtypeOpt = None,
     max_model_len: MaxLenOpt = None,
     max_batch_tokens: ChunkOpt = 512,
-    max_num_seqs: Annotated[int, typer.Option("--max-num-seqs", help="Most requests running at once.")] = 64,
+    max_num_seqs: MaxSeqsOpt = 64,
     kv_layout: Annotated[Layout, typer.Option("--kv-layout", help="paged, or contiguous preallocation "
                                               "(for comparison).")] = Layout.paged,
-    preempt: Annotated[Preempt, typer.Option("--preempt", help="When blocks run out: recompute the "
-                                             "preempted request later, or swap its blocks to host memory."
-                                             )] = Preempt.recompute,
+    preempt: PreemptOpt = Preempt.recompute,
     quant: QuantOpt = Quant.auto,
     dequantize: DequantOpt = False,
     device: DeviceOpt = None,

@@ -43,6 +43,17 @@ def check_writable(path: Path) -> None:
         raise InputError(f"{path}: cannot write ({e.strerror})") from None
 
 
+def check_outputs(paths, fail) -> None:
+    """check_writable for every output path given (None: not asked for); the first problem goes to
+    `fail` as the command's one-line error."""
+    for p in paths:
+        if p is not None:
+            try:
+                check_writable(p)
+            except InputError as e:
+                fail(str(e))
+
+
 def write_text_file(path: Path, text: str) -> None:
     """Write a result file; a full disk or a folder removed since `check_writable` is an InputError."""
     try:

@@ -15,7 +15,7 @@ from kvcli.commands.common import Fail, print_notes
 from kvcli.engine.llm_engine import LLMEngine
 from kvcli.engine.scheduler import KVBudgetTooSmall
 from kvcli.options import ConfigError, EngineOptions
-from kvcli.inputs import InputError, check_writable, write_text_file
+from kvcli.inputs import InputError, check_outputs, write_text_file
 from kvcli.model.loader import ModelLoadError, load_config, load_tokenizer, load_weights
 from kvcli.profile import ProfileResult, breakdown_rows, plot_timeline, run_trace
 from kvcli.workloads import WorkloadError, load as load_trace, prompt_ids
@@ -61,12 +61,7 @@ def run_profile(a: ProfileArgs, fail: Fail) -> int:
         fail("--compare hf runs the model; it cannot be simulated")
     if a.num_requests <= 0:
         fail(f"--num-requests must be a positive integer (got {a.num_requests})")
-    for p in (a.json_path, a.plot_path):
-        if p is not None:
-            try:
-                check_writable(p)
-            except InputError as e:
-                fail(str(e))
+    check_outputs((a.json_path, a.plot_path), fail)
     if a.endpoints and (a.compare != "none" or a.simulate):
         fail("--endpoint sends the trace to running servers; it does not combine with --compare or --simulate")
     try:

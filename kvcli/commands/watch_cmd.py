@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.live import Live
 
-from kvcli.inputs import InputError, check_writable, write_text_file
+from kvcli.inputs import InputError, check_outputs, write_text_file
 from kvcli.remote.scrape import ScrapeError, ServerSample, parse
 from kvcli.remote.timeline import Timeline, plot_timeline
 
@@ -80,12 +80,7 @@ def run_watch(a: WatchArgs, fail: "Fail") -> int:
         fail(f"--interval must be > 0 seconds (got {a.interval})")
     if a.duration is not None and not a.duration > 0:
         fail(f"--duration must be > 0 seconds (got {a.duration})")
-    for p in (a.record, a.plot):
-        if p is not None:
-            try:
-                check_writable(p)
-            except InputError as e:
-                fail(str(e))
+    check_outputs((a.record, a.plot), fail)
     url = metrics_url(a.url, fail)
     scraper = Scraper(url, timeout=max(1.0, min(5.0, 4 * a.interval)))
     tl = Timeline(url)

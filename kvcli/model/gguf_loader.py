@@ -145,9 +145,11 @@ def open_gguf(path: Path) -> GGUFFile:
         raise GGUFError(f"{path}: not a readable GGUF file ({e})") from None
 
 
-def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, QuantTensor | torch.Tensor], dict[str, int]]:
-    """Returns (config, weights by Hugging Face name, count of tensors per GGML type)."""
-    reader = open_gguf(path)
+def load_gguf(path: Path, reader: GGUFFile | None = None
+              ) -> tuple[ModelConfig, dict[str, QuantTensor | torch.Tensor], dict[str, int]]:
+    """Returns (config, weights by Hugging Face name, count of tensors per GGML type). `reader`: the
+    file's header when the caller already parsed it (the tokenizer reads the same metadata)."""
+    reader = reader or open_gguf(path)
     config = read_config(reader, path)
     weights: dict[str, QuantTensor | torch.Tensor] = {}
     types: dict[str, int] = {}

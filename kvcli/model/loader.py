@@ -75,14 +75,15 @@ def load_weights(spec: str | None, *, quant: str = "auto") -> LoadedWeights:
 
 
 def _load_gguf(path: Path) -> LoadedWeights:
-    from kvcli.model.gguf_loader import GGUFError, load_gguf
+    from kvcli.model.gguf_loader import GGUFError, load_gguf, open_gguf
 
     try:
-        config, weights, types = load_gguf(path)
+        reader = open_gguf(path)  # parsed once: weights and tokenizer read the same header
+        config, weights, types = load_gguf(path, reader)
     except GGUFError as e:
         raise ModelLoadError(str(e)) from None
     try:
-        tok = load_gguf_tokenizer(path, config.eos_token_ids)
+        tok = load_gguf_tokenizer(path, config.eos_token_ids, reader.metadata)
     except Exception as e:  # transformers raises many kinds for odd tokenizer metadata
         raise ModelLoadError(f"{path.name}: cannot build its tokenizer ({type(e).__name__}: {e})") from None
     return LoadedWeights(config, weights, tok, str(path), {f"gguf:{k}": v for k, v in types.items()})
