@@ -1,27 +1,26 @@
 """llama.cpp's real server on the bundled GGUF with --metrics, driven like kvcli serve: `kvcli watch`
 reads its llamacpp: metrics and `kvcli profile --endpoint` sends it a trace. Skipped until
-scripts/build_llama_server.sh has built llama-server into .cache/llama.cpp (or KVCLI_LLAMA_SERVER
-names a binary). Everything on 127.0.0.1."""
+scripts/build_llama_server.sh has built llama-server (looked up by kvcli/bench/llama_server.py:
+$KVCLI_LLAMA_SERVER, $KVCLI_CACHE, .cache/bench, a worktree's main checkout). Everything on 127.0.0.1."""
 
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 from typer.testing import CliRunner
 
+from kvcli.bench.llama_server import candidates, find_llama_server
 from kvcli.cli import app
 
-REPO = Path(__file__).resolve().parents[1]
-LLAMA = Path(os.environ.get("KVCLI_LLAMA_SERVER", REPO / ".cache" / "llama.cpp" / "bin" / "llama-server"))
+LLAMA = find_llama_server()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
-    not LLAMA.is_file(), reason=f"llama.cpp's llama-server is not built ({LLAMA}); run scripts/build_llama_server.sh")]
+    LLAMA is None, reason=f"llama.cpp's llama-server is not built (looked for {', '.join(map(str, candidates()))}); "
+                          "run scripts/build_llama_server.sh")]
 runner = CliRunner()
 
 
@@ -32,26 +31,34 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def llama_url(gguf_path):
+def llama_url(gguf_path, tmp_path_factory):
     port = _free_port()
-    proc = subprocess.Popen([str(LLAMA), "-m", str(gguf_path), "--host", "127.0.0.1", "--port", str(port),
-                             "--metrics", "-np", "4", "-c", "2048"], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    log = tmp_path_factory.mktemp("llama-server") / "llama-server.log"
+    with log.open("w") as f:
+        proc = subprocess.Popen([str(LLAMA), "-m", str(gguf_path), "--host", "127.0.0.1", "--port", str(port),
+                                 "--metrics", "-np", "4", "-c", "2048", "-t", "1", "-tb", "1"], stdout=f,
+                                stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     end = time.monotonic() + 120
-    while time.monotonic() < end:
+    try:
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"llama-server exited ({proc.returncode}):\n{log.read_text()[-2000:]}")
+            if time.monotonic() > end:
+                pytest.fail(f"llama-server did not become healthy in 120 s:\n{log.read_text()[-2000:]}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2, trust_env=False).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
         try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    else:
-        proc.kill()
-        pytest.fail("llama-server did not become healthy in 120 s")
-    yield url
-    proc.terminate()
-    proc.wait(30)
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def test_watch_reads_llamacpp_metrics(llama_url):
@@ -61,10 +68,23 @@ def test_watch_reads_llamacpp_metrics(llama_url):
 
 
 def test_profile_endpoint_drives_llama_server(llama_url, tmp_path):
+    from kvcli.remote.scrape import parse
+    from kvcli.workloads import load
+
+    asked = sum(r.max_tokens for r in load("alpaca", 4, 128).requests)  # the trace profile builds (seed 0)
+    before = parse(httpx.get(f"{llama_url}/metrics", timeout=10, trust_env=False).text)
     rep = tmp_path / "r.json"
     r = runner.invoke(app, ["profile", "--endpoint", llama_url, "-w", "alpaca", "-N", "4", "--max-model-len", "128",
                             "--concurrency", "4", "--json", str(rep)])
     assert r.exit_code == 0, r.output
     run = json.loads(rep.read_text())["endpoints"][0]
-    assert run["completed"] == 4 and run["output_tokens"] > 0
-    assert run["server_metrics"]["flavor"] == "llama.cpp"
+    # ignore_eos and max_tokens were honoured: every asked token came back, as the client counts them
+    assert run["completed"] == 4 and run["failures"] == 0
+    assert run["output_tokens"] == asked
+    assert run["ttft_s"]["p50"] is not None and run["ttft_s"]["p50"] > 0
+    sm = run["server_metrics"]
+    assert sm["flavor"] == "llama.cpp" and sm["samples"] >= 1
+    # ... and as llama.cpp's own counter says, with every slot idle afterwards
+    after = parse(httpx.get(f"{llama_url}/metrics", timeout=10, trust_env=False).text)
+    assert after.generation_tokens - before.generation_tokens == asked
+    assert after.running == 0 and after.waiting == 0
