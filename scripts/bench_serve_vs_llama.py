@@ -54,13 +54,15 @@ def start_kvcli(args: list[str]) -> tuple[subprocess.Popen, str]:
     raise SystemExit(f"kvcli serve did not start (exit {p.wait()})")
 
 
-def start_llama(binary: Path, gguf: Path, slots: int, max_model_len: int, threads: int | None,
-                log: Path) -> tuple[subprocess.Popen, str]:
+def llama_args(gguf: Path, slots: int, max_model_len: int, threads: int | None) -> list[str]:
+    args = ["-m", str(gguf), "-a", gguf.name, "--metrics", "-np", str(slots), "-c", str(slots * max_model_len),
+            "--no-webui"]
+    return args + (["-t", str(threads), "-tb", str(threads)] if threads else [])
+
+
+def start_llama(binary: Path, args: list[str], log: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "--metrics",
-           "-np", str(slots), "-c", str(slots * max_model_len), "--no-webui"]
-    if threads:
-        cmd += ["-t", str(threads), "-tb", str(threads)]
+    cmd = [str(binary), *args, "--host", "127.0.0.1", "--port", str(port)]
     p = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     end = time.monotonic() + 180
@@ -131,10 +133,15 @@ def main() -> None:
     kproc, kurl = start_kvcli(kv_args)
     lproc = None
     try:
-        lproc, lurl = start_llama(binary, gguf, a.max_num_seqs, a.max_model_len, a.threads, llog)
+        largs = llama_args(gguf, a.max_num_seqs, a.max_model_len, a.threads)
+        # Its memory breakdown is logged only at verbosity 4, which also logs every slot's work: read
+        # it from a start of the same command that is stopped once it listens, then start the
+        # measured one at the default verbosity.
+        probe, _ = start_llama(binary, [*largs, "-lv", "4"], tmp / "llama-server-lv4.log")
+        stop(probe)
+        lproc, lurl = start_llama(binary, largs, llog)
         say(f"kvcli serve {' '.join(kv_args)}  -> {kurl}")
-        say(f"{binary.name} -m {gguf.name} --metrics -np {a.max_num_seqs} -c {a.max_num_seqs * a.max_model_len}"
-            f"{f' -t {a.threads} -tb {a.threads}' if a.threads else ''}  -> {lurl}")
+        say(f"{binary.name} {' '.join(largs).replace(str(gguf), gguf.name)}  -> {lurl}")
         ver = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=30)
         say("llama-server --version: " + " · ".join(x.strip() for x in (ver.stdout + ver.stderr).splitlines()
                                                      if x.strip() and "version" in x.lower()))
@@ -144,8 +151,9 @@ def main() -> None:
                "-w", a.workload, "-N", str(a.num_requests), "--max-model-len", str(a.max_model_len),
                "--concurrency", str(a.concurrency), "--seed", str(a.seed), "--json", str(rep)]
         say("$ kvcli " + " ".join(cmd[3:]).replace(str(rep), "r.json"))
-        r = subprocess.run(cmd, capture_output=True, text=True, env={**env, "COLUMNS": "160"})
-        for line in (r.stdout + r.stderr).rstrip().splitlines():
+        r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           env={**env, "COLUMNS": "120"})
+        for line in r.stdout.rstrip().splitlines():
             say(line)
         say(f"(exit {r.returncode}; load average after: {os.getloadavg()[0]:.1f})")
         if r.returncode != 0 and not rep.exists():
@@ -171,11 +179,13 @@ def main() -> None:
                 f"{sm['kv_internal_share_of_allocated']:.1%}"
                 + (f"; the same requests under max-length contiguous preallocation: token states {wi:.1%}"
                    if wi is not None else ""))
-    kv_lines = [ln.strip() for ln in llog.read_text(errors="replace").splitlines()
-                if re.search(r"KV buffer size|n_ctx_seq|kv_unified|llama_kv_cache:.*cells", ln)]
+    kv_lines = [re.sub(r"^[\d.]+ \w ", "", ln.strip()) for ln in
+                (tmp / "llama-server-lv4.log").read_text(errors="replace").splitlines()
+                if re.search(r"memory breakdown|- Host|n_slots|n_ctx_seq +=|KV buffer size|llama_kv_cache: size|"
+                             r"compute buffer size", ln)]
     say(f"  llama.cpp   : its /metrics export no KV figure (flavor {before[lurl].flavor}, kv_usage "
-        f"{before[lurl].kv_usage}); from llama-server's startup log:")
-    for ln in kv_lines[:8]:
+        f"{before[lurl].kv_usage}); from llama-server's startup log (same command, -lv 4):")
+    for ln in kv_lines[:10]:
         say(f"                {ln}")
 
 

@@ -144,10 +144,17 @@ class EngineWorker:
                 if self._stop.is_set():
                     break
                 if e.has_unfinished():
-                    self._dispatch(e.step())
+                    outputs = e.step()
                     if len(e.metrics.records) > 2 * KEEP_STEP_RECORDS:
                         del e.metrics.records[:-KEEP_STEP_RECORDS]
-                    if time.perf_counter() - self._last_snap >= SNAPSHOT_EVERY_S or not e.has_unfinished():
+                    if not e.has_unfinished():
+                        # Idle now: publish before the last tokens go out, so a client that has its
+                        # final token and then reads /metrics sees every block free (not a snapshot
+                        # from a step or two earlier). Blocks were freed in the step; nothing in
+                        # _dispatch changes what the snapshot holds.
+                        self._publish()
+                    self._dispatch(outputs)
+                    if time.perf_counter() - self._last_snap >= SNAPSHOT_EVERY_S:
                         self._publish()
         except Exception as exc:  # a bug: keep the server answering, say what happened
             log.exception("engine loop failed")
