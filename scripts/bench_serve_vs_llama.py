@@ -79,6 +79,17 @@ def start_llama(binary: Path, args: list[str], log: Path) -> tuple[subprocess.Po
     raise SystemExit(f"llama-server not healthy in 180 s; log: {log}")
 
 
+def peak_rss_mib(pid: int) -> float | None:
+    """VmHWM (peak resident set) of a process, from /proc (Linux)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
 def stop(p: subprocess.Popen) -> None:
     p.send_signal(signal.SIGTERM)
     try:
@@ -159,6 +170,7 @@ def main() -> None:
         if r.returncode != 0 and not rep.exists():
             raise SystemExit("kvcli profile --endpoint failed")
         report = json.loads(rep.read_text())
+        rss = {"kvcli serve": peak_rss_mib(kproc.pid), "llama-server": peak_rss_mib(lproc.pid)}
     finally:
         stop(kproc)
         if lproc is not None:
@@ -185,8 +197,10 @@ def main() -> None:
                              r"compute buffer size", ln)]
     say(f"  llama.cpp   : its /metrics export no KV figure (flavor {before[lurl].flavor}, kv_usage "
         f"{before[lurl].kv_usage}); from llama-server's startup log (same command, -lv 4):")
-    for ln in kv_lines[:10]:
+    for ln in list(dict.fromkeys(kv_lines))[:10]:  # (it prints the breakdown twice)
         say(f"                {ln}")
+    say("  peak resident memory of each server process after the run (VmHWM): "
+        + ", ".join(f"{k} {'n/a' if v is None else f'{v:,.0f} MiB'}" for k, v in rss.items()))
 
 
 if __name__ == "__main__":
