@@ -79,6 +79,15 @@ class Linear:
             return _nbytes(self.nf4, self.nf4_state.absmax, self.bias)
         return self.q.nbytes + _nbytes(self.bias)
 
+    def residual(self, x: torch.Tensor) -> torch.Tensor:
+        """self(x) for a caller that adds it into an fp32 residual stream: the int4 CPU kernel's bf16
+        result is returned as it is, since the add upcasts it exactly (the same bits as .to(fp32) first,
+        one copy fewer)."""
+        if self.mode == "int4-cpu" and x.dtype == torch.float32 and self.bias is None:
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x.to(torch.bfloat16), self.packed, self.group_size, self.scale_zero)
+        return self(x)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.mode == "dense":
             return F.linear(x, self.weight, self.bias)

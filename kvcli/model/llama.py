@@ -143,10 +143,11 @@ class LlamaModel:
             v = qkv[:, qk_size:].view(t, c.num_kv_heads, c.head_dim)
             backend.write_kv(k, v, cache, meta)
             attn = backend.forward(q, cache, meta, self.scale)
-            h = h + layer.o(attn.reshape(t, self.q_size))
+            # In place: h is this forward's own tensor (the embedding rows, then its own sums).
+            h.add_(layer.o.residual(attn.reshape(t, self.q_size)))
             x = layer.ffn_norm(h)
             gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            h = h + layer.down(F.silu(gate) * up)
+            h.add_(layer.down.residual(F.silu(gate).mul_(up)))
         if logits_indices is not None:
             h = h[logits_indices]
         h = self.norm(h)
