@@ -79,15 +79,6 @@ class Linear:
             return _nbytes(self.nf4, self.nf4_state.absmax, self.bias)
         return self.q.nbytes + _nbytes(self.bias)
 
-    def residual(self, x: torch.Tensor) -> torch.Tensor:
-        """self(x) for a caller that adds it into an fp32 residual stream: the int4 CPU kernel's bf16
-        result is returned as it is, since the add upcasts it exactly (the same bits as .to(fp32) first,
-        one copy fewer)."""
-        if self.mode == "int4-cpu" and x.dtype == torch.float32 and self.bias is None:
-            return torch.ops.aten._weight_int4pack_mm_for_cpu(
-                x.to(torch.bfloat16), self.packed, self.group_size, self.scale_zero)
-        return self(x)
-
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.mode == "dense":
             return F.linear(x, self.weight, self.bias)
@@ -203,10 +194,6 @@ class Rotary:
         out = x * cos
         out += rolled.mul_(sin)  # the same two roundings as x * cos + rotate_half(x) * sin
         return out
-
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cs = self.at(positions, q.dtype)
-        return self.apply(q, cs), self.apply(k, cs)
 
 
 def _apply_rope_scaling(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Tensor:

@@ -144,10 +144,10 @@ class LlamaModel:
             backend.write_kv(k, v, cache, meta)
             attn = backend.forward(q, cache, meta, self.scale)
             # In place: h is this forward's own tensor (the embedding rows, then its own sums).
-            h.add_(layer.o.residual(attn.reshape(t, self.q_size)))
+            h.add_(layer.o(attn.reshape(t, self.q_size)))
             x = layer.ffn_norm(h)
             gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            h.add_(layer.down.residual(F.silu(gate).mul_(up)))
+            h.add_(layer.down(F.silu(gate).mul_(up)))
         if logits_indices is not None:
             h = h[logits_indices]
         h = self.norm(h)
