@@ -10,7 +10,7 @@ import torch
 
 from kvcli.config import PRESETS, SamplingParams
 from kvcli.llm import LLM
-from kvcli.sampler import sample
+from kvcli.sampler import argmax, sample
 
 
 def test_greedy_top_k_top_p_on_known_logits():
@@ -24,6 +24,24 @@ def test_greedy_top_k_top_p_on_known_logits():
     picks = {sample(logits, SamplingParams(temperature=1.0, top_p=0.5), g) for _ in range(200)}
     assert picks == {1, 2}
     assert {sample(logits, SamplingParams(temperature=1.0, top_p=0.4), g) for _ in range(50)} == {1}
+
+
+def test_greedy_fast_path_picks_what_torch_argmax_picks():
+    g = torch.Generator().manual_seed(3)
+    rows = [torch.randn(49152, generator=g) for _ in range(4)]
+    rows[1][[7, 30000, 49151]] = 40.0  # ties: the first wins
+    rows[2][[9, 20]] = float("nan")  # NaN counts as the maximum, the first NaN wins
+    rows[3][:] = float("-inf")
+    rows[3][[5, 6]] = float("inf")
+    rows.append(torch.tensor([-0.0, 0.0, -1.0]))
+    rows.append(torch.randn(8, 49152, generator=g)[3])  # a row of a batch of logits (a contiguous view)
+    for r in rows:
+        assert argmax(r) == int(torch.argmax(r))
+        assert sample(r, SamplingParams(), None) == int(torch.argmax(r))
+    strided = torch.randn(49152, 2, generator=g)[:, 1]  # not contiguous: torch's own kernel
+    assert argmax(strided) == int(torch.argmax(strided))
+    half = torch.randn(100, generator=g).bfloat16()  # not fp32: torch's own kernel
+    assert argmax(half) == int(torch.argmax(half))
 
 
 @pytest.mark.parametrize("bad", [dict(max_tokens=0), dict(temperature=-0.1), dict(top_p=0), dict(top_p=1.1),

@@ -165,7 +165,11 @@ class RMSNorm:
 
 
 class Rotary:
-    """Rotate-half RoPE with a precomputed cos/sin table indexed by absolute position."""
+    """Rotate-half RoPE with a precomputed cos/sin table indexed by absolute position.
+
+    out = x * cos + rotate_half(x) * sin, with rotate_half(x) = [-x2, x1]. The sign is folded into the
+    table (sin_signed = [-sin, sin]: (-a) * b and a * (-b) are the same float), so rotate_half becomes a
+    roll by half a head, and a forward gathers the rows of its positions once (`at`) for all layers."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None,
                  device: torch.device) -> None:
@@ -174,18 +178,22 @@ class Rotary:
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
+        self.half = head_dim // 2
         self.cos = emb.cos().to(device)
         self.sin = emb.sin().to(device)
+        self.sin_signed = torch.cat([-self.sin[:, :self.half], self.sin[:, self.half:]], dim=-1)
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin rows for these positions, [T, 1, D]: once per forward, shared by every layer."""
+        return (self.cos[positions].unsqueeze(1).to(dtype), self.sin_signed[positions].unsqueeze(1).to(dtype))
 
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
+    def apply(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x [T, heads, D] (q and k heads side by side: one call for both) -> rotated, a new tensor."""
+        cos, sin = cos_sin
+        rolled = torch.roll(x, self.half, dims=-1)  # [x2, x1]
+        out = x * cos
+        out += rolled.mul_(sin)  # the same two roundings as x * cos + rotate_half(x) * sin
+        return out
 
 
 def _apply_rope_scaling(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Tensor:

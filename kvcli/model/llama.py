@@ -132,20 +132,22 @@ class LlamaModel:
         c = self.config
         t = input_ids.shape[0]
         h = self.embed(input_ids)
+        cos_sin = self.rotary.at(positions, h.dtype)
+        qk_size = self.q_size + self.kv_size
         for layer, cache in zip(self.layers, kv_cache.layers):
             x = layer.attn_norm(h)
             qkv = layer.qkv(x)
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = q.view(t, c.num_heads, c.head_dim)
-            k = k.view(t, c.num_kv_heads, c.head_dim)
-            v = v.view(t, c.num_kv_heads, c.head_dim)
-            q, k = self.rotary(q, k, positions)
+            # q and k heads are adjacent in the fused output: rotated in one go.
+            qk = self.rotary.apply(qkv[:, :qk_size].view(t, c.num_heads + c.num_kv_heads, c.head_dim), cos_sin)
+            q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
+            v = qkv[:, qk_size:].view(t, c.num_kv_heads, c.head_dim)
             backend.write_kv(k, v, cache, meta)
             attn = backend.forward(q, cache, meta, self.scale)
-            h = h + layer.o(attn.reshape(t, self.q_size))
+            # In place: h is this forward's own tensor (the embedding rows, then its own sums).
+            h.add_(layer.o(attn.reshape(t, self.q_size)))
             x = layer.ffn_norm(h)
             gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            h = h + layer.down(F.silu(gate) * up)
+            h.add_(layer.down(F.silu(gate).mul_(up)))
         if logits_indices is not None:
             h = h[logits_indices]
         h = self.norm(h)

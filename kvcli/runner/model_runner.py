@@ -19,6 +19,9 @@ from kvcli.spec.acceptance import accept
 
 def build_metadata(out: SchedulerOutput, block_size: int, device: torch.device
                    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+    """The step's tensors, each made by one torch.tensor call from Python lists (per-row tensors and
+    per-token generators cost more than the lists at decode batch sizes)."""
+    chunks = out.chunks
     ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -26,27 +29,31 @@ def build_metadata(out: SchedulerOutput, block_size: int, device: torch.device
     seq_lens: list[int] = []
     q_lens: list[int] = []
     logit_rows: list[int] = []
-    for c in out.chunks:
+    max_blocks = max(len(c.block_table) for c in chunks)
+    pad = [NULL_BLOCK] * max_blocks
+    tables: list[list[int]] = []
+    for c in chunks:
         n = len(c.token_ids)
+        start, table = c.start_pos, c.block_table
+        end = start + n
         ids.extend(c.token_ids)
-        pos = range(c.start_pos, c.start_pos + n)
-        positions.extend(pos)
-        table = c.block_table
-        slots.extend(table[p // block_size] * block_size + p % block_size for p in pos)
+        if n == 1:  # a decode: one position, one slot
+            positions.append(start)
+            slots.append(table[start // block_size] * block_size + start % block_size)
+        else:
+            positions.extend(range(start, end))
+            slots.extend([table[p // block_size] * block_size + p % block_size for p in range(start, end)])
+        tables.append([*table, *pad[len(table):]])
         cu.append(cu[-1] + n)
-        seq_lens.append(c.start_pos + n)
+        seq_lens.append(end)
         q_lens.append(n)
         if c.sample:  # the last real token, then each guess
             logit_rows.extend(range(cu[-1] - 1 - len(c.spec_token_ids), cu[-1]))
-    max_blocks = max(len(c.block_table) for c in out.chunks)
-    tables = torch.full((len(out.chunks), max_blocks), NULL_BLOCK, dtype=torch.int32)
-    for b, c in enumerate(out.chunks):
-        tables[b, :len(c.block_table)] = torch.tensor(c.block_table, dtype=torch.int32)
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
         cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=tables.to(device),
+        block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
         max_seqlen_q=max(q_lens),
         max_seq_len=max(seq_lens),
         seq_lens_list=tuple(seq_lens),
