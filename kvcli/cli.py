@@ -37,6 +37,7 @@ class Backend(str, Enum):
     auto = "auto"
     torch = "torch"
     triton = "triton"
+    invariant = "invariant"
 
 
 class Quant(str, Enum):
@@ -88,7 +89,9 @@ DequantOpt = Annotated[bool, typer.Option(
 DeviceOpt = Annotated[Optional[str], typer.Option("--device", help="cpu or cuda[:N]. Default: cuda when available.",
                                                   show_default=False)]
 BackendOpt = Annotated[Backend, typer.Option("--attention-backend", help="Paged attention implementation: "
-                                             "triton on CUDA, torch on CPU when auto.")]
+                                             "triton on CUDA, torch on CPU when auto. invariant (CPU): every "
+                                             "row computed the same way whatever the batch, so speculation, "
+                                             "preemption and batching give bit-identical greedy text; slower.")]
 MaxLenOpt = Annotated[Optional[int], typer.Option("--max-model-len", help="Context length limit. "
                                                   "Default: the model's.", show_default=False)]
 PrefixOpt = Annotated[bool, typer.Option("--prefix-cache/--no-prefix-cache", help="Reuse the KV blocks of "

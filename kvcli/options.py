@@ -21,7 +21,7 @@ class ConfigError(ValueError):
 
 
 SUPPORTED_BLOCK_SIZES = (8, 16, 32, 64, 128)
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "invariant")
 KV_LAYOUTS = ("paged", "contiguous")
 RESERVATIONS = ("max-len", "request")
 PREEMPT_MODES = ("recompute", "swap")
@@ -105,7 +105,7 @@ class EngineOptions:
     max_model_len: int | None = None  # None: the model's context length
     max_num_batched_tokens: int = 512  # tokens computed per step; prompts are prefilled in chunks
     max_num_seqs: int = 64
-    attention_backend: str = "auto"  # auto | torch | triton
+    attention_backend: str = "auto"  # auto | torch | triton | invariant (batch-invariant torch, CPU)
     kv_layout: str = "paged"  # paged | contiguous (preallocated region per request, for comparison)
     reserve: str = "max-len"  # contiguous only: max-len | request (prompt + max_tokens)
     preempt: str = "recompute"  # recompute | swap

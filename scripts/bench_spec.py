@@ -72,6 +72,9 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0, help="> 0: kvcli samples (top-p 0.95, seed 0) so "
                     "the output does not loop; identity is then not checked")
     ap.add_argument("--dequantize", action="store_true", help="kvcli on dense fp32 weights (exact) instead of INT4")
+    ap.add_argument("--attention-backend", default="torch", choices=["torch", "invariant"],
+                    help="kvcli's attention: torch (default, fastest) or invariant (batch-invariant rows: greedy "
+                         "output with speculation bit-identical to plain decoding on INT4 weights)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads for every engine (on a shared "
                     "machine one thread avoids OpenMP spinning against other processes)")
     a = ap.parse_args()
@@ -87,12 +90,14 @@ def main() -> None:
     print(f"# python {platform.python_version()} · torch {torch.__version__} · threads {torch.get_num_threads()}")
     print(f"# k={a.num_speculative_tokens} · batch 1: {a.prompt_tokens} prompt / {a.new_tokens} new tokens · "
           f"batch {a.batch}: {a.batch_prompt_tokens} / {a.batch_new_tokens} · best of {a.repeats} · "
-          f"kvcli weights {'fp32 (--dequantize)' if a.dequantize else 'INT4 resident'}")
+          f"kvcli weights {'fp32 (--dequantize)' if a.dequantize else 'INT4 resident'} · "
+          f"attention backend {a.attention_backend}")
     sys.stdout.flush()
     loaded = load_weights(None)
-    plain = LLMEngine(loaded, EngineOptions(kv_budget="512MiB", max_model_len=2048, dequantize=a.dequantize))
+    plain = LLMEngine(loaded, EngineOptions(kv_budget="512MiB", max_model_len=2048, dequantize=a.dequantize,
+                                            attention_backend=a.attention_backend))
     spec = LLMEngine(loaded, EngineOptions(kv_budget="512MiB", max_model_len=2048, speculate="ngram",
-                                           dequantize=a.dequantize,
+                                           dequantize=a.dequantize, attention_backend=a.attention_backend,
                                            num_speculative_tokens=a.num_speculative_tokens), model=plain.model)
     tok = loaded.tokenizer
     hf = None

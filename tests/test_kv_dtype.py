@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from kvcli.attention.invariant_backend import InvariantAttentionBackend
 from kvcli.attention.torch_backend import TorchAttentionBackend
 from kvcli.config import preset_config
 from kvcli.kvcache.kv_cache import LayerKV
@@ -66,10 +67,11 @@ def test_bytes_per_token_include_scales():
     assert c.kv_bytes_per_token("fp8") == c.kv_bytes_per_token("int8")
 
 
+@pytest.mark.parametrize("backend", [TorchAttentionBackend, InvariantAttentionBackend])
 @pytest.mark.parametrize("storage", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
 @pytest.mark.parametrize("g", [1, 3])
 @pytest.mark.parametrize("permute", [False, True])
-def test_quantized_cache_through_torch_backend_matches_reference(storage, g, permute):
+def test_quantized_cache_through_torch_backend_matches_reference(storage, g, permute, backend):
     """Ragged mixed batch (decodes batched and per request, prefill chunks over a prefix): written
     through write_kv into an int8 / fp8 cache whose unowned blocks have NaN scales, read back.
     Equals the dense reference on the quantized-then-dequantized K/V, and is close to full precision."""
@@ -78,7 +80,7 @@ def test_quantized_cache_through_torch_backend_matches_reference(storage, g, per
     q, new_k, new_v, k_f, v_f, meta, dense_k, dense_v = make_batch(q_lens, kv_lens, kvh, g, d, bs, 40, permute)
     (kc, ks), (vc, vs) = quantize(k_f, storage), quantize(v_f, storage)  # NaN blocks -> NaN scales (poison)
     cache = LayerKV(kc, vc, ks, vs)
-    backend = TorchAttentionBackend()
+    backend = backend()
     backend.write_kv(new_k, new_v, cache, meta)
     scale = 1 / math.sqrt(d)
     out = backend.forward(q, cache, meta, scale)

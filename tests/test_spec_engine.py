@@ -1,9 +1,11 @@
 """Speculative decoding on the real model: greedy output with guesses is token-identical to greedy
 output without them, in batches, for several k, and under every engine mode a guess touches (chunked
 prefill beside speculating decodes, preemption by recompute and by swap, the contiguous layout,
-n > 1 forks). Dense fp32 weights (exact), as in test_engine_modes: verifying k + 1 positions in one
-pass computes them as a chunk rather than one by one, and the bf16 INT4 kernel rounds the two
-differently enough to flip near-ties; fp32 keeps such flips out of the comparison."""
+n > 1 forks). On the default INT4 weights through the batch-invariant attention backend
+(`--attention-backend invariant`): verifying k + 1 positions in one pass must give each position the
+bits a one-row decode would, and the INT4 kernel's bf16 activations turn any last-bit difference in
+attention into a flipped near-tie (the default torch backend's SDPA calls round a 6-row chunk and a
+1-row decode differently)."""
 
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ MAX_TOKENS = 40
 @pytest.fixture(scope="module")
 def shared_model():
     loaded = load_weights(None)
-    engine = LLMEngine(loaded, EngineOptions(kv_budget="32MiB", max_model_len=512, dequantize=True))
+    engine = LLMEngine(loaded, EngineOptions(kv_budget="32MiB", max_model_len=512, attention_backend="invariant"))
     return loaded, engine.model
 
 
@@ -42,7 +44,7 @@ def prompts(tokenizer) -> list[list[int]]:
 
 def generate(shared_model, ids, params=None, **opts):
     loaded, model = shared_model
-    engine = LLMEngine(loaded, EngineOptions(max_model_len=512, dequantize=True, **opts), model=model)
+    engine = LLMEngine(loaded, EngineOptions(max_model_len=512, attention_backend="invariant", **opts), model=model)
     params = params or SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = LLM.from_engine(engine).generate(ids, params)
     engine.kv.check_invariants()
@@ -83,7 +85,7 @@ def test_n_samples_fork_beside_speculation(shared_model, reference):
     ids, plain = reference
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, n=2, temperature=0.0)
     loaded, model = shared_model
-    engine = LLMEngine(loaded, EngineOptions(max_model_len=512, dequantize=True, kv_budget="64MiB",
+    engine = LLMEngine(loaded, EngineOptions(max_model_len=512, attention_backend="invariant", kv_budget="64MiB",
                                              speculate="ngram"), model=model)
     reqs = [engine.add_request(p, params) for p in ids[:2]]
     while engine.has_unfinished():

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from kvcli.kvcache.kv_cache import LayerKV
 from kvcli.attention.base import AttentionMetadata
+from kvcli.attention.invariant_backend import InvariantAttentionBackend
 from kvcli.attention.torch_backend import TorchAttentionBackend
 from kvcli.kvcache.kv_cache import LayerKV
 
@@ -69,15 +69,16 @@ def reference(q, dense_k, dense_v, q_lens, kv_lens, g, scale):
     return torch.cat(out)
 
 
+@pytest.mark.parametrize("backend", [TorchAttentionBackend, InvariantAttentionBackend])
 @pytest.mark.parametrize("g", [1, 3, 8])
 @pytest.mark.parametrize("permute", [False, True])
 @pytest.mark.parametrize("bs", [16, 32])
-def test_mixed_batch_matches_reference(g, permute, bs):
+def test_mixed_batch_matches_reference(g, permute, bs, backend):
     # decode, prefill chunk on a cached prefix, fresh prompt, another decode: ragged, not block multiples
     q_lens, kv_lens = [1, 37, 50, 1], [75, 100, 50, 17]
     kvh, d = 2, 64
     q, nk, nv, kc, vc, meta, dk, dv = make_batch(q_lens, kv_lens, kvh, g, d, bs, 64, permute, seed=g + bs)
-    be = TorchAttentionBackend()
+    be = backend()
     be.write_kv(nk, nv, LayerKV(kc, vc), meta)
     scale = 1 / math.sqrt(d)
     got = be.forward(q, LayerKV(kc, vc), meta, scale)
@@ -122,3 +123,76 @@ def test_decode_rows_grouped_by_length():
         real = sum(kv_lens[i] for i in ids)
         assert mask.shape[-1] * len(ids) <= 1.5 * real + 64 * len(ids) + 16 * len(ids)
     torch.testing.assert_close(got, reference(q, dk, dv, q_lens, kv_lens, 3, 0.125), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kv", ["fp32", "fp16", "int8"])
+@pytest.mark.parametrize("g", [1, 3, 4])
+def test_a_row_is_bit_identical_whatever_the_batch(kv, g):
+    """The invariant backend's batch invariance, the property speculative decoding and preemption rely on for identical greedy
+    text on the INT4 path: one request's query rows give the same bits computed as 1-row decodes, as a
+    verify chunk of 6 rows, inside a prefill chunk, beside other decodes of very different lengths
+    (padded groups), and with its blocks at other places in the pool."""
+    from kvcli.kvcache.kv_dtype import quantize
+    kvh, d, bs = 2, 64, 16
+    gen = torch.Generator().manual_seed(g)
+    L = 203  # the request's final length; its last 6 positions are the rows under test
+    k = torch.randn(L, kvh, d, generator=gen)
+    v = torch.randn(L, kvh, d, generator=gen)
+    qrows = torch.randn(L, kvh * g, d, generator=gen)
+
+    def run(layout: str, permute_seed: int) -> torch.Tensor:
+        """Rows L-6..L-1 of the request under `layout`; other requests are noise of other lengths."""
+        others = {"decode": [], "verify": [], "batch": [(1, 40), (1, 530), (1, 180), (1, 207)],
+                  "prefill": [(1, 90)], "mixed": [(5, 300), (1, 12), (37, 37)]}[layout]
+        order = torch.randperm(200, generator=torch.Generator().manual_seed(permute_seed)).tolist()
+        order.remove(0)
+        n_blocks_all = 201
+        kc = torch.zeros(n_blocks_all, bs, kvh, d)
+        vc = torch.zeros(n_blocks_all, bs, kvh, d)
+        out_rows = []
+        steps = [(p, 1) for p in range(L - 6, L)] if layout in ("decode", "batch") else \
+            [(L - 6, 6)] if layout in ("verify", "mixed") else [(0, L)]
+        for start, n in steps:
+            reqs = [(start, n, k, v, qrows)] + [
+                (ol - oq, oq, torch.randn(ol, kvh, d, generator=gen), torch.randn(ol, kvh, d, generator=gen),
+                 torch.randn(ol, kvh * g, d, generator=gen)) for oq, ol in others]
+            tables, slots, cu, pos_all, q_all, k_new, v_new = [], [], [0], [], [], [], []
+            taken = 0
+            for ri, (s0, qn, kk, vv, qq) in enumerate(reqs):
+                nb = -(-(s0 + qn) // bs)
+                blocks = order[taken:taken + nb] if ri else order[:nb]
+                taken = max(taken, nb) if ri == 0 else taken + nb
+                tables.append(blocks)
+                for p in range(s0 + qn):
+                    slot = blocks[p // bs] * bs + p % bs
+                    if p < s0:
+                        kc.view(-1, kvh, d)[slot] = kk[p]
+                        vc.view(-1, kvh, d)[slot] = vv[p]
+                    else:
+                        slots.append(slot)
+                k_new.append(kk[s0:s0 + qn]); v_new.append(vv[s0:s0 + qn]); q_all.append(qq[s0:s0 + qn])
+                cu.append(cu[-1] + qn)
+            width = max(len(t) for t in tables)
+            bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+            qlens = tuple(r[1] for r in reqs)
+            klens = tuple(r[0] + r[1] for r in reqs)
+            meta = AttentionMetadata(torch.tensor(slots), torch.tensor(cu, dtype=torch.int32),
+                                     torch.tensor(klens, dtype=torch.int32), bt, max(qlens), max(klens), klens, qlens)
+            if kv == "int8":
+                kq, kqs = quantize(kc, torch.int8)
+                cache = LayerKV(kq, quantize(vc, torch.int8)[0], kqs, quantize(vc, torch.int8)[1])
+            else:
+                cache = LayerKV(kc.to(torch.float16), vc.to(torch.float16)) if kv == "fp16" else LayerKV(kc, vc)
+            be = InvariantAttentionBackend()
+            be.write_kv(torch.cat(k_new), torch.cat(v_new), cache, meta)
+            got = be.forward(torch.cat(q_all), cache, meta, d ** -0.5)
+            out_rows.append(got[:n])
+        return torch.cat(out_rows)[-6:]
+
+    want = run("decode", 0)
+    assert torch.isfinite(want).all()
+    torch.testing.assert_close(want, reference(qrows[L - 6:], [k], [v], [6], [L], g, d ** -0.5),
+                               atol=3e-2 if kv == "int8" else 2e-3, rtol=1e-2)
+    for layout, seed in [("decode", 1), ("verify", 0), ("verify", 2), ("batch", 3), ("prefill", 4), ("mixed", 5)]:
+        got = run(layout, seed)
+        assert torch.equal(got, want), f"{layout}: max difference {(got - want).abs().max().item():.3g}"

@@ -57,6 +57,12 @@ def pick_backend(name: str, device: torch.device) -> AttentionBackend:
         from kvcli.attention.torch_backend import TorchAttentionBackend
 
         return TorchAttentionBackend()
+    if name == "invariant":  # batch-invariant rows, for bit-identical outputs across batch shapes
+        if device.type != "cpu":
+            raise ConfigError("--attention-backend invariant runs on the CPU only (use --device cpu)")
+        from kvcli.attention.invariant_backend import InvariantAttentionBackend
+
+        return InvariantAttentionBackend()
     if name == "triton":
         # On CPU only under Triton's interpreter (tests and debugging; about a second per launch).
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -64,7 +70,7 @@ def pick_backend(name: str, device: torch.device) -> AttentionBackend:
         from kvcli.attention.triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend()
-    raise ConfigError(f"unknown attention backend {name!r} (choose auto, torch or triton)")
+    raise ConfigError(f"unknown attention backend {name!r} (choose auto, torch, triton or invariant)")
 
 
 def _triton_available() -> bool:

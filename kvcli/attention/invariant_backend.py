@@ -1,0 +1,213 @@
+"""Batch-invariant paged attention in plain torch (`--attention-backend invariant`, CPU).
+
+Batch-invariant by construction: a query row's output depends only on its own q and the K/V it can
+see, never on which other rows share the step (other requests, the rest of a prefill chunk, the
+guesses of a speculative verify, a recomputation after preemption). That is what lets speculative
+decoding, chunked prefill, preemption, copy-on-write and the contiguous layout give bit-identical
+greedy text on the INT4 path, whose bf16 activations would turn a last-bit difference in attention
+into a flipped near-tie. (SDPA's CPU kernels are not invariant: the same row gives different bits
+in a 1-row decode, a 6-row chunk or a padded batch, because reductions are blocked by the call's shape.)
+
+Every row is computed the same way, whatever the batch around it:
+  scores  s = q @ K^T over the request's keys padded to a multiple of CHUNK (a GEMM's element is
+          a dot over head_dim whatever the GEMM's size, provided it has >= MIN_ROWS rows: smaller
+          GEMMs take a kernel that rounds differently, so query rows are padded up to MIN_ROWS);
+  mask    keys after the row's position and the padding are -inf;
+  softmax exp(s - max) (elementwise), denominator = per-CHUNK sums (a fixed-size reduction)
+          accumulated in order by cumsum, so trailing masked chunks add exact zeros;
+  output  (p @ V) / denominator (zeros in p beyond the row's keys add exact zeros).
+Work is batched without changing any of that: decode rows of many requests share one GEMM (padded
+to the group's longest context), prefill chunks run in tiles of rows over only the keys they need.
+Quantized caches (int8/fp8) fold their scales in: scores are scaled per key, probabilities by the
+V scale per key, so dequantized K/V are never materialised (fp32 codes in reused scratch buffers).
+The price is speed (more, smaller ops than the default torch backend's SDPA calls: measured in
+docs/benchmarks.md), so it is an option, as vLLM's batch-invariant mode is. The default backend
+gives the same attention to within float rounding. tests/test_torch_backend.py checks the
+invariance bit for bit; docs/architecture.md says where it matters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvcli.attention.base import AttentionMetadata
+from kvcli.kvcache.kv_cache import LayerKV
+from kvcli.attention.torch_backend import TorchAttentionBackend
+
+CHUNK = 256  # keys are read padded to a multiple of this; softmax sums and p @ V run per chunk
+MIN_ROWS = 4  # fewer GEMM rows than this take a kernel with different rounding
+TILE_POSITIONS = 128  # prefill rows per tile (bounds the score matrix; causal: tiles read fewer keys)
+DECODE_GROUP_MIN = 2  # decode rows of this many requests or more share one padded GEMM
+
+
+def _pad(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+@dataclass(frozen=True)
+class _DecodeGroup:
+    requests: list[int]
+    rows: torch.Tensor  # [n] row of each request's query in q
+    blocks: torch.Tensor  # [n, nblk] block ids (null block beyond a request's table)
+    last: torch.Tensor  # [n] last visible key position per request
+    keys: int  # padded key count
+
+
+class InvariantAttentionBackend(TorchAttentionBackend):
+    """The torch backend's KV writes (quantize on write included); its own attention."""
+
+    name = "invariant"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._plan_meta: AttentionMetadata | None = None
+        self._groups: list[_DecodeGroup] = []
+        self._req_blocks: dict[int, torch.Tensor] = {}
+        self._bufs: dict[str, torch.Tensor] = {}
+
+    # -- per-step plan (shared by every layer) -------------------------------------------------------
+    def _plan(self, meta: AttentionMetadata, block_size: int, device: torch.device) -> None:
+        """Block ids of each request's (padded) keys and the decode groups, worked out once per step."""
+        if meta is self._plan_meta:
+            return
+        self._plan_meta, self._groups, self._req_blocks = meta, [], {}
+        tables = meta.block_tables.long()
+        width = tables.shape[1]
+
+        def block_ids(b_rows: torch.Tensor, length: int) -> torch.Tensor:
+            """The blocks holding keys [0, length) of each request (the null block pads shorter tables)."""
+            return tables.index_select(0, b_rows)[:, :min(width, -(-length // block_size))]
+
+        starts = [0]
+        for n in meta.query_lens_list:
+            starts.append(starts[-1] + n)
+        dec = sorted(((meta.seq_lens_list[b], b) for b, n in enumerate(meta.query_lens_list) if n == 1),
+                     reverse=True)
+        # Group decode rows by similar context so padding to a group's longest stays within 1.5x.
+        groups: list[list[tuple[int, int]]] = []
+        for length, b in dec:
+            g = groups[-1] if groups else None
+            if g is None or g[0][0] * (len(g) + 1) > 1.5 * (sum(x[0] for x in g) + length) + 64 * (len(g) + 1):
+                groups.append([])
+            groups[-1].append((length, b))
+        for g in groups:
+            reqs = [b for _, b in g]
+            idx = torch.tensor(reqs, device=device)
+            self._groups.append(_DecodeGroup(
+                requests=reqs,
+                rows=torch.tensor([starts[b] for b in reqs], device=device),
+                blocks=block_ids(idx, g[0][0]),
+                last=torch.tensor([length - 1 for length, _ in g], device=device),
+                keys=_pad(g[0][0], CHUNK)))
+        for b, n in enumerate(meta.query_lens_list):
+            if n > 1:
+                self._req_blocks[b] = block_ids(torch.tensor([b], device=device), meta.seq_lens_list[b])[0]
+
+    def _buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A scratch tensor reused by every layer and step (contents valid until the next call with the
+        same name); large ones are not kept."""
+        n = 1
+        for x in shape:
+            n *= x
+        buf = self._bufs.get(name)
+        if buf is None or buf.numel() < n or buf.dtype != dtype or buf.device != device:
+            buf = torch.empty(n + n // 4, dtype=dtype, device=device)
+            if buf.numel() * buf.element_size() <= self.SCRATCH_KEEP_BYTES:
+                self._bufs[name] = buf
+        return buf[:n].view(shape)
+
+    def _kv(self, cache: LayerKV, blocks: torch.Tensor, keys: int, dtype: torch.dtype
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """K, V as [..., kvh, keys, D] in `dtype` (fp32 codes for quantized caches) and their per-key
+        scales [..., kvh, keys] (None when unscaled), read through `blocks` [..., nblk] into scratch
+        buffers whose keys past the blocks are zero (finite: masked keys must not carry NaN into p @ V).
+        One memory layout for every request and batch, so the GEMMs always see the same strides."""
+        bs = cache.block_size
+        lead = tuple(blocks.shape[:-1])
+        flat = blocks.reshape(-1)
+        have = blocks.shape[-1] * bs
+
+        def read(x: torch.Tensor, name: str, out_dtype: torch.dtype) -> torch.Tensor:
+            tail = x.shape[2:]  # (kvh, D) or (kvh,)
+            buf = self._buffer(name, (*lead, keys, *tail), out_dtype, x.device)
+            raw = x.view(torch.uint8) if x.dtype == torch.float8_e4m3fn else x  # no fp8 index_select on CPU
+            got = raw.index_select(0, flat).view(x.dtype).view(*lead, have, *tail)
+            buf.narrow(len(lead), 0, have).copy_(got)
+            if keys > have:
+                buf.narrow(len(lead), have, keys - have).zero_()
+            return buf.transpose(-3, -2) if len(tail) == 2 else buf.transpose(-2, -1)
+
+        kd = dtype if cache.k_scale is None else torch.float32
+        k, v = read(cache.k, "k", kd), read(cache.v, "v", kd)
+        if cache.k_scale is None or cache.v_scale is None:
+            return k, v, None, None
+        return k, v, read(cache.k_scale, "ks", torch.float32), read(cache.v_scale, "vs", torch.float32)
+
+    # -- attention -----------------------------------------------------------------------------------
+    def forward(self, q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        self._plan(meta, cache.block_size, q.device)
+        out = torch.empty_like(q)
+        t, h, d = q.shape
+        kvh = cache.k.shape[2]
+        g = h // kvh
+        for grp in self._groups:
+            n = len(grp.requests)
+            k, v, ks, vs = self._kv(cache, grp.blocks, grp.keys, q.dtype)  # [n, kvh, L, D]
+            qg = q.index_select(0, grp.rows).view(n, kvh, g, d)
+            o = attend_rows(qg, grp.last.view(n, 1, 1).expand(n, 1, g), k, v, ks, vs, scale)
+            out.index_copy_(0, grp.rows, o.reshape(n, h, d))
+        start = 0
+        for b, (q_len, kv_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
+            if q_len > 1:
+                pos0 = kv_len - q_len
+                k_all, v_all, ks_all, vs_all = self._kv(cache, self._req_blocks[b], _pad(kv_len, CHUNK), q.dtype)
+                # Tiles of rows, each over only the keys its last row sees (a prefix of the same buffers).
+                for t0 in range(0, q_len, TILE_POSITIONS):
+                    t1 = min(q_len, t0 + TILE_POSITIONS)
+                    keys = _pad(pos0 + t1, CHUNK)
+                    k, v = k_all[:, :keys], v_all[:, :keys]
+                    ks = None if ks_all is None else ks_all[:, :keys]
+                    vs = None if vs_all is None else vs_all[:, :keys]
+                    n = t1 - t0
+                    # Rows ordered (position, q head) within each KV head: [kvh, n * g, D].
+                    qt = q[start + t0:start + t1].view(n, kvh, g, d).transpose(0, 1).reshape(kvh, n * g, d)
+                    last = torch.arange(pos0 + t0, pos0 + t1, device=q.device).repeat_interleave(g).view(1, -1)
+                    o = attend_rows(qt, last, k, v, ks, vs, scale)  # [kvh, n * g, D]
+                    out[start + t0:start + t1] = o.view(kvh, n, g, d).transpose(0, 1).reshape(n, h, d)
+            start += q_len
+        return out
+
+
+def attend_rows(q: torch.Tensor, last: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """Batch-invariant attention (see the module docstring).
+
+    q [..., kvh, M, D]: query rows grouped by the KV head they read; last [..., 1, M]: the last key
+    position each row may see; k, v [..., kvh, L, D] with L a multiple of CHUNK; k_scale, v_scale
+    [..., kvh, L] or None (unscaled). Returns [..., kvh, M, D]."""
+    m_rows, d = q.shape[-2], q.shape[-1]
+    L = k.shape[-2]
+    if m_rows < MIN_ROWS:  # padded rows see key 0 only (finite, discarded)
+        q = torch.cat([q, q.new_zeros(*q.shape[:-2], MIN_ROWS - m_rows, d)], -2)
+        last = torch.cat([last, last.new_zeros(*last.shape[:-1], MIN_ROWS - m_rows)], -1)
+    s = torch.matmul(q, k.transpose(-1, -2))  # [..., kvh, M, L]
+    if k_scale is None:
+        s.mul_(scale)
+    else:
+        s.mul_((k_scale * scale).unsqueeze(-2))
+    s.masked_fill_(torch.arange(L, device=q.device) > last.unsqueeze(-1), float("-inf"))
+    p = s.sub_(s.amax(-1, keepdim=True)).exp_()
+    nc = L // CHUNK
+    chunks = p.view(*p.shape[:-1], nc, CHUNK)
+    den = chunks.sum(-1).cumsum(-1)[..., -1:]  # [..., kvh, M, 1]
+    if v_scale is not None:
+        p.mul_(v_scale.unsqueeze(-2))
+    # p @ V one CHUNK of keys at a time (a GEMM's rounding depends on its reduction length, so the
+    # length is fixed), partial sums accumulated in key order.
+    part = torch.matmul(chunks.transpose(-3, -2), v.unflatten(-2, (nc, CHUNK)))  # [..., kvh, nc, M, D]
+    out = part[..., 0, :, :].clone()
+    for c in range(1, nc):  # in order, one add at a time (torch.sum's order depends on the shape)
+        out.add_(part[..., c, :, :])
+    return out.div_(den)[..., :m_rows, :]
