@@ -4,7 +4,8 @@ A quantized linear is built from a canonical QuantTensor and keeps only the form
   "int4-cpu"    torch's packed int4 CPU kernel (bf16 activations, bf16 scale/zero): 4-bit resident,
                 not bit-exact (activations and scales rounded to bf16). 4-bit codes only (Q4_0,
                 Q4_1, Q4_K: K-quant group scales are multiplied out to per-32 scale/zero first).
-  "triton"      kvcli_kernels.int4_matmul on the canonical layout (CUDA; plain fp16 group scales).
+  "triton"      kvcli_kernels.int4_matmul on the canonical layout (CUDA; plain float group scale/min:
+                fp16 from GGUF; a float32 min = -zero * scale from AWQ / GPTQ / compressed-tensors).
   "int4-torch"  4-bit codes dequantized per call in plain torch: exact, slow (fallback).
   "lowbit-torch" 5/6/8-bit codes (Q5_0, Q5_1, Q5_K, Q6_K, Q8_0) dequantized per call in plain torch:
                 resident as in the file, exact, slow (no packed 5/6/8-bit group kernel in torch).
@@ -64,8 +65,8 @@ class Linear:
             mins = weight.group_mins()
             zero = (mins if mins is not None else torch.zeros_like(s)) + 8.0 * s
             self.scale_zero = torch.stack([s, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
-        elif mode == "triton" and weight.exact_fp16_groups:
-            self.q = weight
+        elif mode == "triton" and weight.with_float_min().plain_groups:
+            self.q = weight.with_float_min()  # zero points (AWQ/GPTQ) as an exact float32 min, once
         else:  # CPU rows not a multiple of 16, or a layout the Triton GEMM does not read
             self.mode, self.q = "int4-torch", weight
 
