@@ -228,6 +228,12 @@ def test_tiny_model_matches_transformers_on_the_dense_matrices(tmp_path, tokeniz
     corr = torch.corrcoef(torch.stack([got4.flatten(), want.flatten()]))[0, 1].item()
     print(f"{fmt} {zeros} g{g}: int4-cpu max error {rel:.4f} of the largest logit, correlation {corr:.5f}")
     assert rel < 0.05 and corr > 0.999, f"int4-cpu: max error {rel:.4f} of the largest logit, correlation {corr:.5f}"
+    if fmt == "awq":  # inspect loads the folder as `continue` would and reports what stays resident
+        r = runner.invoke(app, ["inspect", str(path), "--json"])
+        assert r.exit_code == 0, r.output
+        rep = json.loads(r.stdout)
+        assert {"awq:I32", "awq:F16", "F16"} == {g["type"] for g in rep["tensors"]}
+        assert rep["linear_paths"] == "int4-cpu" and rep["resident"]["layers"] < dense_bytes / 3
 
 
 # --- refused through the CLI, one line -----------------------------------------------------------
@@ -259,3 +265,13 @@ def test_act_order_and_8_bit_refused_by_the_cli(tmp_path):
     for folder, needle in [(act, "act-order"), (eight, "bits=8")]:
         one_line_error(runner.invoke(app, ["inspect", str(folder)]), needle)
         one_line_error(runner.invoke(app, ["continue", str(text), "--model", str(folder), "-n", "2"]), needle)
+
+
+def test_inspect_groups_the_packed_tensors_apart(tmp_path):
+    q, s, z, _ = known_linear(64, 64, 32, "asym", seed=4)
+    t = pack("awq", "model.layers.0.self_attn.q_proj.", q, s, z, 32)
+    folder = small_folder(tmp_path / "awq", quant_config("awq", 32, False), {**t, "model.norm.weight": torch.ones(64)})
+    r = runner.invoke(app, ["inspect", str(folder), "--no-load", "--json"])
+    assert r.exit_code == 0, r.output
+    groups = {g["type"]: (g["count"], g["bytes"]) for g in json.loads(r.stdout)["tensors"]}
+    assert groups == {"awq:I32": (2, (64 * 8 + 2 * 8) * 4), "awq:F16": (1, 2 * 64 * 2), "F32": (1, 64 * 4)}
