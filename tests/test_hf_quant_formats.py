@@ -275,3 +275,66 @@ def test_inspect_groups_the_packed_tensors_apart(tmp_path):
     assert r.exit_code == 0, r.output
     groups = {g["type"]: (g["count"], g["bytes"]) for g in json.loads(r.stdout)["tensors"]}
     assert groups == {"awq:I32": (2, (64 * 8 + 2 * 8) * 4), "awq:F16": (1, 2 * 64 * 2), "F32": (1, 64 * 4)}
+
+
+# --- bitsandbytes 4-bit folders, as transformers saves them ----------------------------------------
+
+def bnb_dequantized_model(path, config):
+    """The dense model bitsandbytes' own dequantize_4bit makes of a saved 4-bit folder (float32)."""
+    import bitsandbytes.functional as bnbf
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+
+    raw = load_file(str(path / "model.safetensors"))
+    state = {}
+    for name in [n for n in raw if ".quant_state." in n]:
+        w = name[: name.index(".weight.") + len(".weight")]
+        parts = {k[len(w) + 1:]: raw[k] for k in raw if k.startswith(w + ".")}
+        state[w] = bnbf.dequantize_4bit(raw[w], bnbf.QuantState.from_dict(parts, torch.device("cpu"))).float()
+    # The rest (embeddings, norms, lm_head) as saved; ".weight." names are quant-state parts.
+    state.update({k: v.float() for k, v in raw.items() if k not in state and ".weight." not in k})
+    model = LlamaForCausalLM(config).eval()
+    model.load_state_dict(state, strict=True)
+    return model
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quant_type,double", [("nf4", False), ("fp4", True)])
+def test_bitsandbytes_4bit_folder_matches_transformers(tmp_path, tokenizer_files, quant_type, double):
+    """A folder transformers saved with load_in_4bit: kvcli runs its saved bytes through bitsandbytes'
+    matmul_4bit; the logits equal the dense model bitsandbytes dequantizes from the same file, and are
+    close to transformers' own 4-bit model (which runs the CPU 4-bit matmul in bf16)."""
+    pytest.importorskip("bitsandbytes")
+    from test_loading import logits_through_engine
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
+
+    from kvcli.llm import LLM
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**TINY)).save_pretrained(str(tmp_path / "dense"))
+    bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant_type, bnb_4bit_use_double_quant=double,
+                             bnb_4bit_compute_dtype=torch.float32)
+    hf4 = AutoModelForCausalLM.from_pretrained(str(tmp_path / "dense"), quantization_config=bnb,
+                                               dtype=torch.float32, device_map="cpu").eval()
+    path = tmp_path / "bnb"
+    hf4.save_pretrained(str(path))
+    for f in tokenizer_files.iterdir():
+        shutil.copy(f, path / f.name)
+    ids = list(range(200, 264))
+    with torch.no_grad():
+        want = bnb_dequantized_model(path, LlamaConfig(**TINY))(torch.tensor([ids])).logits[0]
+        hf_logits = hf4(torch.tensor([ids])).logits[0]
+    llm = LLM(str(path), kv_budget="16MiB")
+    assert llm.engine.linear_mode == "nf4"
+    fmts = [k for k in llm.engine.formats if k.startswith("bnb-")]
+    assert fmts == [f"bnb-{quant_type} blocksize 64" + (" double-quant" if double else "")]
+    n_weights = sum(p.numel() for n, p in LlamaForCausalLM(LlamaConfig(**TINY)).named_parameters() if "proj" in n)
+    assert llm.engine.weight_bytes()["layers"] < n_weights * 2 / 3  # the saved 4-bit bytes, not fp16
+    got = logits_through_engine(llm.engine, ids, chunk=32)
+    assert (got - want).abs().max().item() < 1e-4
+    rel = ((got - hf_logits).abs().max() / hf_logits.abs().max()).item()
+    corr = torch.corrcoef(torch.stack([got.flatten(), hf_logits.flatten()]))[0, 1].item()
+    assert rel < 0.05 and corr > 0.999, f"vs transformers' 4-bit model: {rel:.4f} of the largest logit, corr {corr:.5f}"
+    # --dequantize: bitsandbytes' own dequantization once, one dense matmul per linear.
+    dense = logits_through_engine(LLM(str(path), dequantize=True, kv_budget="16MiB").engine, ids, chunk=32)
+    assert (dense - want).abs().max().item() < 1e-4

@@ -11,7 +11,8 @@ A quantized linear is built from a canonical QuantTensor and keeps only the form
                 resident as in the file, exact, slow (no packed 5/6/8-bit group kernel in torch).
   "half-torch"  an fp16/bf16 weight from the file kept half precision, upcast per call.
   "dense"       weights dequantized once to the compute dtype (`--dequantize`): exact, 8x the bytes.
-  "nf4"         a dense checkpoint weight quantized by bitsandbytes to NF4 (blocksize 64).
+  "nf4"         a dense checkpoint weight quantized by bitsandbytes to NF4 (blocksize 64), or a
+                bitsandbytes 4-bit checkpoint's NF4/FP4 weight as saved; bitsandbytes' matmul_4bit.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvcli.model.bnb_4bit import Bnb4bitWeight
 from kvcli.model.quant import QuantTensor
 
 
@@ -29,10 +31,19 @@ def _nbytes(*tensors: torch.Tensor | None) -> int:
 class Linear:
     """y = x @ W^T (+ b). Holds exactly one resident form of W."""
 
-    def __init__(self, weight: QuantTensor | torch.Tensor, bias: torch.Tensor | None, mode: str,
+    def __init__(self, weight: QuantTensor | Bnb4bitWeight | torch.Tensor, bias: torch.Tensor | None, mode: str,
                  dtype: torch.dtype) -> None:
         self.mode = mode
         self.bias = None if bias is None else bias.to(dtype)
+        if isinstance(weight, Bnb4bitWeight):  # a bitsandbytes 4-bit checkpoint: its own bytes, as saved
+            self.quantized = True
+            if mode == "dense":
+                self.weight = weight.dequantize(dtype).contiguous()
+                return
+            self.mode = "nf4"
+            self.out_features, self.in_features = weight.shape
+            self.nf4, self.nf4_state = weight.packed, weight.state
+            return
         self.quantized = isinstance(weight, QuantTensor)
         if mode == "nf4" and not self.quantized:
             try:

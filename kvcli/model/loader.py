@@ -203,22 +203,35 @@ def _quantization_config(path: Path, cfg: dict) -> dict | None:
 
 def _load_prequantized(path: Path, config: ModelConfig, raw: dict[str, torch.Tensor], qc: dict,
                        quant: str) -> LoadedWeights:
-    """AWQ / GPTQ / compressed-tensors INT4 folders: the file's codes and scales re-packed, never dense."""
+    """AWQ / GPTQ / compressed-tensors INT4 folders: the file's codes and scales re-packed, never dense.
+    bitsandbytes 4-bit folders (where bitsandbytes is installed): its packed NF4/FP4 bytes as saved."""
+    from kvcli.model import bnb_4bit
     from kvcli.model.hf_quant import HFQuantError, convert, parse_scheme
 
+    weights: dict
+    dense_linears = "keep"
     try:
-        scheme = parse_scheme(qc, path.name)
-        weights, formats = convert(raw, scheme)
-    except HFQuantError as e:
+        if str(qc.get("quant_method", "")).lower() == "bitsandbytes":
+            bnb_4bit.check_config(qc, path.name)
+            if not bitsandbytes_available():
+                raise ModelLoadError(f"{path.name} is a bitsandbytes 4-bit checkpoint and bitsandbytes is not "
+                                     "installed: pip install bitsandbytes")
+            weights, formats = bnb_4bit.convert(raw)
+            label, dense_linears = "bitsandbytes 4-bit", "nf4"
+        else:
+            scheme = parse_scheme(qc, path.name)
+            weights, formats = convert(raw, scheme)
+            label = scheme.label
+    except (HFQuantError, bnb_4bit.BnbError) as e:
         raise ModelLoadError(str(e)) from None
     notes = []
-    if quant not in ("auto", "int4"):
-        notes.append(f"--quant {quant} does not apply: {path.name} is already quantized ({scheme.label})")
+    if quant != "auto":
+        notes.append(f"--quant {quant} does not apply: {path.name} is already quantized ({label})")
     try:
         tok = load_dir_tokenizer(path, config.eos_token_ids)
     except Exception as e:
         raise ModelLoadError(f"{path}: cannot load its tokenizer ({type(e).__name__}: {e})") from None
-    return LoadedWeights(config, weights, tok, str(path), formats, notes=notes)
+    return LoadedWeights(config, weights, tok, str(path), formats, dense_linears=dense_linears, notes=notes)
 
 
 def bitsandbytes_available() -> bool:
