@@ -135,11 +135,14 @@ def test_unsupported_options_are_named(qc, needle):
     assert "\n" not in str(e.value)
 
 
-def test_act_order_g_idx_refused():
+@pytest.mark.parametrize("fmt,key", [("gptq_v2", "p.g_idx"), ("ct", "p.weight_g_idx")])
+def test_act_order_g_idx_refused(fmt, key):
     q, s, z, _ = known_linear(16, 64, 32, "asym", seed=2)
-    raw = pack("gptq_v2", "p.", q, s, z, 32)
-    raw["p.g_idx"] = raw["p.g_idx"][torch.randperm(64, generator=torch.Generator().manual_seed(0))]
-    qc = dict(quant_config("gptq_v2", 32, False), desc_act=True)
+    raw = pack(fmt, "p.", q, s, z, 32)
+    perm = torch.randperm(64, generator=torch.Generator().manual_seed(0))
+    raw[key] = (torch.arange(64) // 32).to(torch.int32)[perm]
+    qc = quant_config(fmt, 32, False)
+    convert(dict(raw, **{key: raw[key].sort().values}), parse_scheme(qc, "t"))  # k // G: plain groups, read
     with pytest.raises(HFQuantError, match="act-order"):
         convert(raw, parse_scheme(qc, "t"))
 

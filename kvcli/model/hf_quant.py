@@ -120,9 +120,12 @@ def parse_scheme(qc: dict, where: str) -> HFQuantScheme:
 # --- unpacking: int32 words -> uint8 codes in 0..15 -----------------------------------------------
 
 def _nibbles(words: torch.Tensor) -> torch.Tensor:
-    """int32 [..., W] -> uint8 [..., W, 8]: nibble i of each word (arithmetic shift, then masked)."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=words.device)
-    return ((words.unsqueeze(-1) >> shifts) & 0xF).to(torch.uint8)
+    """int32 [..., W] -> uint8 [..., W, 8]: nibble i of each word (arithmetic shift, then masked).
+    One shift at a time, so the only int32 temporary is the size of the packed words (not 8x)."""
+    out = torch.empty((*words.shape, 8), dtype=torch.uint8, device=words.device)
+    for i in range(8):
+        out[..., i] = (words >> (4 * i)) & 0xF
+    return out
 
 
 def unpack_along_last(words: torch.Tensor, order: tuple[int, ...] | None = None) -> torch.Tensor:
