@@ -341,3 +341,20 @@ def test_bitsandbytes_4bit_folder_matches_transformers(tmp_path, tokenizer_files
     # --dequantize: bitsandbytes' own dequantization once, one dense matmul per linear.
     dense = logits_through_engine(LLM(str(path), dequantize=True, kv_budget="16MiB").engine, ids, chunk=32)
     assert (dense - want).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("fmt,sym", [("awq", False), ("gptq", True), ("gptq", False), ("gptq_v2", False),
+                                     ("compressed-tensors", True), ("compressed-tensors", False)])
+def test_benchmark_encoder_round_trips(fmt, sym):
+    """hf_quant_encode (used by scripts/bench_hf_quant.py) writes what the loader reads back exactly."""
+    from kvcli.model.hf_quant_encode import encode, quantization_config, rtn_quantize
+
+    w = torch.randn(32, 128, generator=torch.Generator().manual_seed(5)) * 0.05
+    q, s, z = rtn_quantize(w, 64, sym)
+    if fmt == "gptq":
+        z = z.clamp(min=1)  # v1 cannot store z = 0
+    raw = encode(fmt, "p.", q, s, z)
+    got = convert(raw, parse_scheme(quantization_config(fmt, 64, sym), "t"))[0]["p.weight"]
+    want = (q - z.repeat_interleave(64, 1)).float() * s.float().repeat_interleave(64, 1)
+    assert torch.equal(got.dequantize(), want)
+    assert (want - w).abs().max() <= s.float().max()  # round to nearest: within a step of the dense weight
