@@ -45,6 +45,10 @@ class Bnb4bitWeight:
             parts += [s.state2.absmax, s.state2.code]  # type: ignore[attr-defined]
         return sum(t.numel() * t.element_size() for t in parts)
 
+    def to(self, device: torch.device | str) -> "Bnb4bitWeight":
+        self.state.to(device)  # type: ignore[attr-defined]  # QuantState moves in place
+        return Bnb4bitWeight(self.packed.to(device), self.state)
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         import bitsandbytes.functional as bnbf
 

@@ -67,7 +67,7 @@ class LlamaModel:
 
         def take(name: str) -> QuantTensor | torch.Tensor:
             t = weights.pop(name)
-            return t.to(device) if isinstance(t, (QuantTensor, torch.Tensor)) else t
+            return t.to(device)  # QuantTensor, Bnb4bitWeight or a plain tensor
 
         self.embed = Embedding(take("model.embed_tokens.weight"), dtype)
         self.layers: list[DecoderLayer] = []

