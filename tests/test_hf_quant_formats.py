@@ -358,3 +358,14 @@ def test_benchmark_encoder_round_trips(fmt, sym):
     want = (q - z.repeat_interleave(64, 1)).float() * s.float().repeat_interleave(64, 1)
     assert torch.equal(got.dequantize(), want)
     assert (want - w).abs().max() <= s.float().max()  # round to nearest: within a step of the dense weight
+
+
+@pytest.mark.parametrize("qc,needle", [({"quant_method": "bitsandbytes", "load_in_8bit": True}, "8-bit"),
+                                       ({"quant_method": "bitsandbytes", "load_in_4bit": True,
+                                         "bnb_4bit_quant_storage": "bfloat16"}, "'bfloat16'")])
+def test_bitsandbytes_options_refused(tmp_path, qc, needle):
+    from kvcli.model.loader import ModelLoadError, load_weights
+
+    folder = small_folder(tmp_path / "bnb", qc, {"x": torch.zeros(2)})
+    with pytest.raises(ModelLoadError, match=needle):
+        load_weights(str(folder))
