@@ -60,8 +60,8 @@ def pack(fmt: str, prefix: str, q, s, z, g: int) -> dict[str, torch.Tensor]:
     """One linear's tensors in `fmt` ("awq", "gptq", "gptq_v2", "ct")."""
     n, k = q.shape
     if fmt == "awq":
-        return {prefix + "qweight": pack_last(q.t(), AWQ_PACK_ORDER), prefix + "qzeros": pack_last(z.t(), AWQ_PACK_ORDER),
-                prefix + "scales": s.t().contiguous()}
+        return {prefix + "qweight": pack_last(q.t(), AWQ_PACK_ORDER),
+                prefix + "qzeros": pack_last(z.t(), AWQ_PACK_ORDER), prefix + "scales": s.t().contiguous()}
     if fmt in ("gptq", "gptq_v2"):
         stored = z - 1 if fmt == "gptq" else z  # v1 stores z - 1
         return {prefix + "qweight": pack_first(q.t()), prefix + "qzeros": pack_last(stored.t()),

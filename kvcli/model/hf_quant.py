@@ -114,7 +114,8 @@ def parse_scheme(qc: dict, where: str) -> HFQuantScheme:
         g = sizes.pop() if len(sizes) == 1 else 0  # 0: several sizes, each tensor's from its scales
         return HFQuantScheme("compressed-tensors", g, 0, False, f"compressed-tensors int4 g{g or 'mixed'}")
     raise HFQuantError(f"{where}: quantization_config.quant_method {method or None!r} is not supported "
-                       "(kvcli reads awq, gptq, compressed-tensors and, with bitsandbytes installed, bitsandbytes 4-bit)")
+                       "(kvcli reads awq, gptq, compressed-tensors and, with bitsandbytes installed, "
+                       "bitsandbytes 4-bit)")
 
 
 # --- unpacking: int32 words -> uint8 codes in 0..15 -----------------------------------------------
