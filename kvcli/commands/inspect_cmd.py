@@ -86,20 +86,39 @@ def _config_and_tensors(spec: str | None) -> tuple[ModelConfig, list[TensorGroup
     return config, [TensorGroup(k, c, b) for k, (c, b) in sorted(groups.items())]
 
 
+def _quant_method(path: Path) -> str | None:
+    """The folder's pre-quantized format (awq / gptq / compressed-tensors / ...), if config.json names one."""
+    try:
+        qc = json.loads((path / "config.json").read_text()).get("quantization_config")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if qc is None and (path / "quantize_config.json").is_file():
+        return "gptq"
+    return str(qc.get("quant_method")) if isinstance(qc, dict) else None
+
+
 def _safetensors_groups(path: Path) -> list[TensorGroup]:
-    """Storage dtype -> count and bytes over a checkpoint folder's safetensors files (headers only)."""
+    """Storage dtype -> count and bytes over a checkpoint folder's safetensors files (headers only).
+    In a pre-quantized folder the tensors of its quantized layers are grouped apart, e.g. "awq:I32"."""
     from safetensors import safe_open
 
+    from kvcli.model.hf_quant import SUFFIXES
+
+    method = _quant_method(path)
+    packed_suffixes = SUFFIXES.get(method or "", ())
     groups: dict[str, list[int]] = {}
     for f in sorted(path.glob("*.safetensors")):
         with safe_open(str(f), "pt") as st:
             for key in st.keys():
                 sl = st.get_slice(key)
                 dtype = str(sl.get_dtype())
+                if key.rsplit(".", 1)[-1] in packed_suffixes:
+                    dtype = f"{method}:{dtype}"
                 n = 1
                 for d in sl.get_shape():
                     n *= d
-                size = {"F32": 4, "F16": 2, "BF16": 2, "I8": 1, "U8": 1, "I32": 4, "I64": 8}.get(dtype, 4)
+                size = {"F32": 4, "F16": 2, "BF16": 2, "I8": 1, "U8": 1, "I32": 4, "I64": 8}.get(
+                    str(sl.get_dtype()), 4)
                 c, b = groups.setdefault(dtype, [0, 0])
                 groups[dtype] = [c + 1, b + n * size]
     return [TensorGroup(k, c, b) for k, (c, b) in sorted(groups.items())]

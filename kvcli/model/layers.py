@@ -4,13 +4,15 @@ A quantized linear is built from a canonical QuantTensor and keeps only the form
   "int4-cpu"    torch's packed int4 CPU kernel (bf16 activations, bf16 scale/zero): 4-bit resident,
                 not bit-exact (activations and scales rounded to bf16). 4-bit codes only (Q4_0,
                 Q4_1, Q4_K: K-quant group scales are multiplied out to per-32 scale/zero first).
-  "triton"      kvcli_kernels.int4_matmul on the canonical layout (CUDA; plain fp16 group scales).
+  "triton"      kvcli_kernels.int4_matmul on the canonical layout (CUDA; plain float group scale/min:
+                fp16 from GGUF; a float32 min = -zero * scale from AWQ / GPTQ / compressed-tensors).
   "int4-torch"  4-bit codes dequantized per call in plain torch: exact, slow (fallback).
   "lowbit-torch" 5/6/8-bit codes (Q5_0, Q5_1, Q5_K, Q6_K, Q8_0) dequantized per call in plain torch:
                 resident as in the file, exact, slow (no packed 5/6/8-bit group kernel in torch).
   "half-torch"  an fp16/bf16 weight from the file kept half precision, upcast per call.
   "dense"       weights dequantized once to the compute dtype (`--dequantize`): exact, 8x the bytes.
-  "nf4"         a dense checkpoint weight quantized by bitsandbytes to NF4 (blocksize 64).
+  "nf4"         a dense checkpoint weight quantized by bitsandbytes to NF4 (blocksize 64), or a
+                bitsandbytes 4-bit checkpoint's NF4/FP4 weight as saved; bitsandbytes' matmul_4bit.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvcli.model.bnb_4bit import Bnb4bitWeight
 from kvcli.model.quant import QuantTensor
 
 
@@ -28,10 +31,19 @@ def _nbytes(*tensors: torch.Tensor | None) -> int:
 class Linear:
     """y = x @ W^T (+ b). Holds exactly one resident form of W."""
 
-    def __init__(self, weight: QuantTensor | torch.Tensor, bias: torch.Tensor | None, mode: str,
+    def __init__(self, weight: QuantTensor | Bnb4bitWeight | torch.Tensor, bias: torch.Tensor | None, mode: str,
                  dtype: torch.dtype) -> None:
         self.mode = mode
         self.bias = None if bias is None else bias.to(dtype)
+        if isinstance(weight, Bnb4bitWeight):  # a bitsandbytes 4-bit checkpoint: its own bytes, as saved
+            self.quantized = True
+            if mode == "dense":
+                self.weight = weight.dequantize(dtype).contiguous()
+                return
+            self.mode = "nf4"
+            self.out_features, self.in_features = weight.shape
+            self.nf4, self.nf4_state = weight.packed, weight.state
+            return
         self.quantized = isinstance(weight, QuantTensor)
         if mode == "nf4" and not self.quantized:
             try:
@@ -64,8 +76,8 @@ class Linear:
             mins = weight.group_mins()
             zero = (mins if mins is not None else torch.zeros_like(s)) + 8.0 * s
             self.scale_zero = torch.stack([s, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
-        elif mode == "triton" and weight.exact_fp16_groups:
-            self.q = weight
+        elif mode == "triton" and weight.with_float_min().plain_groups:
+            self.q = weight.with_float_min()  # zero points (AWQ/GPTQ) as an exact float32 min, once
         else:  # CPU rows not a multiple of 16, or a layout the Triton GEMM does not read
             self.mode, self.q = "int4-torch", weight
 

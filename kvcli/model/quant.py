@@ -6,6 +6,8 @@ Group-wise affine low-bit codes (GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K / 
     hi    uint8 [N, K // 8]   "q5": bit 4 of element k in bit (k % 8) of hi[n, k // 8]
           uint8 [N, K // 4]   "q6": bits 4-5 of element k in bits 2 (k % 4).. of hi[n, k // 4]
     w[n, k] = scale[n, g] * (q[n, k] - offset) + min[n, g]      g = k // G   (min optional)
+          or  scale[n, g] * (q[n, k] - zero[n, g])                 (AWQ / GPTQ / compressed-tensors:
+                              a uint8 zero point per group; min = -(zero * scale) is exact in float32)
 Symmetric INT8 (GGUF Q8_0):
     codes int8 [N, K]         w = scale * q
 Scales are fp16 (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 store them so) or two-level like the K-quants: an fp16
@@ -37,6 +39,7 @@ class QuantTensor:
     offset: int = 0  # subtracted from the unsigned code (Q5_0: 16, Q6_K: 32) before scaling
     sub_scale: torch.Tensor | None = None  # per-group integer multiplier of a per-super-block `scale`
     sub_min: torch.Tensor | None = None  # per-group integer multiplier of a per-super-block dmin (`min`)
+    zero: torch.Tensor | None = None  # uint8 [N, K // G] code-space zero point (instead of `min`)
 
     @property
     def bits(self) -> int:
@@ -49,7 +52,7 @@ class QuantTensor:
         return (n, k)
 
     def _tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.codes, self.scale, self.min, self.hi, self.sub_scale, self.sub_min)
+        return [t for t in (self.codes, self.scale, self.min, self.hi, self.sub_scale, self.sub_min, self.zero)
                 if t is not None]
 
     @property
@@ -57,10 +60,18 @@ class QuantTensor:
         return sum(t.numel() * t.element_size() for t in self._tensors())
 
     @property
-    def exact_fp16_groups(self) -> bool:
-        """Plain per-group fp16 scale/min, no offset: the layout the Triton INT4 GEMM reads."""
-        return (self.kind == "q4" and self.sub_scale is None and self.offset == 0
-                and self.scale.dtype == torch.float16 and (self.min is None or self.min.dtype == torch.float16))
+    def plain_groups(self) -> bool:
+        """One float scale/min per group, no offset or zero point: the layout the Triton INT4 GEMM reads
+        (fp16 from GGUF; float32 mins from with_float_min)."""
+        floats = (torch.float16, torch.bfloat16, torch.float32)
+        return (self.kind == "q4" and self.sub_scale is None and self.offset == 0 and self.zero is None
+                and self.scale.dtype in floats and (self.min is None or self.min.dtype in floats))
+
+    def with_float_min(self) -> "QuantTensor":
+        """Zero points multiplied out once into a float32 min (exact), for kernels that read scale/min."""
+        if self.zero is None:
+            return self
+        return QuantTensor(self.kind, self.codes, self.scale, self.group_mins(), self.group_size)
 
     def unpack_codes(self) -> torch.Tensor:
         """Integer codes as uint8 [N, K] (0 .. 2^bits - 1 before the offset; raw int8 for q8)."""
@@ -103,6 +114,8 @@ class QuantTensor:
 
     def group_mins(self) -> torch.Tensor | None:
         """float32 [N, K // G] added after scaling, or None. K-quants: -(dmin * m), as gguf-py's `- dm`."""
+        if self.zero is not None:
+            return -(self.zero.to(torch.float32) * self.group_scales())
         if self.min is None:
             return None
         m = self.min.to(torch.float32)
@@ -126,7 +139,7 @@ class QuantTensor:
             return None if t is None else fn(t)
 
         return QuantTensor(self.kind, fn(self.codes), fn(self.scale), opt(self.min), self.group_size,
-                           opt(self.hi), self.offset, opt(self.sub_scale), opt(self.sub_min))
+                           opt(self.hi), self.offset, opt(self.sub_scale), opt(self.sub_min), opt(self.zero))
 
     def rows(self, index: torch.Tensor) -> "QuantTensor":
         """A row subset (used to un-permute q/k heads and to split fused tensors)."""
@@ -141,7 +154,8 @@ class QuantTensor:
             return None if t is None else t.dtype
 
         return (self.kind, self.group_size, self.offset, self.codes.shape[1], dt(self.scale), dt(self.min),
-                dt(self.sub_scale), dt(self.sub_min), None if self.sub_scale is None else self.scale.shape[1])
+                dt(self.sub_scale), dt(self.sub_min), None if self.sub_scale is None else self.scale.shape[1],
+                dt(self.zero))
 
     @staticmethod
     def cat(parts: list["QuantTensor"]) -> "QuantTensor":
@@ -156,7 +170,7 @@ class QuantTensor:
 
         return QuantTensor(first.kind, torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]),
                            cat_opt("min"), first.group_size, cat_opt("hi"), first.offset,
-                           cat_opt("sub_scale"), cat_opt("sub_min"))
+                           cat_opt("sub_scale"), cat_opt("sub_min"), cat_opt("zero"))
 
 
 _TABLES: dict[tuple[str, int, str], tuple[torch.Tensor, torch.Tensor | None]] = {}

@@ -35,3 +35,25 @@ def test_triton_linear_matches_exact_mode(dtype: torch.dtype, m: int, n: int, k:
     assert y.dtype == dtype and y.shape == (m, n)
     tol = REL_TOL[dtype] * float(ref.abs().max())
     torch.testing.assert_close(y.float(), ref, atol=tol, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=dtype_id)
+@pytest.mark.parametrize(("m", "n", "k", "g"), [(1, 48, 128, 64), (12, 40, 256, 128)])  # GEMV / GEMM paths
+def test_triton_linear_reads_zero_point_checkpoints(dtype: torch.dtype, m: int, n: int, k: int, g: int) -> None:
+    """AWQ / GPTQ / compressed-tensors weights (a uint8 zero per group) take the Triton path with the
+    zeros multiplied out once into an exact float32 min, and agree with the exact mode."""
+    from kvcli.model.hf_quant import to_quant_tensor
+
+    gen = generator("zero-point", dtype, m, n, k, g)
+    codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    scale = (torch.rand(n, k // g, generator=gen) * 0.01 + 0.001).to(torch.float16)
+    zeros = torch.randint(0, 16, (n, k // g), generator=gen)
+    q = to_quant_tensor(codes, scale, zeros, g).to(DEVICE)
+    assert q.zero is not None
+    tri = Linear(q, None, "triton", dtype)
+    exact = Linear(q, None, "int4-torch", dtype)
+    assert tri.mode == "triton" and exact.mode == "int4-torch" and tri.q.min.dtype == torch.float32
+    x = torch.randn(m, k, generator=gen).to(dtype).to(DEVICE)
+    y, ref = tri(x), exact(x.float()).float()
+    tol = REL_TOL[dtype] * float(ref.abs().max())
+    torch.testing.assert_close(y.float(), ref, atol=tol, rtol=0)
