@@ -106,7 +106,8 @@ class ModelConfig:
         }
         if self.architecture == "llama":
             d["attention_bias"] = self.attention_bias
-        d["sliding_window"] = self.sliding_window
+        if self.architecture != "llama":
+            d["sliding_window"] = self.sliding_window
         if self.architecture == "qwen2":  # qwen2 slides only when asked, from max_window_layers on
             d.update(use_sliding_window=self.sliding_window is not None, max_window_layers=0)
         return d

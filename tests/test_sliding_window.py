@@ -140,3 +140,11 @@ def test_scored_through_step_budget_matches_transformers(mistral):
     want = -logp[:-1].gather(1, torch.tensor(ids[1:]).unsqueeze(1)).squeeze(1)
     got = llm.engine.score(ids)
     assert (got - want).abs().max().item() < 1e-3
+
+
+@pytest.mark.parametrize("arch", ["mistral", "qwen2"])
+def test_window_survives_to_hf_dict(arch):
+    c = ModelConfig.from_hf_dict({**BASE, "model_type": arch, "sliding_window": WINDOW, "use_sliding_window": True,
+                                  "max_window_layers": 0})
+    assert c.sliding_window == WINDOW
+    assert ModelConfig.from_hf_dict(c.to_hf_dict()).sliding_window == WINDOW
