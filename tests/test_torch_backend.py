@@ -160,6 +160,16 @@ def test_decode_rows_grouped_by_length():
 @pytest.mark.parametrize("kv", ["fp32", "fp16", "int8"])
 @pytest.mark.parametrize("g", [1, 3, 4])
 def test_a_row_is_bit_identical_whatever_the_batch(kv, g):
+    check_invariance(kv, g, window=0)
+
+
+@pytest.mark.parametrize("kv", ["fp32", "int8"])
+def test_a_row_is_bit_identical_whatever_the_batch_under_a_window(kv):
+    """The same invariance with a sliding window of 50 (keys before it masked)."""
+    check_invariance(kv, 3, window=50)
+
+
+def check_invariance(kv: str, g: int, window: int) -> None:
     """The invariant backend's batch invariance, the property speculative decoding and preemption rely on for identical greedy
     text on the INT4 path: one request's query rows give the same bits computed as 1-row decodes, as a
     verify chunk of 6 rows, inside a prefill chunk, beside other decodes of very different lengths
@@ -209,7 +219,8 @@ def test_a_row_is_bit_identical_whatever_the_batch(kv, g):
             qlens = tuple(r[1] for r in reqs)
             klens = tuple(r[0] + r[1] for r in reqs)
             meta = AttentionMetadata(torch.tensor(slots), torch.tensor(cu, dtype=torch.int32),
-                                     torch.tensor(klens, dtype=torch.int32), bt, max(qlens), max(klens), klens, qlens)
+                                     torch.tensor(klens, dtype=torch.int32), bt, max(qlens), max(klens), klens, qlens,
+                                     sliding_window=window)
             if kv == "int8":
                 kq, kqs = quantize(kc, torch.int8)
                 cache = LayerKV(kq, quantize(vc, torch.int8)[0], kqs, quantize(vc, torch.int8)[1])
@@ -223,7 +234,7 @@ def test_a_row_is_bit_identical_whatever_the_batch(kv, g):
 
     want = run("decode", 0)
     assert torch.isfinite(want).all()
-    torch.testing.assert_close(want, reference(qrows[L - 6:], [k], [v], [6], [L], g, d ** -0.5),
+    torch.testing.assert_close(want, reference(qrows[L - 6:], [k], [v], [6], [L], g, d ** -0.5, window),
                                atol=3e-2 if kv == "int8" else 2e-3, rtol=1e-2)
     for layout, seed in [("decode", 1), ("verify", 0), ("verify", 2), ("batch", 3), ("prefill", 4), ("mixed", 5)]:
         got = run(layout, seed)
