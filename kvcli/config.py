@@ -123,12 +123,12 @@ def _hf_sliding_window(cfg: dict, arch: str, num_layers: int) -> int | None:
         return None
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ValueError(f"sliding_window must be a positive integer or null (got {window!r})")
+    if arch == "qwen2" and not cfg.get("use_sliding_window", False):  # transformers drops the window then
+        return None
     types = cfg.get("layer_types")
     if isinstance(types, list):
         sliding = [t == "sliding_attention" for t in types]
     elif arch == "qwen2":
-        if not cfg.get("use_sliding_window", False):
-            return None
         first = int(cfg.get("max_window_layers", 28))
         sliding = [i >= first for i in range(num_layers)]
     else:

@@ -36,6 +36,8 @@ BASE = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_
     (dict(model_type="qwen2", sliding_window=4096, use_sliding_window=False), None),
     (dict(model_type="qwen2", sliding_window=4096, use_sliding_window=True, max_window_layers=0), 4096),
     (dict(model_type="qwen2", sliding_window=4096, use_sliding_window=True, max_window_layers=2), None),
+    (dict(model_type="qwen2", sliding_window=64, use_sliding_window=False, layer_types=["sliding_attention"] * 2),
+     None),
     (dict(model_type="llama", sliding_window=4096), None),  # transformers' Llama has no window
 ])
 def test_window_from_config_json(extra, want):
