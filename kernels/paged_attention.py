@@ -7,7 +7,8 @@ Inputs (see kvcli/attention/base.py for the cache layout):
   block_tables : [batch, max_blocks] physical block ids
   k/v_scale    : int8 / float8_e4m3fn caches only: [num_blocks, block_size, num_kv_heads] fp32, one
                  scale per token and KV head (kvcli.kvcache.kv_dtype)
-Query row i of request b sits at absolute position seq_lens[b] - q_len + i and sees keys 0..that position.
+Query row i of request b sits at absolute position seq_lens[b] - q_len + i and sees keys 0..that position;
+with a sliding window w (window > 0) only keys [position - w + 1, position].
 
 Main kernel, grid (num_q_blocks, num_kv_heads, num_splits):
   * A program owns BLOCK_Q consecutive query tokens of one request times all GROUP = q_heads/kv_heads
@@ -19,6 +20,8 @@ Main kernel, grid (num_q_blocks, num_kv_heads, num_splits):
     programs exit at once. Decode (1 row) and prefill chunks (many rows) share one launch.
   * KV is walked in tiles of BLOCK_N tokens (a multiple of the page size), gathering physical block
     ids from the block table; online softmax in the exp2 domain, fp32 statistics and accumulator.
+    With a sliding window the walk starts at the tile holding the first key the program's first row
+    sees (earlier tiles are skipped, not read), and keys before each row's window are masked.
   * All pool offsets are int64 (block id * block stride exceeds 2^31 on large pools).
 Quantized KV (int8 or e4m3 codes + per-token scales) is dequantized in registers, never in memory:
 the codes of a K tile are converted to the compute dtype (exact: |code| <= 127 fits fp16/bf16, e4m3
@@ -80,6 +83,7 @@ def _paged_attention_kernel(
     qk_scale,  # softmax scale * log2(e)
     batch,
     num_splits,
+    window,  # sliding window (keys [pos - window + 1, pos]); the launcher passes 2**30 for none
     stride_qt,
     stride_qh,
     stride_qd,
@@ -150,15 +154,17 @@ def _paged_attention_kernel(
     elif not QUANT:
         q = q.to(k_cache_ptr.dtype.element_ty)
 
-    # Keys this program needs: up to the last position among its rows.
+    # Keys this program needs: from the first key its first row sees to the last position among its rows.
     kv_end = tl.minimum(seq_len, context_len + (q_block_local + 1) * BLOCK_Q)
+    kv_start = tl.maximum(context_len + q_block_local * BLOCK_Q - window + 1, 0)
     num_tiles = tl.cdiv(kv_end, BLOCK_N)
+    first_tile = kv_start // BLOCK_N
     if SPLIT:
-        tiles_per_split = tl.cdiv(num_tiles, num_splits)
-        tile_lo = split_id * tiles_per_split
+        tiles_per_split = tl.cdiv(num_tiles - first_tile, num_splits)
+        tile_lo = first_tile + split_id * tiles_per_split
         tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
     else:
-        tile_lo = 0
+        tile_lo = first_tile
         tile_hi = num_tiles
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -194,7 +200,7 @@ def _paged_attention_kernel(
             s = tl.dot(q, k, input_precision=DOT_PRECISION) * (k_s * qk_scale)[None, :]
         else:
             s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
-        visible = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
+        visible = (offs_n[None, :] <= q_pos[:, None]) & (offs_n[None, :] > q_pos[:, None] - window) & n_valid[None, :]
         s = tl.where(visible, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -412,6 +418,7 @@ def paged_attention(
     out: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """Causal paged attention for a packed batch of decode and prefill rows.
 
@@ -420,6 +427,7 @@ def paged_attention(
     picks the tile shape, max_seq_len the split count. num_splits: None = automatic (split-K only
     when batch x kv_heads cannot fill the GPU), 1 = never split, n > 1 = exactly n KV segments.
     int8 / float8_e4m3fn caches need k_scale, v_scale [num_blocks, block_size, kv_heads] fp32.
+    window > 0: sliding-window attention, the row at position p sees keys [p - window + 1, p] only.
     """
     _check(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out, k_scale, v_scale)
     num_tokens, num_q_heads, head_dim = q.shape
@@ -431,13 +439,16 @@ def paged_attention(
         return out
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits must be >= 1 or None; got {num_splits}")
+    if window < 0:
+        raise ValueError(f"window must be >= 0 (0 = none); got {window}")
 
     group = num_q_heads // num_kv_heads
     tile_dtype = _tile_dtype(q, k_cache)
     cfg = attention_launch_config(group, head_dim, block_size, max_seqlen_q, tile_dtype)
     num_q_blocks = num_tokens // cfg["BLOCK_Q"] + batch
-    if num_splits is None:
-        num_splits = auto_num_splits(q, k_cache, batch, max_seqlen_q, max_seq_len)
+    if num_splits is None:  # a window bounds the keys a program reads, whatever the context
+        keys = min(max_seq_len, window + max_seqlen_q - 1) if window else max_seq_len
+        num_splits = auto_num_splits(q, k_cache, batch, max_seqlen_q, keys)
     split = num_splits > 1
 
     compute_f32 = tile_dtype == torch.float32 or (tile_dtype == torch.bfloat16 and _INTERPRETED)
@@ -478,6 +489,7 @@ def paged_attention(
         float(scale) * _LOG2E,
         batch,
         num_splits,
+        window if window else 1 << 30,  # "none": farther back than any position
         *q.stride(),
         *k_cache.stride(),
         *v_cache.stride(),

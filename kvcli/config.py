@@ -33,6 +33,10 @@ class ModelConfig:
     rope_scaling: dict | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Sliding-window attention: a query at position p sees keys [p - sliding_window + 1, p] in every
+    # layer (Mistral); None = full causal attention. Every token's K/V is still stored (the KV
+    # arithmetic of plan/inspect is unchanged).
+    sliding_window: int | None = None
 
     def kv_bytes_per_token(self, kv_dtype: "torch.dtype | str | KVDtype") -> int:
         """K and V of every layer for one token, quantization scales included."""
@@ -75,6 +79,7 @@ class ModelConfig:
             rope_scaling=cfg.get("rope_scaling"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            sliding_window=_hf_sliding_window(cfg, arch, int(cfg["num_hidden_layers"])),
         )
 
     def to_hf_dict(self) -> dict:
@@ -101,7 +106,39 @@ class ModelConfig:
         }
         if self.architecture == "llama":
             d["attention_bias"] = self.attention_bias
+        if self.architecture != "llama":
+            d["sliding_window"] = self.sliding_window
+        if self.architecture == "qwen2":  # qwen2 slides only when asked, from max_window_layers on
+            d.update(use_sliding_window=self.sliding_window is not None, max_window_layers=0)
         return d
+
+
+def _hf_sliding_window(cfg: dict, arch: str, num_layers: int) -> int | None:
+    """The one window every layer uses, as transformers reads config.json (None = full attention).
+    Mistral slides in every layer when `sliding_window` is set; Qwen2 only with `use_sliding_window`,
+    and then only layers >= `max_window_layers`; `layer_types` overrides both. A window in some layers
+    only is refused (one window per model here), never silently dropped."""
+    window = cfg.get("sliding_window")
+    if arch == "llama" or window is None:  # transformers' Llama ignores sliding_window
+        return None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"sliding_window must be a positive integer or null (got {window!r})")
+    if arch == "qwen2" and not cfg.get("use_sliding_window", False):  # transformers drops the window then
+        return None
+    types = cfg.get("layer_types")
+    if isinstance(types, list):
+        sliding = [t == "sliding_attention" for t in types]
+    elif arch == "qwen2":
+        first = int(cfg.get("max_window_layers", 28))
+        sliding = [i >= first for i in range(num_layers)]
+    else:
+        sliding = [True] * num_layers
+    if not any(sliding):
+        return None
+    if not all(sliding):
+        raise ValueError(f"sliding-window attention in {sum(sliding)} of {len(sliding)} layers only "
+                         "(per-layer windows) is not supported")
+    return window
 
 
 # Real architectures for `--model dummy:NAME` (random weights, as vLLM's load_format=dummy).

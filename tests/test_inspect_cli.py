@@ -85,3 +85,25 @@ def test_inspect_checkpoint_folder_counts_safetensors_dtypes(tmp_path):
     assert (rep["layers"], rep["kv_heads"], rep["head_dim"], rep["context_length"]) == (2, 2, 16, 256)
     assert {g["type"]: (g["count"], g["bytes"]) for g in rep["tensors"]} == {"BF16": (2, (640 + 4096) * 2),
                                                                             "F32": (1, 256)}
+
+
+def test_inspect_shows_the_sliding_window_and_keeps_the_kv_fit(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = {"model_type": "mistral", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100, "max_position_embeddings": 8192}
+    fits = {}
+    for window in (None, 4096):
+        d = tmp_path / str(window)
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({**cfg, "sliding_window": window}))
+        save_file({"c": torch.zeros(64)}, str(d / "model.safetensors"))
+        rep = inspect_json(str(d), "--no-load")
+        assert rep["sliding_window"] == window
+        fits[window] = rep["fits"]
+        r = runner.invoke(app, ["inspect", str(d), "--no-load"], env={"COLUMNS": "200"})
+        assert r.exit_code == 0, r.stderr
+        assert ("sliding window 4,096 (all KV kept)" in " ".join(r.stdout.replace("│", " ").split())) == bool(window)
+    # Every token's K/V is still stored: the fit does not change (up to the memory probe's drift).
+    assert [f["bytes_per_token"] for f in fits[None]] == [f["bytes_per_token"] for f in fits[4096]]

@@ -13,7 +13,7 @@ from kvcli.attention.torch_backend import TorchAttentionBackend
 from kvcli.kvcache.kv_cache import LayerKV
 
 
-def make_batch(q_lens, kv_lens, kvh, g, d, bs, num_blocks, permute, dtype=torch.float32, seed=0):
+def make_batch(q_lens, kv_lens, kvh, g, d, bs, num_blocks, permute, dtype=torch.float32, seed=0, window=0):
     gen = torch.Generator().manual_seed(seed)
     # Blocks no request owns are NaN. Owned blocks (and block 0, the padding entry of block tables)
     # start as large finite garbage, as stale data from an earlier owner would be: the runner zeroes
@@ -48,14 +48,15 @@ def make_batch(q_lens, kv_lens, kvh, g, d, bs, num_blocks, permute, dtype=torch.
         cu.append(cu[-1] + q_len)
     meta = AttentionMetadata(torch.tensor(slots), torch.tensor(cu, dtype=torch.int32),
                              torch.tensor(kv_lens, dtype=torch.int32), bt, max(q_lens), max(kv_lens),
-                             tuple(kv_lens), tuple(q_lens))
+                             tuple(kv_lens), tuple(q_lens), sliding_window=window)
     q = torch.randn(cu[-1], kvh * g, d, generator=gen)
     new_k = torch.cat([k[kv - ql:] for k, ql, kv in zip(dense_k, q_lens, kv_lens)])
     new_v = torch.cat([v[kv - ql:] for v, ql, kv in zip(dense_v, q_lens, kv_lens)])
     return q, new_k, new_v, k_cache, v_cache, meta, dense_k, dense_v
 
 
-def reference(q, dense_k, dense_v, q_lens, kv_lens, g, scale):
+def reference(q, dense_k, dense_v, q_lens, kv_lens, g, scale, window=0):
+    """Dense causal attention; window > 0: the row at position p sees keys [p - window + 1, p]."""
     out, start = [], 0
     for k, v, q_len, kv_len in zip(dense_k, dense_v, q_lens, kv_lens):
         qb = q[start:start + q_len].transpose(0, 1)
@@ -63,7 +64,10 @@ def reference(q, dense_k, dense_v, q_lens, kv_lens, g, scale):
         vb = v.transpose(0, 1).repeat_interleave(g, 0)
         s = qb @ kb.transpose(1, 2) * scale
         pos = torch.arange(kv_len - q_len, kv_len).unsqueeze(1)
-        s = s.masked_fill(torch.arange(kv_len).unsqueeze(0) > pos, float("-inf"))
+        kpos = torch.arange(kv_len).unsqueeze(0)
+        s = s.masked_fill(kpos > pos, float("-inf"))
+        if window:
+            s = s.masked_fill(kpos <= pos - window, float("-inf"))
         out.append((s.softmax(-1) @ vb).transpose(0, 1))
         start += q_len
     return torch.cat(out)
@@ -85,6 +89,34 @@ def test_mixed_batch_matches_reference(g, permute, bs, backend):
     want = reference(q, dk, dv, q_lens, kv_lens, g, scale)
     assert not torch.isnan(got).any()
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", [TorchAttentionBackend, InvariantAttentionBackend])
+@pytest.mark.parametrize("kv", ["fp32", "int8"])
+@pytest.mark.parametrize("window", [13, 16])
+def test_sliding_window_matches_reference(backend, kv, window):
+    """Ragged batch under a sliding window: five decodes (batched on the torch path), one inside its
+    window; a lone long decode (the per-request path); a chunk on a cached prefix longer than the
+    window; a fresh prompt longer than the window; a short prompt. Row p sees keys [p - window + 1, p]."""
+    from kvcli.kvcache.kv_dtype import quantize
+    q_lens, kv_lens = [1, 1, 37, 1, 1, 50, 1, 9, 1], [75, 70, 100, 66, 64, 50, 9, 9, 900]
+    kvh, g, d = 2, 3, 64
+    q, nk, nv, kc, vc, meta, dk, dv = make_batch(q_lens, kv_lens, kvh, g, d, 16, 128, True, seed=window,
+                                                 window=window)
+    if kv == "int8":  # the torch path's int8 decode reads codes through its scratch buffers
+        kc, vc = kc.nan_to_num(), vc.nan_to_num()
+        cache = LayerKV(*quantize(kc, torch.int8)[:1], *quantize(vc, torch.int8)[:1],
+                        quantize(kc, torch.int8)[1], quantize(vc, torch.int8)[1])
+    else:
+        cache = LayerKV(kc, vc)
+    be = backend()
+    be.write_kv(nk, nv, cache, meta)
+    got = be.forward(q, cache, meta, 0.125)
+    want = reference(q, dk, dv, q_lens, kv_lens, g, 0.125, window)
+    tol = dict(atol=3e-2, rtol=1e-2) if kv == "int8" else dict(atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(got, want, **tol)
+    if backend is TorchAttentionBackend:
+        assert sum(len(b[0]) for b in be._batches) == 5  # the batched decode path ran too
 
 
 def test_negative_slots_are_skipped():
@@ -128,6 +160,16 @@ def test_decode_rows_grouped_by_length():
 @pytest.mark.parametrize("kv", ["fp32", "fp16", "int8"])
 @pytest.mark.parametrize("g", [1, 3, 4])
 def test_a_row_is_bit_identical_whatever_the_batch(kv, g):
+    check_invariance(kv, g, window=0)
+
+
+@pytest.mark.parametrize("kv", ["fp32", "int8"])
+def test_a_row_is_bit_identical_whatever_the_batch_under_a_window(kv):
+    """The same invariance with a sliding window of 50 (keys before it masked)."""
+    check_invariance(kv, 3, window=50)
+
+
+def check_invariance(kv: str, g: int, window: int) -> None:
     """The invariant backend's batch invariance, the property speculative decoding and preemption rely on for identical greedy
     text on the INT4 path: one request's query rows give the same bits computed as 1-row decodes, as a
     verify chunk of 6 rows, inside a prefill chunk, beside other decodes of very different lengths
@@ -177,7 +219,8 @@ def test_a_row_is_bit_identical_whatever_the_batch(kv, g):
             qlens = tuple(r[1] for r in reqs)
             klens = tuple(r[0] + r[1] for r in reqs)
             meta = AttentionMetadata(torch.tensor(slots), torch.tensor(cu, dtype=torch.int32),
-                                     torch.tensor(klens, dtype=torch.int32), bt, max(qlens), max(klens), klens, qlens)
+                                     torch.tensor(klens, dtype=torch.int32), bt, max(qlens), max(klens), klens, qlens,
+                                     sliding_window=window)
             if kv == "int8":
                 kq, kqs = quantize(kc, torch.int8)
                 cache = LayerKV(kq, quantize(vc, torch.int8)[0], kqs, quantize(vc, torch.int8)[1])
@@ -191,7 +234,7 @@ def test_a_row_is_bit_identical_whatever_the_batch(kv, g):
 
     want = run("decode", 0)
     assert torch.isfinite(want).all()
-    torch.testing.assert_close(want, reference(qrows[L - 6:], [k], [v], [6], [L], g, d ** -0.5),
+    torch.testing.assert_close(want, reference(qrows[L - 6:], [k], [v], [6], [L], g, d ** -0.5, window),
                                atol=3e-2 if kv == "int8" else 2e-3, rtol=1e-2)
     for layout, seed in [("decode", 1), ("verify", 0), ("verify", 2), ("batch", 3), ("prefill", 4), ("mixed", 5)]:
         got = run(layout, seed)

@@ -7,7 +7,8 @@ Layouts (shared by every backend and by the Triton kernels):
   key, value       : [num_tokens, num_kv_heads, head_dim]
 A request's token at absolute position p lives in slot block_table[p // block_size] * block_size
 + p % block_size. The step's K/V are written to the cache first, then attention reads everything
-(cached prefix + this step's tokens) through the block table, causally.
+(cached prefix + this step's tokens) through the block table, causally; with a sliding window w, the
+query at position p sees keys [p - w + 1, p] only.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class AttentionMetadata:
     # Host copies, so the torch path can loop without device syncs.
     seq_lens_list: tuple[int, ...] = ()
     query_lens_list: tuple[int, ...] = ()
+    sliding_window: int = 0  # w > 0: position p sees keys [p - w + 1, p]; 0 = full causal (set by the model)
 
     @property
     def batch_size(self) -> int:

@@ -12,7 +12,7 @@ Every row is computed the same way, whatever the batch around it:
   scores  s = q @ K^T over the request's keys padded to a multiple of CHUNK (a GEMM's element is
           a dot over head_dim whatever the GEMM's size, provided it has >= MIN_ROWS rows: smaller
           GEMMs take a kernel that rounds differently, so query rows are padded up to MIN_ROWS);
-  mask    keys after the row's position and the padding are -inf;
+  mask    keys after the row's position, before its sliding window (if any) and the padding are -inf;
   softmax exp(s - max) (elementwise), denominator = per-CHUNK sums (a fixed-size reduction)
           accumulated in order by cumsum, so trailing masked chunks add exact zeros;
   output  (p @ V) / denominator (zeros in p beyond the row's keys add exact zeros).
@@ -156,7 +156,7 @@ class InvariantAttentionBackend(TorchAttentionBackend):
             n = len(grp.requests)
             k, v, ks, vs = self._kv(cache, grp.blocks, grp.keys, q.dtype)  # [n, kvh, L, D]
             qg = q.index_select(0, grp.rows).view(n, kvh, g, d)
-            o = attend_rows(qg, grp.last.view(n, 1, 1).expand(n, 1, g), k, v, ks, vs, scale)
+            o = attend_rows(qg, grp.last.view(n, 1, 1).expand(n, 1, g), k, v, ks, vs, scale, meta.sliding_window)
             out.index_copy_(0, grp.rows, o.reshape(n, h, d))
         start = 0
         for b, (q_len, kv_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
@@ -174,18 +174,20 @@ class InvariantAttentionBackend(TorchAttentionBackend):
                     # Rows ordered (position, q head) within each KV head: [kvh, n * g, D].
                     qt = q[start + t0:start + t1].view(n, kvh, g, d).transpose(0, 1).reshape(kvh, n * g, d)
                     last = torch.arange(pos0 + t0, pos0 + t1, device=q.device).repeat_interleave(g).view(1, -1)
-                    o = attend_rows(qt, last, k, v, ks, vs, scale)  # [kvh, n * g, D]
+                    o = attend_rows(qt, last, k, v, ks, vs, scale, meta.sliding_window)  # [kvh, n * g, D]
                     out[start + t0:start + t1] = o.view(kvh, n, g, d).transpose(0, 1).reshape(n, h, d)
             start += q_len
         return out
 
 
 def attend_rows(q: torch.Tensor, last: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, scale: float) -> torch.Tensor:
+                k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, scale: float,
+                window: int = 0) -> torch.Tensor:
     """Batch-invariant attention (see the module docstring).
 
     q [..., kvh, M, D]: query rows grouped by the KV head they read; last [..., 1, M]: the last key
-    position each row may see; k, v [..., kvh, L, D] with L a multiple of CHUNK; k_scale, v_scale
+    position each row may see (window > 0: the first is last - window + 1; keys before it are masked
+    like those after, so they add exact zeros); k, v [..., kvh, L, D] with L a multiple of CHUNK; k_scale, v_scale
     [..., kvh, L] or None (unscaled). Returns [..., kvh, M, D]."""
     m_rows, d = q.shape[-2], q.shape[-1]
     L = k.shape[-2]
@@ -197,7 +199,11 @@ def attend_rows(q: torch.Tensor, last: torch.Tensor, k: torch.Tensor, v: torch.T
         s.mul_(scale)
     else:
         s.mul_((k_scale * scale).unsqueeze(-2))
-    s.masked_fill_(torch.arange(L, device=q.device) > last.unsqueeze(-1), float("-inf"))
+    pos = torch.arange(L, device=q.device)
+    hidden = pos > last.unsqueeze(-1)
+    if window:
+        hidden |= pos <= last.unsqueeze(-1) - window
+    s.masked_fill_(hidden, float("-inf"))
     p = s.sub_(s.amax(-1, keepdim=True)).exp_()
     nc = L // CHUNK
     chunks = p.view(*p.shape[:-1], nc, CHUNK)

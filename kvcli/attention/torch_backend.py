@@ -15,6 +15,9 @@ layers and steps and folds the scales instead of materialising dequantized K/V: 
 of dequantize-into-a-fresh-tensor; 4k-context int8 decode was 2.2x slower than fp16 before, about
 0.75x its time after: docs/benchmarks.md). 16-bit caches keep the plain convert-then-SDPA path, which
 measured no slower than the scratch-buffer variant. Prefill chunks dequantize (amortised over the chunk).
+Sliding window (meta.sliding_window = w > 0): a request's keys are read from the first one its first
+query row sees; the batched decode groups mask keys before p - w + 1; a chunk longer than the window
+takes the masked SDPA path.
 """
 
 from __future__ import annotations
@@ -89,24 +92,25 @@ class TorchAttentionBackend:
 
     @staticmethod
     def _read(cache: torch.Tensor, scale: torch.Tensor | None, blocks: slice | torch.Tensor, kv_len: int,
-              dtype: torch.dtype) -> torch.Tensor:
-        """Request's K or V as `dtype` [kv_heads, kv_len, D], dequantized when the cache is scaled."""
-        x = cache[blocks].flatten(0, 1)[:kv_len]
-        s = None if scale is None else scale[blocks].flatten(0, 1)[:kv_len]
+              dtype: torch.dtype, lo: int = 0) -> torch.Tensor:
+        """Request's K or V at positions [lo, kv_len) as `dtype` [kv_heads, kv_len - lo, D], dequantized
+        when the cache is scaled."""
+        x = cache[blocks].flatten(0, 1)[lo:kv_len]
+        s = None if scale is None else scale[blocks].flatten(0, 1)[lo:kv_len]
         return dequantize(x, s, dtype).transpose(0, 1)
 
     def _decode_converted(self, q: torch.Tensor, cache: LayerKV, blocks: slice | torch.Tensor, kv_len: int,
-                          scale: float) -> torch.Tensor:
-        """One decode row q [H, D] over an int8/fp8 cache, through the fp32 scratch buffers."""
+                          scale: float, lo: int = 0) -> torch.Tensor:
+        """One decode row q [H, D] over keys [lo, kv_len) of an int8/fp8 cache, through the fp32 scratch buffers."""
         kvh, d = cache.k.shape[2], cache.k.shape[3]
-        k = self._as_f32(cache.k[blocks].flatten(0, 1)[:kv_len], "k").transpose(0, 1)  # [kvh, L, D]
-        v = self._as_f32(cache.v[blocks].flatten(0, 1)[:kv_len], "v").transpose(0, 1)
+        k = self._as_f32(cache.k[blocks].flatten(0, 1)[lo:kv_len], "k").transpose(0, 1)  # [kvh, L, D]
+        v = self._as_f32(cache.v[blocks].flatten(0, 1)[lo:kv_len], "v").transpose(0, 1)
         qg = q.view(kvh, -1, d)
         if cache.k_scale is None or cache.v_scale is None:
             o = F.scaled_dot_product_attention(qg, k, v, scale=scale)
         else:
-            ks = cache.k_scale[blocks].flatten(0, 1)[:kv_len].t()  # [kvh, L]
-            vs = cache.v_scale[blocks].flatten(0, 1)[:kv_len].t()
+            ks = cache.k_scale[blocks].flatten(0, 1)[lo:kv_len].t()  # [kvh, L]
+            vs = cache.v_scale[blocks].flatten(0, 1)[lo:kv_len].t()
             o = _attend_scaled(qg, k, v, ks, vs, scale)
         return o.reshape(q.shape)
 
@@ -136,7 +140,11 @@ class TorchAttentionBackend:
                     nblk = -(-lens[0] // block_size)
                     idx = torch.tensor(ids, device=device)
                     tables = meta.block_tables.index_select(0, idx)[:, :nblk].long()
-                    mask = torch.arange(nblk * block_size, device=device) < torch.tensor(lens, device=device)[:, None]
+                    pos = torch.arange(nblk * block_size, device=device)
+                    ends = torch.tensor(lens, device=device)[:, None]
+                    mask = pos < ends
+                    if meta.sliding_window:
+                        mask &= pos >= ends - meta.sliding_window
                     rows = torch.tensor([starts[b] for b in ids], device=device)
                     self._batches.append((set(ids), rows, tables, mask[:, None, None, :]))
         return self._batches
@@ -170,14 +178,16 @@ class TorchAttentionBackend:
                 start += q_len
                 continue
             blocks = self._blocks(meta, b, bs)
+            w = meta.sliding_window
+            lo = max(0, kv_len - q_len - w + 1) if w else 0  # the first key the first row sees
             if q_len == 1 and cache.k_scale is not None and q.dtype == torch.float32:
-                out[start] = self._decode_converted(q[start], cache, blocks, kv_len, scale)
+                out[start] = self._decode_converted(q[start], cache, blocks, kv_len, scale, lo)
                 start += 1
                 continue
-            k = self._read(k_cache, cache.k_scale, blocks, kv_len, q.dtype)
-            v = self._read(v_cache, cache.v_scale, blocks, kv_len, q.dtype)
+            k = self._read(k_cache, cache.k_scale, blocks, kv_len, q.dtype, lo)
+            v = self._read(v_cache, cache.v_scale, blocks, kv_len, q.dtype, lo)
             qb = q[start:start + q_len].transpose(0, 1)  # [H, q_len, D]
-            out[start:start + q_len] = attend(qb, k, v, scale).transpose(0, 1)
+            out[start:start + q_len] = attend(qb, k, v, scale, w).transpose(0, 1)
             start += q_len
         return out
 
@@ -202,8 +212,10 @@ def _attend_scaled(q: torch.Tensor, codes_k: torch.Tensor, codes_v: torch.Tensor
     return torch.matmul(p, codes_v)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of q [H, q_len, D] whose rows are the last q_len positions of k/v [kvh, L, D]."""
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+    """Causal attention of q [H, q_len, D] whose rows are the last q_len positions of k/v [kvh, L, D];
+    window > 0: the row at position p sees keys [p - window + 1, p] only (a decode row must be given
+    only the keys it sees)."""
     h, q_len, d = q.shape
     kvh, kv_len, _ = k.shape
     g = h // kvh
@@ -211,9 +223,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> t
         o = F.scaled_dot_product_attention(q.reshape(kvh, g, d), k, v, scale=scale)
         return o.reshape(h, 1, d)
     prefix = kv_len - q_len
-    if _flash_cpu is None or q.device.type != "cpu":
+    windowed = 0 < window < kv_len  # some row has keys outside its window
+    if windowed or _flash_cpu is None or q.device.type != "cpu":
         qpos = torch.arange(prefix, kv_len, device=q.device).unsqueeze(1)
-        mask = torch.arange(kv_len, device=q.device).unsqueeze(0) <= qpos
+        kpos = torch.arange(kv_len, device=q.device).unsqueeze(0)
+        mask = (kpos <= qpos) & (kpos > qpos - window) if windowed else kpos <= qpos
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     # The chunk against itself: causal, K/V repeated per q head (only q_len rows, cheap).
     kc = k[:, prefix:].repeat_interleave(g, 0).unsqueeze(0)

@@ -69,4 +69,5 @@ class TritonAttentionBackend:
             num_splits=self.num_splits,
             k_scale=cache.k_scale,
             v_scale=cache.v_scale,
+            window=meta.sliding_window,
         )

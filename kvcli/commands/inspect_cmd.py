@@ -44,6 +44,7 @@ class InspectReport:
     context_length: int
     tensors: list[TensorGroup]
     file_tensor_bytes: int
+    sliding_window: int | None = None  # attention window (tokens); every token's KV is still kept
     resident: dict[str, int] | None = None  # layers / embedding / lm_head, after load
     linear_paths: str | None = None
     device: str = "cpu"
@@ -139,7 +140,7 @@ def inspect_model(spec: str | None, options: EngineOptions, load: bool, context:
         source=spec or str(bundled_gguf_path()), name=config.name, architecture=config.architecture,
         layers=config.num_layers, heads=config.num_heads, kv_heads=config.num_kv_heads, head_dim=config.head_dim,
         hidden_size=config.hidden_size, intermediate_size=config.intermediate_size, vocab_size=config.vocab_size,
-        context_length=config.max_position_embeddings, tensors=groups,
+        context_length=config.max_position_embeddings, tensors=groups, sliding_window=config.sliding_window,
         file_tensor_bytes=sum(g.bytes for g in groups), device=str(device))
     weights = rep.file_tensor_bytes
     if load:
@@ -174,7 +175,8 @@ def render(rep: InspectReport, context: int) -> None:
     t.add_row("name", rep.name)
     t.add_row("architecture", f"{rep.architecture} · {rep.layers} layers · hidden {rep.hidden_size} · "
                               f"ffn {rep.intermediate_size} · vocab {rep.vocab_size:,}")
-    t.add_row("attention", f"{rep.heads} heads · {rep.kv_heads} KV heads · head dim {rep.head_dim}")
+    window = "" if rep.sliding_window is None else f" · sliding window {rep.sliding_window:,} (all KV kept)"
+    t.add_row("attention", f"{rep.heads} heads · {rep.kv_heads} KV heads · head dim {rep.head_dim}{window}")
     t.add_row("context length", f"{rep.context_length:,} tokens")
     for g in rep.tensors:
         t.add_row(f"tensors {g.type}", f"{g.count} · {human_bytes(g.bytes)}")

@@ -75,6 +75,9 @@ def read_config(reader: GGUFFile, path: Path) -> ModelConfig:
     names = {t.name for t in reader.tensors}
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     head_dim = _field(reader, f"{a}.attention.key_length") or hidden // heads
+    window = _field(reader, f"{a}.attention.sliding_window")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
+        raise GGUFError(f"{path.name}: {a}.attention.sliding_window must be a non-negative integer (got {window!r})")
     return ModelConfig(
         name=str(_field(reader, "general.name", path.stem)),
         architecture=arch,
@@ -92,6 +95,7 @@ def read_config(reader: GGUFFile, path: Path) -> ModelConfig:
         attention_bias="blk.0.attn_q.bias" in names,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=() if eos is None else (int(eos),),
+        sliding_window=int(window) if window else None,  # 0 = none, as llama.cpp writes it
     )
 
 

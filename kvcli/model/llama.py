@@ -8,7 +8,7 @@ fused into one matmul each.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -130,6 +130,9 @@ class LlamaModel:
         logits_indices: torch.Tensor | None = None,  # rows whose next-token logits are wanted
     ) -> torch.Tensor:
         c = self.config
+        window = c.sliding_window or 0
+        if meta.sliding_window != window:  # the model's window, whoever built the step's metadata
+            meta = replace(meta, sliding_window=window)
         t = input_ids.shape[0]
         h = self.embed(input_ids)
         cos_sin = self.rotary.at(positions, h.dtype)

@@ -17,7 +17,7 @@ from kvcli.sampler import sample
 from kvcli.spec.acceptance import accept
 
 
-def build_metadata(out: SchedulerOutput, block_size: int, device: torch.device
+def build_metadata(out: SchedulerOutput, block_size: int, device: torch.device, sliding_window: int = 0
                    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
     """The step's tensors, each made by one torch.tensor call from Python lists (per-row tensors and
     per-token generators cost more than the lists at decode batch sizes)."""
@@ -58,6 +58,7 @@ def build_metadata(out: SchedulerOutput, block_size: int, device: torch.device
         max_seq_len=max(seq_lens),
         seq_lens_list=tuple(seq_lens),
         query_lens_list=tuple(q_lens),
+        sliding_window=sliding_window,
     )
     return (torch.tensor(ids, dtype=torch.int64, device=device),
             torch.tensor(positions, dtype=torch.int64, device=device), meta, logit_rows)
@@ -112,7 +113,8 @@ class ModelRunner:
         self.move_blocks(out)
         if not out.chunks:
             return RunnerOutput({})
-        ids, positions, meta, rows = build_metadata(out, self.kv_cache.block_size, self.device)
+        ids, positions, meta, rows = build_metadata(out, self.kv_cache.block_size, self.device,
+                                                   self.model.config.sliding_window or 0)
         if all_logits:
             return RunnerOutput({}, self.model.forward(ids, positions, self.kv_cache, meta, self.backend))
         sampling = [c for c in out.chunks if c.sample]

@@ -292,3 +292,32 @@ def test_quantized_validation_errors() -> None:
         paged_attention(b.q, b.k_cache, b.v_cache, *args[3:], k_scale=ks, v_scale=ks)
     with pytest.raises(ValueError, match="q must be"):
         paged_attention(b.q.to(torch.int8), *args[1:], k_scale=ks, v_scale=ks)
+
+
+@pytest.mark.parametrize(("dtype", "num_splits"), [(torch.float32, 1), (torch.float16, 3)], ids=["fp32-1", "fp16-3"])
+def test_sliding_window(dtype: torch.dtype, num_splits: int) -> None:
+    """window=20: decode rows (one past many tiles, one inside its window) and a prefill chunk on a
+    cached prefix, against the windowed reference. Keys in tiles wholly before a program's window are
+    poisoned with NaN in the kernel's copy of the cache: they must be skipped, not read and masked."""
+    window, group = 20, 2
+    gen = generator("window", dtype, num_splits)
+    batch = PagedBatch([1, 31, 1], [150, 131, 12], group * 2, 2, 64, 16, dtype, gen)
+    ref = paged_attention_ref(batch.q, batch.k_cache, batch.v_cache, batch.cu_seqlens_q, batch.seq_lens_t,
+                              batch.block_tables, batch.scale, window=window)
+    block_n = attention_launch_config(group, 64, 16, batch.max_seqlen_q, dtype)["BLOCK_N"]
+    k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
+    for b, (q_len, seq_len) in enumerate(zip(batch.q_lens, batch.seq_lens)):
+        skipped = max(0, seq_len - q_len - window + 1) // block_n * block_n  # first row's first key, tile-aligned
+        for p in range(skipped):
+            blk = int(batch.block_tables[b, p // 16])
+            k_cache[blk, p % 16] = float("nan")
+            v_cache[blk, p % 16] = float("nan")
+    assert k_cache.isnan().sum() > batch.k_cache.isnan().sum()  # something really is poisoned
+    out = paged_attention(batch.q, k_cache, v_cache, batch.cu_seqlens_q, batch.seq_lens_t, batch.block_tables,
+                          batch.scale, batch.max_seqlen_q, batch.max_seq_len, num_splits=num_splits,
+                          out=batch.nan_out(), window=window)
+    atol, rtol = ATTN_TOL[dtype]
+    assert_close(out, ref, atol, rtol, f"window {dtype} splits={num_splits}")
+    full = paged_attention_ref(batch.q, batch.k_cache, batch.v_cache, batch.cu_seqlens_q, batch.seq_lens_t,
+                               batch.block_tables, batch.scale)
+    assert (ref - full).abs().max().item() > 0.1  # the window changes the answer

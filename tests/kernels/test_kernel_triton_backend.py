@@ -121,3 +121,32 @@ def _cpu(meta: AttentionMetadata) -> AttentionMetadata:
 
     return AttentionMetadata(**{f.name: (v.cpu() if isinstance(v := getattr(meta, f.name), torch.Tensor) else v)
                                 for f in fields(meta)})
+
+
+def test_sliding_window_matches_torch_backend() -> None:
+    """The launcher passes meta.sliding_window to the kernel: prompts, then a chunk + a decode whose
+    windows (8) exclude most of their context, equal to the torch backend's windowed attention."""
+    from dataclasses import replace
+
+    from kvcli.attention.torch_backend import TorchAttentionBackend
+
+    gen = generator("backend-window")
+    total = [40, 21]
+    full_q = [torch.randn(n, HQ, D, generator=gen) for n in total]
+    full_k = [torch.randn(n, HKV, D, generator=gen) for n in total]
+    full_v = [torch.randn(n, HKV, D, generator=gen) for n in total]
+    tri = LayerKV(torch.zeros(8, BLOCK, HKV, D, device=DEVICE), torch.zeros(8, BLOCK, HKV, D, device=DEVICE))
+    ref = LayerKV(torch.zeros(8, BLOCK, HKV, D), torch.zeros(8, BLOCK, HKV, D))
+    tables = torch.tensor([[5, 1, 7, 0], [2, 6, 0, 0]], dtype=torch.int32)
+    backend, torch_backend = TritonAttentionBackend(), TorchAttentionBackend()
+    for starts, q_lens in (([0, 0], [30, 20]), ([30, 20], [10, 1])):
+        meta = replace(_meta(tables, starts, q_lens), sliding_window=8)
+        sl = [slice(s, s + n) for s, n in zip(starts, q_lens)]
+        key, value, q = (torch.cat([x[s] for x, s in zip(full, sl)]) for full in (full_k, full_v, full_q))
+        backend.write_kv(key.to(DEVICE), value.to(DEVICE), tri, meta)
+        torch_backend.write_kv(key, value, ref, _cpu(meta))
+        out = backend.forward(q.to(DEVICE), tri, meta, D**-0.5)
+        expect = torch_backend.forward(q, ref, _cpu(meta), D**-0.5)
+        torch.testing.assert_close(out.cpu(), expect, atol=2e-4, rtol=2e-4)
+        unwindowed = torch_backend.forward(q, ref, _cpu(replace(meta, sliding_window=0)), D**-0.5)
+        assert (unwindowed - expect).abs().max().item() > 0.1
