@@ -28,6 +28,7 @@ from kvcli.attention.base import AttentionMetadata
 from kvcli.kvcache.kv_cache import LayerKV
 from kvcli.kvcache.kv_dtype import dequantize, quantize
 
+FP8_UNIT = 256.0  # _heads_f32 gives fp8 codes divided by this (2 ** (15 - 7), the exponent biases)
 _flash_cpu = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
@@ -62,7 +63,20 @@ class TorchAttentionBackend:
         buffer: one pass that converts and puts each head's tokens side by side, so the two matmuls
         read unit-stride rows."""
         shape = (*x.shape[:-3], x.shape[-2], x.shape[-3], x.shape[-1])
+        if x.dtype == torch.float8_e4m3fn:
+            x = self._fp8_as_fp16_bits(x, name)
         return self._scratch_buf(name, shape, torch.float32, x.device).copy_(x.transpose(-3, -2))
+
+    def _fp8_as_fp16_bits(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """e4m3fn codes -> fp16 holding code / 256, exactly: the sign bit moves from bit 7 to bit 15 and
+        exponent+mantissa from bits 0-6 to 7-13, i.e. the same bits read with fp16's exponent bias (15)
+        instead of e4m3's (7); subnormals map to subnormals. Codes never hold NaN (clamped on write).
+        Callers fold FP8_UNIT (256) into the scales. ~7x faster here than torch's fp8 -> fp32 copy."""
+        a = self._scratch_buf(name + "16a", tuple(x.shape), torch.int16, x.device).copy_(x.view(torch.uint8))
+        b = self._scratch_buf(name + "16b", tuple(x.shape), torch.int16, x.device)
+        torch.bitwise_and(a, 0x80, out=b).bitwise_left_shift_(8)
+        a.bitwise_and_(0x7F).bitwise_left_shift_(7).bitwise_or_(b)
+        return a.view(torch.float16)
 
     def _gather_codes(self, cache: torch.Tensor, tables: torch.Tensor, name: str) -> torch.Tensor:
         """Blocks `tables` [n, nblk] of cache [blocks, bs, kvh, D] -> [n, nblk * bs, kvh, D] in the
@@ -128,7 +142,8 @@ class TorchAttentionBackend:
         if cache.k_scale is not None and cache.v_scale is not None:
             ks = cache.k_scale[blocks].flatten(0, 1)[:kv_len].t()  # [kvh, L]
             vs = cache.v_scale[blocks].flatten(0, 1)[:kv_len].t()
-        return _attend_scaled(q.view(kvh, -1, d), k, v, ks, vs, scale).reshape(q.shape)
+        unit = FP8_UNIT if cache.k.dtype == torch.float8_e4m3fn else 1.0
+        return _attend_scaled(q.view(kvh, -1, d), k, v, ks, vs, scale, unit=unit).reshape(q.shape)
 
     def _decode_batches(self, meta: AttentionMetadata, block_size: int, device: torch.device) -> list[tuple]:
         """Per step: the decode requests grouped by similar context length (so padding to a group's
@@ -183,7 +198,8 @@ class TorchAttentionBackend:
                 if cache.k_scale is not None and cache.v_scale is not None:
                     ks = cache.k_scale.index_select(0, tables.reshape(-1)).view(n, -1, kvh).transpose(1, 2)  # [n, kvh, L]
                     vs = cache.v_scale.index_select(0, tables.reshape(-1)).view(n, -1, kvh).transpose(1, 2)
-                o = _attend_scaled(qg, k, v, ks, vs, scale, mask)
+                unit = FP8_UNIT if k_cache.dtype == torch.float8_e4m3fn else 1.0
+                o = _attend_scaled(qg, k, v, ks, vs, scale, mask, unit=unit)
             else:
                 k = _gather(k_cache, cache.k_scale, tables, q.dtype)  # [n, kvh, L, D]
                 v = _gather(v_cache, cache.v_scale, tables, q.dtype)
@@ -214,18 +230,20 @@ def _gather(cache: torch.Tensor, scale: torch.Tensor | None, tables: torch.Tenso
 
 
 def _attend_scaled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor | None,
-                   v_scale: torch.Tensor | None, scale: float, mask: torch.Tensor | None = None) -> torch.Tensor:
+                   v_scale: torch.Tensor | None, scale: float, mask: torch.Tensor | None = None,
+                   unit: float = 1.0) -> torch.Tensor:
     """Attention of q [..., kvh, g, D] over K/V given as fp32 [..., kvh, L, D] (codes of a quantized
     cache, or the values of a 16-bit one) and, when quantized, their per-token scales [..., kvh, L]:
     k_scale multiplies the score columns, v_scale the probabilities, so dequantized K/V are never
-    materialised. mask [..., 1, 1, L] (True = visible) or None."""
+    materialised. mask [..., 1, 1, L] (True = visible) or None. unit: a power of two the codes were
+    divided by (FP8_UNIT for fp8), multiplied back into the scales (exact)."""
     s = torch.matmul(q, k.transpose(-1, -2))  # [..., kvh, g, L]
-    s.mul_(scale if k_scale is None else (k_scale * scale).unsqueeze(-2))
+    s.mul_(scale if k_scale is None else (k_scale * (scale * unit)).unsqueeze(-2))
     if mask is not None:
         s.masked_fill_(~mask, float("-inf"))
     p = torch.softmax(s, -1)
     if v_scale is not None:
-        p.mul_(v_scale.unsqueeze(-2))
+        p.mul_((v_scale * unit if unit != 1.0 else v_scale).unsqueeze(-2))
     return torch.matmul(p, v)
 
 
