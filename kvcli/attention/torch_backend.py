@@ -15,8 +15,9 @@ read unit-stride rows), then computes scores = (q @ K^T) * k_scale per token and
 v_scale) @ V with the scales folded in (no dequantized K/V materialised; 16-bit caches have no
 scales). Batched decode rows gather their blocks with index_select into reused buffers instead of
 advanced indexing. fp32 caches keep SDPA over views (single rows) or gathered copies (batched): the
-exactness tests run on fp32. Measured figures: docs/benchmarks.md, "KV cache formats".
-Prefill chunks dequantize (amortised over the chunk).
+exactness tests run on fp32. Prefill chunks over those caches dequantize the request's K/V into the
+same reused head-major buffers (values identical to dequantize()), not into fresh tensors per layer.
+Measured figures: docs/benchmarks.md, "KV cache formats".
 """
 
 from __future__ import annotations
@@ -131,6 +132,17 @@ class TorchAttentionBackend:
         s = None if scale is None else scale[blocks].flatten(0, 1)[:kv_len]
         return dequantize(x, s, dtype).transpose(0, 1)
 
+    def _read_f32(self, cache: torch.Tensor, scale: torch.Tensor | None, blocks: slice | torch.Tensor, kv_len: int,
+                  name: str) -> torch.Tensor:
+        """Request's K or V as fp32 [kv_heads, kv_len, D] (for prefill chunks), dequantized in place in a
+        reused head-major scratch buffer: the same values as _read (codes * scale, one fp32 rounding;
+        for fp8 (code / 256) * (scale * 256) is that same product), without a fresh tensor per layer."""
+        x = self._heads_f32(cache[blocks].flatten(0, 1)[:kv_len], name)
+        if scale is not None:
+            s = scale[blocks].flatten(0, 1)[:kv_len].t().unsqueeze(-1)  # [kvh, L, 1]
+            x.mul_(s * FP8_UNIT if cache.dtype == torch.float8_e4m3fn else s)
+        return x
+
     def _decode_converted(self, q: torch.Tensor, cache: LayerKV, blocks: slice | torch.Tensor, kv_len: int,
                           scale: float) -> torch.Tensor:
         """One decode row q [H, D] over a 16-bit, int8 or fp8 cache: the request's K/V converted to
@@ -215,8 +227,12 @@ class TorchAttentionBackend:
                 out[start] = self._decode_converted(q[start], cache, blocks, kv_len, scale)
                 start += 1
                 continue
-            k = self._read(k_cache, cache.k_scale, blocks, kv_len, q.dtype)
-            v = self._read(v_cache, cache.v_scale, blocks, kv_len, q.dtype)
+            if k_cache.dtype != q.dtype and q.dtype == torch.float32:  # prefill chunk over a converted cache
+                k = self._read_f32(k_cache, cache.k_scale, blocks, kv_len, "k")
+                v = self._read_f32(v_cache, cache.v_scale, blocks, kv_len, "v")
+            else:
+                k = self._read(k_cache, cache.k_scale, blocks, kv_len, q.dtype)
+                v = self._read(v_cache, cache.v_scale, blocks, kv_len, q.dtype)
             qb = q[start:start + q_len].transpose(0, 1)  # [H, q_len, D]
             out[start:start + q_len] = attend(qb, k, v, scale).transpose(0, 1)
             start += q_len
