@@ -3,7 +3,9 @@ decode row over --layers separate caches (SmolLM2-135M's shape by default: 3 KV 
 head_dim 64), against the previous read path (dequantize the whole context into a fresh tensor, then
 SDPA: what every format but fp32 did before the scratch-buffer paths, and what prefill chunks still do)
 that the backend keeps as TorchAttentionBackend._read + attend. --batch N > 1 decodes N requests of
-that context in one step (the batched path; "old" is then left out). Timed by this thread's CPU time
+that context in one step through the batched path; "old" is then the previous batched read (advanced
+indexing cache[tables], dequantize into a fresh tensor, masked SDPA: module function _gather), which
+was the batched path of fp32/fp16/bf16 caches (int8/fp8 already used scratch buffers there). Timed by this thread's CPU time
 with --threads torch threads (default 1), interleaved rounds, median of per-round ratios: meant for a
 shared machine where the load changes between formats. No model: seconds, not minutes.
 """
@@ -29,7 +31,9 @@ def main() -> None:
     torch.set_num_threads(a.threads)
 
     from kvcli.attention.base import AttentionMetadata
-    from kvcli.attention.torch_backend import TorchAttentionBackend, attend
+    import torch.nn.functional as F
+
+    from kvcli.attention.torch_backend import TorchAttentionBackend, _gather, attend
     from kvcli.bench.machine import machine_line
     from kvcli.kvcache.kv_cache import LayerKV
     from kvcli.kvcache.kv_dtype import kv_dtype_of, quantize
@@ -63,6 +67,13 @@ def main() -> None:
             backend.forward(q, c, meta, d**-0.5)
 
     def old(layers: list[LayerKV]) -> None:  # the read path before the scratch buffers and scale folding
+        if nb > 1:
+            (_, rows, tables, mask), = backend._decode_batches(meta, bs, q.device)
+            qg = q.index_select(0, rows).reshape(nb, kvh, hq // kvh, d)
+            for c in layers:
+                k, v = _gather(c.k, c.k_scale, tables, q.dtype), _gather(c.v, c.v_scale, tables, q.dtype)
+                F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=d**-0.5)
+            return
         blocks = backend._blocks(meta, 0, bs)
         for c in layers:
             k = backend._read(c.k, c.k_scale, blocks, a.context, q.dtype)
@@ -70,7 +81,7 @@ def main() -> None:
             attend(q[0:1].transpose(0, 1), k, v, d**-0.5)
 
     runs = [(f"{n} {kind}", fn, layers) for n, layers in caches.items() for kind, fn in (("new", new), ("old", old))
-            if not (kind == "old" and (n == "fp32" or nb > 1))]  # fp32 reads views either way
+            if not (kind == "old" and n == "fp32" and nb == 1)]  # batch 1: fp32 reads views either way
     times: dict[str, list[float]] = {r[0]: [] for r in runs}
     for fn_name, fn, layers in runs:
         fn(layers)  # warm-up (scratch buffers, lazy init)
