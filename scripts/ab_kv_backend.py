@@ -18,7 +18,6 @@ import importlib.util
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 

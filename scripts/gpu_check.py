@@ -603,7 +603,8 @@ def render_e(rows: list[dict[str, Any]], copy_bw: float, smoke: bool) -> list[st
              "read + write). 'fp16 time / this' > 1: faster than the fp16 cache at the same batch and context.",
              "'vs ref' = max |ours - ref| / (4e-3 (1 + |ref|)) against the torch reference on dequantized K/V.",
              "",
-             "| batch | context | KV dtype | us | bytes read | %BW | fp16 time / this | auto splits | vs ref | result |",
+             "| batch | context | KV dtype | us | bytes read | %BW | fp16 time / this | auto splits | vs ref "
+             "| result |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         head = f"| {r['batch']} | {r['ctx']} | {r['kv']} | "

@@ -203,13 +203,15 @@ class TorchAttentionBackend:
             kg = self._gather_codes(k_cache, tables, "gk")  # [n, L, kvh, D]
             vg = self._gather_codes(v_cache, tables, "gv")
             if k_cache.dtype == q.dtype:
-                o = F.scaled_dot_product_attention(qg, kg.transpose(1, 2), vg.transpose(1, 2), attn_mask=mask, scale=scale)
+                o = F.scaled_dot_product_attention(qg, kg.transpose(1, 2), vg.transpose(1, 2), attn_mask=mask,
+                                                   scale=scale)
             elif q.dtype == torch.float32:
                 k, v = self._heads_f32(kg, "k"), self._heads_f32(vg, "v")  # [n, kvh, L, D]
                 ks = vs = None
                 if cache.k_scale is not None and cache.v_scale is not None:
-                    ks = cache.k_scale.index_select(0, tables.reshape(-1)).view(n, -1, kvh).transpose(1, 2)  # [n, kvh, L]
-                    vs = cache.v_scale.index_select(0, tables.reshape(-1)).view(n, -1, kvh).transpose(1, 2)
+                    flat = tables.reshape(-1)
+                    ks = cache.k_scale.index_select(0, flat).view(n, -1, kvh).transpose(1, 2)  # [n, kvh, L]
+                    vs = cache.v_scale.index_select(0, flat).view(n, -1, kvh).transpose(1, 2)
                 unit = FP8_UNIT if k_cache.dtype == torch.float8_e4m3fn else 1.0
                 o = _attend_scaled(qg, k, v, ks, vs, scale, mask, unit=unit)
             else:
