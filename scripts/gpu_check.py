@@ -20,6 +20,11 @@ Sections, run in this order (of value: correctness first, the long engine run la
       contiguously (enable_gqa);
   (c) INT4 GEMM vs fp16 torch.matmul at batch 1 and 16; weights are [N, K] (out = x @ W^T), for
       N x K = 4096x4096, 14336x4096 (gate/up shape) and 4096x14336 (down shape);
+  (e) decode attention per KV cache dtype (issue: KV precision): the paged-attention kernel over
+      fp16, int8 and fp8 (e4m3) caches (fp16 queries, same shape as (b), auto split) for batch
+      {1, 8} x context {8k, 32k}: time, achieved bandwidth (codes + scales + q bytes read), and
+      the time ratio against the fp16 cache; each output checked against the torch reference on
+      the dequantized K/V. fp8 rows need compute capability >= 8.9 (marked skipped below that);
   (d) the engine end to end on random INT4 weights (scripts/gpu_engine_check.py): triton vs torch
       backend logits and greedy tokens, paged vs contiguous greedy tokens, batch-1 decode against
       transformers, and a ShareGPT-shaped workload paged vs contiguous under one KV budget.
@@ -55,10 +60,10 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 ROTATE_BYTES = 256 * 2**20  # > H200 L2 (50 MB) several times over
-ORDER = "abcd"  # order of value: correctness, attention speed, INT4 speed, the engine
-# Per-section wall-clock caps (process start and cold compiles included): 360 s in all, the
+ORDER = "abced"  # order of value: correctness, attention speed, INT4 speed, KV dtypes, the engine
+# Per-section wall-clock caps (process start and cold compiles included): 400 s in all, the
 # budget of one run in a 15-minute device window that must leave time for a rerun.
-DEFAULT_CAPS = {"a": 70.0, "b": 60.0, "c": 30.0, "d": 200.0}
+DEFAULT_CAPS = {"a": 70.0, "b": 60.0, "c": 30.0, "e": 40.0, "d": 200.0}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -71,8 +76,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="no GPU: count the kernel variants each section compiles and its work, time one "
                         "compile per kernel here, and print the time budget")
     p.add_argument("--sections", default=ORDER, metavar="LETTERS",
-                   help="which sections to run (default abcd): a kernel correctness, b decode attention speed, "
-                        "c INT4 GEMM speed, d the engine end to end")
+                   help=f"which sections to run (default {ORDER}): a kernel correctness, b decode attention speed, "
+                        "c INT4 GEMM speed, e decode attention per KV dtype (fp16/int8/fp8), d the engine end to end")
     p.add_argument("--section-seconds", default=",".join(f"{k}={v:g}" for k, v in DEFAULT_CAPS.items()),
                    metavar="a=S,b=S,...", help="wall-clock cap of each section's process (default %(default)s)")
     p.add_argument("--engine-seconds", type=float, default=45.0, metavar="S",
@@ -84,7 +89,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help=argparse.SUPPRESS)  # tests: the case whose name contains CASE raises
     args = p.parse_args(argv)
     if not args.sections or set(args.sections) - set(ORDER):
-        p.error(f"--sections takes letters from abcd (got {args.sections!r})")
+        p.error(f"--sections takes letters from {ORDER} (got {args.sections!r})")
     args.sections = "".join(c for c in ORDER if c in args.sections)
     caps = dict(DEFAULT_CAPS)
     for item in filter(None, args.section_seconds.split(",")):
@@ -212,7 +217,8 @@ class Run:
         self.data: dict[str, dict[str, Any]] = {}
 
     def section(self, letter: str) -> dict[str, Any]:
-        self.data[letter] = dict(correct=[], decode=[], int4=[], engine=None, copy_bw=0.0, notes=[], done=False)
+        self.data[letter] = dict(correct=[], decode=[], int4=[], kvdtype=[], engine=None, copy_bw=0.0, notes=[],
+                                 done=False)
         return self.data[letter]
 
     def save(self) -> None:
@@ -293,6 +299,15 @@ def plan_bc(args: argparse.Namespace) -> dict[str, Any]:
                 shapes=((4096, 4096), (14336, 4096), (4096, 14336)), int4_m=(1, 16), copy_bytes=2**30)
 
 
+def plan_e(args: argparse.Namespace) -> dict[str, Any]:
+    if args.cpu_smoke:
+        return dict(batches=(1,), contexts=(64,))
+    if args.quick:
+        return dict(batches=(1, 8), contexts=(8192,))
+    return dict(batches=(1, 8), contexts=(8192, 32768))
+
+
+KV_DTYPES_E = ("fp16", "int8", "fp8")  # section (e); fp16 first: the others' ratio is against it
 SPLITS_A = (None, 1, 8)  # section (a): automatic, off, forced 8
 DECODE_SHAPE = dict(hq=32, hkv=8, d=128, bs=16)  # section (b)
 
@@ -498,6 +513,124 @@ def section_b(run: Run, mods: dict[str, ModuleType], device: Any, copy_bw: float
             run.case("b", f"decode B={batch} ctx={ctx}", decode_case, lambda m, row=row: row.update(error=m))
 
 
+def _kv_cache_e(torch: ModuleType, kv: str, num_blocks: int, device: Any) -> tuple[Any, ...]:
+    """(k, v, k_scale, v_scale) for section (e): random fp16 K/V, or int8 / e4m3 codes with per-token
+    fp32 scales in the range quantize-on-write produces (absmax / qmax of unit-normal vectors)."""
+    hkv, d, bs = DECODE_SHAPE["hkv"], DECODE_SHAPE["d"], DECODE_SHAPE["bs"]
+    shape = (num_blocks, bs, hkv, d)
+    if kv == "fp16":
+        return torch.randn(shape, device=device, dtype=torch.float16), \
+            torch.randn(shape, device=device, dtype=torch.float16), None, None
+    out = []
+    for _ in range(2):
+        if kv == "int8":
+            codes = torch.randint(-127, 128, shape, device=device, dtype=torch.int8)
+            qmax = 127.0
+        else:
+            codes = (torch.randn(shape, device=device) * 120.0).clamp_(-448, 448).to(torch.float8_e4m3fn)
+            qmax = 448.0
+        scale = (torch.rand(shape[:3], device=device) + 2.5) / qmax
+        out.append((codes, scale))
+    return out[0][0], out[1][0], out[0][1], out[1][1]
+
+
+def section_e(run: Run, mods: dict[str, ModuleType], device: Any, copy_bw: float) -> None:
+    """Decode attention per KV cache dtype at long contexts: fp16 vs int8 vs fp8 caches, same kernel."""
+    import torch
+
+    pa, ref = mods["paged_attention"], mods["reference"]
+    sec = run.section("e")
+    sec["copy_bw"] = copy_bw
+    rows = sec["kvdtype"]
+    plan = plan_e(run.args)
+    hq, hkv, d, bs = DECODE_SHAPE["hq"], DECODE_SHAPE["hkv"], DECODE_SHAPE["d"], DECODE_SHAPE["bs"]
+    fp8_ok = device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
+    for batch in plan["batches"]:
+        for ctx in plan["contexts"]:
+            base: dict[str, float] = {}
+            for kv in KV_DTYPES_E:
+                row: dict[str, Any] = dict(batch=batch, ctx=ctx, kv=kv)
+                rows.append(row)
+                if kv == "fp8" and not fp8_ok:
+                    row["skipped"] = "compute capability < 8.9"
+                    continue
+
+                def kv_case(batch: int = batch, ctx: int = ctx, kv: str = kv, row: dict[str, Any] = row,
+                            base: dict[str, float] = base) -> None:
+                    blocks_per_seq = ctx // bs
+                    num_blocks = batch * blocks_per_seq
+                    per_token = 2 * hkv * (d * 2 if kv == "fp16" else d + 4)  # K + V, codes + fp32 scales
+                    kv_bytes = batch * ctx * per_token
+                    q_bytes = batch * hq * d * 2
+                    caches = [_kv_cache_e(torch, kv, num_blocks, device) for _ in range(copies_for(kv_bytes, device))]
+                    bt = torch.randperm(num_blocks, device=device).to(torch.int32).view(batch, blocks_per_seq)
+                    q = torch.randn(batch, hq, d, device=device, dtype=torch.float16)
+                    out = torch.empty_like(q)
+                    cu = torch.arange(batch + 1, dtype=torch.int32, device=device)
+                    sl = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+
+                    def attn(kc: Any, vc: Any, ks: Any, vs: Any) -> Callable[[], Any]:
+                        return lambda: pa.paged_attention(q, kc, vc, cu, sl, bt, d**-0.5, 1, ctx, out=out,
+                                                          k_scale=ks, v_scale=vs)
+
+                    t, graphed = time_us([attn(*c) for c in caches], torch, device)
+                    if kv == "fp16":
+                        base["t"] = t
+                    row.update(t=t, bytes=kv_bytes + q_bytes, bw=100.0 * (kv_bytes + q_bytes) / (t * 1e-6) / copy_bw,
+                               vs_fp16=base["t"] / t if "t" in base else None, eager=not graphed,
+                               auto=pa.auto_num_splits(q, caches[0][0], batch, 1, ctx))
+                    run.save()  # the timing is kept even if the check below fails
+                    attn(*caches[0])()
+                    kc, vc, ks, vs = caches[0]
+                    want = ref.paged_attention_ref(q, kc, vc, cu, sl, bt, d**-0.5, ks, vs).float()
+                    tol = TOL["float16"]
+                    row["err"] = float(((out.float() - want).abs() / (tol * (1.0 + want.abs()))).max())
+                    if not row["err"] <= 1.0:
+                        row["error"] = f"kernel and reference differ: {row['err']:.3g} x tolerance"
+                    print(f"  kv {kv:4s} B={batch:<3d} ctx={ctx:<6d} {t:8.1f} us ({row['bw']:5.1f}% BW)"
+                          + (f"  fp16/this {row['vs_fp16']:.2f}x" if row["vs_fp16"] else "")
+                          + f"  |ours - ref| {row['err']:.2g} x tol", flush=True)
+                    del caches
+
+                run.case("e", f"kv {kv} B={batch} ctx={ctx}", kv_case, lambda m, row=row: row.update(error=m))
+
+
+def render_e(rows: list[dict[str, Any]], copy_bw: float, smoke: bool) -> list[str]:
+    """Section (e)'s table and the issue goal's line (fp8 / int8 against fp16 at 8k+)."""
+    lines = ["## (e) decode attention per KV cache dtype, fp16 queries, 32 q / 8 KV heads, head_dim 128, page 16",
+             "",
+             f"%BW = (K + V codes + fp32 scales + q bytes read) / time / copy bandwidth ({copy_bw / 1e9:.0f} GB/s,",
+             "read + write). 'fp16 time / this' > 1: faster than the fp16 cache at the same batch and context.",
+             "'vs ref' = max |ours - ref| / (4e-3 (1 + |ref|)) against the torch reference on dequantized K/V.",
+             "",
+             "| batch | context | KV dtype | us | bytes read | %BW | fp16 time / this | auto splits | vs ref "
+             "| result |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        head = f"| {r['batch']} | {r['ctx']} | {r['kv']} | "
+        if r.get("skipped"):
+            lines.append(head + f"| | | | | | skipped: {r['skipped']} |")
+        elif "t" not in r:
+            lines.append(head + "| | | | | | **FAIL**: " + r.get("error", "not run") + " |")
+        else:
+            ratio = f"{r['vs_fp16']:.2f}x" if r.get("vs_fp16") else "-"
+            err = f"{r['err']:.2g}" if "err" in r else ""
+            verdict = f"**FAIL**: {r['error']}" if r.get("error") else "ok" + (" (eager)" if r.get("eager") else "")
+            lines.append(head + f"{r['t']:.1f} | {r['bytes']:,} | {r['bw']:.0f}% | {ratio} | {r['auto']} | {err} | "
+                         f"{verdict} |")
+    lines.append("")
+    long = [r for r in rows if r["ctx"] >= 8192 and r.get("vs_fp16") and not r.get("error")]
+    if long and not smoke:
+        for kv in ("int8", "fp8"):
+            got = [r["vs_fp16"] for r in long if r["kv"] == kv]
+            if got:
+                lines.append(f"- {kv} KV decode at 8k+ context: fp16 time / {kv} time {min(got):.2f}x - "
+                             f"{max(got):.2f}x over {len(got)} rows (bytes read: {kv} 0.53x of fp16 at head_dim 128 "
+                             f"incl. scales)")
+        lines.append("")
+    return lines
+
+
 def section_c(run: Run, mods: dict[str, ModuleType], device: Any, copy_bw: float) -> None:
     import torch
 
@@ -695,8 +828,11 @@ def report_text(state: Path, args: argparse.Namespace, env: dict[str, str]) -> s
     correct = sec["a"].get("correct", []) + sec["d"].get("correct", [])
     copy_bw = sec["b"].get("copy_bw") or sec["c"].get("copy_bw") or 0.0
     notes = [f"({k}) {n}" for k in ORDER for n in sec[k].get("notes", [])]
-    return render(env, correct, sec["b"].get("decode", []), sec["c"].get("int4", []), copy_bw,
+    text = render(env, correct, sec["b"].get("decode", []), sec["c"].get("int4", []), copy_bw,
                   smoke=args.cpu_smoke, engine=sec["d"].get("engine"), notes=notes)
+    if sec["e"].get("kvdtype"):
+        text += "\n" + "\n".join(render_e(sec["e"]["kvdtype"], sec["e"].get("copy_bw") or copy_bw, args.cpu_smoke))
+    return text
 
 
 def write_report(state: Path, args: argparse.Namespace, env: dict[str, str]) -> str:
@@ -713,6 +849,7 @@ def failures(state: Path) -> list[str]:
     bad = [f"{r['kernel']} {r['case']}" for d in data.values() for r in d.get("correct", []) if not r["ok"]]
     bad += [f"decode B={r['batch']} ctx={r['ctx']}" for r in data.get("b", {}).get("decode", []) if r.get("error")]
     bad += [f"int4 M={r['m']} N={r['n']}" for r in data.get("c", {}).get("int4", []) if r.get("error")]
+    bad += [f"kv {r['kv']} B={r['batch']} ctx={r['ctx']}" for r in data.get("e", {}).get("kvdtype", []) if r.get("error")]
     bad += [f"({k}) {n}" for k, d in data.items() for n in d.get("notes", [])]
     eng = data.get("d", {}).get("engine") or {}
     if eng.get("error"):
@@ -819,6 +956,28 @@ def dry_run(args: argparse.Namespace) -> int:
                 calls_c += n_calls
                 bytes_c += n_calls * wbytes + copies * wbytes
     sections["c"] = dict(launches=lc, bytes=bytes_c, work=f"{calls_c} timed calls incl. fp16 matmul")
+    # (e)
+    le: list = []
+    bytes_e, calls_e = 0, 0
+    storage = {"fp16": torch.float16, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
+    for batch in plan_e(args)["batches"]:
+        for ctx in plan_e(args)["contexts"]:
+            for kv in KV_DTYPES_E:
+                nb = batch * ctx // bs
+                q = torch.empty(batch, hq, d, dtype=torch.float16, device=meta)
+                k = torch.empty(nb, bs, hkv, d, dtype=storage[kv], device=meta)
+                sc = None if kv == "fp16" else torch.empty(nb, bs, hkv, dtype=torch.float32, device=meta)
+                cu = torch.empty(batch + 1, dtype=torch.int32, device=meta)
+                sl = torch.empty(batch, dtype=torch.int32, device=meta)
+                bt = torch.empty(batch, ctx // bs, dtype=torch.int32, device=meta)
+                le += launches(pa, lambda: pa.paged_attention(q, k, k, cu, sl, bt, d**-0.5, 1, ctx, k_scale=sc,
+                                                              v_scale=sc))
+                kvb = batch * ctx * 2 * hkv * (d * 2 if kv == "fp16" else d + 4)
+                copies = max(1, min(64, -(-ROTATE_BYTES // kvb)))
+                n_calls = copies + 7 * max(copies, 8) + 1  # warm-up + capture + 6 replays, one checked call
+                calls_e += n_calls
+                bytes_e += n_calls * kvb + 2 * copies * kvb  # timed reads + random init
+    sections["e"] = dict(launches=le, bytes=bytes_e, work=f"{calls_e} timed calls + torch references")
     # (d): the engine's step shapes are data-dependent; enumerate the shapes its runs can produce
     # (every token count up to the chunk size, every batch up to 64): an upper bound on its variants.
     ld: list = []
@@ -902,16 +1061,17 @@ def run_sections(args: argparse.Namespace, env: dict[str, str], state: Path) -> 
     run = Run(args, env, state)
     plan = plan_bc(args)
     for letter in args.sections:
-        print(f"({letter}) " + {"a": "correctness", "b": "decode attention", "c": "int4 gemm", "d": "engine"}[letter],
+        print(f"({letter}) " + {"a": "correctness", "b": "decode attention", "c": "int4 gemm", "d": "engine",
+                                "e": "decode attention per KV dtype"}[letter],
               flush=True)
         try:
             if letter == "a":
                 section_a(run, mods, device)
-            elif letter in "bc":
+            elif letter in "bce":
                 sec = run.section(letter)
                 bw = copy_bandwidth(torch, device, plan["copy_bytes"])
                 print(f"copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
-                (section_b if letter == "b" else section_c)(run, mods, device, bw)
+                {"b": section_b, "c": section_c, "e": section_e}[letter](run, mods, device, bw)
             else:
                 section_d(run)
             run.data[letter]["done"] = True
@@ -946,7 +1106,7 @@ def drive(args: argparse.Namespace, argv: list[str] | None, state: Path) -> None
             proc.wait()
             note = f"stopped at its {cap:g} s cap"
         f = state / f"{letter}.json"
-        d = json.loads(f.read_text()) if f.exists() else dict(correct=[], decode=[], int4=[], engine=None,
+        d = json.loads(f.read_text()) if f.exists() else dict(correct=[], decode=[], int4=[], kvdtype=[], engine=None,
                                                               copy_bw=0.0, notes=[], done=False)
         if note or not d.get("done"):
             d["notes"].append((note or "did not finish") + " (rows it finished are kept)")

@@ -121,3 +121,28 @@ def test_int8_cache_blocks_carry_scales_through_zero_copy_and_swap():
     assert all(not t[1].any() for t in layer.tensors())
     cache.swap_in([3], host)
     assert all(torch.equal(t[3], w) for t, w in zip(layer.tensors(), want))
+
+
+def test_fp8_bit_conversion_is_exact_for_every_code():
+    """The torch decode path reads fp8 codes as fp16 bits (code / 256), not through torch's slow fp8 ->
+    fp32 copy: every finite e4m3fn code, subnormals and -0 included, must come back exactly."""
+    from kvcli.attention.torch_backend import FP8_UNIT
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
+    codes = codes[~codes.float().isnan()].reshape(-1, 1, 2)  # [L, kvh=1, D=2]
+    got = TorchAttentionBackend()._heads_f32(codes, "k") * FP8_UNIT  # [1, L, 2]
+    want = codes.float().transpose(0, 1)
+    assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit())
+
+
+@pytest.mark.parametrize("storage", [torch.int8, torch.float8_e4m3fn, torch.float16, torch.bfloat16],
+                         ids=["int8", "fp8", "fp16", "bf16"])
+def test_prefill_read_through_scratch_equals_dequantize(storage):
+    """Prefill chunks read a converted cache into reused head-major buffers (dequantized in place): the
+    values must be dequantize()'s bit for bit, for consecutive (view) and scattered (gathered) blocks."""
+    x = torch.randn(20, 16, 3, 64, generator=torch.Generator().manual_seed(3)) * 5
+    c, s = quantize(x, storage) if storage in (torch.int8, torch.float8_e4m3fn) else (x.to(storage), None)
+    be = TorchAttentionBackend()
+    for blocks in (slice(2, 9), torch.tensor([5, 1, 7, 3, 11, 0, 19])):
+        got = be._read_f32(c, s, blocks, 100, "k")
+        assert got.is_contiguous() and got.shape == (3, 100, 64)
+        assert torch.equal(got, be._read(c, s, blocks, 100, torch.float32))

@@ -133,3 +133,32 @@ def test_simulated_profile_compares_kv_dtypes_on_one_trace(tmp_path):
     # Same budget, fewer bytes per token: int8 holds more requests at once.
     assert runs[1]["peak_running"] > runs[0]["peak_running"]
     one_line_error(runner.invoke(app, ["profile", "--simulate", "--kv-dtype", "fp16,fp4"]), "--kv-dtype must be one of")
+
+
+def test_simulated_profile_compares_fp16_int8_fp8(tmp_path):
+    path = tmp_path / "r.json"
+    r = runner.invoke(app, ["profile", "--simulate", "-N", "24", "--kv-dtype", "fp16,int8,fp8", "--kv-budget", "48MiB",
+                            "--no-live", "--json", str(path)], env={"COLUMNS": "240"})
+    assert r.exit_code == 0, r.stderr
+    out = " ".join(r.stdout.split())
+    assert "paged fp16" in out and "paged int8" in out and "paged fp8" in out
+    assert "fp16, 23,040 │ int8, 12,240 │ fp8, 12,240" in out  # fp8: e4m3 codes + the same fp32 scales as int8
+    runs = json.loads(path.read_text())["runs"]
+    assert [(x["kv_dtype"], x["kv_bytes_per_token"]) for x in runs] == [("fp16", 23040), ("int8", 12240), ("fp8", 12240)]
+
+
+def test_real_profile_runs_fp16_int8_fp8_on_one_trace(tmp_path):
+    """A real (tiny, random-weight) engine per KV dtype on the same trace: each run completes, and the
+    report names its dtype with its bytes per token (2 layers x 3 KV heads x head_dim 64)."""
+    from kvcli.config import PRESETS
+    tiny = tmp_path / "tiny.json"
+    tiny.write_text(json.dumps(dict(PRESETS["smollm2-135m"], num_hidden_layers=2, vocab_size=259)))
+    path = tmp_path / "r.json"
+    r = runner.invoke(app, ["profile", "--model", f"dummy:{tiny}", "--no-live", "-N", "3", "--max-model-len", "128",
+                            "--kv-dtype", "fp16,int8,fp8", "--json", str(path)], env={"COLUMNS": "240"})
+    assert r.exit_code == 0, r.stderr or r.stdout
+    out = " ".join(r.stdout.split())
+    assert "fp16, 1,536 │ int8, 816 │ fp8, 816" in out, out
+    runs = json.loads(path.read_text())["runs"]
+    assert [(x["kv_dtype"], x["kv_bytes_per_token"]) for x in runs] == [("fp16", 1536), ("int8", 816), ("fp8", 816)]
+    assert all(x["completed"] == 3 for x in runs)

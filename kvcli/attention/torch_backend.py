@@ -9,12 +9,15 @@ context lengths) instead of one call each: per-call overhead dominates at small 
   prefill chunk (q_len tokens on top of a cached prefix): attention to the prefix (all visible, no
       mask, grouped like decode) and to the chunk itself (causal) are computed separately by the
       CPU flash kernel and merged with their log-sum-exps, which avoids a masked math-path SDPA.
-Decode over an int8/fp8 cache converts the request's codes to fp32 into scratch buffers kept between
-layers and steps and folds the scales instead of materialising dequantized K/V: scores =
-(q @ codes^T) * k_scale per token, out = (softmax * v_scale) @ codes (one pass over the codes instead
-of dequantize-into-a-fresh-tensor; 4k-context int8 decode was 2.2x slower than fp16 before, about
-0.75x its time after: docs/benchmarks.md). 16-bit caches keep the plain convert-then-SDPA path, which
-measured no slower than the scratch-buffer variant. Prefill chunks dequantize (amortised over the chunk).
+Decode over an int8, fp8, fp16 or bf16 cache (fp32 queries) converts the request's K/V to fp32 in one
+pass each into head-major scratch buffers kept between layers and steps ([kvh, L, D], so both matmuls
+read unit-stride rows), then computes scores = (q @ K^T) * k_scale per token and out = (softmax *
+v_scale) @ V with the scales folded in (no dequantized K/V materialised; 16-bit caches have no
+scales). Batched decode rows gather their blocks with index_select into reused buffers instead of
+advanced indexing. fp32 caches keep SDPA over views (single rows) or gathered copies (batched): the
+exactness tests run on fp32. Prefill chunks over those caches dequantize the request's K/V into the
+same reused head-major buffers (values identical to dequantize()), not into fresh tensors per layer.
+Measured figures: docs/benchmarks.md, "KV cache formats".
 Sliding window (meta.sliding_window = w > 0): a request's keys are read from the first one its first
 query row sees; the batched decode groups mask keys before p - w + 1; a chunk longer than the window
 takes the masked SDPA path.
@@ -29,6 +32,7 @@ from kvcli.attention.base import AttentionMetadata
 from kvcli.kvcache.kv_cache import LayerKV
 from kvcli.kvcache.kv_dtype import dequantize, quantize
 
+FP8_UNIT = 256.0  # _heads_f32 gives fp8 codes divided by this (2 ** (15 - 7), the exponent biases)
 _flash_cpu = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
@@ -45,16 +49,49 @@ class TorchAttentionBackend:
         self._batches: list[tuple] = []
         self._scratch: dict[str, torch.Tensor] = {}
 
-    def _as_f32(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        """x converted to fp32 in a scratch buffer reused by every layer and step (contents valid until
-        the next call with the same name)."""
-        n = x.numel()
+    def _scratch_buf(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A scratch tensor of `shape`, reused by every layer and step (contents valid until the next
+        call with the same name); kept when at most SCRATCH_KEEP_BYTES."""
+        n = 1
+        for x in shape:
+            n *= x
         buf = self._scratch.get(name)
-        if buf is None or buf.numel() < n or buf.device != x.device:
-            buf = torch.empty(n + n // 4, dtype=torch.float32, device=x.device)
-            if buf.numel() * 4 <= self.SCRATCH_KEEP_BYTES:
+        if buf is None or buf.numel() < n or buf.dtype != dtype or buf.device != device:
+            buf = torch.empty(n + n // 4, dtype=dtype, device=device)
+            if buf.numel() * buf.element_size() <= self.SCRATCH_KEEP_BYTES:
                 self._scratch[name] = buf
-        return buf[:n].view(x.shape).copy_(x)
+        return buf[:n].view(shape)
+
+    def _heads_f32(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """x [..., L, kvh, D] (any storage dtype) as fp32 [..., kvh, L, D], contiguous, in a scratch
+        buffer: one pass that converts and puts each head's tokens side by side, so the two matmuls
+        read unit-stride rows."""
+        shape = (*x.shape[:-3], x.shape[-2], x.shape[-3], x.shape[-1])
+        if x.dtype == torch.float8_e4m3fn:
+            x = self._fp8_as_fp16_bits(x, name)
+        return self._scratch_buf(name, shape, torch.float32, x.device).copy_(x.transpose(-3, -2))
+
+    def _fp8_as_fp16_bits(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """e4m3fn codes -> fp16 holding code / 256, exactly: the sign bit moves from bit 7 to bit 15 and
+        exponent+mantissa from bits 0-6 to 7-13, i.e. the same bits read with fp16's exponent bias (15)
+        instead of e4m3's (7); subnormals map to subnormals. Codes never hold NaN (clamped on write).
+        Callers fold FP8_UNIT (256) into the scales. ~7x faster here than torch's fp8 -> fp32 copy."""
+        a = self._scratch_buf(name + "16a", tuple(x.shape), torch.int16, x.device).copy_(x.view(torch.uint8))
+        b = self._scratch_buf(name + "16b", tuple(x.shape), torch.int16, x.device)
+        torch.bitwise_and(a, 0x80, out=b).bitwise_left_shift_(8)
+        a.bitwise_and_(0x7F).bitwise_left_shift_(7).bitwise_or_(b)
+        return a.view(torch.float16)
+
+    def _gather_codes(self, cache: torch.Tensor, tables: torch.Tensor, name: str) -> torch.Tensor:
+        """Blocks `tables` [n, nblk] of cache [blocks, bs, kvh, D] -> [n, nblk * bs, kvh, D] in the
+        cache's dtype, through index_select into a reused buffer (not advanced indexing, which
+        allocates and walks a generic index kernel). float8 moves as its bytes."""
+        raw = torch.uint8 if cache.dtype == torch.float8_e4m3fn else cache.dtype
+        n, nblk = tables.shape
+        bs, rest = cache.shape[1], cache.shape[2:]
+        out = self._scratch_buf(name, (n * nblk, bs, *rest), raw, cache.device)
+        torch.index_select(cache.view(raw), 0, tables.reshape(-1), out=out)
+        return out.view(cache.dtype).view(n, nblk * bs, *rest)
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, cache: LayerKV, meta: AttentionMetadata) -> None:
         slots = meta.slot_mapping
@@ -99,20 +136,30 @@ class TorchAttentionBackend:
         s = None if scale is None else scale[blocks].flatten(0, 1)[lo:kv_len]
         return dequantize(x, s, dtype).transpose(0, 1)
 
+    def _read_f32(self, cache: torch.Tensor, scale: torch.Tensor | None, blocks: slice | torch.Tensor, kv_len: int,
+                  name: str, lo: int = 0) -> torch.Tensor:
+        """Request's K or V at positions [lo, kv_len) as fp32 [kv_heads, kv_len - lo, D] (for prefill
+        chunks), dequantized in place in a reused head-major scratch buffer: the same values as _read (codes * scale, one fp32 rounding;
+        for fp8 (code / 256) * (scale * 256) is that same product), without a fresh tensor per layer."""
+        x = self._heads_f32(cache[blocks].flatten(0, 1)[lo:kv_len], name)
+        if scale is not None:
+            s = scale[blocks].flatten(0, 1)[lo:kv_len].t().unsqueeze(-1)  # [kvh, L, 1]
+            x.mul_(s * FP8_UNIT if cache.dtype == torch.float8_e4m3fn else s)
+        return x
+
     def _decode_converted(self, q: torch.Tensor, cache: LayerKV, blocks: slice | torch.Tensor, kv_len: int,
                           scale: float, lo: int = 0) -> torch.Tensor:
-        """One decode row q [H, D] over keys [lo, kv_len) of an int8/fp8 cache, through the fp32 scratch buffers."""
+        """One decode row q [H, D] over keys [lo, kv_len) of a 16-bit, int8 or fp8 cache: the request's K/V converted to
+        fp32 head-major scratch buffers in one pass each, then two matmuls (scales folded in)."""
         kvh, d = cache.k.shape[2], cache.k.shape[3]
-        k = self._as_f32(cache.k[blocks].flatten(0, 1)[lo:kv_len], "k").transpose(0, 1)  # [kvh, L, D]
-        v = self._as_f32(cache.v[blocks].flatten(0, 1)[lo:kv_len], "v").transpose(0, 1)
-        qg = q.view(kvh, -1, d)
-        if cache.k_scale is None or cache.v_scale is None:
-            o = F.scaled_dot_product_attention(qg, k, v, scale=scale)
-        else:
+        k = self._heads_f32(cache.k[blocks].flatten(0, 1)[lo:kv_len], "k")  # [kvh, L, D]
+        v = self._heads_f32(cache.v[blocks].flatten(0, 1)[lo:kv_len], "v")
+        ks = vs = None
+        if cache.k_scale is not None and cache.v_scale is not None:
             ks = cache.k_scale[blocks].flatten(0, 1)[lo:kv_len].t()  # [kvh, L]
             vs = cache.v_scale[blocks].flatten(0, 1)[lo:kv_len].t()
-            o = _attend_scaled(qg, k, v, ks, vs, scale)
-        return o.reshape(q.shape)
+        unit = FP8_UNIT if cache.k.dtype == torch.float8_e4m3fn else 1.0
+        return _attend_scaled(q.view(kvh, -1, d), k, v, ks, vs, scale, unit=unit).reshape(q.shape)
 
     def _decode_batches(self, meta: AttentionMetadata, block_size: int, device: torch.device) -> list[tuple]:
         """Per step: the decode requests grouped by similar context length (so padding to a group's
@@ -161,12 +208,20 @@ class TorchAttentionBackend:
             # Padded slots are masked; their contents are finite because the runner zeroes every
             # block on first use (masking alone would not hide NaN: NaN * 0 is NaN).
             qg = q.index_select(0, rows).reshape(n, kvh, h // kvh, d)
-            if cache.k_scale is not None and cache.v_scale is not None and q.dtype == torch.float32:
-                k = self._as_f32(k_cache[tables].flatten(1, 2), "k").transpose(1, 2)  # [n, kvh, L, D]
-                v = self._as_f32(v_cache[tables].flatten(1, 2), "v").transpose(1, 2)
-                ks = cache.k_scale[tables].flatten(1, 2).transpose(1, 2)  # [n, kvh, L]
-                vs = cache.v_scale[tables].flatten(1, 2).transpose(1, 2)
-                o = _attend_scaled(qg, k, v, ks, vs, scale, mask)
+            kg = self._gather_codes(k_cache, tables, "gk")  # [n, L, kvh, D]
+            vg = self._gather_codes(v_cache, tables, "gv")
+            if k_cache.dtype == q.dtype:
+                o = F.scaled_dot_product_attention(qg, kg.transpose(1, 2), vg.transpose(1, 2), attn_mask=mask,
+                                                   scale=scale)
+            elif q.dtype == torch.float32:
+                k, v = self._heads_f32(kg, "k"), self._heads_f32(vg, "v")  # [n, kvh, L, D]
+                ks = vs = None
+                if cache.k_scale is not None and cache.v_scale is not None:
+                    flat = tables.reshape(-1)
+                    ks = cache.k_scale.index_select(0, flat).view(n, -1, kvh).transpose(1, 2)  # [n, kvh, L]
+                    vs = cache.v_scale.index_select(0, flat).view(n, -1, kvh).transpose(1, 2)
+                unit = FP8_UNIT if k_cache.dtype == torch.float8_e4m3fn else 1.0
+                o = _attend_scaled(qg, k, v, ks, vs, scale, mask, unit=unit)
             else:
                 k = _gather(k_cache, cache.k_scale, tables, q.dtype)  # [n, kvh, L, D]
                 v = _gather(v_cache, cache.v_scale, tables, q.dtype)
@@ -180,12 +235,16 @@ class TorchAttentionBackend:
             blocks = self._blocks(meta, b, bs)
             w = meta.sliding_window
             lo = max(0, kv_len - q_len - w + 1) if w else 0  # the first key the first row sees
-            if q_len == 1 and cache.k_scale is not None and q.dtype == torch.float32:
+            if q_len == 1 and k_cache.dtype != q.dtype and q.dtype == torch.float32:
                 out[start] = self._decode_converted(q[start], cache, blocks, kv_len, scale, lo)
                 start += 1
                 continue
-            k = self._read(k_cache, cache.k_scale, blocks, kv_len, q.dtype, lo)
-            v = self._read(v_cache, cache.v_scale, blocks, kv_len, q.dtype, lo)
+            if k_cache.dtype != q.dtype and q.dtype == torch.float32:  # prefill chunk over a converted cache
+                k = self._read_f32(k_cache, cache.k_scale, blocks, kv_len, "k", lo)
+                v = self._read_f32(v_cache, cache.v_scale, blocks, kv_len, "v", lo)
+            else:
+                k = self._read(k_cache, cache.k_scale, blocks, kv_len, q.dtype, lo)
+                v = self._read(v_cache, cache.v_scale, blocks, kv_len, q.dtype, lo)
             qb = q[start:start + q_len].transpose(0, 1)  # [H, q_len, D]
             out[start:start + q_len] = attend(qb, k, v, scale, w).transpose(0, 1)
             start += q_len
@@ -198,18 +257,22 @@ def _gather(cache: torch.Tensor, scale: torch.Tensor | None, tables: torch.Tenso
     return dequantize(cache[tables].flatten(1, 2), s, dtype).transpose(1, 2)
 
 
-def _attend_scaled(q: torch.Tensor, codes_k: torch.Tensor, codes_v: torch.Tensor, k_scale: torch.Tensor,
-                   v_scale: torch.Tensor, scale: float, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention of q [..., kvh, g, D] over quantized K/V given as fp32 codes [..., kvh, L, D] and their
-    per-token scales [..., kvh, L]: k_scale multiplies the score columns, v_scale the probabilities,
-    so the dequantized K/V are never materialised. mask [..., 1, 1, L] (True = visible) or None."""
-    s = torch.matmul(q, codes_k.transpose(-1, -2))  # [..., kvh, g, L]
-    s.mul_((k_scale * scale).unsqueeze(-2))
+def _attend_scaled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor | None,
+                   v_scale: torch.Tensor | None, scale: float, mask: torch.Tensor | None = None,
+                   unit: float = 1.0) -> torch.Tensor:
+    """Attention of q [..., kvh, g, D] over K/V given as fp32 [..., kvh, L, D] (codes of a quantized
+    cache, or the values of a 16-bit one) and, when quantized, their per-token scales [..., kvh, L]:
+    k_scale multiplies the score columns, v_scale the probabilities, so dequantized K/V are never
+    materialised. mask [..., 1, 1, L] (True = visible) or None. unit: a power of two the codes were
+    divided by (FP8_UNIT for fp8), multiplied back into the scales (exact)."""
+    s = torch.matmul(q, k.transpose(-1, -2))  # [..., kvh, g, L]
+    s.mul_(scale if k_scale is None else (k_scale * (scale * unit)).unsqueeze(-2))
     if mask is not None:
         s.masked_fill_(~mask, float("-inf"))
     p = torch.softmax(s, -1)
-    p.mul_(v_scale.unsqueeze(-2))
-    return torch.matmul(p, codes_v)
+    if v_scale is not None:
+        p.mul_((v_scale * unit if unit != 1.0 else v_scale).unsqueeze(-2))
+    return torch.matmul(p, v)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:

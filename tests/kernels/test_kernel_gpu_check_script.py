@@ -37,7 +37,7 @@ def test_exits_nonzero_without_cuda() -> None:
     assert len(lines) == 1 and "no CUDA device" in lines[0]
 
 
-NO_CAPS = ["--section-seconds", "a=900,b=900,c=900,d=900", "--engine-seconds", "300"]  # the interpreter is far slower than a GPU
+NO_CAPS = ["--section-seconds", "a=900,b=900,c=900,d=900,e=900", "--engine-seconds", "300"]  # the interpreter is far slower than a GPU
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +67,8 @@ def test_cpu_smoke_writes_report(smoke_report: tuple[subprocess.CompletedProcess
                    "torch ", "triton ", "command: `python ", "## (d) the engine end to end",
                    "| engine | logits triton vs torch backend", "| engine | greedy tokens paged vs contiguous",
                    "kvcli / transformers decode:", "| paged |", "| contiguous |",
-                   "== section (a), cap 900 s", "== section (d): done"):
+                   "== section (a), cap 900 s", "== section (d): done",
+                   "## (e) decode attention per KV cache dtype", "== section (e): done"):
         assert needle in text or needle in r.stdout, needle
     assert "FAIL" not in text and "NOT met" not in text and "goals" not in text  # no verdicts on toy sizes
     assert "Partial result" not in text
@@ -115,8 +116,8 @@ def test_dry_run_counts_variants_and_budget() -> None:
 
     total = re.search(r"total: (\d+) kernel variants; estimate (\d+) s against caps summing to (\d+) s", r.stdout)
     assert total, r.stdout
-    assert int(total.group(1)) > 0 and int(total.group(2)) > 0 and int(total.group(3)) == 360
-    for letter in "abcd":
+    assert int(total.group(1)) > 0 and int(total.group(2)) > 0 and int(total.group(3)) == 400
+    for letter in "abced":
         assert f"| ({letter}) |" in r.stdout
     assert "paged_attention_kernel" in r.stdout  # a compile time was measured for it
 
@@ -129,6 +130,25 @@ def test_sections_subset(tmp_path: Path) -> None:
     text = out.read_text()
     assert "## (c) INT4 GEMM" in text
     for absent in ("## (a)", "## (b)", "## (d)"):
+        assert absent not in text, absent
+
+
+def test_kv_dtype_section_smoke(tmp_path: Path) -> None:
+    """Section (e) alone under the interpreter: one row per KV dtype (fp16, int8, fp8), each checked
+    against the torch reference on dequantized K/V; no verdict line on toy sizes."""
+    out = tmp_path / "report.md"
+    r = _run("--cpu-smoke", "--sections", "e", "--section-seconds", "e=900", "--out", str(out),
+             env_extra={"CUDA_VISIBLE_DEVICES": ""}, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    text = out.read_text()
+    assert "## (e) decode attention per KV cache dtype" in text
+    for kv in ("fp16", "int8", "fp8"):
+        row = next((line for line in text.splitlines() if line.startswith(f"| 1 | 64 | {kv} |")), None)
+        assert row is not None, kv
+        cells = [c.strip() for c in row.strip().strip("|").split("|")]
+        assert cells[-1].startswith("ok") and float(cells[-2]) <= 1.0, row  # checked against the reference
+    assert "FAIL" not in text and "KV decode at 8k+" not in text
+    for absent in ("## (a)", "## (b)", "## (c)", "## (d)"):
         assert absent not in text, absent
 
 
