@@ -139,7 +139,8 @@ class TorchAttentionBackend:
     def _read_f32(self, cache: torch.Tensor, scale: torch.Tensor | None, blocks: slice | torch.Tensor, kv_len: int,
                   name: str, lo: int = 0) -> torch.Tensor:
         """Request's K or V at positions [lo, kv_len) as fp32 [kv_heads, kv_len - lo, D] (for prefill
-        chunks), dequantized in place in a reused head-major scratch buffer: the same values as _read (codes * scale, one fp32 rounding;
+        chunks), dequantized in place in a reused head-major scratch buffer: the same values as _read
+        (codes * scale, one fp32 rounding;
         for fp8 (code / 256) * (scale * 256) is that same product), without a fresh tensor per layer."""
         x = self._heads_f32(cache[blocks].flatten(0, 1)[lo:kv_len], name)
         if scale is not None:
