@@ -9,15 +9,20 @@ into a flipped near-tie. (SDPA's CPU kernels are not invariant: the same row giv
 in a 1-row decode, a 6-row chunk or a padded batch, because reductions are blocked by the call's shape.)
 
 Every row is computed the same way, whatever the batch around it:
-  scores  s = q @ K^T over the request's keys padded to a multiple of CHUNK (a GEMM's element is
-          a dot over head_dim whatever the GEMM's size, provided it has >= MIN_ROWS rows: smaller
-          GEMMs take a kernel that rounds differently, so query rows are padded up to MIN_ROWS);
+  scores  (q * scale) @ K^T, one GEMM per CHUNK of keys (keys padded to a multiple of CHUNK with
+          the zeroed null block; a GEMM's element is a dot over head_dim whatever the GEMM's size,
+          provided it has >= MIN_ROWS rows: smaller GEMMs take a kernel that rounds differently, so
+          query rows are padded up to MIN_ROWS);
   mask    keys after the row's position, before its sliding window (if any) and the padding are -inf;
   softmax exp(s - max) (elementwise), denominator = per-CHUNK sums (a fixed-size reduction)
           accumulated in order by cumsum, so trailing masked chunks add exact zeros;
-  output  (p @ V) / denominator (zeros in p beyond the row's keys add exact zeros).
-Work is batched without changing any of that: decode rows of many requests share one GEMM (padded
-to the group's longest context), prefill chunks run in tiles of rows over only the keys they need.
+  output  (p @ V) one GEMM per CHUNK (a GEMM's rounding depends on its reduction length: zero-padding
+          that length changed the bits), the chunks' partial outputs added one at a time in key order
+          (torch.sum's order depends on the shape), divided by the denominator.
+K/V are gathered head-major ([kvh, n, keys, D]) into reused buffers, so every GEMM sees the same
+operand layout. Work is batched without changing any of that: decode rows of many requests share one
+batched GEMM (padded to the group's longest context), prefill chunks run in tiles of rows over only
+the keys they need.
 Quantized caches (int8/fp8) fold their scales in: scores are scaled per key, probabilities by the
 V scale per key, so dequantized K/V are never materialised (fp32 codes in reused scratch buffers).
 The price is speed (more, smaller ops than the default torch backend's SDPA calls: measured in
@@ -39,7 +44,6 @@ from kvcli.attention.torch_backend import TorchAttentionBackend
 CHUNK = 256  # keys are read padded to a multiple of this; softmax sums and p @ V run per chunk
 MIN_ROWS = 4  # fewer GEMM rows than this take a kernel with different rounding
 TILE_POSITIONS = 128  # prefill rows per tile (bounds the score matrix; causal: tiles read fewer keys)
-DECODE_GROUP_MIN = 2  # decode rows of this many requests or more share one padded GEMM
 
 
 def _pad(n: int, m: int) -> int:
@@ -50,7 +54,7 @@ def _pad(n: int, m: int) -> int:
 class _DecodeGroup:
     requests: list[int]
     rows: torch.Tensor  # [n] row of each request's query in q
-    blocks: torch.Tensor  # [n, nblk] block ids (null block beyond a request's table)
+    blocks: torch.Tensor  # [n, keys / block_size] block ids (the null block past a request's table)
     last: torch.Tensor  # [n] last visible key position per request
     keys: int  # padded key count
 
@@ -77,8 +81,13 @@ class InvariantAttentionBackend(TorchAttentionBackend):
         width = tables.shape[1]
 
         def block_ids(b_rows: torch.Tensor, length: int) -> torch.Tensor:
-            """The blocks holding keys [0, length) of each request (the null block pads shorter tables)."""
-            return tables.index_select(0, b_rows)[:, :min(width, -(-length // block_size))]
+            """The blocks holding keys [0, pad(length, CHUNK)) of each request: its table, then the null
+            block (zeroed, so masked keys stay finite: NaN * 0 would be NaN in p @ V)."""
+            nblk = _pad(length, CHUNK) // block_size
+            ids = tables.index_select(0, b_rows)[:, :min(width, nblk)]
+            if nblk > ids.shape[1]:
+                ids = torch.cat([ids, ids.new_zeros(ids.shape[0], nblk - ids.shape[1])], 1)
+            return ids
 
         starts = [0]
         for n in meta.query_lens_list:
@@ -118,26 +127,25 @@ class InvariantAttentionBackend(TorchAttentionBackend):
                 self._bufs[name] = buf
         return buf[:n].view(shape)
 
-    def _kv(self, cache: LayerKV, blocks: torch.Tensor, keys: int, dtype: torch.dtype
+    def _kv(self, cache: LayerKV, blocks: torch.Tensor, dtype: torch.dtype
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """K, V as [..., kvh, keys, D] in `dtype` (fp32 codes for quantized caches) and their per-key
-        scales [..., kvh, keys] (None when unscaled), read through `blocks` [..., nblk] into scratch
-        buffers whose keys past the blocks are zero (finite: masked keys must not carry NaN into p @ V).
-        One memory layout for every request and batch, so the GEMMs always see the same strides."""
-        bs = cache.block_size
-        lead = tuple(blocks.shape[:-1])
+        """K, V of n requests as head-major [kvh, n, keys, D] (keys = blocks [n, nblk] x block_size) in
+        `dtype` (fp32 codes for quantized caches), and per-key scales [kvh, n, keys] (None when unscaled):
+        one gather per tensor into a reused buffer. One memory layout whatever the batch, so the GEMMs
+        always see the same strides."""
+        n = blocks.shape[0]
         flat = blocks.reshape(-1)
-        have = blocks.shape[-1] * bs
+        keys = blocks.shape[1] * cache.block_size
 
         def read(x: torch.Tensor, name: str, out_dtype: torch.dtype) -> torch.Tensor:
-            tail = x.shape[2:]  # (kvh, D) or (kvh,)
-            buf = self._buffer(name, (*lead, keys, *tail), out_dtype, x.device)
             raw = x.view(torch.uint8) if x.dtype == torch.float8_e4m3fn else x  # no fp8 index_select on CPU
-            got = raw.index_select(0, flat).view(x.dtype).view(*lead, have, *tail)
-            buf.narrow(len(lead), 0, have).copy_(got)
-            if keys > have:
-                buf.narrow(len(lead), have, keys - have).zero_()
-            return buf.transpose(-3, -2) if len(tail) == 2 else buf.transpose(-2, -1)
+            heads = raw.movedim(2, 0)  # [kvh, blocks, bs(, D)] (a view)
+            shape = (heads.shape[0], n, keys, *heads.shape[3:])
+            if raw.dtype == out_dtype:
+                buf = self._buffer(name, (heads.shape[0], flat.numel(), *heads.shape[2:]), out_dtype, x.device)
+                return torch.index_select(heads, 1, flat, out=buf).view(shape)
+            got = heads.index_select(1, flat).view(x.dtype).view(shape)
+            return self._buffer(name, shape, out_dtype, x.device).copy_(got)
 
         kd = dtype if cache.k_scale is None else torch.float32
         k, v = read(cache.k, "k", kd), read(cache.v, "v", kd)
@@ -154,27 +162,28 @@ class InvariantAttentionBackend(TorchAttentionBackend):
         g = h // kvh
         for grp in self._groups:
             n = len(grp.requests)
-            k, v, ks, vs = self._kv(cache, grp.blocks, grp.keys, q.dtype)  # [n, kvh, L, D]
-            qg = q.index_select(0, grp.rows).view(n, kvh, g, d)
-            o = attend_rows(qg, grp.last.view(n, 1, 1).expand(n, 1, g), k, v, ks, vs, scale, meta.sliding_window)
-            out.index_copy_(0, grp.rows, o.reshape(n, h, d))
+            k, v, ks, vs = self._kv(cache, grp.blocks, q.dtype)  # [kvh, n, L, D]
+            qg = q.index_select(0, grp.rows).view(n, kvh, g, d).transpose(0, 1)  # [kvh, n, g, D]
+            last = grp.last.view(n, 1).expand(n, g)
+            o = attend_rows(qg, last, k, v, ks, vs, scale, meta.sliding_window)  # [kvh, n, g, D]
+            out.index_copy_(0, grp.rows, o.transpose(0, 1).reshape(n, h, d))
         start = 0
         for b, (q_len, kv_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
             if q_len > 1:
                 pos0 = kv_len - q_len
-                k_all, v_all, ks_all, vs_all = self._kv(cache, self._req_blocks[b], _pad(kv_len, CHUNK), q.dtype)
+                k_all, v_all, ks_all, vs_all = self._kv(cache, self._req_blocks[b][None], q.dtype)
                 # Tiles of rows, each over only the keys its last row sees (a prefix of the same buffers).
                 for t0 in range(0, q_len, TILE_POSITIONS):
                     t1 = min(q_len, t0 + TILE_POSITIONS)
                     keys = _pad(pos0 + t1, CHUNK)
-                    k, v = k_all[:, :keys], v_all[:, :keys]
-                    ks = None if ks_all is None else ks_all[:, :keys]
-                    vs = None if vs_all is None else vs_all[:, :keys]
+                    k, v = k_all[:, :, :keys], v_all[:, :, :keys]
+                    ks = None if ks_all is None else ks_all[:, :, :keys]
+                    vs = None if vs_all is None else vs_all[:, :, :keys]
                     n = t1 - t0
-                    # Rows ordered (position, q head) within each KV head: [kvh, n * g, D].
-                    qt = q[start + t0:start + t1].view(n, kvh, g, d).transpose(0, 1).reshape(kvh, n * g, d)
+                    # Rows ordered (position, q head) within each KV head: [kvh, 1, n * g, D].
+                    qt = q[start + t0:start + t1].view(n, kvh, g, d).transpose(0, 1).reshape(kvh, 1, n * g, d)
                     last = torch.arange(pos0 + t0, pos0 + t1, device=q.device).repeat_interleave(g).view(1, -1)
-                    o = attend_rows(qt, last, k, v, ks, vs, scale, meta.sliding_window)  # [kvh, n * g, D]
+                    o = attend_rows(qt, last, k, v, ks, vs, scale, meta.sliding_window)  # [kvh, 1, n * g, D]
                     out[start + t0:start + t1] = o.view(kvh, n, g, d).transpose(0, 1).reshape(n, h, d)
             start += q_len
         return out
@@ -185,35 +194,36 @@ def attend_rows(q: torch.Tensor, last: torch.Tensor, k: torch.Tensor, v: torch.T
                 window: int = 0) -> torch.Tensor:
     """Batch-invariant attention (see the module docstring).
 
-    q [..., kvh, M, D]: query rows grouped by the KV head they read; last [..., 1, M]: the last key
-    position each row may see (window > 0: the first is last - window + 1; keys before it are masked
-    like those after, so they add exact zeros); k, v [..., kvh, L, D] with L a multiple of CHUNK; k_scale, v_scale
-    [..., kvh, L] or None (unscaled). Returns [..., kvh, M, D]."""
-    m_rows, d = q.shape[-2], q.shape[-1]
+    q [kvh, n, M, D]: query rows of n requests grouped by the KV head they read; last [n, M]: the
+    last key position each row may see (window > 0: the first is last - window + 1; keys before it
+    are masked like those after, so they add exact zeros); k, v [kvh, n, L, D] with L a multiple of
+    CHUNK; k_scale, v_scale [kvh, n, L] or None (unscaled). Returns [kvh, n, M, D]."""
+    kvh, n, m_rows, d = q.shape
     L = k.shape[-2]
-    if m_rows < MIN_ROWS:  # padded rows see key 0 only (finite, discarded)
-        q = torch.cat([q, q.new_zeros(*q.shape[:-2], MIN_ROWS - m_rows, d)], -2)
-        last = torch.cat([last, last.new_zeros(*last.shape[:-1], MIN_ROWS - m_rows)], -1)
-    s = torch.matmul(q, k.transpose(-1, -2))  # [..., kvh, M, L]
-    if k_scale is None:
-        s.mul_(scale)
-    else:
-        s.mul_((k_scale * scale).unsqueeze(-2))
-    pos = torch.arange(L, device=q.device)
-    hidden = pos > last.unsqueeze(-1)
-    if window:
-        hidden |= pos <= last.unsqueeze(-1) - window
-    s.masked_fill_(hidden, float("-inf"))
-    p = s.sub_(s.amax(-1, keepdim=True)).exp_()
     nc = L // CHUNK
-    chunks = p.view(*p.shape[:-1], nc, CHUNK)
-    den = chunks.sum(-1).cumsum(-1)[..., -1:]  # [..., kvh, M, 1]
+    if m_rows < MIN_ROWS:  # padded rows see key 0 only (finite, discarded)
+        q = torch.cat([q, q.new_zeros(kvh, n, MIN_ROWS - m_rows, d)], -2)
+        last = torch.cat([last, last.new_zeros(n, MIN_ROWS - m_rows)], -1)
+    if k_scale is None:
+        q = q * scale
+    # Scores chunk by chunk: [kvh, n, nc, M, CHUNK], each a GEMM over head_dim (the same for any L).
+    s = torch.matmul(q.unsqueeze(2), k.unflatten(2, (nc, CHUNK)).transpose(-1, -2))
+    if k_scale is not None:
+        s.mul_((k_scale * scale).view(kvh, n, nc, 1, CHUNK))
+    pos = torch.arange(L, device=q.device).view(nc, 1, CHUNK)
+    lastm = last.view(n, 1, -1, 1)
+    hidden = pos > lastm  # [n, nc, M, CHUNK], broadcast over kvh
+    if window:
+        hidden |= pos <= lastm - window
+    s.masked_fill_(hidden, float("-inf"))
+    p = s.sub_(s.amax(dim=(2, 4), keepdim=True)).exp_()
+    den = p.sum(-1).cumsum(2)[:, :, -1].unsqueeze(-1)  # per-chunk sums in key order: [kvh, n, M, 1]
     if v_scale is not None:
-        p.mul_(v_scale.unsqueeze(-2))
+        p.mul_(v_scale.view(kvh, n, nc, 1, CHUNK))
     # p @ V one CHUNK of keys at a time (a GEMM's rounding depends on its reduction length, so the
     # length is fixed), partial sums accumulated in key order.
-    part = torch.matmul(chunks.transpose(-3, -2), v.unflatten(-2, (nc, CHUNK)))  # [..., kvh, nc, M, D]
-    out = part[..., 0, :, :].clone()
+    part = torch.matmul(p, v.unflatten(2, (nc, CHUNK)))  # [kvh, n, nc, M, D]
+    o = part[:, :, 0].clone()
     for c in range(1, nc):  # in order, one add at a time (torch.sum's order depends on the shape)
-        out.add_(part[..., c, :, :])
-    return out.div_(den)[..., :m_rows, :]
+        o.add_(part[:, :, c])
+    return o.div_(den)[:, :, :m_rows]
