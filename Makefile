@@ -30,7 +30,8 @@ bench: setup bench-deps
 bench-deps:
 	-bash scripts/build_llama_cpp.sh $(ISA)
 
-# Every figure in README.md and docs/benchmarks.md, raw outputs to docs/results/ (~15 min, idle machine).
+# Every figure in README.md and docs/benchmarks.md, raw outputs to docs/results/ (about an hour, idle machine;
+# FIGURES="decode load" make figures for a subset).
 figures: setup
 	bash scripts/figures.sh
 

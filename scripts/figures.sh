@@ -3,7 +3,7 @@
 # Each figure's raw output goes to docs/results/<name>.txt, headed by the date, the machine line
 # (CPU, vector ISA, torch kernel ISA) and the exact command, so a figure in the docs links to the log
 # that printed it. Run it on an otherwise idle machine: timings shared with other work are not clean.
-#   make figures                 # everything (about 15 minutes on a 2-core CPU)
+#   make figures                 # everything (about an hour on a 2-core CPU)
 #   FIGURES="decode load" make figures   # a subset, by name
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -11,7 +11,7 @@ PY=.venv/bin/python
 KVCLI=.venv/bin/kvcli
 OUT=docs/results
 mkdir -p "$OUT"
-ALL="decode load continue throughput profile simulate live dashboard kv-dtype kv-decode cpu cpu-avx2"
+ALL="decode load continue throughput profile simulate live dashboard kv-dtype kv-decode kv-int4 cpu cpu-avx2 invariant spec"
 WANT=" ${FIGURES:-$ALL} "
 
 header() {  # name, command...
@@ -42,6 +42,9 @@ run cpu "$PY" scripts/bench_cpu.py --repeats 1  # kvcli vs transformers vs llama
 run cpu-avx2 "$PY" scripts/bench_cpu.py --repeats 1 --isa avx2  # the same with torch and llama.cpp held to AVX2
 run kv-dtype "$PY" scripts/bench_kv_dtype.py  # every --kv-dtype: perplexity, bytes, decode at 4k
 run kv-decode "$PY" scripts/bench_kv_decode.py  # decode at 4k per --kv-dtype, interleaved rounds
+run kv-int4 "$PY" scripts/probe_kv_int4.py  # what an int4 cache would cost in perplexity at 4k (not shipped)
+run invariant "$PY" scripts/bench_invariant.py  # what --attention-backend invariant costs
+run spec "$PY" scripts/bench_spec.py --repeats 2 --attention-backend invariant  # ~17 min: speculation
 run profile "$KVCLI" profile --workload sharegpt --num-requests 64 --max-model-len 2048 --block-size 16 \
   --kv-budget 512MiB --compare contiguous --no-live --plot docs/profile-sharegpt-cpu.png
 run simulate "$KVCLI" profile --model dummy:llama-2-13b --kv-budget 12GiB --workload sharegpt \
