@@ -37,21 +37,13 @@ from kvcli.bench.machine import machine_line
 from kvcli.model.loader import bundled_gguf_path
 from kvcli.remote.scrape import parse
 
+from bench_serve import start_server as start_kvcli  # scripts/ is on sys.path when run as a script
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def start_kvcli(args: list[str]) -> tuple[subprocess.Popen, str]:
-    p = subprocess.Popen([sys.executable, "-m", "kvcli.cli", "serve", "--port", "0", *args],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    for line in p.stderr:
-        m = re.search(r"listening on (http://\S+)", line)
-        if m:
-            threading.Thread(target=lambda: [None for _ in p.stderr], daemon=True).start()  # drain
-            return p, m.group(1)
-    raise SystemExit(f"kvcli serve did not start (exit {p.wait()})")
 
 
 def llama_args(gguf: Path, slots: int, max_model_len: int, threads: int | None) -> list[str]:

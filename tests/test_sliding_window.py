@@ -96,11 +96,16 @@ def mistral(tmp_path_factory, gguf_path):
 
 def teacher_forced(engine, ids: list[int], prefill: int, chunk: int) -> torch.Tensor:
     """Logits at every position: `prefill` tokens in chunks of `chunk`, then one decode step per token."""
-    rows, pos = [], 0
+    rows, pos, seen = [], 0, set()
     while pos < len(ids):
         n = min(chunk, prefill - pos) if pos < prefill else 1
         assert engine.kv.allocate("tf", pos + n, pos)
-        step = SchedulerOutput([ScheduledChunk("tf", ids[pos:pos + n], pos, engine.kv.block_table("tf"), True)])
+        table = engine.kv.block_table("tf")
+        # Zero blocks on first use, as the scheduler has the runner do (new_blocks): attention reads
+        # past a request's last token inside its last block (masked), which must not hold NaN.
+        engine.kv_cache.zero_blocks([b for b in table if b not in seen])
+        seen.update(table)
+        step = SchedulerOutput([ScheduledChunk("tf", ids[pos:pos + n], pos, table, True)])
         rows.append(engine.runner.execute(step, all_logits=True).logits)
         pos += n
     engine.kv.free("tf")

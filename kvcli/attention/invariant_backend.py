@@ -69,7 +69,6 @@ class InvariantAttentionBackend(TorchAttentionBackend):
         self._plan_meta: AttentionMetadata | None = None
         self._groups: list[_DecodeGroup] = []
         self._req_blocks: dict[int, torch.Tensor] = {}
-        self._bufs: dict[str, torch.Tensor] = {}
 
     # -- per-step plan (shared by every layer) -------------------------------------------------------
     def _plan(self, meta: AttentionMetadata, block_size: int, device: torch.device) -> None:
@@ -114,19 +113,6 @@ class InvariantAttentionBackend(TorchAttentionBackend):
             if n > 1:
                 self._req_blocks[b] = block_ids(torch.tensor([b], device=device), meta.seq_lens_list[b])[0]
 
-    def _buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A scratch tensor reused by every layer and step (contents valid until the next call with the
-        same name); large ones are not kept."""
-        n = 1
-        for x in shape:
-            n *= x
-        buf = self._bufs.get(name)
-        if buf is None or buf.numel() < n or buf.dtype != dtype or buf.device != device:
-            buf = torch.empty(n + n // 4, dtype=dtype, device=device)
-            if buf.numel() * buf.element_size() <= self.SCRATCH_KEEP_BYTES:
-                self._bufs[name] = buf
-        return buf[:n].view(shape)
-
     def _kv(self, cache: LayerKV, blocks: torch.Tensor, dtype: torch.dtype
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """K, V of n requests as head-major [kvh, n, keys, D] (keys = blocks [n, nblk] x block_size) in
@@ -142,10 +128,10 @@ class InvariantAttentionBackend(TorchAttentionBackend):
             heads = raw.movedim(2, 0)  # [kvh, blocks, bs(, D)] (a view)
             shape = (heads.shape[0], n, keys, *heads.shape[3:])
             if raw.dtype == out_dtype:
-                buf = self._buffer(name, (heads.shape[0], flat.numel(), *heads.shape[2:]), out_dtype, x.device)
+                buf = self._scratch_buf(name, (heads.shape[0], flat.numel(), *heads.shape[2:]), out_dtype, x.device)
                 return torch.index_select(heads, 1, flat, out=buf).view(shape)
             got = heads.index_select(1, flat).view(x.dtype).view(shape)
-            return self._buffer(name, shape, out_dtype, x.device).copy_(got)
+            return self._scratch_buf(name, shape, out_dtype, x.device).copy_(got)
 
         kd = dtype if cache.k_scale is None else torch.float32
         k, v = read(cache.k, "k", kd), read(cache.v, "v", kd)
