@@ -128,9 +128,9 @@ def test_fp8_bit_conversion_is_exact_for_every_code():
     fp32 copy: every finite e4m3fn code, subnormals and -0 included, must come back exactly."""
     from kvcli.attention.torch_backend import FP8_UNIT
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
-    codes = codes[~codes.float().isnan()].reshape(-1, 1, 2)  # [L, kvh=1, D=2]
-    got = TorchAttentionBackend()._heads_f32(codes, "k") * FP8_UNIT  # [1, L, 2]
-    want = codes.float().transpose(0, 1)
+    codes = codes[~codes.float().isnan()].reshape(1, -1, 2)  # [kvh=1, L, D=2], head-major
+    got = TorchAttentionBackend()._heads_f32(codes, "k") * FP8_UNIT
+    want = codes.float()
     assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit())
 
 

@@ -117,20 +117,20 @@ class InvariantAttentionBackend(TorchAttentionBackend):
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """K, V of n requests as head-major [kvh, n, keys, D] (keys = blocks [n, nblk] x block_size) in
         `dtype` (fp32 codes for quantized caches), and per-key scales [kvh, n, keys] (None when unscaled):
-        a gather of whole blocks (index_select on the pool's first dim: a memcpy per block; on a
-        head-major view of the pool torch would first copy the whole pool), then one permuting copy
-        into a reused buffer. One memory layout whatever the batch, so the GEMMs see the same strides."""
+        a gather of whole blocks (index_select on the block dim of the head-major storage: a memcpy per
+        block and head), then one converting copy into a reused buffer. One memory layout whatever the
+        batch, so the GEMMs see the same strides."""
         n = blocks.shape[0]
         flat = blocks.reshape(-1)
         keys = blocks.shape[1] * cache.block_size
 
         def read(x: torch.Tensor, name: str, out_dtype: torch.dtype) -> torch.Tensor:
-            raw = x.view(torch.uint8) if x.dtype == torch.float8_e4m3fn else x  # no fp8 index_select on CPU
-            blocks_buf = self._scratch_buf(name + "-blocks", (flat.numel(), *raw.shape[1:]), raw.dtype, x.device)
-            got = torch.index_select(raw, 0, flat, out=blocks_buf).view(x.dtype)  # [nflat, bs, kvh(, D)]
-            kvh, tail = raw.shape[2], tuple(raw.shape[3:])
-            buf = self._scratch_buf(name, (kvh, flat.numel(), raw.shape[1], *tail), out_dtype, x.device)
-            return buf.copy_(got.movedim(2, 0)).view(kvh, n, keys, *tail)
+            heads = LayerKV.heads(x)  # [kvh, blocks, bs(, D)]; float8 as its bytes
+            kvh, bs, tail = heads.shape[0], heads.shape[2], tuple(heads.shape[3:])
+            blocks_buf = self._scratch_buf(name + "-blocks", (kvh, flat.numel(), bs, *tail), heads.dtype, x.device)
+            got = torch.index_select(heads, 1, flat, out=blocks_buf).view(x.dtype)  # [kvh, nflat, bs(, D)]
+            buf = self._scratch_buf(name, (kvh, flat.numel(), bs, *tail), out_dtype, x.device)
+            return buf.copy_(got).view(kvh, n, keys, *tail)
 
         kd = dtype if cache.k_scale is None else torch.float32
         k, v = read(cache.k, "k", kd), read(cache.v, "v", kd)

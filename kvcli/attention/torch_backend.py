@@ -63,13 +63,11 @@ class TorchAttentionBackend:
         return buf[:n].view(shape)
 
     def _heads_f32(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        """x [..., L, kvh, D] (any storage dtype) as fp32 [..., kvh, L, D], contiguous, in a scratch
-        buffer: one pass that converts and puts each head's tokens side by side, so the two matmuls
-        read unit-stride rows."""
-        shape = (*x.shape[:-3], x.shape[-2], x.shape[-3], x.shape[-1])
+        """x [..., kvh, L, D] (any storage dtype, head-major) as fp32, contiguous, in a scratch buffer:
+        one converting pass, so the two matmuls read unit-stride rows."""
         if x.dtype == torch.float8_e4m3fn:
             x = self._fp8_as_fp16_bits(x, name)
-        return self._scratch_buf(name, shape, torch.float32, x.device).copy_(x.transpose(-3, -2))
+        return self._scratch_buf(name, tuple(x.shape), torch.float32, x.device).copy_(x)
 
     def _fp8_as_fp16_bits(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """e4m3fn codes -> fp16 holding code / 256, exactly: the sign bit moves from bit 7 to bit 15 and
@@ -83,20 +81,21 @@ class TorchAttentionBackend:
         return a.view(torch.float16)
 
     def _gather_codes(self, cache: torch.Tensor, tables: torch.Tensor, name: str) -> torch.Tensor:
-        """Blocks `tables` [n, nblk] of cache [blocks, bs, kvh, D] -> [n, nblk * bs, kvh, D] in the
-        cache's dtype, through index_select into a reused buffer (not advanced indexing, which
-        allocates and walks a generic index kernel). float8 moves as its bytes."""
-        raw = torch.uint8 if cache.dtype == torch.float8_e4m3fn else cache.dtype
+        """Blocks `tables` [n, nblk] of a cache tensor indexed [blocks, bs, kvh(, D)] -> head-major
+        [kvh, n, nblk * bs(, D)] in the cache's dtype: one index_select on the block dim of the
+        head-major storage into a reused buffer (not advanced indexing, which allocates and walks a
+        generic index kernel). float8 moves as its bytes."""
+        heads = LayerKV.heads(cache)  # [kvh, blocks, bs(, D)]
         n, nblk = tables.shape
-        bs, rest = cache.shape[1], cache.shape[2:]
-        out = self._scratch_buf(name, (n * nblk, bs, *rest), raw, cache.device)
-        torch.index_select(cache.view(raw), 0, tables.reshape(-1), out=out)
-        return out.view(cache.dtype).view(n, nblk * bs, *rest)
+        kvh, bs, rest = heads.shape[0], heads.shape[2], tuple(heads.shape[3:])
+        out = self._scratch_buf(name, (kvh, n * nblk, bs, *rest), heads.dtype, cache.device)
+        torch.index_select(heads, 1, tables.reshape(-1), out=out)
+        return out.view(cache.dtype).view(kvh, n, nblk * bs, *rest)
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, cache: LayerKV, meta: AttentionMetadata) -> None:
         slots = meta.slot_mapping
-        kc = cache.k.view(-1, *cache.k.shape[2:])
-        vc = cache.v.view(-1, *cache.v.shape[2:])
+        kc = cache.k.flatten(0, 1)  # [slots, kvh, D]: a view for the head-major and token-major layouts
+        vc = cache.v.flatten(0, 1)
         if bool((slots < 0).any()):
             keep = slots >= 0
             slots, key, value = slots[keep], key[keep], value[keep]
@@ -110,7 +109,7 @@ class TorchAttentionBackend:
             # index_copy_ has no float8 CPU kernel: move fp8 codes as their bytes.
             raw = torch.uint8 if codes.dtype == torch.float8_e4m3fn else codes.dtype
             codes_cache.view(raw).index_copy_(0, slots, codes.view(raw))
-            scale_cache.view(-1, scale_cache.shape[2]).index_copy_(0, slots, scale.to(scale_cache.dtype))
+            scale_cache.flatten(0, 1).index_copy_(0, slots, scale.to(scale_cache.dtype))
 
     def _blocks(self, meta: AttentionMetadata, b: int, block_size: int) -> slice | torch.Tensor:
         """Request b's used blocks: a slice when they are consecutive ids (read as a view), else
@@ -128,13 +127,22 @@ class TorchAttentionBackend:
         return self._reads[b]
 
     @staticmethod
-    def _read(cache: torch.Tensor, scale: torch.Tensor | None, blocks: slice | torch.Tensor, kv_len: int,
+    def _take(cache: torch.Tensor, blocks: slice | torch.Tensor, lo: int, kv_len: int) -> torch.Tensor:
+        """A request's positions [lo, kv_len) of a cache tensor indexed [blocks, bs, kvh(, D)], head-major
+        [kvh, kv_len - lo(, D)]: a view for a run of consecutive blocks (each head's rows side by side in
+        the head-major storage), else one index_select of the blocks."""
+        heads = LayerKV.heads(cache)
+        x = heads[:, blocks] if isinstance(blocks, slice) else heads.index_select(1, blocks)
+        return x.flatten(1, 2)[:, lo:kv_len].view(cache.dtype)
+
+    @classmethod
+    def _read(cls, cache: torch.Tensor, scale: torch.Tensor | None, blocks: slice | torch.Tensor, kv_len: int,
               dtype: torch.dtype, lo: int = 0) -> torch.Tensor:
         """Request's K or V at positions [lo, kv_len) as `dtype` [kv_heads, kv_len - lo, D], dequantized
         when the cache is scaled."""
-        x = cache[blocks].flatten(0, 1)[lo:kv_len]
-        s = None if scale is None else scale[blocks].flatten(0, 1)[lo:kv_len]
-        return dequantize(x, s, dtype).transpose(0, 1)
+        x = cls._take(cache, blocks, lo, kv_len)
+        s = None if scale is None else cls._take(scale, blocks, lo, kv_len)
+        return dequantize(x, s, dtype)
 
     def _read_f32(self, cache: torch.Tensor, scale: torch.Tensor | None, blocks: slice | torch.Tensor, kv_len: int,
                   name: str, lo: int = 0) -> torch.Tensor:
@@ -142,9 +150,9 @@ class TorchAttentionBackend:
         chunks), dequantized in place in a reused head-major scratch buffer: the same values as _read
         (codes * scale, one fp32 rounding;
         for fp8 (code / 256) * (scale * 256) is that same product), without a fresh tensor per layer."""
-        x = self._heads_f32(cache[blocks].flatten(0, 1)[lo:kv_len], name)
+        x = self._heads_f32(self._take(cache, blocks, lo, kv_len), name)
         if scale is not None:
-            s = scale[blocks].flatten(0, 1)[lo:kv_len].t().unsqueeze(-1)  # [kvh, L, 1]
+            s = self._take(scale, blocks, lo, kv_len).unsqueeze(-1)  # [kvh, L, 1]
             x.mul_(s * FP8_UNIT if cache.dtype == torch.float8_e4m3fn else s)
         return x
 
@@ -153,12 +161,12 @@ class TorchAttentionBackend:
         """One decode row q [H, D] over keys [lo, kv_len) of a 16-bit, int8 or fp8 cache: the request's K/V converted to
         fp32 head-major scratch buffers in one pass each, then two matmuls (scales folded in)."""
         kvh, d = cache.k.shape[2], cache.k.shape[3]
-        k = self._heads_f32(cache.k[blocks].flatten(0, 1)[lo:kv_len], "k")  # [kvh, L, D]
-        v = self._heads_f32(cache.v[blocks].flatten(0, 1)[lo:kv_len], "v")
+        k = self._heads_f32(self._take(cache.k, blocks, lo, kv_len), "k")  # [kvh, L, D]
+        v = self._heads_f32(self._take(cache.v, blocks, lo, kv_len), "v")
         ks = vs = None
         if cache.k_scale is not None and cache.v_scale is not None:
-            ks = cache.k_scale[blocks].flatten(0, 1)[lo:kv_len].t()  # [kvh, L]
-            vs = cache.v_scale[blocks].flatten(0, 1)[lo:kv_len].t()
+            ks = self._take(cache.k_scale, blocks, lo, kv_len)  # [kvh, L]
+            vs = self._take(cache.v_scale, blocks, lo, kv_len)
         unit = FP8_UNIT if cache.k.dtype == torch.float8_e4m3fn else 1.0
         return _attend_scaled(q.view(kvh, -1, d), k, v, ks, vs, scale, unit=unit).reshape(q.shape)
 
@@ -194,7 +202,7 @@ class TorchAttentionBackend:
                     if meta.sliding_window:
                         mask &= pos >= ends - meta.sliding_window
                     rows = torch.tensor([starts[b] for b in ids], device=device)
-                    self._batches.append((set(ids), rows, tables, mask[:, None, None, :]))
+                    self._batches.append((set(ids), rows, tables, mask[None, :, None, :]))  # [1, n, 1, L]
         return self._batches
 
     def forward(self, q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -208,26 +216,27 @@ class TorchAttentionBackend:
             kvh = k_cache.shape[2]
             # Padded slots are masked; their contents are finite because the runner zeroes every
             # block on first use (masking alone would not hide NaN: NaN * 0 is NaN).
-            qg = q.index_select(0, rows).reshape(n, kvh, h // kvh, d)
-            kg = self._gather_codes(k_cache, tables, "gk")  # [n, L, kvh, D]
+            # Head-major throughout ([kvh, n, ...]): the gathered K/V come out of the storage that way.
+            qg = q.index_select(0, rows).reshape(n, kvh, h // kvh, d).transpose(0, 1)  # [kvh, n, g, D]
+            kg = self._gather_codes(k_cache, tables, "gk")  # [kvh, n, L, D]
             vg = self._gather_codes(v_cache, tables, "gv")
             if k_cache.dtype == q.dtype:
-                o = F.scaled_dot_product_attention(qg, kg.transpose(1, 2), vg.transpose(1, 2), attn_mask=mask,
-                                                   scale=scale)
+                o = _attend_scaled(qg, kg, vg, None, None, scale, mask)
             elif q.dtype == torch.float32:
-                k, v = self._heads_f32(kg, "k"), self._heads_f32(vg, "v")  # [n, kvh, L, D]
+                k, v = self._heads_f32(kg, "k"), self._heads_f32(vg, "v")
                 ks = vs = None
                 if cache.k_scale is not None and cache.v_scale is not None:
-                    flat = tables.reshape(-1)
-                    ks = cache.k_scale.index_select(0, flat).view(n, -1, kvh).transpose(1, 2)  # [n, kvh, L]
-                    vs = cache.v_scale.index_select(0, flat).view(n, -1, kvh).transpose(1, 2)
+                    ks = self._gather_codes(cache.k_scale, tables, "gks")  # [kvh, n, L]
+                    vs = self._gather_codes(cache.v_scale, tables, "gvs")
                 unit = FP8_UNIT if k_cache.dtype == torch.float8_e4m3fn else 1.0
                 o = _attend_scaled(qg, k, v, ks, vs, scale, mask, unit=unit)
             else:
-                k = _gather(k_cache, cache.k_scale, tables, q.dtype)  # [n, kvh, L, D]
-                v = _gather(v_cache, cache.v_scale, tables, q.dtype)
+                k = dequantize(kg, None if cache.k_scale is None else self._gather_codes(cache.k_scale, tables, "gks"),
+                               q.dtype)
+                v = dequantize(vg, None if cache.v_scale is None else self._gather_codes(cache.v_scale, tables, "gvs"),
+                               q.dtype)
                 o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
-            out.index_copy_(0, rows, o.reshape(n, h, d))
+            out.index_copy_(0, rows, o.transpose(0, 1).reshape(n, h, d))
         start = 0
         for b, (q_len, kv_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
             if b in batched:
@@ -250,12 +259,6 @@ class TorchAttentionBackend:
             out[start:start + q_len] = attend(qb, k, v, scale, w).transpose(0, 1)
             start += q_len
         return out
-
-
-def _gather(cache: torch.Tensor, scale: torch.Tensor | None, tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Padded block tables [n, nblk] -> K or V [n, kv_heads, nblk * block_size, D] as `dtype`."""
-    s = None if scale is None else scale[tables].flatten(1, 2)
-    return dequantize(cache[tables].flatten(1, 2), s, dtype).transpose(1, 2)
 
 
 def _attend_scaled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor | None,
@@ -283,9 +286,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, wind
     h, q_len, d = q.shape
     kvh, kv_len, _ = k.shape
     g = h // kvh
-    if q_len == 1:
-        o = F.scaled_dot_product_attention(q.reshape(kvh, g, d), k, v, scale=scale)
-        return o.reshape(h, 1, d)
+    if q_len == 1:  # two GEMMs over the head-major K/V (fewer ops than SDPA's math path for one row)
+        return _attend_scaled(q.reshape(kvh, g, d), k, v, None, None, scale).reshape(h, 1, d)
     prefix = kv_len - q_len
     windowed = 0 < window < kv_len  # some row has keys outside its window
     if windowed or _flash_cpu is None or q.device.type != "cpu":

@@ -3,10 +3,17 @@ operations the runner performs on them (zero on first use, copy-on-write copies,
 back). The model and the attention backends receive a `LayerKV`, never bare (k, v) tuples, so a
 cache that carries more per block (quantization scales) changes this file, not their signatures.
 
-Layout per layer: k, v [num_blocks + 1, block_size, num_kv_heads, head_dim]; block 0 is the null
-block (kvcache/interface.py), zeroed here once and never handed out. Quantized formats (kv_dtype.py)
-add k_scale, v_scale [num_blocks + 1, block_size, num_kv_heads] beside them: they are part of
-`tensors()`, so zeroing, copy-on-write copies and swaps carry a block's scales with its codes.
+Layout per layer: k, v are indexed [num_blocks + 1, block_size, num_kv_heads, head_dim] (block 0 is
+the null block, kvcache/interface.py, zeroed here once and never handed out), but stored head-major,
+[num_kv_heads, num_blocks + 1, block_size, head_dim], and handed out as a permuted view of that storage.
+Why: a decode step reads every cached token of every head; with one head's tokens side by side, a run
+of consecutive blocks is one unit-stride [tokens, head_dim] matrix per head, read at memory bandwidth by
+a plain GEMM (2.1x the speed of the token-major read on CPU at 4k context, docs/benchmarks.md), and a
+gather of blocks is one index_select on the storage's block dim. Code that indexes blocks on dim 0
+keeps working on the view; `LayerKV.heads(...)` gives the head-major storage directly. Quantized
+formats (kv_dtype.py) add k_scale, v_scale, indexed [num_blocks + 1, block_size, num_kv_heads] and
+stored [num_kv_heads, num_blocks + 1, block_size]: they are part of `tensors()`, so zeroing,
+copy-on-write copies and swaps carry a block's scales with its codes.
 """
 
 from __future__ import annotations
@@ -32,6 +39,13 @@ class LayerKV:
     @property
     def block_size(self) -> int:
         return self.k.shape[1]
+
+    @staticmethod
+    def heads(t: torch.Tensor) -> torch.Tensor:
+        """The head-major form of a cache tensor indexed [blocks, block_size, kv_heads, ...]:
+        [kv_heads, blocks, block_size, ...], a view (of the storage when the cache is head-major).
+        float8 comes as its bytes: CPU index_select / index_copy_ / index_fill_ have no float8 kernel."""
+        return (t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t).movedim(2, 0)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -66,17 +80,20 @@ class KVCache:
         self.kv_dtype = kv_dtype_of(kv_dtype)
         self.dtype = self.kv_dtype.storage
         self.device = device
-        shape = (num_blocks + 1, block_size, config.num_kv_heads, config.head_dim)
+        stored = (config.num_kv_heads, num_blocks + 1, block_size, config.head_dim)
         sdt = self.kv_dtype.scale_dtype
+
+        def alloc(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            """Head-major storage, handed out indexed [blocks, block_size, kv_heads, ...]."""
+            return torch.empty(shape, dtype=dtype, device=device).movedim(0, 2)
 
         # No zero-fill: blocks are zeroed on first use (zero_blocks), which on CPU keeps start-up fast
         # and lets the OS back pages only as blocks are first used.
         def layer() -> LayerKV:
-            k, v = (torch.empty(shape, dtype=self.dtype, device=device) for _ in range(2))
+            k, v = alloc(stored, self.dtype), alloc(stored, self.dtype)
             if sdt is None:
                 return LayerKV(k, v)
-            return LayerKV(k, v, torch.empty(shape[:-1], dtype=sdt, device=device),
-                           torch.empty(shape[:-1], dtype=sdt, device=device))
+            return LayerKV(k, v, alloc(stored[:-1], sdt), alloc(stored[:-1], sdt))
 
         self.layers = [layer() for _ in range(config.num_layers)]
         self.zero_blocks([NULL_BLOCK])
@@ -98,24 +115,27 @@ class KVCache:
         idx = self._index(blocks)
         for layer in self.layers:
             for t in layer.tensors():
-                t[idx] = 0
+                LayerKV.heads(t).index_fill_(1, idx, 0)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         src = self._index([s for s, _ in pairs])
         dst = self._index([d for _, d in pairs])
         for layer in self.layers:
             for t in layer.tensors():
-                t[dst] = t[src]
+                h = LayerKV.heads(t)  # block ids index dim 1 of the head-major storage
+                h.index_copy_(1, dst, h.index_select(1, src))
 
     def swap_out(self, blocks: list[int]) -> HostBlocks:
         idx = self._index(blocks)
-        return HostBlocks([tuple(t[idx].to("cpu") for t in layer.tensors()) for layer in self.layers])
+        # Host copies are indexed like the cache ([n, block_size, kv_heads, ...]), whatever its storage.
+        return HostBlocks([tuple(LayerKV.heads(t).index_select(1, idx).movedim(0, 2).view(t.dtype).to("cpu")
+                                 for t in layer.tensors()) for layer in self.layers])
 
     def swap_in(self, blocks: list[int], host: HostBlocks) -> None:
         idx = self._index(blocks)
         for layer, saved in zip(self.layers, host.layers):
             for t, h in zip(layer.tensors(), saved):
-                t[idx] = h.to(self.device)
+                LayerKV.heads(t).index_copy_(1, idx, LayerKV.heads(h.to(self.device)))  # fp8 as bytes
 
 
 def bytes_per_block(config: ModelConfig, block_size: int, dtype: "KVDtype | torch.dtype | str") -> int:
