@@ -6,8 +6,11 @@ same token ids. Prints the machine's vector ISA and a markdown table of ratios a
   python scripts/bench_cpu.py --isa avx2      # torch held to AVX2 and llama.cpp built for AVX2
 
 Method, the same for every engine: prefill tok/s = N / time to the first token from an empty cache
-(kvcli: prefix caching off); decode tok/s = new tokens / time of the decode steps after it (kvcli and
-transformers: (M - 1) / (t_M - t_1) over whole generations). Best of --repeats after a warm-up.
+(kvcli: prefix caching off); decode tok/s = (M - 1) / time from the first token to the last, both
+timed inside the same generation (kvcli: around engine steps; transformers: a streamer's put() per
+token; llama.cpp: around its decode calls). Best of --repeats after a warm-up. (Before 2026-12-01
+06:20 UTC decode was (M - 1) / (t_M - t_1) over two whole generations: at 4k context that difference
+of two ~10 s prefills swung the decode figure by tens of percent.)
 llama.cpp is skipped with a message where it is not built (scripts/build_llama_cpp.sh).
 """
 
@@ -53,13 +56,10 @@ def main() -> int:
     results: dict[str, dict[int, tuple[float, float]]] = {}
     notes: list[str] = []
 
-    def timed(fn) -> float:
-        best = float("inf")
-        for _ in range(a.repeats):
-            t = time.perf_counter()
-            fn()
-            best = min(best, time.perf_counter() - t)
-        return best
+    def best_of(fn) -> tuple[float, float]:
+        """fn() -> (seconds to the first token, seconds from it to the last): the best of each."""
+        runs = [fn() for _ in range(a.repeats)]
+        return min(r[0] for r in runs), min(r[1] for r in runs)
 
     max_len = max(contexts) + a.new_tokens + 16
     llm = LLM(prefix_caching=False, max_model_len=max_len, max_num_batched_tokens=512, kv_budget="512MiB")
@@ -72,10 +72,21 @@ def main() -> int:
         out = results["kvcli"] = {}
         for n in contexts:
             ids = ids_all[:n]
-            gen = lambda m: (lambda: llm.generate([ids], SamplingParams(max_tokens=m, ignore_eos=True)))  # noqa: E731
-            gen(a.new_tokens)()  # warm-up
-            t1, tm = timed(gen(1)), timed(gen(a.new_tokens))
-            out[n] = (n / t1, (a.new_tokens - 1) / (tm - t1))
+
+            def gen() -> tuple[float, float]:
+                eng = llm.engine
+                t0 = time.perf_counter()
+                eng.add_request(ids, SamplingParams(max_tokens=a.new_tokens, ignore_eos=True))
+                first = None
+                while eng.has_unfinished():
+                    outs = eng.step()
+                    if first is None and any(o.new_token_ids for o in outs):
+                        first = time.perf_counter()
+                assert first is not None
+                return first - t0, time.perf_counter() - first
+            gen()  # warm-up
+            t1, td = best_of(gen)
+            out[n] = (n / t1, (a.new_tokens - 1) / td)
             print(f"kvcli {n}: prefill {out[n][0]:.1f} tok/s, decode {out[n][1]:.1f} tok/s", file=sys.stderr, flush=True)
     del llm
 
@@ -89,14 +100,23 @@ def main() -> int:
         for n in contexts:
             x = torch.tensor([ids_all[:n]])
 
-            def gen(m: int):
-                def f():
-                    with torch.inference_mode():
-                        hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=m, min_new_tokens=m, do_sample=False)
-                return f
-            gen(2)()
-            t1, tm = timed(gen(1)), timed(gen(a.new_tokens))
-            out[n] = (n / t1, (a.new_tokens - 1) / (tm - t1))
+            def gen(m: int) -> tuple[float, float]:
+                stamps: list[float] = []  # put() gets the prompt first, then each new token
+
+                class Clock:
+                    def put(self, _value) -> None:
+                        stamps.append(time.perf_counter())
+
+                    def end(self) -> None:
+                        pass
+                t0 = time.perf_counter()
+                with torch.inference_mode():
+                    hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=m, min_new_tokens=m,
+                                do_sample=False, streamer=Clock())
+                return stamps[1] - t0, stamps[-1] - stamps[1]
+            gen(2)
+            t1, td = best_of(lambda: gen(a.new_tokens))
+            out[n] = (n / t1, (a.new_tokens - 1) / td)
             print(f"transformers {n}: prefill {out[n][0]:.1f}, decode {out[n][1]:.1f}", file=sys.stderr, flush=True)
         del hf
 

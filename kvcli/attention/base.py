@@ -1,8 +1,10 @@
 """The attention backend interface: what the model runner hands to attention.
 
 Layouts (shared by every backend and by the Triton kernels):
-  cache            : a kvcli.kvcache.kv_cache.LayerKV per layer; cache.k, cache.v are
-                     [num_blocks + 1, block_size, num_kv_heads, head_dim] (block 0: the null block)
+  cache            : a kvcli.kvcache.kv_cache.LayerKV per layer; cache.k, cache.v are indexed
+                     [num_blocks + 1, block_size, num_kv_heads, head_dim] (block 0: the null block),
+                     stored head-major (LayerKV.heads gives [num_kv_heads, num_blocks + 1, ...]);
+                     kernels take strides, so they read either storage order
   q                : [num_tokens, num_q_heads, head_dim], the step's tokens of all requests packed
   key, value       : [num_tokens, num_kv_heads, head_dim]
 A request's token at absolute position p lives in slot block_table[p // block_size] * block_size
