@@ -37,11 +37,12 @@ def median_ms(fn, repeats: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=9)
-    ap.add_argument("--rows", default="1,16,64", help="activation rows M (decode batch sizes)")
+    ap.add_argument("--rows", default="1,16,64,512", help="activation rows M (decode batch sizes; 512: a prefill chunk)")
     a = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
     from kvcli.bench.machine import machine_line
+    from kvcli.model.int4_cpu import DENSE_MIN_ROWS
     from kvcli.model.layers import Linear
     from kvcli.model.quant import quantize_q4
     from kvcli.model.vocab_head import MIN_ROWS_FOR_FP32_SLICES as MIN_ROWS, VocabHead
@@ -59,11 +60,13 @@ def main() -> None:
         for m in rows:
             x = torch.randn(m, k)
             base = median_ms(lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(
-                x.to(torch.bfloat16), lin.packed, 32, lin.scale_zero), a.repeats)
+                x.to(torch.bfloat16), lin.int4.packed, 32, lin.int4.scale_zero), a.repeats)
             variants = [
                 ("int4 packed, bf16 activations (kvcli)", base),
                 ("int4 packed, fp32 activations", median_ms(lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(
-                    x, lin.packed, 32, lin.scale_zero.float()), max(3, a.repeats // 3))),
+                    x, lin.int4.packed, 32, lin.int4.scale_zero.float()), max(3, a.repeats // 3))),
+                ("int4 codes read back as fp32 per call + fp32 GEMM (kvcli where bf16 is emulated, "
+                 f">= {DENSE_MIN_ROWS} rows)", median_ms(lambda: torch.mm(x, lin.int4.dense_t()), a.repeats)),
                 ("dense fp32 (8x the bytes)", median_ms(lambda: F.linear(x, wd), a.repeats)),
                 ("dense bf16 (4x the bytes)", median_ms(lambda: F.linear(x.bfloat16(), wd.bfloat16()), a.repeats)),
             ]

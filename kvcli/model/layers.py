@@ -4,6 +4,8 @@ A quantized linear is built from a canonical QuantTensor and keeps only the form
   "int4-cpu"    torch's packed int4 CPU kernel (bf16 activations, bf16 scale/zero): 4-bit resident,
                 not bit-exact (activations and scales rounded to bf16). 4-bit codes only (Q4_0,
                 Q4_1, Q4_K: K-quant group scales are multiplied out to per-32 scale/zero first).
+                Where bf16 is emulated (AVX2), calls with many rows read the codes back as a
+                transient fp32 weight instead (model/int4_cpu.py).
   "triton"      kvcli_kernels.int4_matmul on the canonical layout (CUDA; plain float group scale/min:
                 fp16 from GGUF; a float32 min = -zero * scale from AWQ / GPTQ / compressed-tensors).
   "int4-torch"  4-bit codes dequantized per call in plain torch: exact, slow (fallback).
@@ -21,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from kvcli.model.bnb_4bit import Bnb4bitWeight
+from kvcli.model.int4_cpu import Int4Cpu
 from kvcli.model.quant import QuantTensor
 
 
@@ -69,13 +72,7 @@ class Linear:
         if weight.kind != "q4":
             self.mode, self.q = "lowbit-torch", weight
         elif mode == "int4-cpu" and self.out_features % 16 == 0 and weight.offset == 0:
-            q = weight.unpack_codes().to(torch.int32)
-            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
-            # torch's kernel computes (q - 8) * scale + zero, so zero = min + 8 * scale.
-            s = weight.group_scales()
-            mins = weight.group_mins()
-            zero = (mins if mins is not None else torch.zeros_like(s)) + 8.0 * s
-            self.scale_zero = torch.stack([s, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+            self.int4 = Int4Cpu(weight.unpack_codes(), weight.group_scales(), weight.group_mins(), weight.group_size)
         elif mode == "triton" and weight.with_float_min().plain_groups:
             self.q = weight.with_float_min()  # zero points (AWQ/GPTQ) as an exact float32 min, once
         else:  # CPU rows not a multiple of 16, or a layout the Triton GEMM does not read
@@ -86,7 +83,7 @@ class Linear:
         if self.mode in ("dense", "half-torch"):
             return _nbytes(self.weight, self.bias)
         if self.mode == "int4-cpu":
-            return _nbytes(self.packed, self.scale_zero, self.bias)
+            return self.int4.nbytes + _nbytes(self.bias)
         if self.mode == "nf4":
             return _nbytes(self.nf4, self.nf4_state.absmax, self.bias)
         return self.q.nbytes + _nbytes(self.bias)
@@ -95,9 +92,7 @@ class Linear:
         if self.mode == "dense":
             return F.linear(x, self.weight, self.bias)
         if self.mode == "int4-cpu":
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                x.to(torch.bfloat16), self.packed, self.group_size, self.scale_zero
-            ).to(x.dtype)
+            y = self.int4(x)
         elif self.mode == "nf4":
             import bitsandbytes as bnb
 
