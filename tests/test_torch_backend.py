@@ -13,7 +13,10 @@ from kvcli.attention.torch_backend import TorchAttentionBackend
 from kvcli.kvcache.kv_cache import LayerKV
 
 
-def make_batch(q_lens, kv_lens, kvh, g, d, bs, num_blocks, permute, dtype=torch.float32, seed=0, window=0):
+def make_batch(q_lens, kv_lens, kvh, g, d, bs, num_blocks, permute, dtype=torch.float32, seed=0, window=0,
+               storage="head"):
+    """storage "head": the pool stored head-major like KVCache allocates it; "token": token-major (the
+    backends read either through the same block indexing)."""
     gen = torch.Generator().manual_seed(seed)
     # Blocks no request owns are NaN. Owned blocks (and block 0, the padding entry of block tables)
     # start as large finite garbage, as stale data from an earlier owner would be: the runner zeroes
@@ -50,6 +53,8 @@ def make_batch(q_lens, kv_lens, kvh, g, d, bs, num_blocks, permute, dtype=torch.
                              torch.tensor(kv_lens, dtype=torch.int32), bt, max(q_lens), max(kv_lens),
                              tuple(kv_lens), tuple(q_lens), sliding_window=window)
     q = torch.randn(cu[-1], kvh * g, d, generator=gen)
+    if storage == "head":
+        k_cache, v_cache = (c.movedim(2, 0).contiguous().movedim(0, 2) for c in (k_cache, v_cache))
     new_k = torch.cat([k[kv - ql:] for k, ql, kv in zip(dense_k, q_lens, kv_lens)])
     new_v = torch.cat([v[kv - ql:] for v, ql, kv in zip(dense_v, q_lens, kv_lens)])
     return q, new_k, new_v, k_cache, v_cache, meta, dense_k, dense_v
@@ -77,11 +82,13 @@ def reference(q, dense_k, dense_v, q_lens, kv_lens, g, scale, window=0):
 @pytest.mark.parametrize("g", [1, 3, 8])
 @pytest.mark.parametrize("permute", [False, True])
 @pytest.mark.parametrize("bs", [16, 32])
-def test_mixed_batch_matches_reference(g, permute, bs, backend):
+@pytest.mark.parametrize("storage", ["head", "token"])
+def test_mixed_batch_matches_reference(g, permute, bs, backend, storage):
     # decode, prefill chunk on a cached prefix, fresh prompt, another decode: ragged, not block multiples
     q_lens, kv_lens = [1, 37, 50, 1], [75, 100, 50, 17]
     kvh, d = 2, 64
-    q, nk, nv, kc, vc, meta, dk, dv = make_batch(q_lens, kv_lens, kvh, g, d, bs, 64, permute, seed=g + bs)
+    q, nk, nv, kc, vc, meta, dk, dv = make_batch(q_lens, kv_lens, kvh, g, d, bs, 64, permute, seed=g + bs,
+                                                 storage=storage)
     be = backend()
     be.write_kv(nk, nv, LayerKV(kc, vc), meta)
     scale = 1 / math.sqrt(d)
@@ -258,3 +265,23 @@ def test_16bit_cache_decode_matches_reference(dtype, g):
     rk = [k.to(dtype).float() for k in dk]
     rv = [v.to(dtype).float() for v in dv]
     torch.testing.assert_close(got, reference(q, rk, rv, q_lens, kv_lens, g, 0.125), atol=2e-5, rtol=1e-4)
+
+
+def test_consecutive_blocks_are_read_as_unit_stride_views_of_the_pool():
+    """The decode fast path: a run of consecutive blocks of a KVCache layer is each head's tokens side
+    by side, read as a view (no copy), one head's rows unit-stride; other tables are gathered."""
+    from kvcli.config import ModelConfig
+    from kvcli.kvcache.kv_cache import KVCache
+
+    cfg = ModelConfig(name="t", architecture="llama", vocab_size=10, hidden_size=64, intermediate_size=64,
+                      num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=1e4, rms_norm_eps=1e-5,
+                      max_position_embeddings=64)
+    layer = KVCache(cfg, 8, 4, "fp32", torch.device("cpu")).layers[0]
+    assert LayerKV.heads(layer.k).is_contiguous()  # stored head-major
+    layer.k.copy_(torch.randn(layer.k.shape))
+    view = TorchAttentionBackend._take(layer.k, slice(2, 5), 1, 10)
+    assert view.shape == (2, 9, 16) and view.stride() == (9 * 4 * 16, 16, 1)
+    assert view.untyped_storage().data_ptr() == layer.k.untyped_storage().data_ptr()
+    assert torch.equal(view, layer.k[2:5].flatten(0, 1)[1:10].transpose(0, 1))
+    gathered = TorchAttentionBackend._take(layer.k, torch.tensor([5, 2, 7]), 0, 12)
+    assert torch.equal(gathered, layer.k[[5, 2, 7]].flatten(0, 1).transpose(0, 1))
