@@ -31,6 +31,14 @@ def tensor_shapes() -> dict[str, tuple[int, int]]:
             "ffn_gate": (INTER, HIDDEN), "ffn_up": (INTER, HIDDEN), "ffn_down": (HIDDEN, INTER)}
 
 
+def kernel_bytes(type_name: str, n: int, k: int) -> int:
+    """Resident bytes of an [n, k] linear on CPU in torch's int4 kernel form: 4-bit codes (int4-cpu) or
+    two nibbles per 5/6/8-bit code (int4x2-cpu), plus a bf16 scale and zero per file group."""
+    group = 16 if type_name == "Q6_K" else 32
+    code_bytes = n * k // 2 if type_name in ("Q4_0", "Q4_1", "Q4_K") else n * k
+    return code_bytes + 4 * n * k // group
+
+
 def write_tiny_kquant_gguf(path: Path, seed: int = 0) -> Path:
     import gguf
 

@@ -52,10 +52,22 @@ def test_inspect_loads_a_kquant_file(tiny_kquant):
     rep = inspect_json(str(tiny_kquant))
     types = {g["type"]: g["count"] for g in rep["tensors"]}
     assert types == {"F16": 1, "F32": 5, "Q4_K": 5, "Q6_K": 2, "Q5_K": 2, "Q5_0": 2, "Q5_1": 2, "Q8_0": 1}
-    assert rep["linear_paths"] == "int4-cpu+lowbit-torch"
+    assert rep["linear_paths"] == "int4-cpu+int4x2-cpu"  # Q4_K; Q5/Q6/Q8 as two nibbles per code
+    # Layer 0 is Q4_K with Q6_K v/down, layer 1 all 5/8-bit (kquant_model.LAYER_TYPES).
+    assert rep["projection_paths"] == {
+        "q_proj": {"int4-cpu": 1, "int4x2-cpu": 1}, "k_proj": {"int4-cpu": 1, "int4x2-cpu": 1},
+        "v_proj": {"int4x2-cpu": 2}, "o_proj": {"int4-cpu": 1, "int4x2-cpu": 1},
+        "gate_proj": {"int4-cpu": 1, "int4x2-cpu": 1}, "up_proj": {"int4-cpu": 1, "int4x2-cpu": 1},
+        "down_proj": {"int4x2-cpu": 2}}
+    r = runner.invoke(app, ["inspect", str(tiny_kquant)], env={"COLUMNS": "250"})
+    out = " ".join(r.stdout.replace("│", " ").split())
+    assert ("by projection q_proj k_proj o_proj gate_proj up_proj: int4-cpu x1, int4x2-cpu x1 · "
+            "v_proj down_proj: int4x2-cpu x2") in out, out
     assert rep["resident"]["embedding"] == 49152 * 256 * 2  # F16 stays half precision
-    linear_file = sum(g["bytes"] for g in rep["tensors"] if g["type"] not in ("F16", "F32"))
-    assert linear_file <= rep["resident"]["layers"] <= 1.15 * linear_file
+    from kquant_model import HIDDEN, LAYER_TYPES, LAYERS, kernel_bytes, tensor_shapes
+
+    linears = sum(kernel_bytes(types[name], n, k) for types in LAYER_TYPES for name, (n, k) in tensor_shapes().items())
+    assert rep["resident"]["layers"] == linears + LAYERS * 2 * HIDDEN * 4  # + fp32 norms
 
 
 @pytest.mark.parametrize("arg,needle", [("/nonexistent/model.gguf", "model not found"),

@@ -47,6 +47,8 @@ class InspectReport:
     sliding_window: int | None = None  # attention window (tokens); every token's KV is still kept
     resident: dict[str, int] | None = None  # layers / embedding / lm_head, after load
     linear_paths: str | None = None
+    # projection -> {path: layers}, e.g. {"v_proj": {"int4x2-cpu": 30}}: which linears take which path
+    projection_paths: dict[str, dict[str, int]] | None = None
     device: str = "cpu"
     memory_available: int = 0
     kv_budget: int = 0  # what is left for KV: USABLE x available memory minus the weights
@@ -153,6 +155,7 @@ def inspect_model(spec: str | None, options: EngineOptions, load: bool, context:
         engine = LLMEngine(load_weights(spec), replace(options, kv_budget=str(pool)))
         rep.resident = engine.model.weight_bytes()  # type: ignore[union-attr]
         rep.linear_paths = engine.linear_mode
+        rep.projection_paths = getattr(engine.model, "projection_paths", None)
         weights = sum(rep.resident.values())
         del engine
     rep.memory_available = available_memory(device)
@@ -165,6 +168,14 @@ def inspect_model(spec: str | None, options: EngineOptions, load: bool, context:
 def to_json(rep: InspectReport) -> str:
     d = asdict(rep)
     return json.dumps(d, indent=2)
+
+
+def _by_projection(paths: dict[str, dict[str, int]]) -> str:
+    """"q_proj k_proj: int4-cpu x30 · v_proj: int4x2-cpu x30": projections with the same paths together."""
+    groups: dict[str, list[str]] = {}
+    for name, counts in paths.items():
+        groups.setdefault(", ".join(f"{m} x{n}" for m, n in counts.items()), []).append(name)
+    return " · ".join(f"{' '.join(names)}: {modes}" for modes, names in groups.items())
 
 
 def render(rep: InspectReport, context: int) -> None:
@@ -185,6 +196,8 @@ def render(rep: InspectReport, context: int) -> None:
         parts = ", ".join(f"{k} {human_bytes(v)}" for k, v in rep.resident.items())
         t.add_row("resident after load", f"{human_bytes(sum(rep.resident.values()))} ({parts})")
         t.add_row("linear paths", rep.linear_paths or "")
+        if rep.projection_paths:
+            t.add_row("  by projection", _by_projection(rep.projection_paths))
     else:
         t.add_row("resident after load", "not loaded (--no-load): the file's bytes are used below")
     t.add_row("memory", f"{human_bytes(rep.memory_available)} available on {rep.device}; KV budget "

@@ -180,11 +180,12 @@ class LLMEngine:
         elif loaded.dense_linears == "nf4":
             mode, head_dtype = "nf4", dtype
         elif self.device.type == "cpu":
-            # The INT4 CPU kernel runs in bf16; the vocabulary projection follows it (half of fp32's
-            # bytes). Without 4-bit linears (e.g. a Q8_0 file) everything stays in the compute dtype.
-            has_q4 = any(isinstance(w, QuantTensor) and w.kind == "q4"
-                         for name, w in loaded.weights.items() if name.endswith("proj.weight"))
-            mode, head_dtype = "int4-cpu", (torch.bfloat16 if has_q4 else dtype)
+            # The INT4 CPU kernel runs in bf16 (4-bit codes as int4-cpu, 5/6/8-bit as int4x2-cpu); the
+            # vocabulary projection follows it (half of fp32's bytes). Without quantized linears
+            # (e.g. an F16 file) everything stays in the compute dtype.
+            has_packed_codes = any(isinstance(w, QuantTensor)
+                                   for name, w in loaded.weights.items() if name.endswith("proj.weight"))
+            mode, head_dtype = "int4-cpu", (torch.bfloat16 if has_packed_codes else dtype)
         else:
             mode, head_dtype = ("triton" if self.backend.name == "triton" else "int4-torch"), dtype
         self.linear_mode = mode
@@ -194,7 +195,7 @@ class LLMEngine:
                                     device=self.device, lm_head_dtype=head_dtype)
         except KeyError as e:
             raise ConfigError(f"{loaded.source}: missing weight {e.args[0]}") from None
-        # What the layers really run: e.g. "int4-cpu+lowbit-torch" for a Q4_K_M file (Q6_K parts).
+        # What the layers really run: e.g. "int4-cpu+int4x2-cpu" for a Q4_K_M file (Q6_K parts).
         self.linear_mode = mode if mode in ("dense", "nf4") else self.model.linear_modes()
         self.model.linear_mode = self.linear_mode
 

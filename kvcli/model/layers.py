@@ -9,8 +9,14 @@ A quantized linear is built from a canonical QuantTensor and keeps only the form
   "triton"      kvcli_kernels.int4_matmul on the canonical layout (CUDA; plain float group scale/min:
                 fp16 from GGUF; a float32 min = -zero * scale from AWQ / GPTQ / compressed-tensors).
   "int4-torch"  4-bit codes dequantized per call in plain torch: exact, slow (fallback).
-  "lowbit-torch" 5/6/8-bit codes (Q5_0, Q5_1, Q5_K, Q6_K, Q8_0) dequantized per call in plain torch:
-                resident as in the file, exact, slow (no packed 5/6/8-bit group kernel in torch).
+  "int4x2-cpu"  5/6/8-bit codes (Q5_0, Q5_1, Q5_K, Q6_K, Q8_0) through the same int4 kernel: each code
+                split into two nibbles, q = lo + 16 * hi, both in one kernel group of twice the
+                file's group (see _int4x2_pack); activations rearranged per call to [x_g, 16 x_g]
+                per group. 8 bits per code + bf16 scale/zero per group resident (Q8_0 1.06x the
+                file, Q5_* 1.5-1.64x, Q6_K 1.52x); about twice a Q4 matmul; not bit-exact (as int4-cpu).
+  "lowbit-torch" 5/6/8-bit codes dequantized per call in plain torch: resident as in the file, exact,
+                slow. The fallback where int4x2-cpu does not apply (rows not a multiple of 16, a
+                group size the kernel refuses, non-CPU devices).
   "half-torch"  an fp16/bf16 weight from the file kept half precision, upcast per call.
   "dense"       weights dequantized once to the compute dtype (`--dequantize`): exact, 8x the bytes.
   "nf4"         a dense checkpoint weight quantized by bitsandbytes to NF4 (blocksize 64), or a
@@ -70,7 +76,11 @@ class Linear:
         if mode not in ("triton", "int4-torch", "int4-cpu"):
             raise ValueError(f"unknown linear mode {mode!r}")
         if weight.kind != "q4":
-            self.mode, self.q = "lowbit-torch", weight
+            if mode == "int4-cpu" and self.out_features % 16 == 0 and 2 * weight.group_size in _KERNEL_GROUPS:
+                self.mode = "int4x2-cpu"
+                self.packed, self.scale_zero = _int4x2_pack(weight)
+            else:
+                self.mode, self.q = "lowbit-torch", weight
         elif mode == "int4-cpu" and self.out_features % 16 == 0 and weight.offset == 0:
             self.int4 = Int4Cpu(weight.unpack_codes(), weight.group_scales(), weight.group_mins(), weight.group_size)
         elif mode == "triton" and weight.with_float_min().plain_groups:
@@ -84,6 +94,8 @@ class Linear:
             return _nbytes(self.weight, self.bias)
         if self.mode == "int4-cpu":
             return self.int4.nbytes + _nbytes(self.bias)
+        if self.mode == "int4x2-cpu":
+            return _nbytes(self.packed, self.scale_zero, self.bias)
         if self.mode == "nf4":
             return _nbytes(self.nf4, self.nf4_state.absmax, self.bias)
         return self.q.nbytes + _nbytes(self.bias)
@@ -93,6 +105,14 @@ class Linear:
             return F.linear(x, self.weight, self.bias)
         if self.mode == "int4-cpu":
             y = self.int4(x)
+        elif self.mode == "int4x2-cpu":
+            # [x_g, 16 x_g] per group of G: the lo and hi nibbles of group g meet their own activations
+            # (16 x is exact in bf16). One cat per call, no loop over groups.
+            xb = x.to(torch.bfloat16).reshape(x.shape[0], -1, self.group_size)
+            x2 = torch.cat([xb, xb * 16], dim=-1).reshape(x.shape[0], -1)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x2, self.packed, 2 * self.group_size, self.scale_zero
+            ).to(x.dtype)
         elif self.mode == "nf4":
             import bitsandbytes as bnb
 
@@ -106,6 +126,46 @@ class Linear:
         else:
             y = F.linear(x, self.q.dequantize(x.dtype))
         return y if self.bias is None else y + self.bias
+
+
+_KERNEL_GROUPS = (32, 64, 128, 256)  # the group sizes torch's int4 CPU kernel accepts
+
+# int4x2: the high part of a code is stored as hi + _HI_BIAS (a nibble 0..15: q5 hi 0..1, q6 0..3,
+# q8 -8..7). The kernel then reads each code as q - P with P = 136 - 16 * bias (see _int4x2_pack):
+# 8 for q5 and q8, 24 for q6, the reachable P nearest each code range's middle (15.5, 31.5, -0.5),
+# which keeps the per-group zero, and so its bf16 rounding, small.
+_HI_BIAS = {"q5": 8, "q6": 7, "q8": 8}
+_CODE_MID = {"q5": 15.5, "q6": 31.5, "q8": -0.5}
+
+
+def _int4x2_pack(weight: QuantTensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A 5/6/8-bit QuantTensor -> (packed int4 weight [N, K], bf16 scale/zero [K / G, N, 2]) for torch's
+    int4 CPU kernel over a doubled reduction dimension.
+
+    Each file group g of G codes becomes one kernel group of 2G: [lo of the G codes, hi + bias of the
+    same G codes], against activations [x_g, 16 x_g]. The kernel computes, per group,
+        sum_k x_k ((lo_k - 8) S + Z) + sum_k 16 x_k ((hi_k + bias - 8) S + Z)
+          = S sum_k x_k (q_k - P) + 17 Z sum_k x_k,        P = 8 + 16 (8 - bias),
+    and the file's weight is s (q - offset) + m (m: Q5_1 / Q5_K mins, else 0). So S = bf16(s) and
+        17 Z = m + s (P - offset) + (S - s) (P - mid),
+    the last term moving the error of S's rounding to (S - s) (q - mid), centred on the code range like
+    the int4-cpu path's (q - 8), instead of (S - s) (q - P)."""
+    n, k = weight.shape
+    g = weight.group_size
+    q = weight.unpack_codes().to(torch.int32)  # q8: signed, so >> 4 is the arithmetic high part
+    bias = _HI_BIAS[weight.kind]
+    lo, hi = (q & 15).view(n, k // g, 1, g), ((q >> 4) + bias).view(n, k // g, 1, g)
+    codes = torch.cat([lo, hi], dim=2).reshape(n, 2 * k)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
+    p = 8 + 16 * (8 - bias)
+    s = weight.group_scales()
+    s_bf = s.to(torch.bfloat16).to(torch.float32)
+    mins = weight.group_mins()
+    c = s * float(p - weight.offset) + (s_bf - s) * (p - _CODE_MID[weight.kind])
+    if mins is not None:
+        c = c + mins
+    scale_zero = torch.stack([s, c / 17.0], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+    return packed, scale_zero
 
 
 class LinearGroup:

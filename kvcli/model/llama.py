@@ -25,14 +25,32 @@ Weights = dict[str, "QuantTensor | torch.Tensor"]
 
 def _fuse(parts: list[QuantTensor | torch.Tensor]) -> QuantTensor | torch.Tensor | list[QuantTensor | torch.Tensor]:
     """One weight for a fused matmul when the parts share a layout; else the parts, kept as they are
-    (a LinearGroup), so a mixed Q4_K/Q6_K q/k/v never falls back to a dense copy."""
-    if all(isinstance(p, QuantTensor) for p in parts):
-        if len({p.layout() for p in parts}) == 1:  # type: ignore[union-attr]
-            return QuantTensor.cat(parts)  # type: ignore[arg-type]
-        return parts
-    if all(isinstance(p, torch.Tensor) for p in parts) and len({p.dtype for p in parts}) == 1:
-        return torch.cat(parts)  # type: ignore[arg-type]
-    return parts
+    (a LinearGroup), so a mixed Q4_K/Q6_K q/k/v never falls back to a dense copy. Neighbours that
+    share a layout are still fused (Q4_K_M: q+k, then v), one kernel call fewer per layer."""
+    fused = [r[0] if len(r) == 1 else (QuantTensor.cat(r) if isinstance(r[0], QuantTensor) else torch.cat(r))
+             for r in _runs(parts)]
+    return fused[0] if len(fused) == 1 else fused
+
+
+def _runs(parts: list) -> list[list]:
+    """Neighbouring parts that can be concatenated (quantized of one layout, or tensors of one dtype)."""
+    def key(p) -> object:
+        if isinstance(p, QuantTensor):
+            return ("quant", p.layout())
+        if isinstance(p, torch.Tensor):
+            return ("tensor", p.dtype)
+        return object()  # e.g. a bitsandbytes weight: never concatenated
+
+    runs: list[list] = []
+    last = None
+    for p in parts:
+        k = key(p)
+        if runs and k == last:
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+        last = k
+    return runs
 
 
 def _linear(w: QuantTensor | torch.Tensor | list, bias: torch.Tensor | None, mode: str,
@@ -71,14 +89,18 @@ class LlamaModel:
 
         self.embed = Embedding(take("model.embed_tokens.weight"), dtype)
         self.layers: list[DecoderLayer] = []
+        # projection name -> {matmul path: layers}, e.g. down_proj {"int4x2-cpu": 30}: what inspect shows.
+        self.projection_paths: dict[str, dict[str, int]] = {}
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
-            qkv = _fuse([take(a + "q_proj.weight"), take(a + "k_proj.weight"), take(a + "v_proj.weight")])
+            qkv_parts = [take(a + "q_proj.weight"), take(a + "k_proj.weight"), take(a + "v_proj.weight")]
+            qkv = _fuse(qkv_parts)
             bias = None
             if c.attention_bias:
                 bias = torch.cat([take(a + "q_proj.bias"), take(a + "k_proj.bias"), take(a + "v_proj.bias")])
-            gate_up = _fuse([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+            gate_up_parts = [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]
+            gate_up = _fuse(gate_up_parts)
             self.layers.append(DecoderLayer(
                 attn_norm=RMSNorm(take(p + "input_layernorm.weight"), c.rms_norm_eps, dtype),
                 qkv=_linear(qkv, bias, linear_mode, dtype),
@@ -87,6 +109,11 @@ class LlamaModel:
                 gate_up=_linear(gate_up, None, linear_mode, dtype),
                 down=Linear(take(p + "mlp.down_proj.weight"), None, linear_mode, dtype),
             ))
+            layer = self.layers[-1]
+            self._count_paths(("q_proj", "k_proj", "v_proj"), qkv_parts, layer.qkv)
+            self._count_paths(("o_proj",), [], layer.o)
+            self._count_paths(("gate_proj", "up_proj"), gate_up_parts, layer.gate_up)
+            self._count_paths(("down_proj",), [], layer.down)
         self.norm = RMSNorm(take("model.norm.weight"), c.rms_norm_eps, dtype)
         # The output projection is a dense matmul over the whole vocabulary. With tied weights the
         # (possibly int8) embedding table is expanded once into lm_head_dtype for it.
@@ -101,8 +128,19 @@ class LlamaModel:
         self.rotary = Rotary(c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling, device)
 
     # ---------------------------------------------------------------------------------------------
+    def _count_paths(self, names: tuple[str, ...], parts: list, lin: Linear | LinearGroup) -> None:
+        """projection_paths[name][mode] += 1 for each projection of one fused linear: a LinearGroup's
+        parts are _fuse's runs of neighbours, in order; a single Linear covers them all."""
+        if isinstance(lin, LinearGroup):
+            modes = [part.mode for part, run in zip(lin.parts, _runs(parts)) for _ in run]
+        else:
+            modes = [lin.mode] * len(names)
+        for name, mode in zip(names, modes):
+            counts = self.projection_paths.setdefault(name, {})
+            counts[mode] = counts.get(mode, 0) + 1
+
     def linear_modes(self) -> str:
-        """The matmul paths the layer linears took, e.g. "int4-cpu" or "int4-cpu+lowbit-torch"."""
+        """The matmul paths the layer linears took, e.g. "int4-cpu" or "int4-cpu+int4x2-cpu"."""
         modes: dict[str, None] = {}
         for l in self.layers:
             for lin in (l.qkv, l.o, l.gate_up, l.down):
