@@ -168,14 +168,23 @@ def test_kquant_model_exact_path_matches_transformers(tiny_runs):
 
 
 def test_kquant_model_packed_path_agrees_with_transformers(tiny_runs):
-    """The same thresholds as the bundled model's INT4 path (test_vs_transformers.py)."""
+    """Top-1 kept wherever the reference is decisive, and always within its top 2.
+
+    Not the bundled model's overall 0.95 top-1 threshold (test_vs_transformers.py, kept there): this
+    random model's logits are flat (std ~8, and ~20 % of positions have their top two within 0.5),
+    while the packed paths' bf16 activations move a logit by ~0.5 (median abs error). So overall top-1
+    agreement measures near-ties and the ISA's rounding (0.957 with torch's AVX-512 kernels, 0.949 with
+    its AVX2 ones, every miss a gap < 0.28). A wrong decode would flip decisive positions too."""
     engine = tiny_runs["packed_engine"]
     assert engine.linear_mode == "int4-cpu+int4x2-cpu"  # Q4_K packed int4; Q5/Q6/Q8 as two nibbles
     ours, ref = tiny_runs["packed"], tiny_runs["ref"]
-    top1 = ours.argmax(-1, keepdim=True)
-    agree = (top1 == ref.argmax(-1, keepdim=True)).float().mean().item()
-    in_top2 = (ref.topk(2, dim=-1).indices == top1).any(-1).float().mean().item()
-    assert agree >= 0.95, agree
+    top1 = ours.argmax(-1)
+    best2 = ref.topk(2, dim=-1)
+    decisive = (best2.values[:, 0] - best2.values[:, 1]) > 0.5
+    assert decisive.float().mean() >= 0.6  # most positions count
+    agree_decisive = (top1 == best2.indices[:, 0])[decisive].float().mean().item()
+    in_top2 = (best2.indices == top1[:, None]).any(-1).float().mean().item()
+    assert agree_decisive >= 0.99, agree_decisive
     assert in_top2 >= 0.99, in_top2
 
 
