@@ -1,5 +1,5 @@
 """int4x2-cpu: Q5_0 / Q5_1 / Q5_K / Q6_K / Q8_0 linears through torch's int4 CPU kernel, each code split
-into two nibbles over a doubled reduction dimension (kvcli/model/layers.py, _int4x2_pack).
+into two nibbles over a doubled reduction dimension (kvcli/model/int4_cpu.py, int4x2_pack).
 
 Not bit-exact (bf16 activations, scales and zeros, as the int4-cpu path), so the bound is relative: the
 error against the exact dense matmul (QuantTensor.dequantize, float64) must stay within 2x the error

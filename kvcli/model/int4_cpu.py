@@ -1,4 +1,5 @@
-"""torch's packed int4 CPU form of a linear's weight, and when to read it back as dense fp32 instead.
+"""torch's packed int4 CPU form of a linear's weight: 4-bit codes (Int4Cpu, with a dense fp32 read-back
+where bf16 is emulated) and 5/6/8-bit codes as two nibbles each (Int4x2Cpu, below).
 
 `torch.ops.aten._weight_int4pack_mm_for_cpu` multiplies bf16 activations by 4-bit codes (torch's own
 packed layout) with a bf16 scale/zero per group: y = x @ ((q - 8) * scale + zero)^T. On CPUs with
@@ -21,8 +22,12 @@ block size reproduces it (another torch version), the dense read-back is simply 
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from kvcli.model.quant import QuantTensor
 
 DENSE_MIN_ROWS = 256  # AVX2: from about here on dequantize + fp32 GEMM beats the emulated-bf16 int4 kernel
 
@@ -86,3 +91,66 @@ class Int4Cpu:
             return torch.mm(x.float(), self.dense_t()).to(x.dtype)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             x.to(torch.bfloat16), self.packed, self.group_size, self.scale_zero).to(x.dtype)
+
+
+# -- 5/6/8-bit codes through the same kernel ("int4x2-cpu") --------------------------------------------
+
+KERNEL_GROUPS = (32, 64, 128, 256)  # the group sizes torch's int4 CPU kernel accepts
+
+# int4x2: the high part of a code is stored as hi + _HI_BIAS (a nibble 0..15: q5 hi 0..1, q6 0..3,
+# q8 -8..7). The kernel then reads each code as q - P with P = 136 - 16 * bias (see int4x2_pack):
+# 8 for q5 and q8, 24 for q6, the reachable P nearest each code range's middle (15.5, 31.5, -0.5),
+# which keeps the per-group zero, and so its bf16 rounding, small.
+_HI_BIAS = {"q5": 8, "q6": 7, "q8": 8}
+_CODE_MID = {"q5": 15.5, "q6": 31.5, "q8": -0.5}
+
+
+def int4x2_pack(weight: "QuantTensor") -> tuple[torch.Tensor, torch.Tensor]:
+    """A 5/6/8-bit QuantTensor -> (packed int4 weight [N, K], bf16 scale/zero [K / G, N, 2]) for torch's
+    int4 CPU kernel over a doubled reduction dimension.
+
+    Each file group g of G codes becomes one kernel group of 2G: [lo of the G codes, hi + bias of the
+    same G codes], against activations [x_g, 16 x_g]. The kernel computes, per group,
+        sum_k x_k ((lo_k - 8) S + Z) + sum_k 16 x_k ((hi_k + bias - 8) S + Z)
+          = S sum_k x_k (q_k - P) + 17 Z sum_k x_k,        P = 8 + 16 (8 - bias),
+    and the file's weight is s (q - offset) + m (m: Q5_1 / Q5_K mins, else 0). So S = bf16(s) and
+        17 Z = m + s (P - offset) + (S - s) (P - mid),
+    the last term moving the error of S's rounding to (S - s) (q - mid), centred on the code range like
+    the int4-cpu path's (q - 8), instead of (S - s) (q - P)."""
+    n, k = weight.shape
+    g = weight.group_size
+    q = weight.unpack_codes().to(torch.int32)  # q8: signed, so >> 4 is the arithmetic high part
+    bias = _HI_BIAS[weight.kind]
+    lo, hi = (q & 15).view(n, k // g, 1, g), ((q >> 4) + bias).view(n, k // g, 1, g)
+    codes = torch.cat([lo, hi], dim=2).reshape(n, 2 * k)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
+    p = 8 + 16 * (8 - bias)
+    s = weight.group_scales()
+    s_bf = s.to(torch.bfloat16).to(torch.float32)
+    mins = weight.group_mins()
+    c = s * float(p - weight.offset) + (s_bf - s) * (p - _CODE_MID[weight.kind])
+    if mins is not None:
+        c = c + mins
+    scale_zero = torch.stack([s, c / 17.0], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+    return packed, scale_zero
+
+
+class Int4x2Cpu:
+    """A 5/6/8-bit weight as two nibbles per code in torch's packed int4 CPU form (int4x2_pack)."""
+
+    def __init__(self, weight: "QuantTensor") -> None:
+        self.out_features, self.in_features = weight.shape
+        self.group_size = weight.group_size
+        self.packed, self.scale_zero = int4x2_pack(weight)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.scale_zero))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # [x_g, 16 x_g] per group of G: the lo and hi nibbles of group g meet their own activations
+        # (16 x is exact in bf16). One cat per call, no loop over groups.
+        xb = x.to(torch.bfloat16).reshape(x.shape[0], -1, self.group_size)
+        x2 = torch.cat([xb, xb * 16], dim=-1).reshape(x.shape[0], -1)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x2, self.packed, 2 * self.group_size, self.scale_zero).to(x.dtype)

@@ -11,7 +11,7 @@ A quantized linear is built from a canonical QuantTensor and keeps only the form
   "int4-torch"  4-bit codes dequantized per call in plain torch: exact, slow (fallback).
   "int4x2-cpu"  5/6/8-bit codes (Q5_0, Q5_1, Q5_K, Q6_K, Q8_0) through the same int4 kernel: each code
                 split into two nibbles, q = lo + 16 * hi, both in one kernel group of twice the
-                file's group (see _int4x2_pack); activations rearranged per call to [x_g, 16 x_g]
+                file's group (model/int4_cpu.py, Int4x2Cpu); activations rearranged per call to [x_g, 16 x_g]
                 per group. 8 bits per code + bf16 scale/zero per group resident (Q8_0 1.06x the
                 file, Q5_* 1.5-1.64x, Q6_K 1.52x); about twice a Q4 matmul; not bit-exact (as int4-cpu).
   "lowbit-torch" 5/6/8-bit codes dequantized per call in plain torch: resident as in the file, exact,
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from kvcli.model.bnb_4bit import Bnb4bitWeight
-from kvcli.model.int4_cpu import Int4Cpu
+from kvcli.model.int4_cpu import KERNEL_GROUPS, Int4Cpu, Int4x2Cpu
 from kvcli.model.quant import QuantTensor
 
 
@@ -76,9 +76,8 @@ class Linear:
         if mode not in ("triton", "int4-torch", "int4-cpu"):
             raise ValueError(f"unknown linear mode {mode!r}")
         if weight.kind != "q4":
-            if mode == "int4-cpu" and self.out_features % 16 == 0 and 2 * weight.group_size in _KERNEL_GROUPS:
-                self.mode = "int4x2-cpu"
-                self.packed, self.scale_zero = _int4x2_pack(weight)
+            if mode == "int4-cpu" and self.out_features % 16 == 0 and 2 * weight.group_size in KERNEL_GROUPS:
+                self.mode, self.int4 = "int4x2-cpu", Int4x2Cpu(weight)
             else:
                 self.mode, self.q = "lowbit-torch", weight
         elif mode == "int4-cpu" and self.out_features % 16 == 0 and weight.offset == 0:
@@ -92,10 +91,8 @@ class Linear:
     def nbytes(self) -> int:
         if self.mode in ("dense", "half-torch"):
             return _nbytes(self.weight, self.bias)
-        if self.mode == "int4-cpu":
+        if self.mode in ("int4-cpu", "int4x2-cpu"):
             return self.int4.nbytes + _nbytes(self.bias)
-        if self.mode == "int4x2-cpu":
-            return _nbytes(self.packed, self.scale_zero, self.bias)
         if self.mode == "nf4":
             return _nbytes(self.nf4, self.nf4_state.absmax, self.bias)
         return self.q.nbytes + _nbytes(self.bias)
@@ -103,16 +100,8 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.mode == "dense":
             return F.linear(x, self.weight, self.bias)
-        if self.mode == "int4-cpu":
+        if self.mode in ("int4-cpu", "int4x2-cpu"):
             y = self.int4(x)
-        elif self.mode == "int4x2-cpu":
-            # [x_g, 16 x_g] per group of G: the lo and hi nibbles of group g meet their own activations
-            # (16 x is exact in bf16). One cat per call, no loop over groups.
-            xb = x.to(torch.bfloat16).reshape(x.shape[0], -1, self.group_size)
-            x2 = torch.cat([xb, xb * 16], dim=-1).reshape(x.shape[0], -1)
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                x2, self.packed, 2 * self.group_size, self.scale_zero
-            ).to(x.dtype)
         elif self.mode == "nf4":
             import bitsandbytes as bnb
 
@@ -126,46 +115,6 @@ class Linear:
         else:
             y = F.linear(x, self.q.dequantize(x.dtype))
         return y if self.bias is None else y + self.bias
-
-
-_KERNEL_GROUPS = (32, 64, 128, 256)  # the group sizes torch's int4 CPU kernel accepts
-
-# int4x2: the high part of a code is stored as hi + _HI_BIAS (a nibble 0..15: q5 hi 0..1, q6 0..3,
-# q8 -8..7). The kernel then reads each code as q - P with P = 136 - 16 * bias (see _int4x2_pack):
-# 8 for q5 and q8, 24 for q6, the reachable P nearest each code range's middle (15.5, 31.5, -0.5),
-# which keeps the per-group zero, and so its bf16 rounding, small.
-_HI_BIAS = {"q5": 8, "q6": 7, "q8": 8}
-_CODE_MID = {"q5": 15.5, "q6": 31.5, "q8": -0.5}
-
-
-def _int4x2_pack(weight: QuantTensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A 5/6/8-bit QuantTensor -> (packed int4 weight [N, K], bf16 scale/zero [K / G, N, 2]) for torch's
-    int4 CPU kernel over a doubled reduction dimension.
-
-    Each file group g of G codes becomes one kernel group of 2G: [lo of the G codes, hi + bias of the
-    same G codes], against activations [x_g, 16 x_g]. The kernel computes, per group,
-        sum_k x_k ((lo_k - 8) S + Z) + sum_k 16 x_k ((hi_k + bias - 8) S + Z)
-          = S sum_k x_k (q_k - P) + 17 Z sum_k x_k,        P = 8 + 16 (8 - bias),
-    and the file's weight is s (q - offset) + m (m: Q5_1 / Q5_K mins, else 0). So S = bf16(s) and
-        17 Z = m + s (P - offset) + (S - s) (P - mid),
-    the last term moving the error of S's rounding to (S - s) (q - mid), centred on the code range like
-    the int4-cpu path's (q - 8), instead of (S - s) (q - P)."""
-    n, k = weight.shape
-    g = weight.group_size
-    q = weight.unpack_codes().to(torch.int32)  # q8: signed, so >> 4 is the arithmetic high part
-    bias = _HI_BIAS[weight.kind]
-    lo, hi = (q & 15).view(n, k // g, 1, g), ((q >> 4) + bias).view(n, k // g, 1, g)
-    codes = torch.cat([lo, hi], dim=2).reshape(n, 2 * k)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
-    p = 8 + 16 * (8 - bias)
-    s = weight.group_scales()
-    s_bf = s.to(torch.bfloat16).to(torch.float32)
-    mins = weight.group_mins()
-    c = s * float(p - weight.offset) + (s_bf - s) * (p - _CODE_MID[weight.kind])
-    if mins is not None:
-        c = c + mins
-    scale_zero = torch.stack([s, c / 17.0], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
-    return packed, scale_zero
 
 
 class LinearGroup:
