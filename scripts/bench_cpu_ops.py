@@ -57,6 +57,7 @@ def main() -> None:
     for n, k in [(1536, 576), (576, 1536)]:
         lin = Linear(quantize_q4(torch.randn(n, k) * 0.02), None, "int4-cpu", torch.float32)
         wd = quantize_q4(torch.randn(n, k) * 0.02).dequantize()
+        rb = lin.int4.dense_dtype or torch.float32  # what kvcli reads back in on this ISA
         for m in rows:
             x = torch.randn(m, k)
             base = median_ms(lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(
@@ -65,8 +66,8 @@ def main() -> None:
                 ("int4 packed, bf16 activations (kvcli)", base),
                 ("int4 packed, fp32 activations", median_ms(lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(
                     x, lin.int4.packed, 32, lin.int4.scale_zero.float()), max(3, a.repeats // 3))),
-                ("int4 codes read back as fp32 per call + fp32 GEMM (kvcli where bf16 is emulated, "
-                 f">= {DENSE_MIN_ROWS} rows)", median_ms(lambda: torch.mm(x, lin.int4.dense_t()), a.repeats)),
+                (f"int4 codes read back as {str(rb)[6:]} per call + {str(rb)[6:]} GEMM (kvcli from "
+                 f"{DENSE_MIN_ROWS} rows)", median_ms(lambda: torch.mm(x.to(rb), lin.int4.dense_t(rb)), a.repeats)),
                 ("dense fp32 (8x the bytes)", median_ms(lambda: F.linear(x, wd), a.repeats)),
                 ("dense bf16 (4x the bytes)", median_ms(lambda: F.linear(x.bfloat16(), wd.bfloat16()), a.repeats)),
             ]

@@ -25,16 +25,18 @@ for n, k, gs in ((192, 128, 32), (64, 256, 64), (320, 96, 32)):  # ragged block 
     s, z = w.scale_zero.float().unbind(-1)  # [K / G, N]: the kernel's bf16 scale and zero
     codes = q.unpack_codes().float().t()  # [K, N]
     want = (codes - 8).view(k // gs, gs, n) * s.unsqueeze(1) + z.unsqueeze(1)
-    got = w.dense_t()
+    got = w.dense_t().clone()  # dense_t returns a reused buffer
     assert got.shape == (k, n)
     assert torch.allclose(got, want.view(k, n), rtol=1e-6, atol=1e-7), (got - want.view(k, n)).abs().max()
+    assert torch.equal(w.dense_t(torch.bfloat16), got.to(torch.bfloat16))
     x = torch.randn(300, k, generator=g)
+    assert w.dense_dtype in (torch.bfloat16, torch.float32)
     w.dense_min_rows = 1
     dense = w(x)
     w.dense_min_rows = None
     kernel = w(x)  # bf16 activations: agrees to bf16 precision
     assert (dense - kernel).abs().max() <= 0.02 * kernel.abs().max(), (dense - kernel).abs().max()
-print("block", packed_block_n())
+print("block", packed_block_n(), "read-back", w.dense_dtype)
 """
 
 
@@ -58,6 +60,7 @@ def test_dense_read_back_equals_the_kernels_weight_on_avx2():
     find it, and the decoded weight must still be the packed one."""
     out = _run({"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"})
     assert "block 32" in out or "block 64" in out  # 64 only if this torch ignores the capability
+    assert "read-back torch.float32" in out  # bf16 is emulated under AVX2: read back as fp32
 
 
 def test_a_wrong_layout_guess_is_caught():

@@ -102,3 +102,33 @@ def test_seeded_sampling_with_speculation_is_reproducible(shared_model, referenc
     a, ea = generate(shared_model, ids[:2], params, kv_budget="64MiB", speculate="ngram")
     b, _ = generate(shared_model, ids[:2], params, kv_budget="64MiB", speculate="ngram")
     assert a == b and ea.snapshot().spec.proposed > 0
+
+
+def test_greedy_identity_holds_with_torchs_avx2_kernels():
+    """On CPUs without native bf16 (AVX2) kvcli picks matmul paths by row count (the int4 linears'
+    fp32 read-back, the vocabulary projection's fp32 slices); the invariant backend must turn them
+    off, or a verify chunk and a one-row decode round differently. A subprocess under torch's AVX2
+    kernels runs one speculative batch against plain decoding."""
+    import os
+    import subprocess
+    import sys
+
+    script = f"""
+import sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from test_spec_engine import generate, prompts
+from kvcli.engine.llm_engine import EngineOptions, LLMEngine
+from kvcli.model.loader import load_weights
+loaded = load_weights(None)
+model = LLMEngine(loaded, EngineOptions(kv_budget="32MiB", max_model_len=512, attention_backend="invariant")).model
+assert model.lm_head.fp32_slices is False
+ids = prompts(loaded.tokenizer)
+plain, _ = generate((loaded, model), ids, kv_budget="64MiB")
+spec, engine = generate((loaded, model), ids, kv_budget="64MiB", speculate="ngram", num_speculative_tokens=1)
+assert engine.snapshot().spec.accepted > 0
+assert spec == plain, "speculation changed greedy output under AVX2 kernels"
+print("identical")
+"""
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0 and "identical" in r.stdout, r.stderr[-3000:]

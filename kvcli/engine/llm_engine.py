@@ -116,6 +116,8 @@ class LLMEngine:
                 self._build_model(loaded, dtype)
             else:  # a second engine over the same weights (profile --compare), no second load
                 self.model, self.linear_mode = model, model.linear_mode
+            if self.backend.name == "invariant":  # (a shared model then stays row-invariant: slower, same values)
+                self.model.make_row_invariant()
 
         bs = options.block_size
         self.bytes_per_block = bytes_per_block(c, bs, self.kv_dtype)

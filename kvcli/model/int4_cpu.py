@@ -1,22 +1,23 @@
-"""torch's packed int4 CPU form of a linear's weight: 4-bit codes (Int4Cpu, with a dense fp32 read-back
-where bf16 is emulated) and 5/6/8-bit codes as two nibbles each (Int4x2Cpu, below).
+"""torch's packed int4 CPU form of a linear's weight: 4-bit codes (Int4Cpu, with a dense read-back for
+calls with many rows) and 5/6/8-bit codes as two nibbles each (Int4x2Cpu, below).
 
 `torch.ops.aten._weight_int4pack_mm_for_cpu` multiplies bf16 activations by 4-bit codes (torch's own
-packed layout) with a bf16 scale/zero per group: y = x @ ((q - 8) * scale + zero)^T. On CPUs with
-native bf16 dot products (AVX-512-BF16, AMX) it is the fastest path at every batch size. Without them
-(AVX2) bf16 is emulated, and from a few hundred rows on (prefill chunks, big mixed batches) it loses
-to dequantizing the weight once per call to fp32 and running an fp32 GEMM: measured per linear at 512
-rows, one thread (docs/results/cpu-ops-2026-12-01b.txt, scripts/bench_cpu_ops.py), torch's AVX2
-kernels: 24.5 ms int4 kernel vs 16.7 ms read-back + fp32 GEMM for 1536 x 576, 18.0 vs 12.6 ms for
-576 x 1536 (about even at 256 rows); AVX-512-BF16: 11.0 vs 14.1 ms, so not there. So on AVX2 a call with
-at least DENSE_MIN_ROWS rows reads the packed codes back as a dense fp32 weight (a transient, not
-resident) and runs `addmm`; decode rows keep the int4 kernel. The dense read-back is more exact than
-the kernel (fp32 activations, no bf16 rounding of x), never less.
+packed layout) with a bf16 scale/zero per group: y = x @ ((q - 8) * scale + zero)^T. It is the fastest
+path for decode rows, but from a few hundred rows on (prefill chunks, big mixed batches) it loses to
+reading the codes back once per call as a dense weight (a transient in reused buffers, never resident)
+and running a plain GEMM: bf16 where the CPU has native bf16 dot products (AVX-512-BF16, AMX), fp32
+where bf16 is emulated (AVX2; torch's bf16 GEMM is then ~30x slower). Measured per linear at 256 and
+512 rows, 2 threads, idle machine (2026-12-01 06:45 UTC, a /tmp script): AVX-512-BF16, kernel vs
+read-back + bf16 GEMM, 3.37 vs 2.53 and 6.20 vs 4.10 ms (1536 x 576), 5.68 vs 4.86 and 11.21 vs
+7.62 ms (3072 x 576); AVX2, kernel vs read-back + fp32 GEMM, 6.43 vs 4.52 and 9.42 vs 7.45 ms (1536 x
+576), 15.67 vs 11.41 and 28.03 vs 12.22 ms (3072 x 576). scripts/bench_cpu_ops.py prints these rows
+(docs/results/cpu-ops-*.txt). The fp32 read-back is more exact than the kernel (no bf16 rounding of x);
+the bf16 one rounds the weight to bf16 on top of the kernel's bf16 activations.
 
 The packed layout is torch's, not a public format: rows are packed in blocks of BLOCK_N (64 on
 AVX-512, 32 on AVX2 in torch 2.13), and for each k the block's first BLOCK_N / 2 rows sit in the low
 nibbles, the rest in the high ones. It is probed at first use by packing a known matrix; if no
-block size reproduces it (another torch version), the dense read-back is simply not used.
+block size reproduces it (another torch version), the read-back is simply not used.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 if TYPE_CHECKING:
     from kvcli.model.quant import QuantTensor
 
-DENSE_MIN_ROWS = 256  # AVX2: from about here on dequantize + fp32 GEMM beats the emulated-bf16 int4 kernel
+DENSE_MIN_ROWS = 256  # from about here on a read-back + GEMM beats the int4 kernel (both ISAs)
 
 
 @functools.lru_cache(maxsize=None)
@@ -51,11 +52,14 @@ def _unpack(packed: torch.Tensor, n: int, k: int, bn: int) -> torch.Tensor:
     return codes.permute(1, 0, 2).reshape(k, n)
 
 
-def dense_read_back_wanted() -> bool:
-    """True where bf16 is emulated (so the int4 kernel is slow at many rows) and the layout is known."""
+def read_back_dtype() -> torch.dtype | None:
+    """The dtype calls with many rows read the weight back in: bf16 where the CPU has native bf16 dot
+    products, fp32 where bf16 is emulated; None when torch's packed layout is not recognised."""
     from kvcli.model.vocab_head import cpu_has_native_bf16
 
-    return not cpu_has_native_bf16() and packed_block_n() is not None
+    if packed_block_n() is None:
+        return None
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
 
 
 class Int4Cpu:
@@ -69,28 +73,53 @@ class Int4Cpu:
         # The kernel computes (q - 8) * scale + zero, so zero = min + 8 * scale.
         zero = (mins if mins is not None else torch.zeros_like(scale)) + 8.0 * scale
         self.scale_zero = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
-        self.dense_min_rows = DENSE_MIN_ROWS if dense_read_back_wanted() else None
+        self.dense_dtype = read_back_dtype()
+        self.dense_min_rows = DENSE_MIN_ROWS if self.dense_dtype is not None else None
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.packed, self.scale_zero))
 
-    def dense_t(self) -> torch.Tensor:
-        """The weight as fp32 [K, N] from the packed codes: (q - 8) * scale + zero, the kernel's values."""
+    def dense_t(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight as `dtype` [K, N] from the packed codes: scale * q + (zero - 8 * scale), the kernel's
+        values (computed in fp32, then rounded to `dtype`). Written into reused scratch buffers: the
+        result is valid until the next read-back of a weight of the same shape."""
         bn = packed_block_n()
         assert bn is not None
         k, n, g = self.in_features, self.out_features, self.group_size
+        blocks = self.packed.view(n // bn, k, bn // 2)
+        nib = _scratch("nibbles", (n // bn, k, bn), torch.uint8)
+        torch.bitwise_and(blocks, 0x0F, out=nib[..., :bn // 2])
+        torch.bitwise_right_shift(blocks, 4, out=nib[..., bn // 2:])
+        q = _scratch("codes", (k, n // bn, bn), torch.uint8).copy_(nib.permute(1, 0, 2)).view(k // g, g, n)
         sz = self.scale_zero.float()  # [K / G, N, 2]
         scale, zero = sz[..., 0].unsqueeze(1), sz[..., 1].unsqueeze(1)  # [K / G, 1, N]
-        q = _unpack(self.packed, n, k, bn).view(k // g, g, n)
-        return torch.addcmul(zero - 8.0 * scale, q, scale).view(k, n)
+        w = torch.addcmul(zero - 8.0 * scale, q, scale, out=_scratch("dense", (k // g, g, n), torch.float32))
+        if dtype != torch.float32:  # rounded once, by a plain copy (addcmul writing bf16 is slower)
+            w = _scratch(f"dense-{dtype}", (k // g, g, n), dtype).copy_(w)
+        return w.view(k, n)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] -> [M, N] in x's dtype."""
         if self.dense_min_rows is not None and x.shape[0] >= self.dense_min_rows:
-            return torch.mm(x.float(), self.dense_t()).to(x.dtype)
+            return torch.mm(x.to(self.dense_dtype), self.dense_t(self.dense_dtype)).to(x.dtype)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             x.to(torch.bfloat16), self.packed, self.group_size, self.scale_zero).to(x.dtype)
+
+
+SCRATCH_KEEP_BYTES = 64 << 20  # read-back buffers up to this size are kept between calls (page faults)
+_SCRATCH_BUFS: dict[tuple, torch.Tensor] = {}
+
+
+def _scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A reused buffer per (name, shape, dtype): fresh multi-MB tensors per call cost page faults."""
+    key = (name, shape, dtype)
+    buf = _SCRATCH_BUFS.get(key)
+    if buf is None:
+        buf = torch.empty(shape, dtype=dtype)
+        if buf.numel() * buf.element_size() <= SCRATCH_KEEP_BYTES:
+            _SCRATCH_BUFS[key] = buf
+    return buf
 
 
 # -- 5/6/8-bit codes through the same kernel ("int4x2-cpu") --------------------------------------------

@@ -139,6 +139,18 @@ class LlamaModel:
             counts = self.projection_paths.setdefault(name, {})
             counts[mode] = counts.get(mode, 0) + 1
 
+    def make_row_invariant(self) -> None:
+        """Make each row's logits independent of how many rows share a call (what the invariant attention
+        backend needs for speculation's token identity): turn off the matmul paths picked by row count,
+        the int4 linears' read-back from DENSE_MIN_ROWS rows and the vocabulary projection's fp32
+        slices on CPUs without native bf16."""
+        for l in self.layers:
+            for lin in (l.qkv, l.o, l.gate_up, l.down):
+                for part in (lin.parts if isinstance(lin, LinearGroup) else [lin]):
+                    if part.mode == "int4-cpu":
+                        part.int4.dense_min_rows = None
+        self.lm_head.make_row_invariant()
+
     def linear_modes(self) -> str:
         """The matmul paths the layer linears took, e.g. "int4-cpu" or "int4-cpu+int4x2-cpu"."""
         modes: dict[str, None] = {}

@@ -44,6 +44,11 @@ class VocabHead:
         self.fp32_slices = cpu_bf16 and not cpu_has_native_bf16()
         self.path = "bf16 GEMV, fp32 slices from 4 rows" if self.fp32_slices else f"{str(dtype)[6:]} GEMM"
 
+    def make_row_invariant(self) -> None:
+        """One path whatever the row count (a row's logits then do not depend on its batch)."""
+        self.fp32_slices = False
+        self.path = f"{str(self.weight.dtype)[6:]} GEMM"
+
     @property
     def nbytes(self) -> int:
         return self.weight.numel() * self.weight.element_size()
