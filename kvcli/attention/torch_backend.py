@@ -1,23 +1,24 @@
 """Paged attention in plain torch: the CPU path, and the behaviour the Triton backend must reproduce.
 
-Per request, K/V are read through the block table: as a view when the table is a run of consecutive
-blocks (the common case when a pool is fresh), otherwise with one gather. When many requests decode in
-one step, their rows go through a few padded, masked SDPA calls (one per group of similar
-context lengths) instead of one call each: per-call overhead dominates at small contexts. Two shapes of work:
-  decode (1 query token): the q heads that share a KV head are stacked as that head's query rows,
-      so SDPA runs without a mask and without repeating K/V (grouped-query trick);
+The pool is stored head-major (kvcache/kv_cache.py), so per request, K/V are read through the block
+table as [kv_heads, L, head_dim] with unit-stride rows: a view of the storage when the table is a run
+of consecutive blocks (the common case when a pool is fresh), otherwise one index_select on the
+storage's block dim. When many requests decode in one step, their rows go through a few padded, masked
+calls (one per group of similar context lengths) instead of one call each: per-call overhead
+dominates at small contexts. Two shapes of work:
+  decode (1 query token): the q heads that share a KV head are stacked as that head's query rows
+      (grouped-query trick: no mask, no repeated K/V), and attention is two GEMMs per KV head,
+      scores = q @ K^T and out = softmax(scores) @ V, read at near memory bandwidth over the views;
   prefill chunk (q_len tokens on top of a cached prefix): attention to the prefix (all visible, no
       mask, grouped like decode) and to the chunk itself (causal) are computed separately by the
       CPU flash kernel and merged with their log-sum-exps, which avoids a masked math-path SDPA.
 Decode over an int8, fp8, fp16 or bf16 cache (fp32 queries) converts the request's K/V to fp32 in one
-pass each into head-major scratch buffers kept between layers and steps ([kvh, L, D], so both matmuls
-read unit-stride rows), then computes scores = (q @ K^T) * k_scale per token and out = (softmax *
-v_scale) @ V with the scales folded in (no dequantized K/V materialised; 16-bit caches have no
-scales). Batched decode rows gather their blocks with index_select into reused buffers instead of
-advanced indexing. fp32 caches keep SDPA over views (single rows) or gathered copies (batched): the
-exactness tests run on fp32. Prefill chunks over those caches dequantize the request's K/V into the
-same reused head-major buffers (values identical to dequantize()), not into fresh tensors per layer.
-Measured figures: docs/benchmarks.md, "KV cache formats".
+pass each into scratch buffers kept between layers and steps, then computes scores = (q @ K^T) *
+k_scale per token and out = (softmax * v_scale) @ V with the scales folded in (no dequantized K/V
+materialised; 16-bit caches have no scales). Batched decode rows gather their blocks with index_select
+into reused buffers instead of advanced indexing. Prefill chunks over converted caches dequantize the
+request's K/V into the same reused buffers (values identical to dequantize()), not into fresh tensors
+per layer. Measured figures: docs/benchmarks.md ("KV cache formats", "kvcli vs transformers vs llama.cpp").
 Sliding window (meta.sliding_window = w > 0): a request's keys are read from the first one its first
 query row sees; the batched decode groups mask keys before p - w + 1; a chunk longer than the window
 takes the masked SDPA path.
