@@ -117,20 +117,15 @@ class InvariantAttentionBackend(TorchAttentionBackend):
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """K, V of n requests as head-major [kvh, n, keys, D] (keys = blocks [n, nblk] x block_size) in
         `dtype` (fp32 codes for quantized caches), and per-key scales [kvh, n, keys] (None when unscaled):
-        a gather of whole blocks (index_select on the block dim of the head-major storage: a memcpy per
-        block and head), then one converting copy into a reused buffer. One memory layout whatever the
-        batch, so the GEMMs see the same strides."""
-        n = blocks.shape[0]
-        flat = blocks.reshape(-1)
-        keys = blocks.shape[1] * cache.block_size
+        a gather of whole blocks (the torch backend's _gather_codes: one index_select on the block dim of
+        the head-major storage), converted into a reused buffer when `dtype` differs from the cache's.
+        One memory layout whatever the batch, so the GEMMs see the same strides."""
 
         def read(x: torch.Tensor, name: str, out_dtype: torch.dtype) -> torch.Tensor:
-            heads = LayerKV.heads(x)  # [kvh, blocks, bs(, D)]; float8 as its bytes
-            kvh, bs, tail = heads.shape[0], heads.shape[2], tuple(heads.shape[3:])
-            blocks_buf = self._scratch_buf(name + "-blocks", (kvh, flat.numel(), bs, *tail), heads.dtype, x.device)
-            got = torch.index_select(heads, 1, flat, out=blocks_buf).view(x.dtype)  # [kvh, nflat, bs(, D)]
-            buf = self._scratch_buf(name, (kvh, flat.numel(), bs, *tail), out_dtype, x.device)
-            return buf.copy_(got).view(kvh, n, keys, *tail)
+            got = self._gather_codes(x, blocks, name + "-blocks")  # [kvh, n, keys(, D)]
+            if got.dtype == out_dtype:
+                return got
+            return self._scratch_buf(name, tuple(got.shape), out_dtype, x.device).copy_(got)
 
         kd = dtype if cache.k_scale is None else torch.float32
         k, v = read(cache.k, "k", kd), read(cache.v, "v", kd)
