@@ -46,10 +46,18 @@ def packed_block_n() -> int | None:
 
 
 def _unpack(packed: torch.Tensor, n: int, k: int, bn: int) -> torch.Tensor:
-    """Packed [n, k / 2] uint8 -> codes [k, n] uint8 (the transposed weight, the order addmm wants)."""
+    """Packed [n, k / 2] uint8 -> codes [k, n] uint8 (the transposed weight, the order addmm wants), in
+    a reused scratch buffer: valid until the next unpack of the same shape."""
     blocks = packed.view(n // bn, k, bn // 2)
-    codes = torch.cat([blocks & 0x0F, blocks >> 4], dim=-1)  # [n / bn, k, bn]
-    return codes.permute(1, 0, 2).reshape(k, n)
+    nib = _scratch("nibbles", (n // bn, k, bn), torch.uint8)
+    torch.bitwise_and(blocks, 0x0F, out=nib[..., :bn // 2])
+    torch.bitwise_right_shift(blocks, 4, out=nib[..., bn // 2:])
+    return _scratch("codes", (k, n // bn, bn), torch.uint8).copy_(nib.permute(1, 0, 2)).view(k, n)
+
+
+def _scale_zero(scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """Per-group scale and zero [N, groups] -> the kernel's bf16 [groups, N, 2]."""
+    return torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
 
 
 def read_back_dtype() -> torch.dtype | None:
@@ -72,7 +80,7 @@ class Int4Cpu:
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 2)
         # The kernel computes (q - 8) * scale + zero, so zero = min + 8 * scale.
         zero = (mins if mins is not None else torch.zeros_like(scale)) + 8.0 * scale
-        self.scale_zero = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+        self.scale_zero = _scale_zero(scale, zero)
         self.dense_dtype = read_back_dtype()
         self.dense_min_rows = DENSE_MIN_ROWS if self.dense_dtype is not None else None
 
@@ -87,11 +95,7 @@ class Int4Cpu:
         bn = packed_block_n()
         assert bn is not None
         k, n, g = self.in_features, self.out_features, self.group_size
-        blocks = self.packed.view(n // bn, k, bn // 2)
-        nib = _scratch("nibbles", (n // bn, k, bn), torch.uint8)
-        torch.bitwise_and(blocks, 0x0F, out=nib[..., :bn // 2])
-        torch.bitwise_right_shift(blocks, 4, out=nib[..., bn // 2:])
-        q = _scratch("codes", (k, n // bn, bn), torch.uint8).copy_(nib.permute(1, 0, 2)).view(k // g, g, n)
+        q = _unpack(self.packed, n, k, bn).view(k // g, g, n)
         sz = self.scale_zero.float()  # [K / G, N, 2]
         scale, zero = sz[..., 0].unsqueeze(1), sz[..., 1].unsqueeze(1)  # [K / G, 1, N]
         w = torch.addcmul(zero - 8.0 * scale, q, scale, out=_scratch("dense", (k // g, g, n), torch.float32))
@@ -160,8 +164,7 @@ def int4x2_pack(weight: "QuantTensor") -> tuple[torch.Tensor, torch.Tensor]:
     c = s * float(p - weight.offset) + (s_bf - s) * (p - _CODE_MID[weight.kind])
     if mins is not None:
         c = c + mins
-    scale_zero = torch.stack([s, c / 17.0], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
-    return packed, scale_zero
+    return packed, _scale_zero(s, c / 17.0)
 
 
 class Int4x2Cpu:
@@ -172,9 +175,7 @@ class Int4x2Cpu:
         self.group_size = weight.group_size
         self.packed, self.scale_zero = int4x2_pack(weight)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.packed, self.scale_zero))
+    nbytes = Int4Cpu.nbytes  # the same two resident tensors
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # [x_g, 16 x_g] per group of G: the lo and hi nibbles of group g meet their own activations

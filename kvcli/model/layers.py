@@ -4,8 +4,8 @@ A quantized linear is built from a canonical QuantTensor and keeps only the form
   "int4-cpu"    torch's packed int4 CPU kernel (bf16 activations, bf16 scale/zero): 4-bit resident,
                 not bit-exact (activations and scales rounded to bf16). 4-bit codes only (Q4_0,
                 Q4_1, Q4_K: K-quant group scales are multiplied out to per-32 scale/zero first).
-                Where bf16 is emulated (AVX2), calls with many rows read the codes back as a
-                transient fp32 weight instead (model/int4_cpu.py).
+                Calls with many rows (prefill chunks) read the codes back as a transient dense
+                weight and run a plain GEMM instead: bf16 where native, fp32 on AVX2 (model/int4_cpu.py).
   "triton"      kvcli_kernels.int4_matmul on the canonical layout (CUDA; plain float group scale/min:
                 fp16 from GGUF; a float32 min = -zero * scale from AWQ / GPTQ / compressed-tensors).
   "int4-torch"  4-bit codes dequantized per call in plain torch: exact, slow (fallback).
