@@ -8,12 +8,15 @@ AVX-512 machine; the line then shows both what the CPU has and what torch runs.
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 
 
-def _cpuinfo() -> tuple[str, set[str]]:
-    name, flags = "", set()
+@functools.lru_cache(maxsize=1)
+def _cpuinfo() -> tuple[str, frozenset[str]]:
+    """Read once per process: every int4 linear asks (model/int4_cpu.py, vocab_head.py) at load."""
+    name, flags = "", frozenset()
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
@@ -22,13 +25,13 @@ def _cpuinfo() -> tuple[str, set[str]]:
                 if key == "model name" and not name:
                     name = value.strip()
                 elif key == "flags" and not flags:
-                    flags = set(value.split())
+                    flags = frozenset(value.split())
     except OSError:
         pass
     return name or platform.processor() or platform.machine(), flags
 
 
-def cpu_flags() -> set[str]:
+def cpu_flags() -> frozenset[str]:
     return _cpuinfo()[1]
 
 
