@@ -127,10 +127,6 @@ class LinearGroup:
         self.mode = "+".join(dict.fromkeys(p.mode for p in parts))
 
     @property
-    def modes(self) -> list[str]:
-        return [p.mode for p in self.parts]
-
-    @property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.parts) + _nbytes(self.bias)
 

@@ -8,6 +8,7 @@ fused into one matmul each.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import torch
@@ -144,21 +145,20 @@ class LlamaModel:
         backend needs for speculation's token identity): turn off the matmul paths picked by row count,
         the int4 linears' read-back from DENSE_MIN_ROWS rows and the vocabulary projection's fp32
         slices on CPUs without native bf16."""
+        for lin in self._linears():
+            if lin.mode == "int4-cpu":
+                lin.int4.dense_min_rows = None
+        self.lm_head.make_row_invariant()
+
+    def _linears(self) -> Iterator[Linear]:
+        """Every layer Linear, the parts of a LinearGroup one by one."""
         for l in self.layers:
             for lin in (l.qkv, l.o, l.gate_up, l.down):
-                for part in (lin.parts if isinstance(lin, LinearGroup) else [lin]):
-                    if part.mode == "int4-cpu":
-                        part.int4.dense_min_rows = None
-        self.lm_head.make_row_invariant()
+                yield from (lin.parts if isinstance(lin, LinearGroup) else [lin])
 
     def linear_modes(self) -> str:
         """The matmul paths the layer linears took, e.g. "int4-cpu" or "int4-cpu+int4x2-cpu"."""
-        modes: dict[str, None] = {}
-        for l in self.layers:
-            for lin in (l.qkv, l.o, l.gate_up, l.down):
-                for m in (lin.modes if isinstance(lin, LinearGroup) else [lin.mode]):
-                    modes[m] = None
-        return "+".join(modes)
+        return "+".join(dict.fromkeys(lin.mode for lin in self._linears()))
 
     def weight_bytes(self) -> dict[str, int]:
         layers = sum(l.qkv.nbytes + l.o.nbytes + l.gate_up.nbytes + l.down.nbytes
