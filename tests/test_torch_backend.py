@@ -270,17 +270,15 @@ def test_16bit_cache_decode_matches_reference(dtype, g):
 def test_consecutive_blocks_are_read_as_unit_stride_views_of_the_pool():
     """The decode fast path: a run of consecutive blocks of a KVCache layer is each head's tokens side
     by side, read as a view (no copy), one head's rows unit-stride; other tables are gathered."""
-    from kvcli.config import ModelConfig
+    from kvcli.config import preset_config
     from kvcli.kvcache.kv_cache import KVCache
 
-    cfg = ModelConfig(name="t", architecture="llama", vocab_size=10, hidden_size=64, intermediate_size=64,
-                      num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=1e4, rms_norm_eps=1e-5,
-                      max_position_embeddings=64)
+    cfg = preset_config("smollm2-135m")  # 3 KV heads x 64
     layer = KVCache(cfg, 8, 4, "fp32", torch.device("cpu")).layers[0]
     assert LayerKV.heads(layer.k).is_contiguous()  # stored head-major
     layer.k.copy_(torch.randn(layer.k.shape))
     view = TorchAttentionBackend._take(layer.k, slice(2, 5), 1, 10)
-    assert view.shape == (2, 9, 16) and view.stride() == (9 * 4 * 16, 16, 1)
+    assert view.shape == (3, 9, 64) and view.stride() == (9 * 4 * 64, 64, 1)
     assert view.untyped_storage().data_ptr() == layer.k.untyped_storage().data_ptr()
     assert torch.equal(view, layer.k[2:5].flatten(0, 1)[1:10].transpose(0, 1))
     gathered = TorchAttentionBackend._take(layer.k, torch.tensor([5, 2, 7]), 0, 12)
