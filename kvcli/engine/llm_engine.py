@@ -182,12 +182,13 @@ class LLMEngine:
         elif loaded.dense_linears == "nf4":
             mode, head_dtype = "nf4", dtype
         elif self.device.type == "cpu":
-            # The INT4 CPU kernel runs in bf16 (4-bit codes as int4-cpu, 5/6/8-bit as int4x2-cpu); the
-            # vocabulary projection follows it (half of fp32's bytes). Without quantized linears
-            # (e.g. an F16 file) everything stays in the compute dtype.
+            # kvcli's int8 kernel where it builds (int8dot-cpu, a quantized vocabulary table too), else
+            # torch's int4 kernel in bf16 (4-bit codes as int4-cpu, 5/6/8-bit as int4x2-cpu) with a bf16
+            # vocabulary projection (half of fp32's bytes). Without quantized linears (e.g. an F16
+            # file) everything stays in the compute dtype.
             has_packed_codes = any(isinstance(w, QuantTensor)
                                    for name, w in loaded.weights.items() if name.endswith("proj.weight"))
-            mode, head_dtype = "int4-cpu", (torch.bfloat16 if has_packed_codes else dtype)
+            mode, head_dtype = "cpu", (torch.bfloat16 if has_packed_codes else dtype)
         else:
             mode, head_dtype = ("triton" if self.backend.name == "triton" else "int4-torch"), dtype
         self.linear_mode = mode

@@ -1,6 +1,10 @@
 """Model building blocks: linears over INT4 / dense weights, embedding, RMSNorm, rotary embedding.
 
 A quantized linear is built from a canonical QuantTensor and keeps only the form its matmul path needs:
+  "int8dot-cpu" kvcli's own CPU kernel (model/int8dot_cpu.py, kvcli_kernels/cpu_int8dot.c): activations
+                quantized to int8 per block of 32, integer dot products against the file's 4-bit codes
+                (Q4_0, Q4_1, Q4_K, AWQ/GPTQ) or 5/6/8-bit codes held as int8; what mode "cpu" picks
+                wherever the kernel builds and N is a multiple of 8. Not bit-exact (int8 activations).
   "int4-cpu"    torch's packed int4 CPU kernel (bf16 activations, bf16 scale/zero): 4-bit resident,
                 not bit-exact (activations and scales rounded to bf16). 4-bit codes only (Q4_0,
                 Q4_1, Q4_K: K-quant group scales are multiplied out to per-32 scale/zero first).
@@ -29,8 +33,12 @@ import torch
 import torch.nn.functional as F
 
 from kvcli.model.bnb_4bit import Bnb4bitWeight
+from kvcli.model import int8dot_cpu
 from kvcli.model.int4_cpu import KERNEL_GROUPS, Int4Cpu, Int4x2Cpu
 from kvcli.model.quant import QuantTensor
+
+
+CPU_KERNEL_MODES = ("int8dot-cpu", "int4-cpu", "int4x2-cpu")  # the weight lives in self.int4
 
 
 def _nbytes(*tensors: torch.Tensor | None) -> int:
@@ -73,8 +81,13 @@ class Linear:
             self.mode, self.weight = "half-torch", weight.contiguous()
             return
         self.group_size = weight.group_size
-        if mode not in ("triton", "int4-torch", "int4-cpu"):
+        if mode not in ("triton", "int4-torch", "int4-cpu", "cpu"):
             raise ValueError(f"unknown linear mode {mode!r}")
+        if mode == "cpu":  # the best CPU path: kvcli's kernel where it builds, else torch's int4 kernel
+            if int8dot_cpu.supports(weight):
+                self.mode, self.int4 = "int8dot-cpu", int8dot_cpu.Int8DotCpu(weight)
+                return
+            mode = self.mode = "int4-cpu"
         if weight.kind != "q4":
             if mode == "int4-cpu" and self.out_features % 16 == 0 and 2 * weight.group_size in KERNEL_GROUPS:
                 self.mode, self.int4 = "int4x2-cpu", Int4x2Cpu(weight)
@@ -91,7 +104,7 @@ class Linear:
     def nbytes(self) -> int:
         if self.mode in ("dense", "half-torch"):
             return _nbytes(self.weight, self.bias)
-        if self.mode in ("int4-cpu", "int4x2-cpu"):
+        if self.mode in CPU_KERNEL_MODES:
             return self.int4.nbytes + _nbytes(self.bias)
         if self.mode == "nf4":
             return _nbytes(self.nf4, self.nf4_state.absmax, self.bias)
@@ -100,7 +113,7 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.mode == "dense":
             return F.linear(x, self.weight, self.bias)
-        if self.mode in ("int4-cpu", "int4x2-cpu"):
+        if self.mode in CPU_KERNEL_MODES:
             y = self.int4(x)
         elif self.mode == "nf4":
             import bitsandbytes as bnb

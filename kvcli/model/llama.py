@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from kvcli.attention.base import AttentionBackend, AttentionMetadata
 from kvcli.config import ModelConfig
 from kvcli.kvcache.kv_cache import KVCache
+from kvcli.model import int8dot_cpu
 from kvcli.model.layers import Embedding, Linear, LinearGroup, RMSNorm, Rotary
 from kvcli.model.quant import QuantTensor
 from kvcli.model.vocab_head import VocabHead
@@ -116,15 +117,20 @@ class LlamaModel:
             self._count_paths(("gate_proj", "up_proj"), gate_up_parts, layer.gate_up)
             self._count_paths(("down_proj",), [], layer.down)
         self.norm = RMSNorm(take("model.norm.weight"), c.rms_norm_eps, dtype)
-        # The output projection is a dense matmul over the whole vocabulary. With tied weights the
-        # (possibly int8) embedding table is expanded once into lm_head_dtype for it.
+        # The output projection over the whole vocabulary. With tied weights it reads the embedding table:
+        # on the "cpu" path a quantized table (Q8_0 in most GGUF files) is multiplied as it is by kvcli's
+        # int8 kernel; otherwise it is expanded once into lm_head_dtype.
         head_dtype = lm_head_dtype or dtype
-        if c.tie_word_embeddings or "lm_head.weight" not in weights:
-            head = self.embed.dense(head_dtype)
+        tied = c.tie_word_embeddings or "lm_head.weight" not in weights
+        w = self.embed.q if tied else take("lm_head.weight")
+        if linear_mode == "cpu" and isinstance(w, QuantTensor) and int8dot_cpu.supports(w):
+            self.lm_head = VocabHead.int8dot(int8dot_cpu.Int8DotCpu(w))
         else:
-            w = take("lm_head.weight")
-            head = w.to(head_dtype) if isinstance(w, torch.Tensor) else w.dequantize(head_dtype)
-        self.lm_head = VocabHead(head, head_dtype)
+            if tied:
+                head = self.embed.dense(head_dtype)
+            else:
+                head = w.to(head_dtype) if isinstance(w, torch.Tensor) else w.dequantize(head_dtype)
+            self.lm_head = VocabHead(head, head_dtype)
         weights.pop("lm_head.weight", None)
         self.rotary = Rotary(c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling, device)
 
@@ -146,7 +152,7 @@ class LlamaModel:
         the int4 linears' read-back from DENSE_MIN_ROWS rows and the vocabulary projection's fp32
         slices on CPUs without native bf16."""
         for lin in self._linears():
-            if lin.mode == "int4-cpu":
+            if lin.mode in ("int4-cpu", "int8dot-cpu"):
                 lin.int4.dense_min_rows = None
         self.lm_head.make_row_invariant()
 

@@ -1,7 +1,10 @@
 """The output (vocabulary) projection: hidden states -> logits over the whole vocabulary.
 
 It is the largest single matmul of a decode step for small models (SmolLM2-135M: 49152 x 576, 56 MB
-in bf16). How to run it best depends on the processor, measured by
+in bf16). Where the table is quantized (GGUF files store it as Q8_0 most often) and kvcli's CPU kernel
+builds, it is multiplied as stored, int8 codes against int8 activations (model/int8dot_cpu.py): 0.32 vs
+3.98 ms per token for the bf16 GEMM on AVX-512-BF16, 0.50 vs 1.64 ms on AVX2 (scripts/bench_cpu_ops.py).
+Otherwise it is a dense table, and how to run it best depends on the processor, measured by
 scripts/bench_cpu_ops.py (docs/results/cpu-ops-*.txt):
   - CPUs with native bf16 dot products (AVX-512-BF16, AMX): torch's bf16 GEMM, at every batch size.
   - CPUs without (AVX2): bf16 is emulated. One row is still fastest as a bf16 GEMV, but from 4 rows up
@@ -15,8 +18,13 @@ from __future__ import annotations
 
 import os
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from kvcli.model.int8dot_cpu import Int8DotCpu
 
 SLICE_ROWS = 1024
 MIN_ROWS_FOR_FP32_SLICES = 4
@@ -38,23 +46,38 @@ def cpu_has_native_bf16() -> bool:
 
 class VocabHead:
     def __init__(self, weight: torch.Tensor, dtype: torch.dtype) -> None:
+        self.int8dot: Int8DotCpu | None = None
         self.weight = weight.to(dtype).contiguous()
         cpu_bf16 = self.weight.device.type == "cpu" and dtype == torch.bfloat16
         # Slicing to fp32 only pays where bf16 arithmetic is emulated.
         self.fp32_slices = cpu_bf16 and not cpu_has_native_bf16()
         self.path = "bf16 GEMV, fp32 slices from 4 rows" if self.fp32_slices else f"{str(dtype)[6:]} GEMM"
 
+    @classmethod
+    def int8dot(cls, table: "Int8DotCpu") -> "VocabHead":
+        """The quantized table through kvcli's int8 kernel at every row count (row-invariant by itself)."""
+        head = cls.__new__(cls)
+        table.dense_min_rows = None  # a read-back of the whole vocabulary would be a 57-113 MB transient
+        head.int8dot, head.weight, head.fp32_slices = table, None, False
+        head.path = f"int8dot-cpu ({table.bits}-bit codes as stored)"
+        return head
+
     def make_row_invariant(self) -> None:
         """One path whatever the row count (a row's logits then do not depend on its batch)."""
         self.fp32_slices = False
-        self.path = f"{str(self.weight.dtype)[6:]} GEMM"
+        if self.int8dot is None:
+            self.path = f"{str(self.weight.dtype)[6:]} GEMM"
 
     @property
     def nbytes(self) -> int:
+        if self.int8dot is not None:
+            return self.int8dot.nbytes
         return self.weight.numel() * self.weight.element_size()
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         """h [M, hidden] -> fp32 logits [M, vocab]."""
+        if self.int8dot is not None:
+            return self.int8dot(h.float())
         if not (self.fp32_slices and h.shape[0] >= MIN_ROWS_FOR_FP32_SLICES):
             return F.linear(h.to(self.weight.dtype), self.weight).float()
         x = h.float()

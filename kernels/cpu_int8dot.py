@@ -1,0 +1,76 @@
+"""Launcher of cpu_int8dot.c: y = x W^T with int8 activations against 4-bit or 8-bit weight codes.
+
+Built at first use by cpu_build.py; `load(isa, cache_dir)` returns None, with the reason in
+`load_error(isa)`, where there is no compiler or the build fails: callers fall back to torch's kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kvcli_kernels.cpu_build import build, build_error
+
+_SOURCE = "cpu_int8dot.c"
+
+
+def load(isa: str, cache_dir: str) -> ctypes.CDLL | None:
+    """The built library with its function signatures declared, or None (see cpu_build.load_error)."""
+    lib = build(_SOURCE, isa, cache_dir)
+    if lib is not None and not hasattr(lib, "_kvq_declared"):
+        i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+        lib.kvq_linear.argtypes = [ptr, i64, i64, ptr, i32, ptr, ptr, i32, i64, i64, ptr, i64, i32]
+        lib.kvq_linear.restype = i32
+        lib.kvq_dequant.argtypes = [ptr, i32, ptr, ptr, i32, i64, i64, i64, i64, ptr, ptr, i32]
+        lib.kvq_dequant.restype = None
+        lib._kvq_declared = True
+    return lib
+
+
+def load_error(isa: str) -> str | None:
+    return build_error(_SOURCE, isa)
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def int8dot_linear(lib: ctypes.CDLL, x: torch.Tensor, codes: torch.Tensor, bits: int, scale: torch.Tensor,
+                   mins: torch.Tensor | None, group_size: int, out_features: int) -> torch.Tensor:
+    """x fp32 [M, K] contiguous -> fp32 [M, N]. scale / mins fp16 or fp32 [N, K / group_size]."""
+    m, k = x.shape
+    y = torch.empty(m, out_features, dtype=torch.float32)
+    rc = lib.kvq_linear(x.data_ptr(), m, k, codes.data_ptr(), bits, scale.data_ptr(), _ptr(mins),
+                        int(scale.dtype == torch.float16), group_size, out_features, y.data_ptr(), out_features,
+                        torch.get_num_threads())
+    if rc != 0:
+        raise MemoryError(f"int8dot: no memory to quantize {m} x {k} activations")
+    return y
+
+
+def int8dot_dequant(lib: ctypes.CDLL, codes: torch.Tensor, bits: int, scale: torch.Tensor,
+                    mins: torch.Tensor | None, group_size: int, out: torch.Tensor, first_row: int = 0) -> torch.Tensor:
+    """Rows first_row .. first_row + len(out) of the weight, as out's dtype (fp32 or bf16), into `out`."""
+    n, k = out.shape
+    f32 = out.dtype == torch.float32
+    lib.kvq_dequant(codes.data_ptr(), bits, scale.data_ptr(), _ptr(mins), int(scale.dtype == torch.float16),
+                    group_size, k, first_row, n, out.data_ptr() if f32 else None, None if f32 else out.data_ptr(),
+                    torch.get_num_threads())
+    return out
+
+
+def pack_x8(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes [N, K] (uint8 0..15 for bits 4, int8 for bits 8), N a multiple of 8 -> the kernel's
+    interleaved layout (see cpu_int8dot.c): 8 rows side by side, 4 consecutive k per lane and step."""
+    n, k = q.shape
+    steps = q.reshape(n // 8, 8, k // 32, 8, 4).permute(0, 2, 3, 1, 4)  # [N/8, blocks, step, lane, 4]
+    if bits == 8:
+        return steps.contiguous().view(torch.int8).reshape(n // 8, -1)
+    return (steps[:, :, :4] | (steps[:, :, 4:] << 4)).contiguous().reshape(n // 8, -1)
+
+
+def groups_x8(t: torch.Tensor) -> torch.Tensor:
+    """Per-group scale or min [N, K / G] -> [N / 8, K / G, 8]."""
+    n, g = t.shape
+    return t.reshape(n // 8, 8, g).transpose(1, 2).contiguous()
