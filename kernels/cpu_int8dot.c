@@ -1,16 +1,18 @@
-/* y = x W^T on the CPU for group-quantized weights, with integer dot products (llama.cpp's Q4 x Q8 idea).
+/* y = x W^T on the CPU for group-quantized weights, with integer dot products (llama.cpp's Q4 x Q8 idea,
+ * with a second int8 level for the activations).
  *
- * Each row of x (fp32) is quantized per block of 32 to int8 with its own scale (dx = max|x| / 127) and its
- * exact float sum (sx). A weight block of 32 codes q with scale d and min m (w = d q + m) then contributes
- *     d dx sum(q qx) + m sx
- * where sum(q qx) is exact integer arithmetic (AVX2 maddubs, or AVX-512-VNNI dpbusd). Weights:
- *   bits 4: codes uint8 [N, K / 2]; per block of 32, byte j holds code j (low nibble) and j + 16 (high)
- *   bits 8: codes int8  [N, K]
- *   scale, mins: [N, K / G] fp16 or fp32 (G a multiple of 32); mins may be NULL.
+ * Each row of x (fp32) is quantized per block of 32 to two int8 levels with one scale, x ~ dx (q1 + q2 / 256)
+ * (quantize_row), and its exact float sum sx. A weight block of 32 codes q with scale d and min m
+ * (w = d q + m) then contributes
+ *     d (dx / 256) sum(q (256 q1 + q2)) + m sx
+ * where the sum is exact integer arithmetic (AVX2 maddubs, or AVX-512-VNNI dpbusd). Weight layout
+ * (interleaved by 8 rows, see group_tile) is built by pack_x8 in cpu_int8dot.py. Scales and mins per group
+ * of G (a multiple of 32) are kvq_groups: the file's own form where it can be read directly (fp16, or
+ * K-quants' 8-bit multipliers of an fp16 value per super-block, or AWQ/GPTQ zero points), else fp32.
  * Every (row of y, column of y) is computed by one thread in one fixed order, whatever M and the thread
  * count: a row's result does not depend on the rows it is batched with.
  *
- * Built at first use by kvcli_kernels/cpu_int8dot.py (cc -O3 -fopenmp, flags of the ISA in use). The
+ * Built at first use by kvcli_kernels/cpu_build.py (cc -O3 -fopenmp, flags of the ISA in use). The
  * OpenMP runtime is the one torch already loaded (same soname, libgomp.so.1), so torch.set_num_threads and
  * this kernel share one thread pool.
  */
@@ -27,13 +29,27 @@
 #define TILE_G 4  /* groups of 8 weight rows per work item: their codes stay in L1 while the x rows pass */
 #define TILE_M 4  /* x rows per pass over a weight row: its blocks are unpacked once for all of them */
 
+/* Per-group values (scales or mins), in the x8 order [N / 8, K / G, 8]:
+ *   KVQ_F16 / KVQ_F32  the value itself
+ *   KVQ_SUB            v (uint8) * sup (fp16, one per `per_super` groups: [N / 8, K / (G per_super), 8]),
+ *                      the K-quants' two levels (d * sc); KVQ_NEG_SUB the same negated (mins: -(dmin * m))
+ *   KVQ_ZERO           -(v (uint8 zero point) * scale), for mins only (AWQ / GPTQ / compressed-tensors)
+ * Each product is exact in fp32 (11 x 8 bits), as QuantTensor.group_scales / group_mins compute it. */
+enum { KVQ_NONE = 0, KVQ_F16 = 1, KVQ_F32 = 2, KVQ_SUB = 3, KVQ_NEG_SUB = 4, KVQ_ZERO = 5 };
+
 typedef struct {
-    const int8_t *qx;  /* [M, K] */
+    int kind;
+    const void *v;
+    const uint16_t *sup;
+    int64_t per_super;
+} kvq_groups;
+
+typedef struct {
+    const int8_t *qx;  /* [M, K / 32, 2, 32]: two levels per block (quantize_row) */
     const float *dx;   /* [M, K / 32] */
     const float *sx;   /* [M, K / 32] */
     const uint8_t *codes;
-    const void *scale, *mins;
-    int scale_f16;
+    kvq_groups scale, mins;
     int64_t M, K, N, G;
     float *y;
     int64_t ldy;
@@ -55,15 +71,34 @@ static inline float f16_to_f32(uint16_t h) {
 #endif
 }
 
-static inline float load_group(const void *p, int f16, int64_t i) {
-    return f16 ? f16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+/* Group value of row n (lane j of its group of 8) at group index gr; `scale` for KVQ_ZERO. */
+static inline float group_value(const kvq_groups *q, const kvq_groups *scale, int64_t n, int64_t gr, int64_t ng) {
+    const int64_t i = ((n / 8) * ng + gr) * 8 + n % 8;
+    switch (q->kind) {
+    case KVQ_F16: return f16_to_f32(((const uint16_t *)q->v)[i]);
+    case KVQ_F32: return ((const float *)q->v)[i];
+    case KVQ_SUB:
+    case KVQ_NEG_SUB: {
+        const int64_t ns = ng / q->per_super;
+        const float v = f16_to_f32(q->sup[((n / 8) * ns + gr / q->per_super) * 8 + n % 8]) * (float)((const uint8_t *)q->v)[i];
+        return q->kind == KVQ_SUB ? v : -v;
+    }
+    case KVQ_ZERO: return -((float)((const uint8_t *)q->v)[i] * group_value(scale, scale, n, gr, ng));
+    default: return 0.0f;
+    }
 }
 
-/* ---- activations: int8 per block of 32, scale and exact sum ------------------------------------- */
+/* ---- activations: two int8 levels per block of 32, scale and exact sum -------------------------
+ * x ~ d (q1 + q2 / 256): q1 = round(x / d) with d = max|x| / 127, then the remainder (at most d / 2)
+ * again in steps of d / 256. One int8 level alone (llama.cpp's Q8) loses too much on models with
+ * outlier channels (SmolLM2: top-1 agreement with the fp32 reference 0.93 instead of 0.97); with the
+ * second the activations carry ~15 bits, finer than bf16's 8, for one more integer pass over the codes
+ * already in registers. Stored per block: q1[32], q2[32]. */
 
 static void quantize_row(const float *x, int64_t K, int8_t *q, float *d, float *s) {
     for (int64_t b = 0; b < K / QK; b++) {
         const float *xb = x + b * QK;
+        int8_t *qb = q + 2 * b * QK;
 #ifdef KVQ_AVX2
         __m256 v[4];
         const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -82,14 +117,23 @@ static void quantize_row(const float *x, int64_t K, int8_t *q, float *d, float *
         s4 = _mm_add_ss(s4, _mm_movehdup_ps(s4));
         s[b] = _mm_cvtss_f32(s4);
         d[b] = am / 127.0f;
-        const __m256 id = _mm256_set1_ps(am > 0.0f ? 127.0f / am : 0.0f);
-        __m256i i32[4];
-        for (int i = 0; i < 4; i++)
-            i32[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-        /* packs works per 128-bit lane: the 32-bit groups come out in order 0 4 1 5 2 6 3 7 */
-        __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i32[0], i32[1]), _mm256_packs_epi32(i32[2], i32[3]));
-        p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-        _mm256_storeu_si256((__m256i *)(q + b * QK), p);
+        const __m256 id = _mm256_set1_ps(am > 0.0f ? 127.0f / am : 0.0f), k256 = _mm256_set1_ps(256.0f);
+        const int rnd = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+        __m256i i1[4], i2[4];
+        for (int i = 0; i < 4; i++) {
+            const __m256 t = _mm256_mul_ps(v[i], id), r1 = _mm256_round_ps(t, rnd);
+            i1[i] = _mm256_cvtps_epi32(r1);
+            i2[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_sub_ps(t, r1), k256), rnd));
+        }
+        /* packs saturates (a remainder of d / 2 gives 128 -> 127) and works per 128-bit lane: the 32-bit
+         * groups come out in order 0 4 1 5 2 6 3 7. q2 is clamped to -127 too: int8 weights move their sign
+         * onto x (sign_epi8), and -(-128) is -128 in int8. */
+        const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+        __m256i p1 = _mm256_packs_epi16(_mm256_packs_epi32(i1[0], i1[1]), _mm256_packs_epi32(i1[2], i1[3]));
+        __m256i p2 = _mm256_packs_epi16(_mm256_packs_epi32(i2[0], i2[1]), _mm256_packs_epi32(i2[2], i2[3]));
+        p2 = _mm256_max_epi8(p2, _mm256_set1_epi8(-127));
+        _mm256_storeu_si256((__m256i *)qb, _mm256_permutevar8x32_epi32(p1, perm));
+        _mm256_storeu_si256((__m256i *)(qb + QK), _mm256_permutevar8x32_epi32(p2, perm));
 #else
         float am = 0.0f, sum = 0.0f;
         for (int j = 0; j < QK; j++) {
@@ -99,7 +143,11 @@ static void quantize_row(const float *x, int64_t K, int8_t *q, float *d, float *
         s[b] = sum;
         d[b] = am / 127.0f;
         const float id = am > 0.0f ? 127.0f / am : 0.0f;
-        for (int j = 0; j < QK; j++) q[b * QK + j] = (int8_t)nearbyintf(xb[j] * id);
+        for (int j = 0; j < QK; j++) {
+            const float t = xb[j] * id, r1 = nearbyintf(t), r2 = nearbyintf((t - r1) * 256.0f);
+            qb[j] = (int8_t)r1;
+            qb[QK + j] = (int8_t)(r2 > 127.0f ? 127.0f : r2 < -127.0f ? -127.0f : r2);
+        }
 #endif
     }
 }
@@ -115,9 +163,27 @@ static void quantize_row(const float *x, int64_t K, int8_t *q, float *d, float *
  * Step s of a block multiplies the 4 activations 32 b + 4 s .. + 3 (broadcast) into every lane. */
 
 #ifdef KVQ_AVX2
-static inline __m256 load8(const void *p, int f16, int64_t i) {
-    return f16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)))
-               : _mm256_loadu_ps((const float *)p + i);
+static inline __m256 load_f16x8(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+
+static inline __m256 load_u8x8(const uint8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+/* The 8 lanes of group gr of row group g (group_value's vector form); `scale_v` = the scales, for KVQ_ZERO. */
+static inline __m256 groups8(const kvq_groups *q, __m256 scale_v, int64_t g, int64_t gr, int64_t ng) {
+    const int64_t i = (g * ng + gr) * 8;
+    switch (q->kind) {
+    case KVQ_F16: return load_f16x8((const uint16_t *)q->v + i);
+    case KVQ_F32: return _mm256_loadu_ps((const float *)q->v + i);
+    case KVQ_SUB:
+    case KVQ_NEG_SUB: {
+        const int64_t ns = ng / q->per_super;
+        const __m256 v = _mm256_mul_ps(load_f16x8(q->sup + (g * ns + gr / q->per_super) * 8), load_u8x8((const uint8_t *)q->v + i));
+        return q->kind == KVQ_SUB ? v : _mm256_sub_ps(_mm256_setzero_ps(), v);
+    }
+    case KVQ_ZERO: return _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(load_u8x8((const uint8_t *)q->v + i), scale_v));
+    default: return _mm256_setzero_ps();
+    }
 }
 
 static inline __m256i bcast4(const int8_t *p) {
@@ -140,8 +206,8 @@ static inline __attribute__((always_inline)) void group_tile(const kvq_args *a, 
     __m256 acc[TILE_M], macc[TILE_M];
     for (int r = 0; r < R; r++) acc[r] = macc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const int64_t gi = (g * ng + b / per) * 8;
-        const __m256 dw = load8(a->scale, a->scale_f16, gi);
+        const __m256 dw = groups8(&a->scale, _mm256_setzero_ps(), g, b / per, ng);
+        const __m256 mw = a->mins.kind ? groups8(&a->mins, dw, g, b / per, ng) : _mm256_setzero_ps();
         __m256i w[8];
         if (bits == 4) {
             const uint8_t *c = a->codes + (g * nb + b) * 128;
@@ -157,23 +223,35 @@ static inline __attribute__((always_inline)) void group_tile(const kvq_args *a, 
         }
         for (int r = 0; r < R; r++) {
             const int64_t xi = (m0 + r) * nb + b;
-            const int8_t *xq = a->qx + (m0 + r) * a->K + b * QK;
-            __m256i isum = _mm256_setzero_si256();
+            const int8_t *xq = a->qx + (m0 + r) * 2 * a->K + 2 * b * QK;
+            __m256i i1 = _mm256_setzero_si256(), i2 = _mm256_setzero_si256();
             if (bits == 4) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-                for (int s = 0; s < 8; s++) isum = _mm256_dpbusd_epi32(isum, w[s], bcast4(xq + 4 * s));
+                for (int s = 0; s < 8; s++) {
+                    i1 = _mm256_dpbusd_epi32(i1, w[s], bcast4(xq + 4 * s));
+                    i2 = _mm256_dpbusd_epi32(i2, w[s], bcast4(xq + QK + 4 * s));
+                }
 #else
                 /* 8 pair sums of at most 2 * 15 * 127 stay inside int16 */
-                __m256i s16 = _mm256_maddubs_epi16(w[0], bcast4(xq));
-                for (int s = 1; s < 8; s++) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[s], bcast4(xq + 4 * s)));
-                isum = _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
+                __m256i s1 = _mm256_maddubs_epi16(w[0], bcast4(xq)), s2 = _mm256_maddubs_epi16(w[0], bcast4(xq + QK));
+                for (int s = 1; s < 8; s++) {
+                    s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(w[s], bcast4(xq + 4 * s)));
+                    s2 = _mm256_add_epi16(s2, _mm256_maddubs_epi16(w[s], bcast4(xq + QK + 4 * s)));
+                }
+                i1 = _mm256_madd_epi16(s1, _mm256_set1_epi16(1));
+                i2 = _mm256_madd_epi16(s2, _mm256_set1_epi16(1));
 #endif
             } else {
-                for (int s = 0; s < 8; s++) /* |w| as u8 (-128 -> 128), its sign moved onto x */
-                    isum = DPBUSD(isum, _mm256_sign_epi8(w[s], w[s]), _mm256_sign_epi8(bcast4(xq + 4 * s), w[s]));
+                for (int s = 0; s < 8; s++) { /* |w| as u8 (-128 -> 128), its sign moved onto x */
+                    const __m256i u = _mm256_sign_epi8(w[s], w[s]);
+                    i1 = DPBUSD(i1, u, _mm256_sign_epi8(bcast4(xq + 4 * s), w[s]));
+                    i2 = DPBUSD(i2, u, _mm256_sign_epi8(bcast4(xq + QK + 4 * s), w[s]));
+                }
             }
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dw, _mm256_set1_ps(a->dx[xi])), acc[r]);
-            if (a->mins) macc[r] = _mm256_fmadd_ps(load8(a->mins, a->scale_f16, gi), _mm256_set1_ps(a->sx[xi]), macc[r]);
+            /* 256 q1 + q2 in int32: at most 256 * 32 * 128 * 127 + 32 * 128 * 127 < 2^31 */
+            const __m256i isum = _mm256_add_epi32(_mm256_slli_epi32(i1, 8), i2);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dw, _mm256_set1_ps(a->dx[xi] / 256.0f)), acc[r]);
+            if (a->mins.kind) macc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a->sx[xi]), macc[r]);
         }
     }
     for (int r = 0; r < R; r++) _mm256_storeu_ps(a->y + (m0 + r) * a->ldy + 8 * g, _mm256_add_ps(acc[r], macc[r]));
@@ -181,8 +259,8 @@ static inline __attribute__((always_inline)) void group_tile(const kvq_args *a, 
     for (int r = 0; r < R; r++) {
         float acc[8] = {0}, macc[8] = {0};
         for (int64_t b = 0; b < nb; b++) {
-            const int64_t gi = (g * ng + b / per) * 8, xi = (m0 + r) * nb + b;
-            const int8_t *xq = a->qx + (m0 + r) * a->K + b * QK;
+            const int64_t xi = (m0 + r) * nb + b;
+            const int8_t *xq = a->qx + (m0 + r) * 2 * a->K + 2 * b * QK;
             for (int j = 0; j < 8; j++) {
                 int32_t isum = 0;
                 for (int s = 0; s < 8; s++)
@@ -194,10 +272,11 @@ static inline __attribute__((always_inline)) void group_tile(const kvq_args *a, 
                         } else {
                             q = ((const int8_t *)a->codes)[(g * nb + b) * 256 + 32 * s + 4 * j + t];
                         }
-                        isum += q * xq[4 * s + t];
+                        isum += q * (256 * xq[4 * s + t] + xq[QK + 4 * s + t]);
                     }
-                acc[j] += (float)isum * (load_group(a->scale, a->scale_f16, gi + j) * a->dx[xi]);
-                if (a->mins) macc[j] += load_group(a->mins, a->scale_f16, gi + j) * a->sx[xi];
+                const int64_t n = 8 * g + j;
+                acc[j] += (float)isum * (group_value(&a->scale, &a->scale, n, b / per, ng) * (a->dx[xi] / 256.0f));
+                if (a->mins.kind) macc[j] += group_value(&a->mins, &a->scale, n, b / per, ng) * a->sx[xi];
             }
         }
         for (int j = 0; j < 8; j++) a->y[(m0 + r) * a->ldy + 8 * g + j] = acc[j] + macc[j];
@@ -231,22 +310,24 @@ static void gemm_tile(const kvq_args *a, const int bits, int64_t t) {
 }
 
 /* y [M, N] (row stride ldy) = x [M, K] @ W^T. Returns 0, or -1 when out of memory. */
-int kvq_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, int bits, const void *scale,
-               const void *mins, int scale_f16, int64_t G, int64_t N, float *y, int64_t ldy, int nthreads) {
+int kvq_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, int bits, int scale_kind,
+               const void *scale, const uint16_t *scale_sup, int64_t scale_per, int min_kind, const void *mins,
+               const uint16_t *min_sup, int64_t min_per, int64_t G, int64_t N, float *y, int64_t ldy, int nthreads) {
     const int64_t nb = K / QK, ntiles = (N / 8 + TILE_G - 1) / TILE_G;
-    int8_t *qx = (int8_t *)malloc((size_t)(M * K));
+    int8_t *qx = (int8_t *)malloc((size_t)(2 * M * K));
     float *dx = (float *)malloc(sizeof(float) * (size_t)(M * nb)), *sx = (float *)malloc(sizeof(float) * (size_t)(M * nb));
     if (!qx || !dx || !sx) {
         free(qx), free(dx), free(sx);
         return -1;
     }
-    const kvq_args a = {qx, dx, sx, codes, scale, mins, scale_f16, M, K, N, G, y, ldy};
+    const kvq_args a = {qx, dx, sx, codes, {scale_kind, scale, scale_sup, scale_per}, {min_kind, mins, min_sup, min_per},
+                        M, K, N, G, y, ldy};
     /* below ~64k weights a second thread costs more to wake than it saves */
     const int nt = N * K < (1 << 16) ? 1 : nthreads;
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
 #pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; m++) quantize_row(x + m * K, K, qx + m * K, dx + m * nb, sx + m * nb);
+        for (int64_t m = 0; m < M; m++) quantize_row(x + m * K, K, qx + 2 * m * K, dx + m * nb, sx + m * nb);
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < ntiles; t++) gemm_tile(&a, bits, t);
     }
@@ -256,16 +337,17 @@ int kvq_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, int b
 
 /* The weight itself, w = d q + m, as fp32 or (round to nearest even) bf16 [N, K] in plain row order: the
  * read-back that calls with many rows run through a plain GEMM. Rows n0 .. n0 + rows of the weight. */
-void kvq_dequant(const uint8_t *codes, int bits, const void *scale, const void *mins, int scale_f16, int64_t G,
+void kvq_dequant(const uint8_t *codes, int bits, int scale_kind, const void *scale, const uint16_t *scale_sup,
+                 int64_t scale_per, int min_kind, const void *mins, const uint16_t *min_sup, int64_t min_per, int64_t G,
                  int64_t K, int64_t n0, int64_t rows, float *out32, uint16_t *out16, int nthreads) {
+    const kvq_groups sc = {scale_kind, scale, scale_sup, scale_per}, mn = {min_kind, mins, min_sup, min_per};
     const int64_t nb = K / QK, per = G / QK, ng = K / G;
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
     for (int64_t i = 0; i < rows; i++) {
         const int64_t n = n0 + i, g = n / 8, j = n % 8;
         float row[QK];
         for (int64_t b = 0; b < nb; b++) {
-            const int64_t gi = (g * ng + b / per) * 8 + j;
-            const float d = load_group(scale, scale_f16, gi), m = mins ? load_group(mins, scale_f16, gi) : 0.0f;
+            const float d = group_value(&sc, &sc, n, b / per, ng), m = mn.kind ? group_value(&mn, &sc, n, b / per, ng) : 0.0f;
             for (int s = 0; s < 8; s++)
                 for (int t = 0; t < 4; t++) {
                     int32_t q;

@@ -7,6 +7,7 @@ Built at first use by cpu_build.py; `load(isa, cache_dir)` returns None, with th
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import torch
 
@@ -15,14 +16,38 @@ from kvcli_kernels.cpu_build import build, build_error
 _SOURCE = "cpu_int8dot.c"
 
 
+# kvq_groups kinds (cpu_int8dot.c)
+NONE, F16, F32, SUB, NEG_SUB, ZERO = range(6)
+
+
+@dataclass
+class Groups:
+    """Per-group scales or mins as the kernel reads them, in the x8 order [N / 8, groups, 8] (groups_x8):
+    F16 / F32 values; SUB / NEG_SUB uint8 multipliers `v` of an fp16 value per `per_super` groups (`sup`,
+    [N / 8, groups / per_super, 8]), the K-quants' two levels, NEG_SUB negated; ZERO uint8 zero points,
+    min = -(zero * scale)."""
+    kind: int
+    v: torch.Tensor | None = None
+    sup: torch.Tensor | None = None
+    per_super: int = 1
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.v, self.sup) if t is not None)
+
+    def args(self) -> tuple:
+        return (self.kind, _ptr(self.v), _ptr(self.sup), self.per_super)
+
+
 def load(isa: str, cache_dir: str) -> ctypes.CDLL | None:
-    """The built library with its function signatures declared, or None (see cpu_build.load_error)."""
+    """The built library with its function signatures declared, or None (see cpu_build.build_error)."""
     lib = build(_SOURCE, isa, cache_dir)
     if lib is not None and not hasattr(lib, "_kvq_declared"):
         i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-        lib.kvq_linear.argtypes = [ptr, i64, i64, ptr, i32, ptr, ptr, i32, i64, i64, ptr, i64, i32]
+        groups = [i32, ptr, ptr, i64]
+        lib.kvq_linear.argtypes = [ptr, i64, i64, ptr, i32, *groups, *groups, i64, i64, ptr, i64, i32]
         lib.kvq_linear.restype = i32
-        lib.kvq_dequant.argtypes = [ptr, i32, ptr, ptr, i32, i64, i64, i64, i64, ptr, ptr, i32]
+        lib.kvq_dequant.argtypes = [ptr, i32, *groups, *groups, i64, i64, i64, i64, ptr, ptr, i32]
         lib.kvq_dequant.restype = None
         lib._kvq_declared = True
     return lib
@@ -36,27 +61,25 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def int8dot_linear(lib: ctypes.CDLL, x: torch.Tensor, codes: torch.Tensor, bits: int, scale: torch.Tensor,
-                   mins: torch.Tensor | None, group_size: int, out_features: int) -> torch.Tensor:
-    """x fp32 [M, K] contiguous -> fp32 [M, N]. scale / mins fp16 or fp32 [N, K / group_size]."""
+def int8dot_linear(lib: ctypes.CDLL, x: torch.Tensor, codes: torch.Tensor, bits: int, scale: Groups, mins: Groups,
+                   group_size: int, out_features: int) -> torch.Tensor:
+    """x fp32 [M, K] contiguous -> fp32 [M, N]."""
     m, k = x.shape
     y = torch.empty(m, out_features, dtype=torch.float32)
-    rc = lib.kvq_linear(x.data_ptr(), m, k, codes.data_ptr(), bits, scale.data_ptr(), _ptr(mins),
-                        int(scale.dtype == torch.float16), group_size, out_features, y.data_ptr(), out_features,
-                        torch.get_num_threads())
+    rc = lib.kvq_linear(x.data_ptr(), m, k, codes.data_ptr(), bits, *scale.args(), *mins.args(), group_size,
+                        out_features, y.data_ptr(), out_features, torch.get_num_threads())
     if rc != 0:
         raise MemoryError(f"int8dot: no memory to quantize {m} x {k} activations")
     return y
 
 
-def int8dot_dequant(lib: ctypes.CDLL, codes: torch.Tensor, bits: int, scale: torch.Tensor,
-                    mins: torch.Tensor | None, group_size: int, out: torch.Tensor, first_row: int = 0) -> torch.Tensor:
+def int8dot_dequant(lib: ctypes.CDLL, codes: torch.Tensor, bits: int, scale: Groups, mins: Groups, group_size: int,
+                    out: torch.Tensor, first_row: int = 0) -> torch.Tensor:
     """Rows first_row .. first_row + len(out) of the weight, as out's dtype (fp32 or bf16), into `out`."""
     n, k = out.shape
     f32 = out.dtype == torch.float32
-    lib.kvq_dequant(codes.data_ptr(), bits, scale.data_ptr(), _ptr(mins), int(scale.dtype == torch.float16),
-                    group_size, k, first_row, n, out.data_ptr() if f32 else None, None if f32 else out.data_ptr(),
-                    torch.get_num_threads())
+    lib.kvq_dequant(codes.data_ptr(), bits, *scale.args(), *mins.args(), group_size, k, first_row, n,
+                    out.data_ptr() if f32 else None, None if f32 else out.data_ptr(), torch.get_num_threads())
     return out
 
 

@@ -31,9 +31,29 @@ def tensor_shapes() -> dict[str, tuple[int, int]]:
             "ffn_gate": (INTER, HIDDEN), "ffn_up": (INTER, HIDDEN), "ffn_down": (HIDDEN, INTER)}
 
 
-def kernel_bytes(type_name: str, n: int, k: int) -> int:
-    """Resident bytes of an [n, k] linear on CPU in torch's int4 kernel form: 4-bit codes (int4-cpu) or
-    two nibbles per 5/6/8-bit code (int4x2-cpu), plus a bf16 scale and zero per file group."""
+# Scale and min bytes per 256 weights in kvcli's int8dot form: the file's fp16 scale (and min) per 32,
+# or the K-quants' 8-bit multipliers per 32 (scale and min) with an fp16 d and dmin per 256.
+INT8DOT_GROUP_BYTES = {"Q4_0": 32, "Q4_1": 32, "Q4_K": 20, "Q5_0": 16, "Q5_1": 32, "Q5_K": 20, "Q8_0": 16}
+
+
+def cpu_path(type_name: str) -> str:
+    """The path the engine's CPU mode takes for a linear of this GGML type (Q6_K's groups of 16 are not
+    kvcli's kernel's: torch's)."""
+    from cpu_paths import cpu_mode
+
+    torch_path = "int4-cpu" if type_name in ("Q4_0", "Q4_1", "Q4_K") else "int4x2-cpu"
+    return torch_path if type_name == "Q6_K" else cpu_mode(torch_path)
+
+
+def kernel_bytes(type_name: str, n: int, k: int, path: str | None = None) -> int:
+    """Resident bytes of an [n, k] linear on CPU in the form of `path` (default: cpu_path's): int8dot-cpu
+    keeps 4-bit codes or int8 ones for 5/8-bit, plus INT8DOT_GROUP_BYTES; torch's int4 kernel forms keep
+    4-bit codes (int4-cpu) or two nibbles per 5/6/8-bit code (int4x2-cpu), plus a bf16 scale and zero
+    per file group."""
+    path = path or cpu_path(type_name)
+    if path == "int8dot-cpu":
+        code_bytes = n * k // 2 if type_name in ("Q4_0", "Q4_1", "Q4_K") else n * k
+        return code_bytes + INT8DOT_GROUP_BYTES[type_name] * n * k // 256
     group = 16 if type_name == "Q6_K" else 32
     code_bytes = n * k // 2 if type_name in ("Q4_0", "Q4_1", "Q4_K") else n * k
     return code_bytes + 4 * n * k // group

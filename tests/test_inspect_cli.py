@@ -52,17 +52,28 @@ def test_inspect_loads_a_kquant_file(tiny_kquant):
     rep = inspect_json(str(tiny_kquant))
     types = {g["type"]: g["count"] for g in rep["tensors"]}
     assert types == {"F16": 1, "F32": 5, "Q4_K": 5, "Q6_K": 2, "Q5_K": 2, "Q5_0": 2, "Q5_1": 2, "Q8_0": 1}
-    assert rep["linear_paths"] == "int4-cpu+int4x2-cpu"  # Q4_K; Q5/Q6/Q8 as two nibbles per code
+    from kquant_model import cpu_path
+
     # Layer 0 is Q4_K with Q6_K v/down, layer 1 all 5/8-bit (kquant_model.LAYER_TYPES).
-    assert rep["projection_paths"] == {
-        "q_proj": {"int4-cpu": 1, "int4x2-cpu": 1}, "k_proj": {"int4-cpu": 1, "int4x2-cpu": 1},
-        "v_proj": {"int4x2-cpu": 2}, "o_proj": {"int4-cpu": 1, "int4x2-cpu": 1},
-        "gate_proj": {"int4-cpu": 1, "int4x2-cpu": 1}, "up_proj": {"int4-cpu": 1, "int4x2-cpu": 1},
-        "down_proj": {"int4x2-cpu": 2}}
+    if cpu_path("Q4_K") == "int8dot-cpu":  # kvcli's kernel; Q6_K's groups of 16 through torch's
+        assert rep["linear_paths"] == "int8dot-cpu+int4x2-cpu"
+        mixed = {"int8dot-cpu": 1, "int4x2-cpu": 1}
+        assert rep["projection_paths"] == {
+            "q_proj": {"int8dot-cpu": 2}, "k_proj": {"int8dot-cpu": 2}, "v_proj": mixed,
+            "o_proj": {"int8dot-cpu": 2}, "gate_proj": {"int8dot-cpu": 2}, "up_proj": {"int8dot-cpu": 2},
+            "down_proj": mixed}
+        line = "q_proj k_proj o_proj gate_proj up_proj: int8dot-cpu x2 · v_proj down_proj: int4x2-cpu x1, int8dot-cpu x1"
+    else:  # torch's kernels: Q4_K; Q5/Q6/Q8 as two nibbles per code
+        assert rep["linear_paths"] == "int4-cpu+int4x2-cpu"
+        assert rep["projection_paths"] == {
+            "q_proj": {"int4-cpu": 1, "int4x2-cpu": 1}, "k_proj": {"int4-cpu": 1, "int4x2-cpu": 1},
+            "v_proj": {"int4x2-cpu": 2}, "o_proj": {"int4-cpu": 1, "int4x2-cpu": 1},
+            "gate_proj": {"int4-cpu": 1, "int4x2-cpu": 1}, "up_proj": {"int4-cpu": 1, "int4x2-cpu": 1},
+            "down_proj": {"int4x2-cpu": 2}}
+        line = "q_proj k_proj o_proj gate_proj up_proj: int4-cpu x1, int4x2-cpu x1 · v_proj down_proj: int4x2-cpu x2"
     r = runner.invoke(app, ["inspect", str(tiny_kquant)], env={"COLUMNS": "250"})
     out = " ".join(r.stdout.replace("│", " ").split())
-    assert ("by projection q_proj k_proj o_proj gate_proj up_proj: int4-cpu x1, int4x2-cpu x1 · "
-            "v_proj down_proj: int4x2-cpu x2") in out, out
+    assert f"by projection {line}" in out, out
     assert rep["resident"]["embedding"] == 49152 * 256 * 2  # F16 stays half precision
     from kquant_model import HIDDEN, LAYER_TYPES, LAYERS, kernel_bytes, tensor_shapes
 

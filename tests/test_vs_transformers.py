@@ -80,12 +80,23 @@ def test_greedy_batch_matches_transformers_generate(exact_llm, hf_model):
         assert out.token_ids == hf_greedy(hf_model, ids, 64), PROMPTS[prompt_ids.index(ids)]
 
 
-def test_int4_path_agrees_with_fp32_reference(int4_llm, hf_model, sample_text):
-    """The INT4 CPU kernel rounds activations and scales to bf16, so it is not bit-exact. Measured
-    under teacher forcing over 1,024 positions: top-1 agreement with the fp32 reference (0.97 on this
-    machine over 2,048 positions), and kvcli's choice inside the reference's top-2 nearly always."""
-    engine = int4_llm.engine
-    assert engine.linear_mode == "int4-cpu"
+@pytest.mark.parametrize("path", ["default", "int4-cpu"])
+def test_int4_path_agrees_with_fp32_reference(path, int4_llm, hf_model, sample_text, monkeypatch):
+    """Neither CPU path is bit-exact: kvcli's int8dot kernel (the default where it builds) rounds
+    activations to int8 per block of 32, torch's int4 kernel (int4-cpu, KVCLI_NATIVE=0) rounds them and
+    the scales to bf16. Measured under teacher forcing over 1,024 positions: top-1 agreement with the
+    fp32 reference (0.97 for int4-cpu on this machine over 2,048 positions), and kvcli's choice inside
+    the reference's top-2 nearly always."""
+    from kvcli.llm import LLM
+    from kvcli.model.int8dot_cpu import native_library
+
+    if path == "default":
+        engine = int4_llm.engine
+        assert engine.linear_mode == ("int8dot-cpu" if native_library() is not None else "int4-cpu")
+    else:
+        monkeypatch.setenv("KVCLI_NATIVE", "0")
+        engine = LLM(max_num_batched_tokens=512, kv_budget="256MiB").engine
+        assert engine.linear_mode == "int4-cpu"
     ids = engine.tokenizer.encode(sample_text)[:1024]
     ours = teacher_forced_logits(engine, ids, prefill=960, chunk=320)
     with torch.no_grad():
@@ -93,6 +104,7 @@ def test_int4_path_agrees_with_fp32_reference(int4_llm, hf_model, sample_text):
     ours_top1 = ours.argmax(-1, keepdim=True)
     agree = (ours_top1 == ref.argmax(-1, keepdim=True)).float().mean().item()
     in_top2 = (ref.topk(2, dim=-1).indices == ours_top1).any(-1).float().mean().item()
+    print(f"{engine.linear_mode}: top-1 agreement {agree:.4f}, within top-2 {in_top2:.4f}")
     assert agree >= 0.95, f"top-1 agreement {agree:.3f}"
     assert in_top2 >= 0.99, f"kvcli's top-1 within the reference top-2 at only {in_top2:.3f} of positions"
 

@@ -4,13 +4,18 @@ quantized to int8 per block of 32 with integer dot products (kvcli_kernels/cpu_i
 This is what llama.cpp does on CPUs (Q4 x Q8): the weights are read once per call as 4-bit codes, with
 no bf16 conversion of the activations (emulated, and slow, without AVX-512-BF16) and no dequantized
 copy. Resident per weight: 4-bit codes + an fp16 scale and min per group (the GGUF Q4_0/Q4_1 bytes) or
-fp32 ones where fp16 would round them (two-level K-quant scales, AWQ / GPTQ zero points); 5/6/8-bit
-codes as int8 (q - offset), interleaved by 8 rows (kvcli_kernels/cpu_int8dot.c). Where the CPU has
-native bf16 dot products, calls with many rows (prefill chunks) read the weight back into a reused
-buffer and run a bf16 GEMM instead (as int4-cpu); elsewhere the integer kernel is faster at every size.
+the file's own compact forms the kernel reads directly: K-quants' 8-bit multipliers of an fp16 value per
+super-block, AWQ / GPTQ zero points (fp32 only where nothing else holds a value exactly); 5/6/8-bit
+codes as int8 (q - offset); codes interleaved by 8 rows (kvcli_kernels/cpu_int8dot.c).
+Calls with many rows (prefill chunks) read the weight back into a reused buffer and run a plain GEMM
+instead, as int4-cpu: bf16 where the CPU has native bf16 dot products (from 128 rows), else fp32 (from
+256 rows).
 
-Not bit-exact with the exact path: each activation is rounded to int8 per block of 32 (relative error
-about 1/254 of the block's largest value), the weights themselves are exact.
+Not bit-exact with the exact path, but close: the weights are exact, and each activation is held as two
+int8 levels per block of 32 (x ~ d (q1 + q2 / 256), d = max|x| / 127: ~15 bits, finer than bf16). On
+the bundled model, teacher-forced over 1,024 positions: top-1 agreement with transformers' fp32 0.999,
+largest logit error 0.03 (torch's int4 kernel with bf16 activations: 0.97, 0.8; llama.cpp's single int8
+level: 0.93, 3.1, measured with a first version of this kernel).
 The native library is built at first use (a C compiler is needed); without one, or with
 KVCLI_NATIVE=0, linears take torch's int4 kernel (int4-cpu / int4x2-cpu) instead.
 """
@@ -25,18 +30,18 @@ import torch
 import torch.nn.functional as F
 
 from kvcli.model.int4_cpu import _scratch
-from kvcli_kernels.cpu_int8dot import groups_x8, pack_x8
+from kvcli_kernels.cpu_int8dot import F16, F32, NEG_SUB, NONE, SUB, ZERO, Groups, groups_x8, pack_x8
 
 if TYPE_CHECKING:
     import ctypes
 
     from kvcli.model.quant import QuantTensor
 
-# From this many rows a read-back + bf16 GEMM is as fast as the integer dot products where the CPU has
-# native bf16 (1.57 vs 1.61 ms at 512 rows of 960 x 576, 6.58 vs 5.59 of 3072 x 576); with bf16 emulated
-# the fp32 GEMM never catches up (8.32 vs 11.42 ms at 512 rows, 15.45 vs 20.62 at 1024 of 3072 x 576).
-# 2 threads, AMD EPYC, 2026-12-01 09:20 UTC, scripts/bench_cpu_ops.py.
-DENSE_MIN_ROWS_NATIVE_BF16 = 512
+# From this many rows a read-back + GEMM beats the integer kernel (2 threads, AMD EPYC, idle, 2026-12-01
+# 09:00 UTC, scripts/bench_cpu_ops.py): with native bf16, 0.63 vs 0.64 ms at 128 rows of 960 x 576 and
+# 1.83 vs 2.01 of 3072 x 576; with bf16 emulated (fp32 read-back) 1.68 vs 1.72 ms at 256 rows of
+# 960 x 576, 5.96 vs 6.03 of 3072 x 576, 2.85 vs 3.15 of 576 x 1536 (and slower at 128 rows).
+DENSE_MIN_ROWS = {torch.bfloat16: 128, torch.float32: 256}
 
 
 def native_isa() -> str:
@@ -56,15 +61,20 @@ def native_isa() -> str:
     return "avx2"
 
 
-@functools.lru_cache(maxsize=1)
 def native_library() -> "ctypes.CDLL | None":
-    """The compiled kernel, or None (KVCLI_NATIVE=0, no compiler, a failed build: see native_status)."""
+    """The compiled kernel, or None (KVCLI_NATIVE=0 when the model is built, no compiler, a failed
+    build: see native_status)."""
     if os.environ.get("KVCLI_NATIVE", "1") == "0":
         return None
+    return _library(native_isa())
+
+
+@functools.lru_cache(maxsize=None)
+def _library(isa: str) -> "ctypes.CDLL | None":
     from kvcli.model.tokenizer import cache_dir
     from kvcli_kernels.cpu_int8dot import load
 
-    return load(native_isa(), str(cache_dir() / "native"))
+    return load(isa, str(cache_dir() / "native"))
 
 
 def native_status() -> str:
@@ -84,8 +94,35 @@ def supports(weight: "QuantTensor") -> bool:
             and native_library() is not None)
 
 
-def _exact_f16(*ts: torch.Tensor | None) -> bool:
-    return all(t is None or torch.equal(t.to(torch.float16).float(), t.float()) for t in ts)
+def _plain(t: torch.Tensor) -> Groups:
+    """Float group values: fp16 where that holds them exactly (GGUF's own fp16 scales), else fp32."""
+    t = t.float()
+    half = t.to(torch.float16)
+    return Groups(F16, groups_x8(half)) if torch.equal(half.float(), t) else Groups(F32, groups_x8(t))
+
+
+def _groups(weight: "QuantTensor") -> tuple[Groups, Groups]:
+    """Scales and mins in the kernel's forms, the file's own where the kernel reads it (exact either way:
+    the kernel computes the same fp32 products as QuantTensor.group_scales / group_mins)."""
+    two_level = weight.sub_scale is not None and weight.sub_scale.dtype == torch.uint8 and weight.scale.dtype == torch.float16
+    if two_level:  # K-quants: d (fp16 per super-block) * sc (uint8 per group)
+        assert weight.sub_scale is not None
+        per = weight.sub_scale.shape[1] // weight.scale.shape[1]
+        scale = Groups(SUB, groups_x8(weight.sub_scale), groups_x8(weight.scale), per)
+    else:
+        scale = _plain(weight.group_scales())
+    if weight.kind == "q4" and weight.offset:  # s (q - o) + m == s q + (m - s o)
+        base = weight.group_mins()
+        s = weight.group_scales()
+        return scale, _plain((base if base is not None else torch.zeros_like(s)) - s * weight.offset)
+    if weight.zero is not None and weight.zero.dtype == torch.uint8:  # AWQ / GPTQ: min = -(zero * scale)
+        return scale, Groups(ZERO, groups_x8(weight.zero))
+    if weight.sub_min is not None and weight.sub_min.dtype == torch.uint8 and weight.min is not None \
+            and weight.min.dtype == torch.float16:  # K-quants: min = -(dmin * m)
+        per = weight.sub_min.shape[1] // weight.min.shape[1]
+        return scale, Groups(NEG_SUB, groups_x8(weight.sub_min), groups_x8(weight.min), per)
+    mins = weight.group_mins()
+    return scale, (Groups(NONE) if mins is None else _plain(mins))
 
 
 class Int8DotCpu:
@@ -97,30 +134,24 @@ class Int8DotCpu:
         self.lib = lib
         n, k = weight.shape
         self.out_features, self.in_features, self.group_size = n, k, weight.group_size
-        scale = weight.group_scales()
-        mins = weight.group_mins()
         if weight.kind == "q4":
             self.bits = 4
             q = weight.unpack_codes()
-            if weight.offset:  # s (q - o) + m == s q + (m - s o)
-                mins = (mins if mins is not None else torch.zeros_like(scale)) - scale * weight.offset
         else:  # 5/6/8-bit codes minus their offset fit int8 (Q6_K: -32..31)
             self.bits = 8
             q = weight.unpack_codes()
             q = (q.to(torch.int16) - weight.offset).to(torch.int8) if weight.kind != "q8" else q.view(torch.int8)
         self.codes = pack_x8(q, self.bits)
-        dtype = torch.float16 if _exact_f16(scale, mins) else torch.float32
-        self.scale = groups_x8(scale.to(dtype))
-        self.mins = None if mins is None else groups_x8(mins.to(dtype))
+        self.scale, self.mins = _groups(weight)
         from kvcli.model.vocab_head import cpu_has_native_bf16
 
         native_bf16 = cpu_has_native_bf16()
         self.dense_dtype = torch.bfloat16 if native_bf16 else torch.float32
-        self.dense_min_rows: int | None = DENSE_MIN_ROWS_NATIVE_BF16 if native_bf16 else None
+        self.dense_min_rows: int | None = DENSE_MIN_ROWS[self.dense_dtype]
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.mins) if t is not None)
+        return self.codes.numel() + self.scale.nbytes + self.mins.nbytes
 
     def dense(self, dtype: torch.dtype, first_row: int = 0, rows: int | None = None) -> torch.Tensor:
         """Rows first_row .. + rows of the weight [N, K] as `dtype` (fp32 or bf16) in a reused buffer:

@@ -1,0 +1,11 @@
+"""Which matmul path the engine's CPU mode takes here, for tests that name it."""
+
+from __future__ import annotations
+
+
+def cpu_mode(torch_path: str) -> str:
+    """kvcli's own kernel (int8dot-cpu) where it builds and is not turned off (KVCLI_NATIVE=0); otherwise
+    `torch_path`, the torch kernel the linear would take (int4-cpu or int4x2-cpu)."""
+    from kvcli.model.int8dot_cpu import native_library
+
+    return "int8dot-cpu" if native_library() is not None else torch_path
