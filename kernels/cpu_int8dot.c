@@ -33,9 +33,10 @@
  *   KVQ_F16 / KVQ_F32  the value itself
  *   KVQ_SUB            v (uint8) * sup (fp16, one per `per_super` groups: [N / 8, K / (G per_super), 8]),
  *                      the K-quants' two levels (d * sc); KVQ_NEG_SUB the same negated (mins: -(dmin * m))
+ *   KVQ_SUB_I8         as KVQ_SUB with int8 multipliers (Q6_K's signed sub-scales)
  *   KVQ_ZERO           -(v (uint8 zero point) * scale), for mins only (AWQ / GPTQ / compressed-tensors)
  * Each product is exact in fp32 (11 x 8 bits), as QuantTensor.group_scales / group_mins compute it. */
-enum { KVQ_NONE = 0, KVQ_F16 = 1, KVQ_F32 = 2, KVQ_SUB = 3, KVQ_NEG_SUB = 4, KVQ_ZERO = 5 };
+enum { KVQ_NONE = 0, KVQ_F16 = 1, KVQ_F32 = 2, KVQ_SUB = 3, KVQ_NEG_SUB = 4, KVQ_ZERO = 5, KVQ_SUB_I8 = 6 };
 
 typedef struct {
     int kind;
@@ -78,10 +79,12 @@ static inline float group_value(const kvq_groups *q, const kvq_groups *scale, in
     case KVQ_F16: return f16_to_f32(((const uint16_t *)q->v)[i]);
     case KVQ_F32: return ((const float *)q->v)[i];
     case KVQ_SUB:
-    case KVQ_NEG_SUB: {
+    case KVQ_NEG_SUB:
+    case KVQ_SUB_I8: {
         const int64_t ns = ng / q->per_super;
-        const float v = f16_to_f32(q->sup[((n / 8) * ns + gr / q->per_super) * 8 + n % 8]) * (float)((const uint8_t *)q->v)[i];
-        return q->kind == KVQ_SUB ? v : -v;
+        const float m = q->kind == KVQ_SUB_I8 ? (float)((const int8_t *)q->v)[i] : (float)((const uint8_t *)q->v)[i];
+        const float v = f16_to_f32(q->sup[((n / 8) * ns + gr / q->per_super) * 8 + n % 8]) * m;
+        return q->kind == KVQ_NEG_SUB ? -v : v;
     }
     case KVQ_ZERO: return -((float)((const uint8_t *)q->v)[i] * group_value(scale, scale, n, gr, ng));
     default: return 0.0f;
@@ -169,6 +172,10 @@ static inline __m256 load_u8x8(const uint8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
 
+static inline __m256 load_i8x8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
 /* The 8 lanes of group gr of row group g (group_value's vector form); `scale_v` = the scales, for KVQ_ZERO. */
 static inline __m256 groups8(const kvq_groups *q, __m256 scale_v, int64_t g, int64_t gr, int64_t ng) {
     const int64_t i = (g * ng + gr) * 8;
@@ -176,10 +183,12 @@ static inline __m256 groups8(const kvq_groups *q, __m256 scale_v, int64_t g, int
     case KVQ_F16: return load_f16x8((const uint16_t *)q->v + i);
     case KVQ_F32: return _mm256_loadu_ps((const float *)q->v + i);
     case KVQ_SUB:
-    case KVQ_NEG_SUB: {
+    case KVQ_NEG_SUB:
+    case KVQ_SUB_I8: {
         const int64_t ns = ng / q->per_super;
-        const __m256 v = _mm256_mul_ps(load_f16x8(q->sup + (g * ns + gr / q->per_super) * 8), load_u8x8((const uint8_t *)q->v + i));
-        return q->kind == KVQ_SUB ? v : _mm256_sub_ps(_mm256_setzero_ps(), v);
+        const __m256 m = q->kind == KVQ_SUB_I8 ? load_i8x8((const int8_t *)q->v + i) : load_u8x8((const uint8_t *)q->v + i);
+        const __m256 v = _mm256_mul_ps(load_f16x8(q->sup + (g * ns + gr / q->per_super) * 8), m);
+        return q->kind == KVQ_NEG_SUB ? _mm256_sub_ps(_mm256_setzero_ps(), v) : v;
     }
     case KVQ_ZERO: return _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(load_u8x8((const uint8_t *)q->v + i), scale_v));
     default: return _mm256_setzero_ps();
@@ -199,15 +208,21 @@ static inline __m256i bcast4(const int8_t *p) {
 #endif
 #endif
 
-static inline __attribute__((always_inline)) void group_tile(const kvq_args *a, const int bits, const int R, int64_t g,
-                                                             int64_t m0) {
-    const int64_t nb = a->K / QK, per = a->G / QK, ng = a->K / a->G;
+/* Group index of step s (k = 32 b + 4 s ..) of block b: groups of 16 (Q6_K; int8 codes, no mins) split a
+ * block in two, steps 0-3 and 4-7. */
+static inline int64_t group_of(int64_t b, int s, int64_t G) { return (b * QK + 4 * s) / G; }
+
+static inline __attribute__((always_inline)) void group_tile(const kvq_args *a, const int bits, const int g16,
+                                                             const int R, int64_t g, int64_t m0) {
+    const int64_t nb = a->K / QK, ng = a->K / a->G;
 #ifdef KVQ_AVX2
     __m256 acc[TILE_M], macc[TILE_M];
     for (int r = 0; r < R; r++) acc[r] = macc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const __m256 dw = groups8(&a->scale, _mm256_setzero_ps(), g, b / per, ng);
-        const __m256 mw = a->mins.kind ? groups8(&a->mins, dw, g, b / per, ng) : _mm256_setzero_ps();
+        const int64_t gr = g16 ? 2 * b : group_of(b, 0, a->G);
+        const __m256 dw = groups8(&a->scale, _mm256_setzero_ps(), g, gr, ng);
+        const __m256 dw2 = g16 ? groups8(&a->scale, _mm256_setzero_ps(), g, gr + 1, ng) : dw;
+        const __m256 mw = a->mins.kind ? groups8(&a->mins, dw, g, gr, ng) : _mm256_setzero_ps();
         __m256i w[8];
         if (bits == 4) {
             const uint8_t *c = a->codes + (g * nb + b) * 128;
@@ -243,6 +258,11 @@ static inline __attribute__((always_inline)) void group_tile(const kvq_args *a, 
 #endif
             } else {
                 for (int s = 0; s < 8; s++) { /* |w| as u8 (-128 -> 128), its sign moved onto x */
+                    if (g16 && s == 4) { /* the first group of 16 is complete */
+                        const __m256i isum = _mm256_add_epi32(_mm256_slli_epi32(i1, 8), i2);
+                        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dw, _mm256_set1_ps(a->dx[xi] / 256.0f)), acc[r]);
+                        i1 = i2 = _mm256_setzero_si256();
+                    }
                     const __m256i u = _mm256_sign_epi8(w[s], w[s]);
                     i1 = DPBUSD(i1, u, _mm256_sign_epi8(bcast4(xq + 4 * s), w[s]));
                     i2 = DPBUSD(i2, u, _mm256_sign_epi8(bcast4(xq + QK + 4 * s), w[s]));
@@ -250,7 +270,7 @@ static inline __attribute__((always_inline)) void group_tile(const kvq_args *a, 
             }
             /* 256 q1 + q2 in int32: at most 256 * 32 * 128 * 127 + 32 * 128 * 127 < 2^31 */
             const __m256i isum = _mm256_add_epi32(_mm256_slli_epi32(i1, 8), i2);
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dw, _mm256_set1_ps(a->dx[xi] / 256.0f)), acc[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dw2, _mm256_set1_ps(a->dx[xi] / 256.0f)), acc[r]);
             if (a->mins.kind) macc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a->sx[xi]), macc[r]);
         }
     }
@@ -261,8 +281,9 @@ static inline __attribute__((always_inline)) void group_tile(const kvq_args *a, 
         for (int64_t b = 0; b < nb; b++) {
             const int64_t xi = (m0 + r) * nb + b;
             const int8_t *xq = a->qx + (m0 + r) * 2 * a->K + 2 * b * QK;
+            const int64_t gr = g16 ? 2 * b : group_of(b, 0, a->G);
             for (int j = 0; j < 8; j++) {
-                int32_t isum = 0;
+                int32_t isum[2] = {0, 0}; /* groups of 16: one sum per half block */
                 for (int s = 0; s < 8; s++)
                     for (int t = 0; t < 4; t++) {
                         int32_t q;
@@ -272,11 +293,12 @@ static inline __attribute__((always_inline)) void group_tile(const kvq_args *a, 
                         } else {
                             q = ((const int8_t *)a->codes)[(g * nb + b) * 256 + 32 * s + 4 * j + t];
                         }
-                        isum += q * (256 * xq[4 * s + t] + xq[QK + 4 * s + t]);
+                        isum[g16 && s >= 4] += q * (256 * xq[4 * s + t] + xq[QK + 4 * s + t]);
                     }
                 const int64_t n = 8 * g + j;
-                acc[j] += (float)isum * (group_value(&a->scale, &a->scale, n, b / per, ng) * (a->dx[xi] / 256.0f));
-                if (a->mins.kind) macc[j] += group_value(&a->mins, &a->scale, n, b / per, ng) * a->sx[xi];
+                acc[j] += (float)isum[0] * (group_value(&a->scale, &a->scale, n, gr, ng) * (a->dx[xi] / 256.0f));
+                if (g16) acc[j] += (float)isum[1] * (group_value(&a->scale, &a->scale, n, gr + 1, ng) * (a->dx[xi] / 256.0f));
+                if (a->mins.kind) macc[j] += group_value(&a->mins, &a->scale, n, gr, ng) * a->sx[xi];
             }
         }
         for (int j = 0; j < 8; j++) a->y[(m0 + r) * a->ldy + 8 * g + j] = acc[j] + macc[j];
@@ -284,26 +306,26 @@ static inline __attribute__((always_inline)) void group_tile(const kvq_args *a, 
 #endif
 }
 
+/* Constant bits, group kind and row count: each case is its own unrolled loop, accumulators in registers. */
+#define TILE_CASES(BITS, G16)                              \
+    switch (R) {                                           \
+    case 4: group_tile(a, BITS, G16, 4, g, m0); break;     \
+    case 3: group_tile(a, BITS, G16, 3, g, m0); break;     \
+    case 2: group_tile(a, BITS, G16, 2, g, m0); break;     \
+    default: group_tile(a, BITS, G16, 1, g, m0);           \
+    }
+
 static void gemm_tile(const kvq_args *a, const int bits, int64_t t) {
     const int64_t g0 = t * TILE_G, g1 = g0 + TILE_G < a->N / 8 ? g0 + TILE_G : a->N / 8;
     for (int64_t m0 = 0; m0 < a->M; m0 += TILE_M) {
         const int64_t R = a->M - m0 < TILE_M ? a->M - m0 : TILE_M;
         for (int64_t g = g0; g < g1; g++) {
-            /* constant R and bits: each case is its own unrolled loop with the accumulators in registers */
             if (bits == 4) {
-                switch (R) {
-                case 4: group_tile(a, 4, 4, g, m0); break;
-                case 3: group_tile(a, 4, 3, g, m0); break;
-                case 2: group_tile(a, 4, 2, g, m0); break;
-                default: group_tile(a, 4, 1, g, m0);
-                }
+                TILE_CASES(4, 0)
+            } else if (a->G == 16) {
+                TILE_CASES(8, 1)
             } else {
-                switch (R) {
-                case 4: group_tile(a, 8, 4, g, m0); break;
-                case 3: group_tile(a, 8, 3, g, m0); break;
-                case 2: group_tile(a, 8, 2, g, m0); break;
-                default: group_tile(a, 8, 1, g, m0);
-                }
+                TILE_CASES(8, 0)
             }
         }
     }
@@ -341,14 +363,15 @@ void kvq_dequant(const uint8_t *codes, int bits, int scale_kind, const void *sca
                  int64_t scale_per, int min_kind, const void *mins, const uint16_t *min_sup, int64_t min_per, int64_t G,
                  int64_t K, int64_t n0, int64_t rows, float *out32, uint16_t *out16, int nthreads) {
     const kvq_groups sc = {scale_kind, scale, scale_sup, scale_per}, mn = {min_kind, mins, min_sup, min_per};
-    const int64_t nb = K / QK, per = G / QK, ng = K / G;
+    const int64_t nb = K / QK, ng = K / G;
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
     for (int64_t i = 0; i < rows; i++) {
         const int64_t n = n0 + i, g = n / 8, j = n % 8;
         float row[QK];
         for (int64_t b = 0; b < nb; b++) {
-            const float d = group_value(&sc, &sc, n, b / per, ng), m = mn.kind ? group_value(&mn, &sc, n, b / per, ng) : 0.0f;
-            for (int s = 0; s < 8; s++)
+            for (int s = 0; s < 8; s++) {
+                const int64_t gr = group_of(b, s, G);
+                const float d = group_value(&sc, &sc, n, gr, ng), m = mn.kind ? group_value(&mn, &sc, n, gr, ng) : 0.0f;
                 for (int t = 0; t < 4; t++) {
                     int32_t q;
                     if (bits == 4) {
@@ -359,6 +382,7 @@ void kvq_dequant(const uint8_t *codes, int bits, int scale_kind, const void *sca
                     }
                     row[4 * s + t] = d * (float)q + m;
                 }
+            }
             if (out32) {
                 memcpy(out32 + i * K + b * QK, row, sizeof row);
             } else {

@@ -17,15 +17,15 @@ _SOURCE = "cpu_int8dot.c"
 
 
 # kvq_groups kinds (cpu_int8dot.c)
-NONE, F16, F32, SUB, NEG_SUB, ZERO = range(6)
+NONE, F16, F32, SUB, NEG_SUB, ZERO, SUB_I8 = range(7)
 
 
 @dataclass
 class Groups:
     """Per-group scales or mins as the kernel reads them, in the x8 order [N / 8, groups, 8] (groups_x8):
     F16 / F32 values; SUB / NEG_SUB uint8 multipliers `v` of an fp16 value per `per_super` groups (`sup`,
-    [N / 8, groups / per_super, 8]), the K-quants' two levels, NEG_SUB negated; ZERO uint8 zero points,
-    min = -(zero * scale)."""
+    [N / 8, groups / per_super, 8]), the K-quants' two levels, NEG_SUB negated; SUB_I8 int8 multipliers
+    (Q6_K); ZERO uint8 zero points, min = -(zero * scale)."""
     kind: int
     v: torch.Tensor | None = None
     sup: torch.Tensor | None = None

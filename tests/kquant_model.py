@@ -32,17 +32,17 @@ def tensor_shapes() -> dict[str, tuple[int, int]]:
 
 
 # Scale and min bytes per 256 weights in kvcli's int8dot form: the file's fp16 scale (and min) per 32,
-# or the K-quants' 8-bit multipliers per 32 (scale and min) with an fp16 d and dmin per 256.
-INT8DOT_GROUP_BYTES = {"Q4_0": 32, "Q4_1": 32, "Q4_K": 20, "Q5_0": 16, "Q5_1": 32, "Q5_K": 20, "Q8_0": 16}
+# or the K-quants' 8-bit multipliers per 32 (scale and min) with an fp16 d and dmin per 256 (Q6_K: 16
+# signed multipliers of 16 codes each and one fp16 d).
+INT8DOT_GROUP_BYTES = {"Q4_0": 32, "Q4_1": 32, "Q4_K": 20, "Q5_0": 16, "Q5_1": 32, "Q5_K": 20, "Q6_K": 18,
+                       "Q8_0": 16}
 
 
 def cpu_path(type_name: str) -> str:
-    """The path the engine's CPU mode takes for a linear of this GGML type (Q6_K's groups of 16 are not
-    kvcli's kernel's: torch's)."""
+    """The path the engine's CPU mode takes for a linear of this GGML type."""
     from cpu_paths import cpu_mode
 
-    torch_path = "int4-cpu" if type_name in ("Q4_0", "Q4_1", "Q4_K") else "int4x2-cpu"
-    return torch_path if type_name == "Q6_K" else cpu_mode(torch_path)
+    return cpu_mode("int4-cpu" if type_name in ("Q4_0", "Q4_1", "Q4_K") else "int4x2-cpu")
 
 
 def kernel_bytes(type_name: str, n: int, k: int, path: str | None = None) -> int:

@@ -55,14 +55,11 @@ def test_inspect_loads_a_kquant_file(tiny_kquant):
     from kquant_model import cpu_path
 
     # Layer 0 is Q4_K with Q6_K v/down, layer 1 all 5/8-bit (kquant_model.LAYER_TYPES).
-    if cpu_path("Q4_K") == "int8dot-cpu":  # kvcli's kernel; Q6_K's groups of 16 through torch's
-        assert rep["linear_paths"] == "int8dot-cpu+int4x2-cpu"
-        mixed = {"int8dot-cpu": 1, "int4x2-cpu": 1}
-        assert rep["projection_paths"] == {
-            "q_proj": {"int8dot-cpu": 2}, "k_proj": {"int8dot-cpu": 2}, "v_proj": mixed,
-            "o_proj": {"int8dot-cpu": 2}, "gate_proj": {"int8dot-cpu": 2}, "up_proj": {"int8dot-cpu": 2},
-            "down_proj": mixed}
-        line = "q_proj k_proj o_proj gate_proj up_proj: int8dot-cpu x2 · v_proj down_proj: int4x2-cpu x1, int8dot-cpu x1"
+    if cpu_path("Q4_K") == "int8dot-cpu":  # kvcli's kernel for every type of the file
+        assert rep["linear_paths"] == "int8dot-cpu"
+        assert rep["projection_paths"] == {name: {"int8dot-cpu": 2} for name in (
+            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")}
+        line = "q_proj k_proj v_proj o_proj gate_proj up_proj down_proj: int8dot-cpu x2"
     else:  # torch's kernels: Q4_K; Q5/Q6/Q8 as two nibbles per code
         assert rep["linear_paths"] == "int4-cpu+int4x2-cpu"
         assert rep["projection_paths"] == {

@@ -92,6 +92,7 @@ def _zero_points(n: int, k: int, gen: torch.Generator) -> QuantTensor:
 WEIGHTS = {
     "Q4_K two-level": _gguf("Q4_K"),
     "Q5_K two-level": _gguf("Q5_K"),
+    "Q6_K groups of 16": _gguf("Q6_K"),
     "Q5_1": _gguf("Q5_1"),
     "zero points g64": _zero_points,
     "q4 min fp16 g32": lambda n, k, gen: _q4(n, k, 32, True, False, gen),
@@ -149,14 +150,18 @@ def test_read_back_equals_dequantize(dtype, kind):
         assert torch.equal(lin.dense(dtype, 16, 8), q.dequantize()[16:24].to(dtype))
 
 
-@pytest.mark.parametrize("type_name,ratio", [("Q4_K", 144 / 148), ("Q5_K", 176 / 276)])
+@pytest.mark.parametrize("type_name,ratio", [("Q4_K", 144 / 148), ("Q5_K", 176 / 276), ("Q6_K", 210 / 274)])
 def test_k_quants_stay_in_their_files_bytes(type_name, ratio):
     """The file's 8-bit sub-scales and fp16 super-block scales are what the kernel reads: Q4_K keeps
-    4-bit codes + 20 bytes of scales per 256 weights (the file: 144 B per 256), Q5_K a byte per code."""
+    4-bit codes + 20 bytes of scales per 256 weights (the file: 144 B per 256), Q5_K a byte per code
+    (+ 20), Q6_K a byte per code + 16 signed sub-scales + an fp16 d (the file: 210 B per 256)."""
+    from kvcli_kernels.cpu_int8dot import NEG_SUB, NONE, SUB, SUB_I8
+
     q = _gguf(type_name)(64, 512, torch.Generator().manual_seed(2))
     lin = Int8DotCpu(q)
-    assert lin.scale.kind == 3 and lin.mins.kind == 4  # SUB, NEG_SUB
-    file_bytes = {"Q4_K": 144, "Q5_K": 176}[type_name] * 64 * 512 // 256
+    kinds = {"Q4_K": (SUB, NEG_SUB), "Q5_K": (SUB, NEG_SUB), "Q6_K": (SUB_I8, NONE)}[type_name]
+    assert (lin.scale.kind, lin.mins.kind) == kinds
+    file_bytes = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}[type_name] * 64 * 512 // 256
     assert lin.nbytes == pytest.approx(file_bytes / ratio)
 
 

@@ -178,8 +178,7 @@ def test_kquant_model_packed_path_agrees_with_transformers(tiny_runs):
     from kquant_model import LAYER_TYPES, cpu_path
 
     engine = tiny_runs["packed_engine"]
-    # int8dot-cpu for Q4_K / Q5_* / Q8_0 where kvcli's kernel builds, int4x2-cpu for Q6_K's groups of 16
-    # (torch's: Q4_K packed int4, Q5/Q6/Q8 as two nibbles)
+    # int8dot-cpu where kvcli's kernel builds (torch's otherwise: Q4_K packed int4, Q5/Q6/Q8 as two nibbles)
     assert engine.linear_mode == "+".join(dict.fromkeys(cpu_path(t) for types in LAYER_TYPES for t in types.values()))
     ours, ref = tiny_runs["packed"], tiny_runs["ref"]
     top1 = ours.argmax(-1)
@@ -194,8 +193,8 @@ def test_kquant_model_packed_path_agrees_with_transformers(tiny_runs):
 
 def test_kquant_model_stays_packed_in_memory(tiny_runs):
     """Resident = the CPU kernels' forms, nothing dense. int8dot-cpu: Q4_K 1.03x its file bytes (the file's
-    8-bit sub-scales), Q8_0 1.0x, Q5_0 1.55x, Q5_1 1.45x, Q5_K 1.49x (a 5-bit code in a byte); Q6_K through
-    torch's kernel 1.52x. Torch's forms alone (KVCLI_NATIVE=0): Q4_K 1.11x, Q8_0 1.06x, Q5_* 1.5-1.64x."""
+    8-bit sub-scales), Q8_0 1.0x, Q6_K 1.30x, Q5_0 1.55x, Q5_1 1.45x, Q5_K 1.57x (5/6-bit codes in a byte).
+    Torch's forms alone (KVCLI_NATIVE=0): Q4_K 1.11x, Q8_0 1.06x, Q5_* 1.5-1.64x, Q6_K 1.52x."""
     import gguf
     from kquant_model import LAYER_TYPES, kernel_bytes, tensor_shapes
 

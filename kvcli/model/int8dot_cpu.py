@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from kvcli.model.int4_cpu import _scratch
-from kvcli_kernels.cpu_int8dot import F16, F32, NEG_SUB, NONE, SUB, ZERO, Groups, groups_x8, pack_x8
+from kvcli_kernels.cpu_int8dot import F16, F32, NEG_SUB, NONE, SUB, SUB_I8, ZERO, Groups, groups_x8, pack_x8
 
 if TYPE_CHECKING:
     import ctypes
@@ -90,8 +90,10 @@ def native_status() -> str:
 
 def supports(weight: "QuantTensor") -> bool:
     n, k = weight.shape
-    return (n % 8 == 0 and weight.group_size % 32 == 0 and k % weight.group_size == 0
-            and native_library() is not None)
+    g = weight.group_size
+    # Groups of 16 (Q6_K) for int8 codes without mins: the kernel splits each block of 32 in two.
+    groups_ok = g % 32 == 0 or (g == 16 and weight.kind != "q4" and weight.group_mins() is None)
+    return n % 8 == 0 and k % 32 == 0 and k % g == 0 and groups_ok and native_library() is not None
 
 
 def _plain(t: torch.Tensor) -> Groups:
@@ -104,11 +106,11 @@ def _plain(t: torch.Tensor) -> Groups:
 def _groups(weight: "QuantTensor") -> tuple[Groups, Groups]:
     """Scales and mins in the kernel's forms, the file's own where the kernel reads it (exact either way:
     the kernel computes the same fp32 products as QuantTensor.group_scales / group_mins)."""
-    two_level = weight.sub_scale is not None and weight.sub_scale.dtype == torch.uint8 and weight.scale.dtype == torch.float16
-    if two_level:  # K-quants: d (fp16 per super-block) * sc (uint8 per group)
-        assert weight.sub_scale is not None
-        per = weight.sub_scale.shape[1] // weight.scale.shape[1]
-        scale = Groups(SUB, groups_x8(weight.sub_scale), groups_x8(weight.scale), per)
+    sub = weight.sub_scale
+    if sub is not None and sub.dtype in (torch.uint8, torch.int8) and weight.scale.dtype == torch.float16:
+        # K-quants: d (fp16 per super-block) * sc (8-bit per group; Q6_K's are signed)
+        per = sub.shape[1] // weight.scale.shape[1]
+        scale = Groups(SUB if sub.dtype == torch.uint8 else SUB_I8, groups_x8(sub), groups_x8(weight.scale), per)
     else:
         scale = _plain(weight.group_scales())
     if weight.kind == "q4" and weight.offset:  # s (q - o) + m == s q + (m - s o)
