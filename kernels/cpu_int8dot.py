@@ -61,25 +61,30 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def int8dot_linear(lib: ctypes.CDLL, x: torch.Tensor, codes: torch.Tensor, bits: int, scale: Groups, mins: Groups,
-                   group_size: int, out_features: int) -> torch.Tensor:
-    """x fp32 [M, K] contiguous -> fp32 [M, N]."""
+def weight_args(codes: torch.Tensor, bits: int, scale: Groups, mins: Groups, group_size: int) -> tuple:
+    """The weight's arguments of kvq_linear / kvq_dequant, built once per weight (pointers into tensors
+    the caller keeps alive): per-call argument building was ~0.4 ms of a 13 ms decode step."""
+    return (codes.data_ptr(), bits, *scale.args(), *mins.args(), group_size)
+
+
+def int8dot_linear(lib: ctypes.CDLL, x: torch.Tensor, weight: tuple, out_features: int) -> torch.Tensor:
+    """x fp32 [M, K] contiguous, `weight` from weight_args -> fp32 [M, N]."""
     m, k = x.shape
     y = torch.empty(m, out_features, dtype=torch.float32)
-    rc = lib.kvq_linear(x.data_ptr(), m, k, codes.data_ptr(), bits, *scale.args(), *mins.args(), group_size,
-                        out_features, y.data_ptr(), out_features, torch.get_num_threads())
+    codes, bits, *groups, group_size = weight
+    rc = lib.kvq_linear(x.data_ptr(), m, k, codes, bits, *groups, group_size, out_features, y.data_ptr(),
+                        out_features, torch.get_num_threads())
     if rc != 0:
         raise MemoryError(f"int8dot: no memory to quantize {m} x {k} activations")
     return y
 
 
-def int8dot_dequant(lib: ctypes.CDLL, codes: torch.Tensor, bits: int, scale: Groups, mins: Groups, group_size: int,
-                    out: torch.Tensor, first_row: int = 0) -> torch.Tensor:
+def int8dot_dequant(lib: ctypes.CDLL, weight: tuple, out: torch.Tensor, first_row: int = 0) -> torch.Tensor:
     """Rows first_row .. first_row + len(out) of the weight, as out's dtype (fp32 or bf16), into `out`."""
     n, k = out.shape
     f32 = out.dtype == torch.float32
-    lib.kvq_dequant(codes.data_ptr(), bits, *scale.args(), *mins.args(), group_size, k, first_row, n,
-                    out.data_ptr() if f32 else None, None if f32 else out.data_ptr(), torch.get_num_threads())
+    lib.kvq_dequant(*weight, k, first_row, n, out.data_ptr() if f32 else None, None if f32 else out.data_ptr(),
+                    torch.get_num_threads())
     return out
 
 

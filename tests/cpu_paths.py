@@ -9,3 +9,16 @@ def cpu_mode(torch_path: str) -> str:
     from kvcli.model.int8dot_cpu import native_library
 
     return "int8dot-cpu" if native_library() is not None else torch_path
+
+
+def runnable_isas() -> list[str]:
+    """The builds of kvcli's C kernels this machine can run (kvcli_kernels/cpu_build.py): plain C always."""
+    from kvcli.bench.machine import cpu_flags
+
+    flags = cpu_flags()
+    isas = ["generic"]
+    if {"avx2", "fma", "f16c"} <= flags:
+        isas.append("avx2")
+    if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
+        isas.append("avx512vnni")
+    return isas

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcli.bench.machine import cpu_flags
+from cpu_paths import runnable_isas
 from kvcli.model import int8dot_cpu
 from kvcli.model.int8dot_cpu import Int8DotCpu
 from kvcli.model.quant import QuantTensor, pack_nibbles
@@ -25,17 +25,7 @@ pytestmark = pytest.mark.skipif(int8dot_cpu.native_library() is None,
 REL_BOUND = 2e-4  # of the largest |y| per row; measured 2e-5 .. 5e-5 on these shapes
 
 
-def _isas() -> list[str]:
-    flags = cpu_flags()
-    isas = ["generic"]
-    if {"avx2", "fma", "f16c"} <= flags:
-        isas.append("avx2")
-    if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
-        isas.append("avx512vnni")
-    return isas
-
-
-@pytest.fixture(params=_isas())
+@pytest.fixture(params=runnable_isas())
 def isa(request, monkeypatch):
     monkeypatch.setattr(int8dot_cpu, "native_isa", lambda: request.param)
     return request.param

@@ -23,14 +23,15 @@ KVCLI_NATIVE=0, linears take torch's int4 kernel (int4-cpu / int4x2-cpu) instead
 from __future__ import annotations
 
 import functools
-import os
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from kvcli.model.int4_cpu import _scratch
-from kvcli_kernels.cpu_int8dot import F16, F32, NEG_SUB, NONE, SUB, SUB_I8, ZERO, Groups, groups_x8, pack_x8
+from kvcli.model.native import build_dir, native_enabled, native_isa  # noqa: F401  (native_isa: tests patch it here)
+from kvcli_kernels.cpu_int8dot import (F16, F32, NEG_SUB, NONE, SUB, SUB_I8, ZERO, Groups, groups_x8, int8dot_dequant,
+                                       int8dot_linear, pack_x8, weight_args)
 
 if TYPE_CHECKING:
     import ctypes
@@ -44,42 +45,24 @@ if TYPE_CHECKING:
 DENSE_MIN_ROWS = {torch.bfloat16: 128, torch.float32: 256}
 
 
-def native_isa() -> str:
-    """Which build of the kernel fits: follows the ISA torch's kernels use, so ATEN_CPU_CAPABILITY=avx2
-    measures the AVX2 build on an AVX-512 machine."""
-    import platform
-
-    from kvcli.bench.machine import cpu_flags, torch_isa
-
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return "generic"
-    flags = cpu_flags()
-    if not {"avx2", "fma", "f16c"} <= flags:
-        return "generic"
-    if torch_isa().upper().startswith("AVX512") and {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
-        return "avx512vnni"
-    return "avx2"
-
-
 def native_library() -> "ctypes.CDLL | None":
     """The compiled kernel, or None (KVCLI_NATIVE=0 when the model is built, no compiler, a failed
     build: see native_status)."""
-    if os.environ.get("KVCLI_NATIVE", "1") == "0":
+    if not native_enabled():
         return None
     return _library(native_isa())
 
 
 @functools.lru_cache(maxsize=None)
 def _library(isa: str) -> "ctypes.CDLL | None":
-    from kvcli.model.tokenizer import cache_dir
     from kvcli_kernels.cpu_int8dot import load
 
-    return load(isa, str(cache_dir() / "native"))
+    return load(isa, build_dir())
 
 
 def native_status() -> str:
     """One line for `kvcli inspect` and the benchmarks: which build runs, or why none does."""
-    if os.environ.get("KVCLI_NATIVE", "1") == "0":
+    if not native_enabled():
         return "off (KVCLI_NATIVE=0)"
     from kvcli_kernels.cpu_int8dot import load_error
 
@@ -145,6 +128,7 @@ class Int8DotCpu:
             q = (q.to(torch.int16) - weight.offset).to(torch.int8) if weight.kind != "q8" else q.view(torch.int8)
         self.codes = pack_x8(q, self.bits)
         self.scale, self.mins = _groups(weight)
+        self.args = weight_args(self.codes, self.bits, self.scale, self.mins, self.group_size)
         from kvcli.model.vocab_head import cpu_has_native_bf16
 
         native_bf16 = cpu_has_native_bf16()
@@ -158,19 +142,14 @@ class Int8DotCpu:
     def dense(self, dtype: torch.dtype, first_row: int = 0, rows: int | None = None) -> torch.Tensor:
         """Rows first_row .. + rows of the weight [N, K] as `dtype` (fp32 or bf16) in a reused buffer:
         valid until the next read-back of the same shape."""
-        from kvcli_kernels.cpu_int8dot import int8dot_dequant
-
         rows = self.out_features - first_row if rows is None else rows
         out = _scratch("int8dot-dense", (rows, self.in_features), dtype)
-        return int8dot_dequant(self.lib, self.codes, self.bits, self.scale, self.mins, self.group_size, out,
-                               first_row)
+        return int8dot_dequant(self.lib, self.args, out, first_row)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] -> [M, N] in x's dtype."""
         if self.dense_min_rows is not None and x.shape[0] >= self.dense_min_rows:
             return F.linear(x.to(self.dense_dtype), self.dense(self.dense_dtype)).to(x.dtype)
-        from kvcli_kernels.cpu_int8dot import int8dot_linear
-
-        y = int8dot_linear(self.lib, x.float().contiguous(), self.codes, self.bits, self.scale, self.mins,
-                           self.group_size, self.out_features)
-        return y.to(x.dtype)
+        if x.dtype != torch.float32 or not x.is_contiguous():
+            return int8dot_linear(self.lib, x.float().contiguous(), self.args, self.out_features).to(x.dtype)
+        return int8dot_linear(self.lib, x, self.args, self.out_features)
