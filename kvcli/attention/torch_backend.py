@@ -22,9 +22,18 @@ per layer. Measured figures: docs/benchmarks.md ("KV cache formats", "kvcli vs t
 Sliding window (meta.sliding_window = w > 0): a request's keys are read from the first one its first
 query row sees; the batched decode groups mask keys before p - w + 1; a chunk longer than the window
 takes the masked SDPA path.
+Native decode: where kvcli's C kernel builds (kvcli_kernels/cpu_attention.c; KVCLI_NATIVE=0 turns it
+off), every decode row of the step goes through one call per layer instead of all of the above: it reads
+each request's K/V through its block table in the cache's own dtype (fp32, fp16, bf16, int8 / fp8 with
+their scales), once, with an online softmax, parallel over requests, KV heads and spans of long contexts.
+The GEMMs and scratch conversions remain for prefill chunks, non-fp32 queries and unsupported shapes.
 """
 
 from __future__ import annotations
+
+import ctypes
+import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -37,13 +46,29 @@ FP8_UNIT = 256.0  # _heads_f32 gives fp8 codes divided by this (2 ** (15 - 7), t
 _flash_cpu = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
+@functools.lru_cache(maxsize=1)
+def native_attention() -> ctypes.CDLL | None:
+    """The decode-attention kernel (built at first use), or None: KVCLI_NATIVE=0, no compiler, a failed
+    build (the reason: kvcli_kernels.cpu_attention.load_error)."""
+    if os.environ.get("KVCLI_NATIVE", "1") == "0":
+        return None
+    from kvcli.model.int8dot_cpu import native_isa
+    from kvcli.model.tokenizer import cache_dir
+    from kvcli_kernels.cpu_attention import load
+
+    return load(native_isa(), str(cache_dir() / "native"))
+
+
 class TorchAttentionBackend:
     name = "torch"
 
     BATCH_DECODE_MIN = 4  # decode rows from this many requests on go through one batched call
     SCRATCH_KEEP_BYTES = 64 << 20  # scratch buffers up to this size are kept between calls
 
-    def __init__(self) -> None:
+    def __init__(self, native: bool = True) -> None:
+        self.native = native  # decode rows through native_attention() where it loads (False: torch only)
+        self._native_meta: AttentionMetadata | None = None
+        self._native_plan: tuple[set[int], torch.Tensor, torch.Tensor] | None = None
         self._meta: AttentionMetadata | None = None
         self._reads: dict[int, slice | torch.Tensor] = {}
         self._batch_meta: AttentionMetadata | None = None
@@ -206,12 +231,46 @@ class TorchAttentionBackend:
                     self._batches.append((set(ids), rows, tables, mask[None, :, None, :]))  # [1, n, 1, L]
         return self._batches
 
+    def _decode_native(self, q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scale: float,
+                       out: torch.Tensor) -> set[int]:
+        """Every decode row of the step (requests with one query token) in one kernel call, written into
+        `out`; returns the requests done (none where the kernel is off or does not fit: torch's path)."""
+        if not self.native or q.device.type != "cpu":
+            return set()
+        lib = native_attention()
+        if lib is None:
+            return set()
+        from kvcli_kernels.cpu_attention import decode_attention, supported
+
+        k, v = cache.k.movedim(2, 0), cache.v.movedim(2, 0)  # head-major storage, float8 kept as such
+        if not supported(q, k) or v.dtype != k.dtype or v.stride(-1) != 1 or meta.block_tables.stride(-1) != 1:
+            return set()
+        if meta is not self._native_meta:  # per step: which requests decode, and their rows of q
+            starts = [0]
+            for n in meta.query_lens_list:
+                starts.append(starts[-1] + n)
+            ids = [b for b, n in enumerate(meta.query_lens_list) if n == 1]
+            self._native_meta = meta
+            self._native_plan = (set(ids), torch.tensor(ids, dtype=torch.int64),
+                                 torch.tensor([starts[b] for b in ids], dtype=torch.int64))
+        assert self._native_plan is not None
+        ids, reqs, rows = self._native_plan
+        if not ids:
+            return set()
+        ks = vs = None
+        if cache.k_scale is not None and cache.v_scale is not None:
+            ks, vs = cache.k_scale.movedim(2, 0), cache.v_scale.movedim(2, 0)
+        decode_attention(lib, q, k, v, meta.block_tables, meta.seq_lens.contiguous(), scale, meta.sliding_window,
+                         ks, vs, out=out, reqs=reqs, rows=rows)
+        return ids
+
     def forward(self, q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         k_cache, v_cache = cache.k, cache.v
         bs = cache.block_size
         out = torch.empty_like(q)
-        batched: set[int] = set()
-        for ids, rows, tables, mask in self._decode_batches(meta, k_cache.shape[1], q.device):
+        batched = set(self._decode_native(q, cache, meta, scale, out))
+        groups = [] if batched else self._decode_batches(meta, k_cache.shape[1], q.device)
+        for ids, rows, tables, mask in groups:
             batched |= ids
             n, h, d = rows.shape[0], q.shape[1], q.shape[2]
             kvh = k_cache.shape[2]
