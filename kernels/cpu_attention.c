@@ -232,8 +232,12 @@ static void tile_update(const float *q, int64_t g, int64_t D, const float *const
         const float *qj = q + j * D;
         float mx = -INFINITY;
         for (int u = 0; u < n; u++) {
-            float dot = 0.0f;
-            for (int64_t i = 0; i < D; i++) dot += qj[i] * kr[u][i];
+            /* 8 partial sums, as the vector path: the compiler can vectorize them, and the rounding
+             * error stays that of 8 interleaved D / 8-term sums, not of one D-term sum */
+            float part[8] = {0};
+            for (int64_t i = 0; i < D; i += 8)
+                for (int w = 0; w < 8; w++) part[w] += qj[i + w] * kr[u][i + w];
+            const float dot = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
             s[j * TILE + u] = dot * sc[u];
             mx = s[j * TILE + u] > mx ? s[j * TILE + u] : mx;
         }
