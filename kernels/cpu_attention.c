@@ -40,22 +40,36 @@ enum { DT_F32 = 0, DT_F16 = 1, DT_BF16 = 2, DT_I8 = 3, DT_FP8 = 4 };
 #define MIN_SPAN 128  /* keys: shorter contexts are not split (merging costs more than it saves) */
 #define SERIAL_MACS (1 << 17)  /* below this many q.k products a call stays on one thread */
 
-/* Mirrored by kvcli_kernels/cpu_attention.py (_Args): keep the field order and types in step. */
-typedef struct {
-    const float *q;
-    float *out;
-    int64_t q_row, out_row;
-    const void *k, *v;
-    int64_t k_sh, k_sb, k_st, v_sh, v_sb, v_st;
-    const float *ks, *vs;
-    int64_t ks_sh, ks_sb, ks_st, vs_sh, vs_sb, vs_st;
+/* Mirrored by kvcli_kernels/cpu_attention.py (_Step, _Cache): keep the field order and types in step.
+ * Two parts, so that the launcher builds the per-step one once for every layer and the per-layer one
+ * once per cache, and a call passes only q and out. */
+typedef struct { /* per step: the decode requests, their block tables and lengths */
     const void *tables;
     int64_t t_row;
     const void *lens;
     const int64_t *reqs, *rows;
-    int64_t n, heads, kv_heads, d, block_size, window;
-    float scale, v_unit;
-    int32_t dtype, tables64, lens64, nthreads;
+    int64_t n, heads, window;
+    float scale;
+    int32_t tables64, lens64, nthreads;
+} kva_step;
+
+typedef struct { /* per layer: the pool's K/V (and scales) */
+    const void *k, *v;
+    int64_t k_sh, k_sb, k_st, v_sh, v_sb, v_st;
+    const float *ks, *vs;
+    int64_t ks_sh, ks_sb, ks_st, vs_sh, vs_sb, vs_st;
+    int64_t kv_heads, d, block_size;
+    float unit; /* fp8: codes are read as code / 256, so scores and V weights are scaled by 256 */
+    int32_t dtype;
+} kva_cache;
+
+typedef struct {
+    const kva_step *s;
+    const kva_cache *c;
+    const float *q;
+    float *out;
+    int64_t q_row, out_row;
+    float scale; /* softmax scale times the unit (exact: a power of two) */
 } kva_args;
 
 static const float zero_row[MAX_D] __attribute__((aligned(32)));
@@ -258,40 +272,41 @@ static void tile_update(const float *q, int64_t g, int64_t D, const float *const
 #endif
 }
 
-static inline int64_t table_at(const kva_args *a, int64_t req, int64_t i) {
-    return a->tables64 ? ((const int64_t *)a->tables)[req * a->t_row + i] : ((const int32_t *)a->tables)[req * a->t_row + i];
+static inline int64_t table_at(const kva_step *s, int64_t req, int64_t i) {
+    return s->tables64 ? ((const int64_t *)s->tables)[req * s->t_row + i] : ((const int32_t *)s->tables)[req * s->t_row + i];
 }
 
-static inline int64_t len_at(const kva_args *a, int64_t req) {
-    return a->lens64 ? ((const int64_t *)a->lens)[req] : ((const int32_t *)a->lens)[req];
+static inline int64_t len_at(const kva_step *s, int64_t req) {
+    return s->lens64 ? ((const int64_t *)s->lens)[req] : ((const int32_t *)s->lens)[req];
 }
 
 /* Keys [t0, t1) of request r (table row req) for KV head h: unnormalised acc [g][D], maxima m and sums l. */
 static inline __attribute__((always_inline)) void span(const kva_args *a, const int dt, int64_t r, int64_t req, int64_t h,
                                                        int64_t t0, int64_t t1, float *acc, float *m, float *l) {
-    const int64_t D = a->d, g = a->heads / a->kv_heads, bs = a->block_size, esz = elem_size(dt);
-    const float *q = a->q + (a->rows ? a->rows[r] : r) * a->q_row + h * g * D;
+    const kva_cache *c = a->c;
+    const int64_t D = c->d, g = a->s->heads / c->kv_heads, bs = c->block_size, esz = elem_size(dt);
+    const float *q = a->q + (a->s->rows ? a->s->rows[r] : r) * a->q_row + h * g * D;
     float kt[TILE * MAX_D] __attribute__((aligned(32))), vt[TILE * MAX_D] __attribute__((aligned(32)));
     float sc[TILE], wv[TILE];
     const float *kr[TILE], *vr[TILE];
     for (int64_t j = 0; j < g; j++) m[j] = -INFINITY, l[j] = 0.0f;
     memset(acc, 0, sizeof(float) * (size_t)(g * D));
     for (int64_t t = t0; t < t1;) {
-        const int64_t blk = t / bs, off = t % bs, id = table_at(a, req, blk);
+        const int64_t blk = t / bs, off = t % bs, id = table_at(a->s, req, blk);
         int n = (int)(bs - off < TILE ? bs - off : TILE);
         n = t1 - t < n ? (int)(t1 - t) : n;
-        const char *kp = (const char *)a->k + esz * (h * a->k_sh + id * a->k_sb + off * a->k_st);
-        const char *vp = (const char *)a->v + esz * (h * a->v_sh + id * a->v_sb + off * a->v_st);
+        const char *kp = (const char *)c->k + esz * (h * c->k_sh + id * c->k_sb + off * c->k_st);
+        const char *vp = (const char *)c->v + esz * (h * c->v_sh + id * c->v_sb + off * c->v_st);
         if (dt == DT_F32) {
-            for (int u = 0; u < n; u++) kr[u] = (const float *)kp + u * a->k_st, vr[u] = (const float *)vp + u * a->v_st;
+            for (int u = 0; u < n; u++) kr[u] = (const float *)kp + u * c->k_st, vr[u] = (const float *)vp + u * c->v_st;
         } else {
-            cvt_rows(kp, dt, a->k_st, n, D, kt);
-            cvt_rows(vp, dt, a->v_st, n, D, vt);
+            cvt_rows(kp, dt, c->k_st, n, D, kt);
+            cvt_rows(vp, dt, c->v_st, n, D, vt);
             for (int u = 0; u < n; u++) kr[u] = kt + u * D, vr[u] = vt + u * D;
         }
         for (int u = 0; u < n; u++) {
-            sc[u] = a->ks ? a->ks[h * a->ks_sh + id * a->ks_sb + (off + u) * a->ks_st] * a->scale : a->scale;
-            wv[u] = a->vs ? a->vs[h * a->vs_sh + id * a->vs_sb + (off + u) * a->vs_st] * a->v_unit : 1.0f;
+            sc[u] = c->ks ? c->ks[h * c->ks_sh + id * c->ks_sb + (off + u) * c->ks_st] * a->scale : a->scale;
+            wv[u] = c->vs ? c->vs[h * c->vs_sh + id * c->vs_sb + (off + u) * c->vs_st] * c->unit : 1.0f;
         }
         for (int u = n; u < ((n + 7) & ~7); u++) kr[u] = zero_row, sc[u] = 0.0f, wv[u] = 0.0f;
         tile_update(q, g, D, kr, vr, n, sc, wv, m, l, acc);
@@ -301,7 +316,7 @@ static inline __attribute__((always_inline)) void span(const kva_args *a, const 
 
 static void run_span(const kva_args *a, int64_t r, int64_t req, int64_t h, int64_t t0, int64_t t1, float *acc, float *m,
                      float *l) {
-    switch (a->dtype) { /* constant dtypes: each case its own conversion loop */
+    switch (a->c->dtype) { /* constant dtypes: each case its own conversion loop */
     case DT_F32: span(a, DT_F32, r, req, h, t0, t1, acc, m, l); break;
     case DT_F16: span(a, DT_F16, r, req, h, t0, t1, acc, m, l); break;
     case DT_BF16: span(a, DT_BF16, r, req, h, t0, t1, acc, m, l); break;
@@ -310,11 +325,13 @@ static void run_span(const kva_args *a, int64_t r, int64_t req, int64_t h, int64
     }
 }
 
-/* Decode attention for a->n requests. Returns 0, -1 when out of memory, -2 for unsupported shapes. */
-int kva_decode(const kva_args *a) {
-    const int64_t n = a->n, kvh = a->kv_heads, D = a->d;
-    if (kvh <= 0 || a->heads % kvh || a->heads / kvh > MAX_G || D % 8 || D > MAX_D || D <= 0) return -2;
-    const int64_t g = a->heads / kvh;
+/* Decode attention for the step's requests over one layer's cache: q, out [tokens, heads, D] with row
+ * strides q_row, out_row. Returns 0, -1 when out of memory, -2 for unsupported shapes. */
+int kva_decode(const kva_step *st, const kva_cache *c, const float *q, int64_t q_row, float *out, int64_t out_row) {
+    const kva_args args = {st, c, q, out, q_row, out_row, st->scale * c->unit}, *a = &args;
+    const int64_t n = st->n, kvh = c->kv_heads, D = c->d;
+    if (kvh <= 0 || st->heads % kvh || st->heads / kvh > MAX_G || D % 8 || D > MAX_D || D <= 0) return -2;
+    const int64_t g = st->heads / kvh;
     if (n == 0) return 0;
     /* per request: first key, key count, spans, span length, first item */
     int64_t *plan = (int64_t *)malloc(sizeof(int64_t) * (size_t)(5 * n + 1));
@@ -322,12 +339,12 @@ int kva_decode(const kva_args *a) {
     int64_t *lo = plan, *cnt = plan + n, *nsp = plan + 2 * n, *slen = plan + 3 * n, *first = plan + 4 * n;
     int64_t keys = 0;
     for (int64_t r = 0; r < n; r++) {
-        const int64_t L = len_at(a, a->reqs ? a->reqs[r] : r), w = a->window;
+        const int64_t L = len_at(st, st->reqs ? st->reqs[r] : r), w = st->window;
         lo[r] = w > 0 && L - w > 0 ? L - w : 0;
         cnt[r] = L > lo[r] ? L - lo[r] : 0;
         keys += cnt[r];
     }
-    const int nt = keys * a->heads * D < SERIAL_MACS || a->nthreads < 1 ? 1 : a->nthreads;
+    const int nt = keys * st->heads * D < SERIAL_MACS || st->nthreads < 1 ? 1 : st->nthreads;
     /* about 4 items per thread, so that ragged spans still balance under dynamic scheduling */
     const int64_t want = nt > 1 ? (4 * nt + n * kvh - 1) / (n * kvh) : 1;
     int64_t items = 0, split = 0;
@@ -357,7 +374,7 @@ int kva_decode(const kva_args *a) {
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; it++) {
             const int64_t r = item_req[it], local = it - first[r], h = local / nsp[r], s = local % nsp[r];
-            const int64_t req = a->reqs ? a->reqs[r] : r;
+            const int64_t req = st->reqs ? st->reqs[r] : r;
             const int64_t t0 = lo[r] + s * slen[r], t1 = t0 + slen[r] < lo[r] + cnt[r] ? t0 + slen[r] : lo[r] + cnt[r];
             if (nsp[r] > 1) {
                 float *pa = parts + it * part;
@@ -365,7 +382,7 @@ int kva_decode(const kva_args *a) {
                 continue;
             }
             run_span(a, r, req, h, t0, t1, acc, m, l);
-            float *o = a->out + (a->rows ? a->rows[r] : r) * a->out_row + h * g * D;
+            float *o = out + (st->rows ? st->rows[r] : r) * out_row + h * g * D;
             for (int64_t j = 0; j < g; j++) {
                 const float inv = l[j] > 0.0f ? 1.0f / l[j] : 0.0f;
                 for (int64_t i = 0; i < D; i++) o[j * D + i] = acc[j * D + i] * inv;
@@ -377,7 +394,7 @@ int kva_decode(const kva_args *a) {
                 const int64_t r = rh / kvh, h = rh % kvh;
                 if (nsp[r] < 2) continue;
                 const float *p0 = parts + (first[r] + h * nsp[r]) * part;
-                float *o = a->out + (a->rows ? a->rows[r] : r) * a->out_row + h * g * D;
+                float *o = out + (st->rows ? st->rows[r] : r) * out_row + h * g * D;
                 for (int64_t j = 0; j < g; j++) {
                     float mx = -INFINITY, sum = 0.0f;
                     for (int64_t s = 0; s < nsp[r]; s++) {

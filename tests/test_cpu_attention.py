@@ -195,3 +195,24 @@ def test_greedy_text_equals_kvcli_native_off(kv, monkeypatch):
         monkeypatch.undo()
         native_attention.cache_clear()
     assert with_kernel == without
+
+
+def test_cache_views_follow_their_layer():
+    """The backend builds the kernel's view of a layer once, rebuilds it when the layer's tensors are
+    replaced, and lets it go with the layer."""
+    import gc
+
+    q_lens, kv_lens = [1, 1], [40, 7]
+    q, nk, nv, kc, vc, meta, dk, dv = make_batch(q_lens, kv_lens, 2, 3, 64, 16, 16, True, seed=3)
+    be = TorchAttentionBackend()
+    layer = LayerKV(kc, vc)
+    be.write_kv(nk, nv, layer, meta)
+    first = be.forward(q, layer, meta, 0.125)
+    view = be._cache_view(layer)
+    assert view is not None and be._cache_view(layer) is view and len(be._native_views) == 1
+    layer.k, layer.v = kc.clone(), vc * 2  # same keys, values doubled: so is the output
+    assert be._cache_view(layer) is not view
+    torch.testing.assert_close(be.forward(q, layer, meta, 0.125), first * 2)
+    del layer
+    gc.collect()
+    assert not be._native_views

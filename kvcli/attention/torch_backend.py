@@ -34,6 +34,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import weakref
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +43,9 @@ import torch.nn.functional as F
 from kvcli.attention.base import AttentionMetadata
 from kvcli.kvcache.kv_cache import LayerKV
 from kvcli.kvcache.kv_dtype import dequantize, quantize
+
+if TYPE_CHECKING:
+    from kvcli_kernels.cpu_attention import CacheView, DecodeStep
 
 FP8_UNIT = 256.0  # _heads_f32 gives fp8 codes divided by this (2 ** (15 - 7), the exponent biases)
 _flash_cpu = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -68,7 +73,10 @@ class TorchAttentionBackend:
     def __init__(self, native: bool = True) -> None:
         self.native = native  # decode rows through native_attention() where it loads (False: torch only)
         self._native_meta: AttentionMetadata | None = None
-        self._native_plan: tuple[set[int], torch.Tensor, torch.Tensor] | None = None
+        self._native_scale = 0.0
+        self._native_ids: set[int] = set()
+        self._native_step: DecodeStep | None = None
+        self._native_views: dict[int, tuple[weakref.ref[LayerKV], tuple[torch.Tensor, ...], CacheView | None]] = {}
         self._meta: AttentionMetadata | None = None
         self._reads: dict[int, slice | torch.Tensor] = {}
         self._batch_meta: AttentionMetadata | None = None
@@ -240,29 +248,47 @@ class TorchAttentionBackend:
         lib = native_attention()
         if lib is None:
             return set()
-        from kvcli_kernels.cpu_attention import decode_attention, supported
+        from kvcli_kernels.cpu_attention import DecodeStep, query_supported, run
 
-        k, v = cache.k.movedim(2, 0), cache.v.movedim(2, 0)  # head-major storage, float8 kept as such
-        if not supported(q, k) or v.dtype != k.dtype or v.stride(-1) != 1 or meta.block_tables.stride(-1) != 1:
-            return set()
-        if meta is not self._native_meta:  # per step: which requests decode, and their rows of q
+        if meta is not self._native_meta or scale != self._native_scale:  # per step: which rows decode
             starts = [0]
             for n in meta.query_lens_list:
                 starts.append(starts[-1] + n)
             ids = [b for b, n in enumerate(meta.query_lens_list) if n == 1]
-            self._native_meta = meta
-            self._native_plan = (set(ids), torch.tensor(ids, dtype=torch.int64),
-                                 torch.tensor([starts[b] for b in ids], dtype=torch.int64))
-        assert self._native_plan is not None
-        ids, reqs, rows = self._native_plan
-        if not ids:
+            self._native_meta, self._native_scale, self._native_ids = meta, scale, set(ids)
+            self._native_step = None
+            if ids and meta.block_tables.device.type == "cpu" and meta.block_tables.stride(-1) == 1:
+                self._native_step = DecodeStep(meta.block_tables, meta.seq_lens.contiguous(), q.shape[1], scale,
+                                               meta.sliding_window, torch.tensor(ids, dtype=torch.int64),
+                                               torch.tensor([starts[b] for b in ids], dtype=torch.int64))
+        step = self._native_step
+        if step is None:
             return set()
-        ks = vs = None
-        if cache.k_scale is not None and cache.v_scale is not None:
-            ks, vs = cache.k_scale.movedim(2, 0), cache.v_scale.movedim(2, 0)
-        decode_attention(lib, q, k, v, meta.block_tables, meta.seq_lens.contiguous(), scale, meta.sliding_window,
-                         ks, vs, out=out, reqs=reqs, rows=rows)
-        return ids
+        view = self._cache_view(cache)
+        if view is None or not query_supported(q, step, view):
+            return set()
+        run(lib, step, view, q, out)
+        return self._native_ids
+
+    def _cache_view(self, cache: LayerKV) -> CacheView | None:
+        """The kernel's view of a layer's pool (None: a format or shape it does not read), built once per
+        LayerKV rather than per step (~10 us of Python each); dropped when the LayerKV is, rebuilt if its
+        tensors are replaced."""
+        from kvcli_kernels.cpu_attention import CacheView, cache_supported
+
+        key, tensors = id(cache), cache.tensors()
+        entry = self._native_views.get(key)
+        if (entry is not None and entry[0]() is cache and len(entry[1]) == len(tensors)
+                and all(a is b for a, b in zip(entry[1], tensors))):
+            return entry[2]
+        # head-major storage [kvh, blocks, bs, ...] in the cache's own dtype (float8 kept as such)
+        k, v = cache.k.movedim(2, 0), cache.v.movedim(2, 0)
+        ks = None if cache.k_scale is None else cache.k_scale.movedim(2, 0)
+        vs = None if cache.v_scale is None else cache.v_scale.movedim(2, 0)
+        view = CacheView(k, v, ks, vs) if cache_supported(k, v, ks, vs) else None
+        views = self._native_views
+        views[key] = (weakref.ref(cache, lambda _, key=key: views.pop(key, None)), tensors, view)
+        return view
 
     def forward(self, q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         k_cache, v_cache = cache.k, cache.v
