@@ -272,6 +272,18 @@ static void tile_update(const float *q, int64_t g, int64_t D, const float *const
 #endif
 }
 
+/* Keys in the tile starting at t: up to TILE, within t's block and the span's end t1. */
+static inline int tile_len(int64_t t, int64_t t1, int64_t bs) {
+    int64_t n = bs - t % bs;
+    n = n < TILE ? n : TILE;
+    return (int)(t1 - t < n ? t1 - t : n);
+}
+
+static inline void prefetch_rows(const char *p, int64_t stride, int n, int64_t row_bytes) {
+    for (int u = 0; u < n; u++)
+        for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(p + u * stride + b, 0, 3);
+}
+
 static inline int64_t table_at(const kva_step *s, int64_t req, int64_t i) {
     return s->tables64 ? ((const int64_t *)s->tables)[req * s->t_row + i] : ((const int32_t *)s->tables)[req * s->t_row + i];
 }
@@ -291,12 +303,25 @@ static inline __attribute__((always_inline)) void span(const kva_args *a, const 
     const float *kr[TILE], *vr[TILE];
     for (int64_t j = 0; j < g; j++) m[j] = -INFINITY, l[j] = 0.0f;
     memset(acc, 0, sizeof(float) * (size_t)(g * D));
+    /* Tiles are runs of one block's rows; the next tile's rows are prefetched while this one is
+     * computed: blocks sit anywhere in the pool, and a block of one head is often one whole page
+     * (16 x 64 fp32), where hardware prefetchers stop. */
+    int64_t id = t0 < t1 ? table_at(a->s, req, t0 / bs) : 0;
     for (int64_t t = t0; t < t1;) {
-        const int64_t blk = t / bs, off = t % bs, id = table_at(a->s, req, blk);
-        int n = (int)(bs - off < TILE ? bs - off : TILE);
-        n = t1 - t < n ? (int)(t1 - t) : n;
+        const int64_t off = t % bs;
+        const int n = tile_len(t, t1, bs);
         const char *kp = (const char *)c->k + esz * (h * c->k_sh + id * c->k_sb + off * c->k_st);
         const char *vp = (const char *)c->v + esz * (h * c->v_sh + id * c->v_sb + off * c->v_st);
+        const int64_t cur = id;
+        if (t + n < t1) {
+            const int64_t t2 = t + n, off2 = t2 % bs;
+            id = off2 ? id : table_at(a->s, req, t2 / bs);
+            if (id != cur + (off2 == 0)) { /* the next block in memory is left to the hardware prefetcher */
+                const int n2 = tile_len(t2, t1, bs);
+                prefetch_rows((const char *)c->k + esz * (h * c->k_sh + id * c->k_sb + off2 * c->k_st), esz * c->k_st, n2, esz * D);
+                prefetch_rows((const char *)c->v + esz * (h * c->v_sh + id * c->v_sb + off2 * c->v_st), esz * c->v_st, n2, esz * D);
+            }
+        }
         if (dt == DT_F32) {
             for (int u = 0; u < n; u++) kr[u] = (const float *)kp + u * c->k_st, vr[u] = (const float *)vp + u * c->v_st;
         } else {
@@ -305,8 +330,8 @@ static inline __attribute__((always_inline)) void span(const kva_args *a, const 
             for (int u = 0; u < n; u++) kr[u] = kt + u * D, vr[u] = vt + u * D;
         }
         for (int u = 0; u < n; u++) {
-            sc[u] = c->ks ? c->ks[h * c->ks_sh + id * c->ks_sb + (off + u) * c->ks_st] * a->scale : a->scale;
-            wv[u] = c->vs ? c->vs[h * c->vs_sh + id * c->vs_sb + (off + u) * c->vs_st] * c->unit : 1.0f;
+            sc[u] = c->ks ? c->ks[h * c->ks_sh + cur * c->ks_sb + (off + u) * c->ks_st] * a->scale : a->scale;
+            wv[u] = c->vs ? c->vs[h * c->vs_sh + cur * c->vs_sb + (off + u) * c->vs_st] * c->unit : 1.0f;
         }
         for (int u = n; u < ((n + 7) & ~7); u++) kr[u] = zero_row, sc[u] = 0.0f, wv[u] = 0.0f;
         tile_update(q, g, D, kr, vr, n, sc, wv, m, l, acc);
