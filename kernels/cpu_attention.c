@@ -176,17 +176,36 @@ static inline __m256 reduce8(const __m256 a[8]) {
     return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
 
-/* acc[j] += sum_u p[j][u] v[u] for GJ heads j (accumulators held in registers across the tile). */
+/* acc[j] += sum_u p[j][u] v[u] for GJ heads j: 16 columns of the GJ accumulators held in registers
+ * across the tile, so each broadcast probability feeds two FMAs (one load each, not one per FMA). */
 static inline __attribute__((always_inline)) void v_accumulate(const int GJ, float *acc, const float *p,
                                                                const float *const *vr, int n, int64_t D) {
-    for (int64_t i = 0; i < D; i += 8) {
-        __m256 a[4];
-        for (int j = 0; j < GJ; j++) a[j] = _mm256_loadu_ps(acc + j * D + i);
-        for (int u = 0; u < n; u++) {
-            const __m256 vv = _mm256_loadu_ps(vr[u] + i);
-            for (int j = 0; j < GJ; j++) a[j] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + j * TILE + u), vv, a[j]);
+    for (int64_t i = 0; i < D; i += 16) {
+        const int two = i + 8 < D;
+        __m256 a[4], b[4];
+        for (int j = 0; j < GJ; j++) {
+            a[j] = _mm256_loadu_ps(acc + j * D + i);
+            b[j] = two ? _mm256_loadu_ps(acc + j * D + i + 8) : _mm256_setzero_ps();
         }
-        for (int j = 0; j < GJ; j++) _mm256_storeu_ps(acc + j * D + i, a[j]);
+        if (two) {
+            for (int u = 0; u < n; u++) {
+                const __m256 v0 = _mm256_loadu_ps(vr[u] + i), v1 = _mm256_loadu_ps(vr[u] + i + 8);
+                for (int j = 0; j < GJ; j++) {
+                    const __m256 pj = _mm256_broadcast_ss(p + j * TILE + u);
+                    a[j] = _mm256_fmadd_ps(pj, v0, a[j]);
+                    b[j] = _mm256_fmadd_ps(pj, v1, b[j]);
+                }
+            }
+        } else {
+            for (int u = 0; u < n; u++) {
+                const __m256 v0 = _mm256_loadu_ps(vr[u] + i);
+                for (int j = 0; j < GJ; j++) a[j] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + j * TILE + u), v0, a[j]);
+            }
+        }
+        for (int j = 0; j < GJ; j++) {
+            _mm256_storeu_ps(acc + j * D + i, a[j]);
+            if (two) _mm256_storeu_ps(acc + j * D + i + 8, b[j]);
+        }
     }
 }
 #endif
