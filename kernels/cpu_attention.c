@@ -2,23 +2,26 @@
  * the block table directly in the cache's stored dtype, so each cached byte is read once per step (the
  * torch path converts a request's whole K/V to fp32 scratch first, then runs two GEMMs per KV head).
  *
- * Inputs (element strides, the head_dim stride is 1):
- *   q, out   fp32 [tokens, heads, D]; request r's row is rows[r] (rows NULL: r)
- *   k, v     storage indexed [kv_heads, blocks, block_size, D] by strides (head-major or token-major),
- *            dtype fp32 / fp16 / bf16 / int8 / fp8 e4m3 (the last two with per-token fp32 scales
- *            ks, vs indexed [kv_heads, blocks, block_size])
- *   tables   int32 or int64 [batch, t_row] block ids; lens int32 or int64 [batch] context lengths;
- *            request r reads table row / length reqs[r] (reqs NULL: r)
+ * Inputs (element strides, the head_dim stride is 1), in two structs built once each by the launcher:
+ *   kva_step   per step: block tables, int32 or int64 [batch, t_row]; context lengths, int32 or int64
+ *              [batch]; the n decode requests' table rows reqs[r] and q / out rows rows[r] (NULL: r);
+ *              the number of q heads, softmax scale, sliding window and thread count
+ *   kva_cache  per layer: K, V indexed [kv_heads, blocks, block_size, D] by strides (head-major or
+ *              token-major storage), fp32 / fp16 / bf16 / int8 / fp8 e4m3, the last two with per-token
+ *              fp32 scales ks, vs indexed [kv_heads, blocks, block_size]
+ *   q, out     fp32 [tokens, heads, D] with row strides q_row, out_row (a row's heads contiguous)
  * The query is the last token (position p = len - 1) and sees keys [max(0, p - window + 1), p].
- * Scores are dot(q, k) * scale (quantized: dot(q, codes) * (ks * scale), scale including the fp8 unit),
- * probabilities are multiplied by vs * v_unit: what kvcli/attention/torch_backend.py computes, with the
+ * Scores are dot(q, k) * scale (quantized: dot(q, codes) * (ks * scale), the scale times the fp8 unit),
+ * probabilities are multiplied by vs * unit: what kvcli/attention/torch_backend.py computes, with the
  * softmax done online (flash-decoding) in fp32.
  *
  * Work items are (request, KV head, span of keys): the q heads of one KV head (the GQA group) share
  * every K/V row read; long contexts are split into spans so that threads have work even for one
  * request, and the spans are merged with their maxima and sums (log-sum-exp). Keys are processed in
- * tiles of at most TILE tokens of one block (contiguous rows), converted to fp32 in L1 for non-fp32
- * caches (fp16 by F16C, bf16 by a shift, int8 / fp8 through integer widening).
+ * tiles of at most TILE tokens of one block (contiguous rows). Non-fp32 caches are converted in
+ * registers (fp16 by F16C, bf16 by a shift, int8 / fp8 by integer widening) into an fp32 tile in L1,
+ * once per tile: the scores then read each K row once per q head of the group, and P @ V reads V again,
+ * from L1 rather than converting it each time.
  *
  * Built at first use by kvcli_kernels/cpu_attention.py (cc -O3 -fopenmp); the OpenMP runtime is the one
  * torch already loaded, so torch.set_num_threads governs both.
