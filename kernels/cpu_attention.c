@@ -5,7 +5,7 @@
  * Inputs (element strides, the head_dim stride is 1), in two structs built once each by the launcher:
  *   kva_step   per step: block tables, int32 or int64 [batch, t_row]; context lengths, int32 or int64
  *              [batch]; the n decode requests' table rows reqs[r] and q / out rows rows[r] (NULL: r);
- *              the number of q heads, softmax scale, sliding window and thread count
+ *              the number of q heads, softmax scale and sliding window
  *   kva_cache  per layer: K, V indexed [kv_heads, blocks, block_size, D] by strides (head-major or
  *              token-major storage), fp32 / fp16 / bf16 / int8 / fp8 e4m3, the last two with per-token
  *              fp32 scales ks, vs indexed [kv_heads, blocks, block_size]
@@ -53,7 +53,7 @@ typedef struct { /* per step: the decode requests, their block tables and length
     const int64_t *reqs, *rows;
     int64_t n, heads, window;
     float scale;
-    int32_t tables64, lens64, nthreads;
+    int32_t tables64, lens64;
 } kva_step;
 
 typedef struct { /* per layer: the pool's K/V (and scales) */
@@ -373,8 +373,10 @@ static void run_span(const kva_args *a, int64_t r, int64_t req, int64_t h, int64
 }
 
 /* Decode attention for the step's requests over one layer's cache: q, out [tokens, heads, D] with row
- * strides q_row, out_row. Returns 0, -1 when out of memory, -2 for unsupported shapes. */
-int kva_decode(const kva_step *st, const kva_cache *c, const float *q, int64_t q_row, float *out, int64_t out_row) {
+ * strides q_row, out_row, on up to nthreads threads. Returns 0, -1 when out of memory, -2 for
+ * unsupported shapes. */
+int kva_decode(const kva_step *st, const kva_cache *c, const float *q, int64_t q_row, float *out, int64_t out_row,
+               int nthreads) {
     const kva_args args = {st, c, q, out, q_row, out_row, st->scale * c->unit}, *a = &args;
     const int64_t n = st->n, kvh = c->kv_heads, D = c->d;
     if (kvh <= 0 || st->heads % kvh || st->heads / kvh > MAX_G || D % 8 || D > MAX_D || D <= 0) return -2;
@@ -391,7 +393,7 @@ int kva_decode(const kva_step *st, const kva_cache *c, const float *q, int64_t q
         cnt[r] = L > lo[r] ? L - lo[r] : 0;
         keys += cnt[r];
     }
-    const int nt = keys * st->heads * D < SERIAL_MACS || st->nthreads < 1 ? 1 : st->nthreads;
+    const int nt = keys * st->heads * D < SERIAL_MACS || nthreads < 1 ? 1 : nthreads;
     /* about 4 items per thread, so that ragged spans still balance under dynamic scheduling */
     const int64_t want = nt > 1 ? (4 * nt + n * kvh - 1) / (n * kvh) : 1;
     int64_t items = 0, split = 0;

@@ -30,7 +30,7 @@ class _Step(ctypes.Structure):
 
     _fields_ = [("tables", _ptr), ("t_row", _i64), ("lens", _ptr), ("reqs", _ptr), ("rows", _ptr),
                 ("n", _i64), ("heads", _i64), ("window", _i64), ("scale", _f32),
-                ("tables64", _i32), ("lens64", _i32), ("nthreads", _i32)]
+                ("tables64", _i32), ("lens64", _i32)]
 
 
 class _Cache(ctypes.Structure):
@@ -47,7 +47,7 @@ def load(isa: str, cache_dir: str) -> ctypes.CDLL | None:
     """The built library with its function signature declared, or None (see load_error)."""
     lib = build(_SOURCE, isa, cache_dir)
     if lib is not None and not hasattr(lib, "_kva_declared"):
-        lib.kva_decode.argtypes = [ctypes.POINTER(_Step), ctypes.POINTER(_Cache), _ptr, _i64, _ptr, _i64]
+        lib.kva_decode.argtypes = [ctypes.POINTER(_Step), ctypes.POINTER(_Cache), _ptr, _i64, _ptr, _i64, _i32]
         lib.kva_decode.restype = ctypes.c_int
         lib._kva_declared = True
     return lib
@@ -71,8 +71,7 @@ class DecodeStep:
     (default: request i is row i, n = len(lens)). window > 0: a query sees only the last `window` keys."""
 
     def __init__(self, block_tables: torch.Tensor, lens: torch.Tensor, heads: int, scale: float, window: int = 0,
-                 reqs: torch.Tensor | None = None, rows: torch.Tensor | None = None,
-                 nthreads: int | None = None) -> None:
+                 reqs: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> None:
         assert block_tables.dtype in (torch.int32, torch.int64) and lens.dtype in (torch.int32, torch.int64)
         assert block_tables.device.type == "cpu" and block_tables.stride(-1) == 1 and lens.is_contiguous()
         for t in (reqs, rows):
@@ -82,8 +81,7 @@ class DecodeStep:
         self.args = _Step(block_tables.data_ptr(), block_tables.stride(0), lens.data_ptr(),
                           None if reqs is None else reqs.data_ptr(), None if rows is None else rows.data_ptr(),
                           lens.shape[0] if reqs is None else reqs.shape[0], heads, window, scale,
-                          int(block_tables.dtype == torch.int64), int(lens.dtype == torch.int64),
-                          torch.get_num_threads() if nthreads is None else nthreads)
+                          int(block_tables.dtype == torch.int64), int(lens.dtype == torch.int64))
         self.ref = ctypes.byref(self.args)
 
 
@@ -129,10 +127,13 @@ def query_supported(q: torch.Tensor, step: DecodeStep, cache: CacheView) -> bool
             and step.heads // kvh <= MAX_GROUP)
 
 
-def run(lib: ctypes.CDLL, step: DecodeStep, cache: CacheView, q: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Writes the step's decode rows of `out` (fp32, laid out like q) from q; the caller has checked
-    query_supported (this is the per-layer call: no checks beyond the kernel's own)."""
-    rc = lib.kva_decode(step.ref, cache.ref, q.data_ptr(), q.stride(0), out.data_ptr(), out.stride(0))
+def run(lib: ctypes.CDLL, step: DecodeStep, cache: CacheView, q: torch.Tensor, out: torch.Tensor,
+        nthreads: int | None = None) -> torch.Tensor:
+    """Writes the step's decode rows of `out` (fp32, laid out like q) from q, on torch's thread count
+    unless given; the caller has checked query_supported (this is the per-layer call: no checks beyond
+    the kernel's own)."""
+    rc = lib.kva_decode(step.ref, cache.ref, q.data_ptr(), q.stride(0), out.data_ptr(), out.stride(0),
+                        torch.get_num_threads() if nthreads is None else nthreads)
     if rc == -1:
         raise MemoryError("cpu_attention: no memory for the work plan")
     if rc != 0:
@@ -147,9 +148,9 @@ def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, k_heads: torch.Tensor, v
                      rows: torch.Tensor | None = None, nthreads: int | None = None) -> torch.Tensor:
     """One call (DecodeStep, CacheView and run together): attention of the decode rows of q (fp32
     [tokens, heads, D]) over paged K/V, written into `out` (a new tensor like q when None)."""
-    step = DecodeStep(block_tables, lens, q.shape[1], scale, window, reqs, rows, nthreads)
+    step = DecodeStep(block_tables, lens, q.shape[1], scale, window, reqs, rows)
     cache = CacheView(k_heads, v_heads, k_scale, v_scale)
     out = torch.empty_like(q) if out is None else out
     assert query_supported(q, step, cache) and out.dtype == torch.float32 and out.shape == q.shape
     assert out.stride(2) == 1 and out.stride(1) == q.shape[2]
-    return run(lib, step, cache, q, out)
+    return run(lib, step, cache, q, out, nthreads)
