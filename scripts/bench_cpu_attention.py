@@ -8,6 +8,9 @@ memory rather than a warm L2; the figure is wall time per layer. Paths are inter
 and the median taken, for a shared machine whose load changes. No model: seconds, not minutes.
 
     python scripts/bench_cpu_attention.py [--contexts 512,4096] [--kv-dtypes fp32,fp16] [--threads 1,2]
+
+--model: whole decode steps of the bundled model instead (one request at each context, the engine's
+default CPU weights), the same engine's backend switched between the two paths round by round.
 """
 
 from __future__ import annotations
@@ -27,7 +30,11 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--model", action="store_true", help="time whole decode steps of the bundled model")
+    ap.add_argument("--steps", type=int, default=8, help="--model: decode steps per path and round")
     a = ap.parse_args()
+    if a.model:
+        return model_steps(a)
 
     from kvcli.attention.base import AttentionMetadata
     from kvcli.attention.torch_backend import TorchAttentionBackend, native_attention
@@ -83,6 +90,54 @@ def main() -> None:
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     print(f"# {machine}; kernel build {native_isa()}")
     print("| context | KV dtype | threads | torch path us | C kernel us | speed-up |")
+    print("|---:|---|---:|---:|---:|---:|")
+    print("\n".join(rows))
+
+
+def model_steps(a: argparse.Namespace) -> None:
+    """Decode steps of the bundled model at each context: one engine per context and KV format, a
+    request prefilled to that length, then rounds of --steps steps with the kernel and as many with
+    torch's path (engine.backend.native); wall ms per step, median over rounds."""
+    from kvcli.attention.torch_backend import native_attention
+    from kvcli.bench.machine import machine_line
+    from kvcli.config import SamplingParams
+    from kvcli.engine.llm_engine import EngineOptions, LLMEngine
+    from kvcli.model.int8dot_cpu import native_isa
+    from kvcli.model.loader import load_weights
+
+    if native_attention() is None:
+        raise SystemExit("the C kernel is unavailable (KVCLI_NATIVE=0, or no compiler: see cpu_attention.load_error)")
+    machine = machine_line()
+    loaded = load_weights(None)
+    model, rows = None, []
+    for context in (int(c) for c in a.contexts.split(",")):
+        for name in a.kv_dtypes.split(","):
+            engine = LLMEngine(loaded, EngineOptions(device="cpu", kv_dtype=name, max_model_len=context + 1024,
+                                                     kv_budget="1GiB"), model=model)
+            model = engine.model
+            ids = (engine.tokenizer.encode("The keeper climbed the stairs to the lamp room and lit the lamp. ")
+                   * context)[:context]
+            req = engine.add_request(ids, SamplingParams(
+                max_tokens=1 + 2 * a.rounds * a.steps * len(a.threads.split(",")), ignore_eos=True))
+            while not req.output_token_ids:  # the prompt, prefilled in chunks
+                engine.step()
+            for nt in (int(t) for t in a.threads.split(",")):
+                torch.set_num_threads(nt)
+                times: dict[bool, list[float]] = {True: [], False: []}
+                for _ in range(a.rounds):
+                    for native in (True, False):
+                        engine.backend.native = native
+                        t = time.perf_counter()
+                        for _ in range(a.steps):
+                            engine.step()
+                        times[native].append((time.perf_counter() - t) / a.steps * 1e3)
+                tk, tt = statistics.median(times[True]), statistics.median(times[False])
+                rows.append(f"| {context} | {name} | {nt} | {tt:.2f} | {tk:.2f} | {tt / tk:.2f}x |")
+            del engine
+    print(f"# decode step of the bundled model, 1 request, wall ms per step, median of {a.rounds} rounds of "
+          f"{a.steps} steps per path; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    print(f"# {machine}; kernel build {native_isa()}")
+    print("| context | KV dtype | threads | torch path ms | C kernel ms | speed-up |")
     print("|---:|---|---:|---:|---:|---:|")
     print("\n".join(rows))
 
