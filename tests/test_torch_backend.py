@@ -117,6 +117,7 @@ def test_sliding_window_matches_reference(backend, kv, window):
     else:
         cache = LayerKV(kc, vc)
     be = backend()
+    be.native = False  # torch's decode paths (the C kernel's: test_cpu_attention.py)
     be.write_kv(nk, nv, cache, meta)
     got = be.forward(q, cache, meta, 0.125)
     want = reference(q, dk, dv, q_lens, kv_lens, g, 0.125, window)
@@ -141,7 +142,7 @@ def test_batched_decode_rows_match_reference(g):
     q_lens, kv_lens = [1, 1, 37, 1, 1, 50, 1], [75, 70, 100, 66, 64, 50, 73]
     kvh, d = 2, 64
     q, nk, nv, kc, vc, meta, dk, dv = make_batch(q_lens, kv_lens, kvh, g, d, 16, 64, True, seed=5 + g)
-    be = TorchAttentionBackend()
+    be = TorchAttentionBackend(native=False)  # torch's batched decode (the C kernel's: test_cpu_attention.py)
     be.write_kv(nk, nv, LayerKV(kc, vc), meta)
     got = be.forward(q, LayerKV(kc, vc), meta, 0.125)
     assert sum(len(b[0]) for b in be._batches) == 5  # the batched path really ran
@@ -154,7 +155,7 @@ def test_decode_rows_grouped_by_length():
     q_lens = [1] * 7
     kv_lens = [20, 22, 25, 300, 310, 320, 900]
     q, nk, nv, kc, vc, meta, dk, dv = make_batch(q_lens, kv_lens, 1, 3, 64, 16, 128, True, seed=9)
-    be = TorchAttentionBackend()
+    be = TorchAttentionBackend(native=False)  # torch's batched decode (the C kernel's: test_cpu_attention.py)
     be.write_kv(nk, nv, LayerKV(kc, vc), meta)
     got = be.forward(q, LayerKV(kc, vc), meta, 0.125)
     assert len(be._batches) >= 2  # not one call padded to the 900-token outlier
@@ -257,7 +258,7 @@ def test_16bit_cache_decode_matches_reference(dtype, g):
     q_lens, kv_lens = [1, 1, 37, 1, 1, 50, 1, 1], [75, 70, 100, 66, 64, 50, 73, 900]
     kvh, d = 2, 64
     q, nk, nv, kc, vc, meta, dk, dv = make_batch(q_lens, kv_lens, kvh, g, d, 16, 128, True, dtype=dtype, seed=11 + g)
-    be = TorchAttentionBackend()
+    be = TorchAttentionBackend(native=False)  # torch's batched decode (the C kernel's: test_cpu_attention.py)
     be.write_kv(nk, nv, LayerKV(kc, vc), meta)
     got = be.forward(q, LayerKV(kc, vc), meta, 0.125)
     assert sum(len(b[0]) for b in be._batches) == 5  # 5 rows batched, the 900-token one per request

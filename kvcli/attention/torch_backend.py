@@ -22,9 +22,20 @@ per layer. Measured figures: docs/benchmarks.md ("KV cache formats", "kvcli vs t
 Sliding window (meta.sliding_window = w > 0): a request's keys are read from the first one its first
 query row sees; the batched decode groups mask keys before p - w + 1; a chunk longer than the window
 takes the masked SDPA path.
+Native decode: where kvcli's C kernel builds (kvcli_kernels/cpu_attention.c; KVCLI_NATIVE=0 turns it
+off), every decode row of the step goes through one call per layer instead of all of the above: it reads
+each request's K/V through its block table in the cache's own dtype (fp32, fp16, bf16, int8 / fp8 with
+their scales), once, with an online softmax, parallel over requests, KV heads and spans of long contexts.
+The GEMMs and scratch conversions remain for prefill chunks, non-fp32 queries and unsupported shapes.
 """
 
 from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import weakref
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -33,8 +44,24 @@ from kvcli.attention.base import AttentionMetadata
 from kvcli.kvcache.kv_cache import LayerKV
 from kvcli.kvcache.kv_dtype import dequantize, quantize
 
+if TYPE_CHECKING:
+    from kvcli_kernels.cpu_attention import CacheView, DecodeStep
+
 FP8_UNIT = 256.0  # _heads_f32 gives fp8 codes divided by this (2 ** (15 - 7), the exponent biases)
 _flash_cpu = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+@functools.lru_cache(maxsize=1)
+def native_attention() -> ctypes.CDLL | None:
+    """The decode-attention kernel (built at first use), or None: KVCLI_NATIVE=0, no compiler, a failed
+    build (the reason: kvcli_kernels.cpu_attention.load_error)."""
+    if os.environ.get("KVCLI_NATIVE", "1") == "0":
+        return None
+    from kvcli.model.int8dot_cpu import native_isa
+    from kvcli.model.tokenizer import cache_dir
+    from kvcli_kernels.cpu_attention import load
+
+    return load(native_isa(), str(cache_dir() / "native"))
 
 
 class TorchAttentionBackend:
@@ -43,7 +70,13 @@ class TorchAttentionBackend:
     BATCH_DECODE_MIN = 4  # decode rows from this many requests on go through one batched call
     SCRATCH_KEEP_BYTES = 64 << 20  # scratch buffers up to this size are kept between calls
 
-    def __init__(self) -> None:
+    def __init__(self, native: bool = True) -> None:
+        self.native = native  # decode rows through native_attention() where it loads (False: torch only)
+        self._native_meta: AttentionMetadata | None = None
+        self._native_scale = 0.0
+        self._native_ids: set[int] = set()
+        self._native_step: DecodeStep | None = None
+        self._native_views: dict[int, tuple[weakref.ref[LayerKV], tuple[torch.Tensor, ...], CacheView | None]] = {}
         self._meta: AttentionMetadata | None = None
         self._reads: dict[int, slice | torch.Tensor] = {}
         self._batch_meta: AttentionMetadata | None = None
@@ -206,12 +239,64 @@ class TorchAttentionBackend:
                     self._batches.append((set(ids), rows, tables, mask[None, :, None, :]))  # [1, n, 1, L]
         return self._batches
 
+    def _decode_native(self, q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scale: float,
+                       out: torch.Tensor) -> set[int]:
+        """Every decode row of the step (requests with one query token) in one kernel call, written into
+        `out`; returns the requests done (none where the kernel is off or does not fit: torch's path)."""
+        if not self.native or q.device.type != "cpu":
+            return set()
+        lib = native_attention()
+        if lib is None:
+            return set()
+        from kvcli_kernels.cpu_attention import DecodeStep, query_supported, run
+
+        if meta is not self._native_meta or scale != self._native_scale:  # per step: which rows decode
+            starts = [0]
+            for n in meta.query_lens_list:
+                starts.append(starts[-1] + n)
+            ids = [b for b, n in enumerate(meta.query_lens_list) if n == 1]
+            self._native_meta, self._native_scale, self._native_ids = meta, scale, set(ids)
+            self._native_step = None
+            if ids and meta.block_tables.device.type == "cpu" and meta.block_tables.stride(-1) == 1:
+                self._native_step = DecodeStep(meta.block_tables, meta.seq_lens.contiguous(), q.shape[1], scale,
+                                               meta.sliding_window, torch.tensor(ids, dtype=torch.int64),
+                                               torch.tensor([starts[b] for b in ids], dtype=torch.int64))
+        step = self._native_step
+        if step is None:
+            return set()
+        view = self._cache_view(cache)
+        if view is None or not query_supported(q, step, view):
+            return set()
+        run(lib, step, view, q, out)
+        return self._native_ids
+
+    def _cache_view(self, cache: LayerKV) -> CacheView | None:
+        """The kernel's view of a layer's pool (None: a format or shape it does not read), built once per
+        LayerKV rather than per step (~10 us of Python each); dropped when the LayerKV is, rebuilt if its
+        tensors are replaced."""
+        from kvcli_kernels.cpu_attention import CacheView, cache_supported
+
+        key, tensors = id(cache), cache.tensors()
+        entry = self._native_views.get(key)
+        if (entry is not None and entry[0]() is cache and len(entry[1]) == len(tensors)
+                and all(a is b for a, b in zip(entry[1], tensors))):
+            return entry[2]
+        # head-major storage [kvh, blocks, bs, ...] in the cache's own dtype (float8 kept as such)
+        k, v = cache.k.movedim(2, 0), cache.v.movedim(2, 0)
+        ks = None if cache.k_scale is None else cache.k_scale.movedim(2, 0)
+        vs = None if cache.v_scale is None else cache.v_scale.movedim(2, 0)
+        view = CacheView(k, v, ks, vs) if cache_supported(k, v, ks, vs) else None
+        views = self._native_views
+        views[key] = (weakref.ref(cache, lambda _, key=key: views.pop(key, None)), tensors, view)
+        return view
+
     def forward(self, q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         k_cache, v_cache = cache.k, cache.v
         bs = cache.block_size
         out = torch.empty_like(q)
-        batched: set[int] = set()
-        for ids, rows, tables, mask in self._decode_batches(meta, k_cache.shape[1], q.device):
+        batched = set(self._decode_native(q, cache, meta, scale, out))
+        groups = [] if batched else self._decode_batches(meta, k_cache.shape[1], q.device)
+        for ids, rows, tables, mask in groups:
             batched |= ids
             n, h, d = rows.shape[0], q.shape[1], q.shape[2]
             kvh = k_cache.shape[2]

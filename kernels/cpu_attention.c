@@ -1,0 +1,468 @@
+/* Paged decode attention on the CPU: one query token per request against its cached K/V, read through
+ * the block table directly in the cache's stored dtype, so each cached byte is read once per step (the
+ * torch path converts a request's whole K/V to fp32 scratch first, then runs two GEMMs per KV head).
+ *
+ * Inputs (element strides, the head_dim stride is 1), in two structs built once each by the launcher:
+ *   kva_step   per step: block tables, int32 or int64 [batch, t_row]; context lengths, int32 or int64
+ *              [batch]; the n decode requests' table rows reqs[r] and q / out rows rows[r] (NULL: r);
+ *              the number of q heads, softmax scale and sliding window
+ *   kva_cache  per layer: K, V indexed [kv_heads, blocks, block_size, D] by strides (head-major or
+ *              token-major storage), fp32 / fp16 / bf16 / int8 / fp8 e4m3, the last two with per-token
+ *              fp32 scales ks, vs indexed [kv_heads, blocks, block_size]
+ *   q, out     fp32 [tokens, heads, D] with row strides q_row, out_row (a row's heads contiguous)
+ * The query is the last token (position p = len - 1) and sees keys [max(0, p - window + 1), p].
+ * Scores are dot(q, k) * scale (quantized: dot(q, codes) * (ks * scale), the scale times the fp8 unit),
+ * probabilities are multiplied by vs * unit: what kvcli/attention/torch_backend.py computes, with the
+ * softmax done online (flash-decoding) in fp32.
+ *
+ * Work items are (request, KV head, span of keys): the q heads of one KV head (the GQA group) share
+ * every K/V row read; long contexts are split into spans so that threads have work even for one
+ * request, and the spans are merged with their maxima and sums (log-sum-exp). Keys are processed in
+ * tiles of at most TILE tokens of one block (contiguous rows). Non-fp32 caches are converted in
+ * registers (fp16 by F16C, bf16 by a shift, int8 / fp8 by integer widening) into an fp32 tile in L1,
+ * once per tile: the scores then read each K row once per q head of the group, and P @ V reads V again,
+ * from L1 rather than converting it each time.
+ *
+ * Built at first use by kvcli_kernels/cpu_attention.py (cc -O3 -fopenmp); the OpenMP runtime is the one
+ * torch already loaded, so torch.set_num_threads governs both.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define KVA_AVX2 1
+#endif
+
+enum { DT_F32 = 0, DT_F16 = 1, DT_BF16 = 2, DT_I8 = 3, DT_FP8 = 4 };
+
+#define TILE 32       /* keys per tile (fewer at block ends); a multiple of 8 */
+#define MAX_D 256     /* head_dim limit of the stack buffers (the launcher falls back above) */
+#define MAX_G 16      /* GQA group limit, likewise */
+#define MIN_SPAN 128  /* keys: shorter contexts are not split (merging costs more than it saves) */
+#define SERIAL_MACS (1 << 17)  /* below this many q.k products a call stays on one thread */
+
+/* Mirrored by kvcli_kernels/cpu_attention.py (_Step, _Cache): keep the field order and types in step.
+ * Two parts, so that the launcher builds the per-step one once for every layer and the per-layer one
+ * once per cache, and a call passes only q and out. */
+typedef struct { /* per step: the decode requests, their block tables and lengths */
+    const void *tables;
+    int64_t t_row;
+    const void *lens;
+    const int64_t *reqs, *rows;
+    int64_t n, heads, window;
+    float scale;
+    int32_t tables64, lens64;
+} kva_step;
+
+typedef struct { /* per layer: the pool's K/V (and scales) */
+    const void *k, *v;
+    int64_t k_sh, k_sb, k_st, v_sh, v_sb, v_st;
+    const float *ks, *vs;
+    int64_t ks_sh, ks_sb, ks_st, vs_sh, vs_sb, vs_st;
+    int64_t kv_heads, d, block_size;
+    float unit; /* fp8: codes are read as code / 256, so scores and V weights are scaled by 256 */
+    int32_t dtype;
+} kva_cache;
+
+typedef struct {
+    const kva_step *s;
+    const kva_cache *c;
+    const float *q;
+    float *out;
+    int64_t q_row, out_row;
+    float scale; /* softmax scale times the unit (exact: a power of two) */
+} kva_args;
+
+static const float zero_row[MAX_D] __attribute__((aligned(32)));
+
+static inline int64_t elem_size(int dt) { return dt == DT_F32 ? 4 : (dt == DT_F16 || dt == DT_BF16) ? 2 : 1; }
+
+static inline float f16_bits_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+    if (exp == 0) {
+        float f = ldexpf((float)man, -24);
+        return sign ? -f : f;
+    }
+    bits = exp == 31 ? (sign | 0x7F800000u | (man << 13)) : (sign | ((exp + 112) << 23) | (man << 13));
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* e4m3fn code -> fp16 bits of code / 256 (same bits under fp16's exponent bias; see FP8_UNIT in
+ * torch_backend.py): sign from bit 7 to 15, exponent and mantissa from bits 0-6 to 7-13. */
+static inline uint16_t fp8_as_f16_bits(uint8_t c) { return (uint16_t)(((c & 0x80) << 8) | ((c & 0x7F) << 7)); }
+
+/* n rows of D elements (row stride st elements) of dtype dt -> fp32 rows of D at dst. */
+static inline __attribute__((always_inline)) void cvt_rows(const void *src, const int dt, int64_t st, int n,
+                                                           int64_t D, float *dst) {
+    for (int u = 0; u < n; u++) {
+        float *o = dst + u * D;
+#ifdef KVA_AVX2
+        if (dt == DT_F16) {
+            const uint16_t *s = (const uint16_t *)src + u * st;
+            for (int64_t i = 0; i < D; i += 8) _mm256_store_ps(o + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + i))));
+        } else if (dt == DT_BF16) {
+            const uint16_t *s = (const uint16_t *)src + u * st;
+            for (int64_t i = 0; i < D; i += 8) {
+                const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(s + i)));
+                _mm256_store_ps(o + i, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+            }
+        } else if (dt == DT_I8) {
+            const int8_t *s = (const int8_t *)src + u * st;
+            for (int64_t i = 0; i < D; i += 8)
+                _mm256_store_ps(o + i, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(s + i)))));
+        } else {
+            const uint8_t *s = (const uint8_t *)src + u * st;
+            const __m128i sgn = _mm_set1_epi16(0x80), mag = _mm_set1_epi16(0x7F);
+            for (int64_t i = 0; i < D; i += 8) {
+                const __m128i c = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(s + i)));
+                const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(c, sgn), 8), _mm_slli_epi16(_mm_and_si128(c, mag), 7));
+                _mm256_store_ps(o + i, _mm256_cvtph_ps(h));
+            }
+        }
+#else
+        for (int64_t i = 0; i < D; i++) {
+            if (dt == DT_F16) {
+                o[i] = f16_bits_to_f32(((const uint16_t *)src)[u * st + i]);
+            } else if (dt == DT_BF16) {
+                uint32_t b = (uint32_t)((const uint16_t *)src)[u * st + i] << 16;
+                memcpy(&o[i], &b, 4);
+            } else if (dt == DT_I8) {
+                o[i] = (float)((const int8_t *)src)[u * st + i];
+            } else {
+                o[i] = f16_bits_to_f32(fp8_as_f16_bits(((const uint8_t *)src)[u * st + i]));
+            }
+        }
+#endif
+    }
+}
+
+#ifdef KVA_AVX2
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+static inline float hmax8(__m256 v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* exp(x) for x <= 0 (Cephes' expf polynomial, about 1 ulp); exactly 0 below about -87.7, where exp(x) is
+ * under FLT_MIN (-inf included: masked scores give exact zeros). */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-88.0f));
+    const __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+/* Lane u of the result = the sum of the 8 lanes of a[u]. */
+static inline __m256 reduce8(const __m256 a[8]) {
+    const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+    return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+/* acc[j] += sum_u p[j][u] v[u] for GJ heads j: 16 columns of the GJ accumulators held in registers
+ * across the tile, so each broadcast probability feeds two FMAs (one load each, not one per FMA). */
+static inline __attribute__((always_inline)) void v_accumulate(const int GJ, float *acc, const float *p,
+                                                               const float *const *vr, int n, int64_t D) {
+    for (int64_t i = 0; i < D; i += 16) {
+        const int two = i + 8 < D;
+        __m256 a[4], b[4];
+        for (int j = 0; j < GJ; j++) {
+            a[j] = _mm256_loadu_ps(acc + j * D + i);
+            b[j] = two ? _mm256_loadu_ps(acc + j * D + i + 8) : _mm256_setzero_ps();
+        }
+        if (two) {
+            for (int u = 0; u < n; u++) {
+                const __m256 v0 = _mm256_loadu_ps(vr[u] + i), v1 = _mm256_loadu_ps(vr[u] + i + 8);
+                for (int j = 0; j < GJ; j++) {
+                    const __m256 pj = _mm256_broadcast_ss(p + j * TILE + u);
+                    a[j] = _mm256_fmadd_ps(pj, v0, a[j]);
+                    b[j] = _mm256_fmadd_ps(pj, v1, b[j]);
+                }
+            }
+        } else {
+            for (int u = 0; u < n; u++) {
+                const __m256 v0 = _mm256_loadu_ps(vr[u] + i);
+                for (int j = 0; j < GJ; j++) a[j] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + j * TILE + u), v0, a[j]);
+            }
+        }
+        for (int j = 0; j < GJ; j++) {
+            _mm256_storeu_ps(acc + j * D + i, a[j]);
+            if (two) _mm256_storeu_ps(acc + j * D + i + 8, b[j]);
+        }
+    }
+}
+#endif
+
+/* One tile of n keys (rows kr / vr, fp32; kr padded to a multiple of 8 with zero rows) for the g q heads
+ * of one KV head: scores, online-softmax update of m, l and acc [g][D]. sc: per-key score factor,
+ * wv: per-key probability factor (both padded). */
+static void tile_update(const float *q, int64_t g, int64_t D, const float *const *kr, const float *const *vr,
+                        int n, const float *sc, const float *wv, float *m, float *l, float *acc) {
+    float s[MAX_G * TILE] __attribute__((aligned(32))), p[MAX_G * TILE] __attribute__((aligned(32)));
+    const int n8 = (n + 7) & ~7;
+#ifdef KVA_AVX2
+    const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int64_t j = 0; j < g; j++) {
+        const float *qj = q + j * D;
+        __m256 vmax = _mm256_set1_ps(-INFINITY);
+        for (int c = 0; c < n8; c += 8) {
+            __m256 a[8];
+            for (int u = 0; u < 8; u++) a[u] = _mm256_setzero_ps();
+            for (int64_t i = 0; i < D; i += 8) {
+                const __m256 qv = _mm256_loadu_ps(qj + i);
+                for (int u = 0; u < 8; u++) a[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[c + u] + i), a[u]);
+            }
+            __m256 sv = _mm256_mul_ps(reduce8(a), _mm256_loadu_ps(sc + c));
+            const __m256 valid = _mm256_cmp_ps(_mm256_add_ps(lane, _mm256_set1_ps((float)c)), _mm256_set1_ps((float)n), _CMP_LT_OQ);
+            sv = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), sv, valid);
+            _mm256_store_ps(s + j * TILE + c, sv);
+            vmax = _mm256_max_ps(vmax, sv);
+        }
+        const float mx = hmax8(vmax), m_new = mx > m[j] ? mx : m[j];
+        const float corr = expf(m[j] - m_new);
+        __m256 vsum = _mm256_setzero_ps();
+        const __m256 mv = _mm256_set1_ps(m_new);
+        for (int c = 0; c < n8; c += 8) {
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_load_ps(s + j * TILE + c), mv));  /* padded lanes: 0 */
+            vsum = _mm256_add_ps(vsum, e);
+            _mm256_store_ps(p + j * TILE + c, _mm256_mul_ps(e, _mm256_loadu_ps(wv + c)));
+        }
+        l[j] = l[j] * corr + hsum8(vsum);
+        if (corr != 1.0f) {
+            const __m256 cv = _mm256_set1_ps(corr);
+            for (int64_t i = 0; i < D; i += 8) _mm256_storeu_ps(acc + j * D + i, _mm256_mul_ps(_mm256_loadu_ps(acc + j * D + i), cv));
+        }
+        m[j] = m_new;
+    }
+    for (int64_t j0 = 0; j0 < g; j0 += 4) {
+        switch (g - j0 < 4 ? g - j0 : 4) { /* constant head counts: accumulators stay in registers */
+        case 4: v_accumulate(4, acc + j0 * D, p + j0 * TILE, vr, n, D); break;
+        case 3: v_accumulate(3, acc + j0 * D, p + j0 * TILE, vr, n, D); break;
+        case 2: v_accumulate(2, acc + j0 * D, p + j0 * TILE, vr, n, D); break;
+        default: v_accumulate(1, acc + j0 * D, p + j0 * TILE, vr, n, D);
+        }
+    }
+#else
+    (void)n8;
+    for (int64_t j = 0; j < g; j++) {
+        const float *qj = q + j * D;
+        float mx = -INFINITY;
+        for (int u = 0; u < n; u++) {
+            /* 8 partial sums, as the vector path: the compiler can vectorize them, and the rounding
+             * error stays that of 8 interleaved D / 8-term sums, not of one D-term sum */
+            float part[8] = {0};
+            for (int64_t i = 0; i < D; i += 8)
+                for (int w = 0; w < 8; w++) part[w] += qj[i + w] * kr[u][i + w];
+            const float dot = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+            s[j * TILE + u] = dot * sc[u];
+            mx = s[j * TILE + u] > mx ? s[j * TILE + u] : mx;
+        }
+        const float m_new = mx > m[j] ? mx : m[j], corr = expf(m[j] - m_new);
+        float sum = 0.0f;
+        for (int u = 0; u < n; u++) {
+            const float e = expf(s[j * TILE + u] - m_new);
+            sum += e;
+            p[j * TILE + u] = e * wv[u];
+        }
+        l[j] = l[j] * corr + sum;
+        m[j] = m_new;
+        float *aj = acc + j * D;
+        for (int64_t i = 0; i < D; i++) aj[i] *= corr;
+        for (int u = 0; u < n; u++)
+            for (int64_t i = 0; i < D; i++) aj[i] += p[j * TILE + u] * vr[u][i];
+    }
+#endif
+}
+
+/* Keys in the tile starting at t: up to TILE, within t's block and the span's end t1. */
+static inline int tile_len(int64_t t, int64_t t1, int64_t bs) {
+    int64_t n = bs - t % bs;
+    n = n < TILE ? n : TILE;
+    return (int)(t1 - t < n ? t1 - t : n);
+}
+
+static inline void prefetch_rows(const char *p, int64_t stride, int n, int64_t row_bytes) {
+    for (int u = 0; u < n; u++)
+        for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(p + u * stride + b, 0, 3);
+}
+
+static inline int64_t table_at(const kva_step *s, int64_t req, int64_t i) {
+    return s->tables64 ? ((const int64_t *)s->tables)[req * s->t_row + i] : ((const int32_t *)s->tables)[req * s->t_row + i];
+}
+
+static inline int64_t len_at(const kva_step *s, int64_t req) {
+    return s->lens64 ? ((const int64_t *)s->lens)[req] : ((const int32_t *)s->lens)[req];
+}
+
+/* Keys [t0, t1) of request r (table row req) for KV head h: unnormalised acc [g][D], maxima m and sums l. */
+static inline __attribute__((always_inline)) void span(const kva_args *a, const int dt, int64_t r, int64_t req, int64_t h,
+                                                       int64_t t0, int64_t t1, float *acc, float *m, float *l) {
+    const kva_cache *c = a->c;
+    const int64_t D = c->d, g = a->s->heads / c->kv_heads, bs = c->block_size, esz = elem_size(dt);
+    const float *q = a->q + (a->s->rows ? a->s->rows[r] : r) * a->q_row + h * g * D;
+    float kt[TILE * MAX_D] __attribute__((aligned(32))), vt[TILE * MAX_D] __attribute__((aligned(32)));
+    float sc[TILE], wv[TILE];
+    const float *kr[TILE], *vr[TILE];
+    for (int64_t j = 0; j < g; j++) m[j] = -INFINITY, l[j] = 0.0f;
+    memset(acc, 0, sizeof(float) * (size_t)(g * D));
+    /* Tiles are runs of one block's rows; the next tile's rows are prefetched while this one is
+     * computed: blocks sit anywhere in the pool, and a block of one head is often one whole page
+     * (16 x 64 fp32), where hardware prefetchers stop. */
+    int64_t id = t0 < t1 ? table_at(a->s, req, t0 / bs) : 0;
+    for (int64_t t = t0; t < t1;) {
+        const int64_t off = t % bs;
+        const int n = tile_len(t, t1, bs);
+        const char *kp = (const char *)c->k + esz * (h * c->k_sh + id * c->k_sb + off * c->k_st);
+        const char *vp = (const char *)c->v + esz * (h * c->v_sh + id * c->v_sb + off * c->v_st);
+        const int64_t cur = id;
+        if (t + n < t1) {
+            const int64_t t2 = t + n, off2 = t2 % bs;
+            id = off2 ? id : table_at(a->s, req, t2 / bs);
+            if (id != cur + (off2 == 0)) { /* the next block in memory is left to the hardware prefetcher */
+                const int n2 = tile_len(t2, t1, bs);
+                prefetch_rows((const char *)c->k + esz * (h * c->k_sh + id * c->k_sb + off2 * c->k_st), esz * c->k_st, n2, esz * D);
+                prefetch_rows((const char *)c->v + esz * (h * c->v_sh + id * c->v_sb + off2 * c->v_st), esz * c->v_st, n2, esz * D);
+            }
+        }
+        if (dt == DT_F32) {
+            for (int u = 0; u < n; u++) kr[u] = (const float *)kp + u * c->k_st, vr[u] = (const float *)vp + u * c->v_st;
+        } else {
+            cvt_rows(kp, dt, c->k_st, n, D, kt);
+            cvt_rows(vp, dt, c->v_st, n, D, vt);
+            for (int u = 0; u < n; u++) kr[u] = kt + u * D, vr[u] = vt + u * D;
+        }
+        for (int u = 0; u < n; u++) {
+            sc[u] = c->ks ? c->ks[h * c->ks_sh + cur * c->ks_sb + (off + u) * c->ks_st] * a->scale : a->scale;
+            wv[u] = c->vs ? c->vs[h * c->vs_sh + cur * c->vs_sb + (off + u) * c->vs_st] * c->unit : 1.0f;
+        }
+        for (int u = n; u < ((n + 7) & ~7); u++) kr[u] = zero_row, sc[u] = 0.0f, wv[u] = 0.0f;
+        tile_update(q, g, D, kr, vr, n, sc, wv, m, l, acc);
+        t += n;
+    }
+}
+
+static void run_span(const kva_args *a, int64_t r, int64_t req, int64_t h, int64_t t0, int64_t t1, float *acc, float *m,
+                     float *l) {
+    switch (a->c->dtype) { /* constant dtypes: each case its own conversion loop */
+    case DT_F32: span(a, DT_F32, r, req, h, t0, t1, acc, m, l); break;
+    case DT_F16: span(a, DT_F16, r, req, h, t0, t1, acc, m, l); break;
+    case DT_BF16: span(a, DT_BF16, r, req, h, t0, t1, acc, m, l); break;
+    case DT_I8: span(a, DT_I8, r, req, h, t0, t1, acc, m, l); break;
+    default: span(a, DT_FP8, r, req, h, t0, t1, acc, m, l);
+    }
+}
+
+/* Decode attention for the step's requests over one layer's cache: q, out [tokens, heads, D] with row
+ * strides q_row, out_row, on up to nthreads threads. Returns 0, -1 when out of memory, -2 for
+ * unsupported shapes. */
+int kva_decode(const kva_step *st, const kva_cache *c, const float *q, int64_t q_row, float *out, int64_t out_row,
+               int nthreads) {
+    const kva_args args = {st, c, q, out, q_row, out_row, st->scale * c->unit}, *a = &args;
+    const int64_t n = st->n, kvh = c->kv_heads, D = c->d;
+    if (kvh <= 0 || st->heads % kvh || st->heads / kvh > MAX_G || D % 8 || D > MAX_D || D <= 0) return -2;
+    const int64_t g = st->heads / kvh;
+    if (n == 0) return 0;
+    /* per request: first key, key count, spans, span length, first item */
+    int64_t *plan = (int64_t *)malloc(sizeof(int64_t) * (size_t)(5 * n + 1));
+    if (!plan) return -1;
+    int64_t *lo = plan, *cnt = plan + n, *nsp = plan + 2 * n, *slen = plan + 3 * n, *first = plan + 4 * n;
+    int64_t keys = 0;
+    for (int64_t r = 0; r < n; r++) {
+        const int64_t L = len_at(st, st->reqs ? st->reqs[r] : r), w = st->window;
+        lo[r] = w > 0 && L - w > 0 ? L - w : 0;
+        cnt[r] = L > lo[r] ? L - lo[r] : 0;
+        keys += cnt[r];
+    }
+    const int nt = keys * st->heads * D < SERIAL_MACS || nthreads < 1 ? 1 : nthreads;
+    /* about 4 items per thread, so that ragged spans still balance under dynamic scheduling */
+    const int64_t want = nt > 1 ? (4 * nt + n * kvh - 1) / (n * kvh) : 1;
+    int64_t items = 0, split = 0;
+    for (int64_t r = 0; r < n; r++) {
+        int64_t s = cnt[r] / MIN_SPAN < want ? cnt[r] / MIN_SPAN : want;
+        s = s < 1 ? 1 : s;
+        slen[r] = (cnt[r] + s - 1) / s;
+        slen[r] = (slen[r] + TILE - 1) / TILE * TILE;  /* whole tiles (where blocks allow) */
+        nsp[r] = slen[r] > 0 ? (cnt[r] + slen[r] - 1) / slen[r] : 1;
+        first[r] = items;
+        items += kvh * nsp[r];
+        split |= nsp[r] > 1;
+    }
+    int64_t *item_req = (int64_t *)malloc(sizeof(int64_t) * (size_t)items);
+    const int64_t part = g * (D + 2);  /* per item: acc [g][D], m [g], l [g] */
+    float *parts = split ? (float *)malloc(sizeof(float) * (size_t)(items * part)) : NULL;
+    if (!item_req || (split && !parts)) {
+        free(plan), free(item_req), free(parts);
+        return -1;
+    }
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t i = 0; i < kvh * nsp[r]; i++) item_req[first[r] + i] = r;
+
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        float acc[MAX_G * MAX_D], m[MAX_G], l[MAX_G];
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < items; it++) {
+            const int64_t r = item_req[it], local = it - first[r], h = local / nsp[r], s = local % nsp[r];
+            const int64_t req = st->reqs ? st->reqs[r] : r;
+            const int64_t t0 = lo[r] + s * slen[r], t1 = t0 + slen[r] < lo[r] + cnt[r] ? t0 + slen[r] : lo[r] + cnt[r];
+            if (nsp[r] > 1) {
+                float *pa = parts + it * part;
+                run_span(a, r, req, h, t0, t1, pa, pa + g * D, pa + g * D + g);
+                continue;
+            }
+            run_span(a, r, req, h, t0, t1, acc, m, l);
+            float *o = out + (st->rows ? st->rows[r] : r) * out_row + h * g * D;
+            for (int64_t j = 0; j < g; j++) {
+                const float inv = l[j] > 0.0f ? 1.0f / l[j] : 0.0f;
+                for (int64_t i = 0; i < D; i++) o[j * D + i] = acc[j * D + i] * inv;
+            }
+        }
+        if (split) {
+#pragma omp for schedule(static)
+            for (int64_t rh = 0; rh < n * kvh; rh++) {
+                const int64_t r = rh / kvh, h = rh % kvh;
+                if (nsp[r] < 2) continue;
+                const float *p0 = parts + (first[r] + h * nsp[r]) * part;
+                float *o = out + (st->rows ? st->rows[r] : r) * out_row + h * g * D;
+                for (int64_t j = 0; j < g; j++) {
+                    float mx = -INFINITY, sum = 0.0f;
+                    for (int64_t s = 0; s < nsp[r]; s++) {
+                        const float ms = p0[s * part + g * D + j];
+                        mx = ms > mx ? ms : mx;
+                    }
+                    for (int64_t i = 0; i < D; i++) o[j * D + i] = 0.0f;
+                    for (int64_t s = 0; s < nsp[r]; s++) {
+                        const float *ps = p0 + s * part;
+                        const float w = expf(ps[g * D + j] - mx);
+                        sum += ps[g * D + g + j] * w;
+                        for (int64_t i = 0; i < D; i++) o[j * D + i] += ps[j * D + i] * w;
+                    }
+                    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+                    for (int64_t i = 0; i < D; i++) o[j * D + i] *= inv;
+                }
+            }
+        }
+    }
+    free(plan), free(item_req), free(parts);
+    return 0;
+}

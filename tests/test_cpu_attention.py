@@ -1,0 +1,218 @@
+"""kvcli's C decode-attention kernel (kvcli_kernels/cpu_attention.c) against a dense torch reference, and
+the torch backend's decode path through it (mixed batches, every cache format, the bundled model)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvcli.attention.torch_backend import TorchAttentionBackend, native_attention
+from kvcli.kvcache.kv_cache import LayerKV
+from kvcli.kvcache.kv_dtype import dequantize, quantize
+
+from test_torch_backend import make_batch, reference
+
+lib = native_attention()
+pytestmark = pytest.mark.skipif(lib is None, reason="native kernels unavailable (KVCLI_NATIVE=0 or no compiler)")
+
+
+@pytest.fixture(params=["native", "generic"])
+def kernel(request):
+    """The build native_attention() picks, and the plain C one (what CPUs without AVX2 run)."""
+    if request.param == "native":
+        return lib
+    from kvcli.model.tokenizer import cache_dir
+    from kvcli_kernels.cpu_attention import load, load_error
+
+    generic = load("generic", str(cache_dir() / "native"))
+    assert generic is not None, load_error("generic")
+    return generic
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.int8,
+          "fp8": torch.float8_e4m3fn}
+LENS = [1, 5, 16, 17, 300]
+
+
+def paged_cache(lens: list[int], kvh: int, d: int, bs: int, kv: str, gen: torch.Generator):
+    """Head-major pool [kvh, blocks, bs, D] in format `kv` holding each request's K/V in random,
+    non-consecutive blocks, plus the values it holds (fp32, dequantized) per request [kvh, L, D].
+    Everything the kernel must not read is NaN: unowned blocks, the slots past a request's length, and
+    the block the tables are padded with (scales NaN for int8 / fp8, whose codes cannot be)."""
+    need = sum(-(-n // bs) for n in lens)
+    nb = need + 8
+    order = (torch.randperm(nb - 1, generator=gen) + 1).tolist()  # block 0: the tables' padding
+    tables = torch.zeros(len(lens), max(-(-n // bs) for n in lens), dtype=torch.int32)
+    x = {name: torch.full((kvh, nb, bs, d), float("nan")) for name in "kv"}
+    for i, n in enumerate(lens):
+        blocks, order = order[:-(-n // bs)], order[-(-n // bs):]
+        tables[i, :len(blocks)] = torch.tensor(blocks)
+        for t in x.values():
+            t[:, blocks] = torch.randn(kvh, len(blocks), bs, d, generator=gen) * 2
+            for p in range(n, len(blocks) * bs):
+                t[:, blocks[p // bs], p % bs] = float("nan")
+    dtype = DTYPES[kv]
+    if dtype in (torch.int8, torch.float8_e4m3fn):
+        (kc, ks), (vc, vs) = quantize(x["k"].nan_to_num(), dtype), quantize(x["v"].nan_to_num(), dtype)
+        for s, t in ((ks, x["k"]), (vs, x["v"])):
+            s[t.isnan().any(-1)] = float("nan")
+        dense = {"k": dequantize(kc, ks, torch.float32), "v": dequantize(vc, vs, torch.float32)}
+    else:
+        kc, vc, ks, vs = x["k"].to(dtype), x["v"].to(dtype), None, None
+        dense = {"k": kc.float(), "v": vc.float()}
+    per_req = [tuple(dense[name][:, tables[i, :-(-n // bs)].long()].flatten(1, 2)[:, :n] for name in "kv")
+               for i, n in enumerate(lens)]
+    return kc, vc, ks, vs, tables, per_req
+
+
+def dense_decode(q: torch.Tensor, per_req, scale: float, window: int) -> torch.Tensor:
+    """softmax(q K^T * scale) V per request in float64, K/V repeated over each KV head's q heads; the
+    query is the last position and sees the last `window` keys when window > 0."""
+    out = []
+    for qi, (k, v) in zip(q, per_req):
+        g = qi.shape[0] // k.shape[0]
+        if window:
+            k, v = k[:, -window:], v[:, -window:]
+        k, v = k.double().repeat_interleave(g, 0), v.double().repeat_interleave(g, 0)
+        s = (qi.double().unsqueeze(1) @ k.transpose(1, 2)) * scale  # [H, 1, L]
+        out.append((s.softmax(-1) @ v)[:, 0])
+    return torch.stack(out).float()
+
+
+# 1e-5 relative; outputs are O(1) averages of V, so elements near 0 get 1e-6 absolute.
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kv", list(DTYPES))
+@pytest.mark.parametrize("window", [0, 13])
+@pytest.mark.parametrize("g", [1, 3])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("bs", [16, 32])
+def test_kernel_matches_dense_reference(kernel, kv, window, g, d, bs):
+    """Ragged contexts (inside one block, a whole block, one past it, many blocks) in scattered blocks,
+    each cache format compared with the values it stores."""
+    gen = torch.Generator().manual_seed(bs + d + g + window)
+    kvh, scale = 2, 1 / math.sqrt(d)
+    kc, vc, ks, vs, tables, per_req = paged_cache(LENS, kvh, d, bs, kv, gen)
+    q = torch.randn(len(LENS), kvh * g, d, generator=gen)
+    lens = torch.tensor(LENS, dtype=torch.int32)
+    got = torch.full_like(q, float("nan"))
+    from kvcli_kernels.cpu_attention import decode_attention
+
+    decode_attention(kernel, q, kc, vc, tables, lens, scale, window, ks, vs, out=got)
+    torch.testing.assert_close(got, dense_decode(q, per_req, scale, window), **TOL)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("kv", ["fp32", "fp16", "int8"])
+def test_long_contexts_split_across_threads(kernel, threads, kv):
+    """One long request (its keys split into spans merged by log-sum-exp when threads > 1) beside a short
+    one; int64 tables and lengths, rows of q and out picked through reqs / rows."""
+    gen = torch.Generator().manual_seed(threads)
+    kvh, g, d, bs = 3, 3, 64, 16
+    lens_l = [1500, 3, 700]
+    kc, vc, ks, vs, tables, per_req = paged_cache(lens_l, kvh, d, bs, kv, gen)
+    q = torch.randn(5, kvh * g, d, generator=gen)  # rows 0, 2, 4 decode requests 2, 0, 1
+    reqs, rows = torch.tensor([2, 0, 1]), torch.tensor([0, 2, 4])
+    got = torch.full_like(q, float("nan"))
+    from kvcli_kernels.cpu_attention import decode_attention
+
+    decode_attention(kernel, q, kc, vc, tables.long(), torch.tensor(lens_l), 0.125, 0, ks, vs, out=got, reqs=reqs,
+                     rows=rows, nthreads=threads)
+    want = dense_decode(q[rows], [per_req[i] for i in reqs.tolist()], 0.125, 0)
+    torch.testing.assert_close(got[rows], want, **TOL)
+    assert got[[1, 3]].isnan().all()  # rows that are not decode rows are left alone
+
+
+def backend_cache(kv: str, kc: torch.Tensor, vc: torch.Tensor) -> LayerKV:
+    if kv in ("int8", "fp8"):
+        (kq, ks), (vq, vs) = quantize(kc.nan_to_num(), DTYPES[kv]), quantize(vc.nan_to_num(), DTYPES[kv])
+        return LayerKV(kq, vq, ks, vs)
+    return LayerKV(kc, vc)
+
+
+@pytest.mark.parametrize("kv", list(DTYPES))
+@pytest.mark.parametrize("window", [0, 13])
+@pytest.mark.parametrize("storage", ["head", "token"])
+def test_backend_decode_rows_go_through_the_kernel(kv, window, storage):
+    """The torch backend on a mixed batch: its decode rows (enough to be batched on the torch path) in
+    one kernel call, prefill chunks on torch's path; equal to the dense reference on the stored values."""
+    q_lens, kv_lens = [1, 1, 37, 1, 1, 50, 1, 9, 1], [75, 70, 100, 66, 64, 50, 9, 9, 300]
+    kvh, g, d = 2, 3, 64
+    dtype = DTYPES[kv] if kv in ("fp16", "bf16") else torch.float32
+    q, nk, nv, kc, vc, meta, dk, dv = make_batch(q_lens, kv_lens, kvh, g, d, 16, 128, True, dtype=dtype,
+                                                 seed=len(kv) + window, window=window, storage=storage)
+    cache = backend_cache(kv, kc, vc)
+    be = TorchAttentionBackend()
+    be.write_kv(nk, nv, cache, meta)
+    got = be.forward(q, cache, meta, 0.125)
+    assert be._native_meta is meta and be._batches == []  # the kernel took the decode rows
+    if kv in ("int8", "fp8"):
+        rk = [dequantize(*quantize(k, DTYPES[kv]), torch.float32) for k in dk]
+        rv = [dequantize(*quantize(v, DTYPES[kv]), torch.float32) for v in dv]
+    else:
+        rk, rv = [k.to(dtype).float() for k in dk], [v.to(dtype).float() for v in dv]
+    torch.testing.assert_close(got, reference(q, rk, rv, q_lens, kv_lens, g, 0.125, window), atol=2e-5, rtol=1e-4)
+    off = TorchAttentionBackend(native=False)
+    torch.testing.assert_close(off.forward(q, cache, meta, 0.125), got, atol=2e-5, rtol=1e-4)
+    assert off._native_meta is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv", ["fp32", "fp16", "int8"])
+def test_greedy_text_equals_kvcli_native_off(kv, monkeypatch):
+    """The bundled model (exact fp32 weights) generating greedily with the kernel and with KVCLI_NATIVE=0
+    (torch's decode path): identical tokens, on prompts of two lengths decoding side by side."""
+    from kvcli.config import SamplingParams
+    from kvcli.engine.llm_engine import EngineOptions, LLMEngine
+    from kvcli.model.loader import load_weights
+
+    loaded = load_weights(None)
+    model = None
+
+    def generate() -> tuple[list[list[int]], LLMEngine]:
+        nonlocal model
+        engine = LLMEngine(loaded, EngineOptions(kv_budget="32MiB", max_model_len=512, dequantize=True, kv_dtype=kv),
+                           model=model)
+        model = engine.model
+        params = SamplingParams(max_tokens=24, ignore_eos=True)
+        reqs = [engine.add_request(engine.tokenizer.encode(p), params) for p in
+                ("The keeper climbed the stairs to the lamp room and",
+                 "Once upon a time, in a lighthouse at the end of a long and narrow road by the sea, there")]
+        while engine.has_unfinished():
+            engine.step()
+        return [list(r.output_token_ids) for r in reqs], engine
+
+    with_kernel, engine = generate()
+    assert engine.backend._native_meta is not None  # the kernel ran
+    monkeypatch.setenv("KVCLI_NATIVE", "0")
+    native_attention.cache_clear()
+    try:
+        without, engine = generate()
+        assert engine.backend._native_meta is None
+    finally:
+        monkeypatch.undo()
+        native_attention.cache_clear()
+    assert with_kernel == without
+
+
+def test_cache_views_follow_their_layer():
+    """The backend builds the kernel's view of a layer once, rebuilds it when the layer's tensors are
+    replaced, and lets it go with the layer."""
+    import gc
+
+    q_lens, kv_lens = [1, 1], [40, 7]
+    q, nk, nv, kc, vc, meta, dk, dv = make_batch(q_lens, kv_lens, 2, 3, 64, 16, 16, True, seed=3)
+    be = TorchAttentionBackend()
+    layer = LayerKV(kc, vc)
+    be.write_kv(nk, nv, layer, meta)
+    first = be.forward(q, layer, meta, 0.125)
+    view = be._cache_view(layer)
+    assert view is not None and be._cache_view(layer) is view and len(be._native_views) == 1
+    layer.k, layer.v = kc.clone(), vc * 2  # same keys, values doubled: so is the output
+    assert be._cache_view(layer) is not view
+    torch.testing.assert_close(be.forward(q, layer, meta, 0.125), first * 2)
+    del layer
+    gc.collect()
+    assert not be._native_views
