@@ -242,10 +242,16 @@ static inline __attribute__((always_inline)) void group_tile(const kvq_args *a, 
             __m256i i1 = _mm256_setzero_si256(), i2 = _mm256_setzero_si256();
             if (bits == 4) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-                for (int s = 0; s < 8; s++) {
+                /* two chains per level: dpbusd's latency (4-5 cycles) would otherwise bound a single row */
+                __m256i i1b = _mm256_setzero_si256(), i2b = _mm256_setzero_si256();
+                for (int s = 0; s < 8; s += 2) {
                     i1 = _mm256_dpbusd_epi32(i1, w[s], bcast4(xq + 4 * s));
                     i2 = _mm256_dpbusd_epi32(i2, w[s], bcast4(xq + QK + 4 * s));
+                    i1b = _mm256_dpbusd_epi32(i1b, w[s + 1], bcast4(xq + 4 * s + 4));
+                    i2b = _mm256_dpbusd_epi32(i2b, w[s + 1], bcast4(xq + QK + 4 * s + 4));
                 }
+                i1 = _mm256_add_epi32(i1, i1b);
+                i2 = _mm256_add_epi32(i2, i2b);
 #else
                 /* 8 pair sums of at most 2 * 15 * 127 stay inside int16 */
                 __m256i s1 = _mm256_maddubs_epi16(w[0], bcast4(xq)), s2 = _mm256_maddubs_epi16(w[0], bcast4(xq + QK));

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 import weakref
 from typing import TYPE_CHECKING
 
@@ -51,17 +50,19 @@ FP8_UNIT = 256.0  # _heads_f32 gives fp8 codes divided by this (2 ** (15 - 7), t
 _flash_cpu = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
-@functools.lru_cache(maxsize=1)
 def native_attention() -> ctypes.CDLL | None:
     """The decode-attention kernel (built at first use), or None: KVCLI_NATIVE=0, no compiler, a failed
     build (the reason: kvcli_kernels.cpu_attention.load_error)."""
-    if os.environ.get("KVCLI_NATIVE", "1") == "0":
-        return None
-    from kvcli.model.int8dot_cpu import native_isa
-    from kvcli.model.tokenizer import cache_dir
+    from kvcli.model import native
+
+    return _attention_library(native.native_isa(), native.build_dir()) if native.native_enabled() else None
+
+
+@functools.lru_cache(maxsize=None)
+def _attention_library(isa: str, build_dir: str) -> ctypes.CDLL | None:
     from kvcli_kernels.cpu_attention import load
 
-    return load(native_isa(), str(cache_dir() / "native"))
+    return load(isa, build_dir)
 
 
 class TorchAttentionBackend:
@@ -72,6 +73,7 @@ class TorchAttentionBackend:
 
     def __init__(self, native: bool = True) -> None:
         self.native = native  # decode rows through native_attention() where it loads (False: torch only)
+        self._lib: ctypes.CDLL | None | bool = False  # native_attention(), looked up once (False: not yet)
         self._native_meta: AttentionMetadata | None = None
         self._native_scale = 0.0
         self._native_ids: set[int] = set()
@@ -245,7 +247,9 @@ class TorchAttentionBackend:
         `out`; returns the requests done (none where the kernel is off or does not fit: torch's path)."""
         if not self.native or q.device.type != "cpu":
             return set()
-        lib = native_attention()
+        if self._lib is False:
+            self._lib = native_attention()
+        lib = self._lib
         if lib is None:
             return set()
         from kvcli_kernels.cpu_attention import DecodeStep, query_supported, run

@@ -66,7 +66,10 @@ def torch_isa() -> str:
 def machine_line() -> str:
     import torch
 
-    env = ", ".join(f"{k}={os.environ[k]}" for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA") if k in os.environ)
+    from kvcli.model.int8dot_cpu import native_status
+
+    env = ", ".join(f"{k}={os.environ[k]}" for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "KVCLI_NATIVE")
+                    if k in os.environ)
     return (f"machine: {cpu_name()}, {platform.machine()}, {os.cpu_count()} cores; CPU ISA {cpu_isa()}; "
-            f"torch {torch.__version__} kernels {torch_isa()}, {torch.get_num_threads()} threads"
-            + (f"; {env}" if env else ""))
+            f"torch {torch.__version__} kernels {torch_isa()}, {torch.get_num_threads()} threads; "
+            f"kvcli C kernels {native_status()}" + (f"; {env}" if env else ""))

@@ -47,6 +47,7 @@ class InspectReport:
     sliding_window: int | None = None  # attention window (tokens); every token's KV is still kept
     resident: dict[str, int] | None = None  # layers / embedding / lm_head, after load
     linear_paths: str | None = None
+    cpu_kernels: str | None = None  # kvcli's C kernels here: which build, or why none (model/int8dot_cpu.py)
     # projection -> {path: layers}, e.g. {"v_proj": {"int4x2-cpu": 30}}: which linears take which path
     projection_paths: dict[str, dict[str, int]] | None = None
     device: str = "cpu"
@@ -155,6 +156,10 @@ def inspect_model(spec: str | None, options: EngineOptions, load: bool, context:
         engine = LLMEngine(load_weights(spec), replace(options, kv_budget=str(pool)))
         rep.resident = engine.model.weight_bytes()  # type: ignore[union-attr]
         rep.linear_paths = engine.linear_mode
+        if device.type == "cpu":
+            from kvcli.model.int8dot_cpu import native_status
+
+            rep.cpu_kernels = native_status()
         rep.projection_paths = getattr(engine.model, "projection_paths", None)
         weights = sum(rep.resident.values())
         del engine
@@ -196,6 +201,8 @@ def render(rep: InspectReport, context: int) -> None:
         parts = ", ".join(f"{k} {human_bytes(v)}" for k, v in rep.resident.items())
         t.add_row("resident after load", f"{human_bytes(sum(rep.resident.values()))} ({parts})")
         t.add_row("linear paths", rep.linear_paths or "")
+        if rep.cpu_kernels:
+            t.add_row("kvcli C kernels", rep.cpu_kernels)
         if rep.projection_paths:
             t.add_row("  by projection", _by_projection(rep.projection_paths))
     else:
