@@ -99,7 +99,8 @@ PrefixOpt = Annotated[bool, typer.Option("--prefix-cache/--no-prefix-cache", hel
 KVDtypeOpt = Annotated[Optional[str], typer.Option(
     "--kv-dtype", help="KV cache format: auto, fp32, fp16, bf16, int8 or fp8 (e4m3; codes + one fp32 scale "
     "per token and KV head: 0.53x fp16's bytes; fp8 on the Triton backend needs compute capability >= 8.9). "
-    "auto: the compute dtype (fp32 on CPU, fp32 with --dequantize).", show_default=False)]
+    "auto: fp16 on CPU for quantized weights where kvcli's C decode-attention kernel runs (as llama.cpp), "
+    "else the compute dtype (fp32 on CPU, and always with --dequantize).", show_default=False)]
 ChunkOpt = Annotated[int, typer.Option("--max-batch-tokens", help="Tokens computed per engine step; "
                                        "long prompts are prefilled in chunks of this size.")]
 
@@ -304,8 +305,8 @@ def profile(
     kv_budget: KVBudgetOpt = None,
     kv_dtype: Annotated[Optional[str], typer.Option(
         "--kv-dtype", help="KV cache format (auto, fp32, fp16, bf16, int8, fp8), or several separated by commas "
-        "(fp32,int8) to run the same trace once per format, side by side. Default: the compute dtype; "
-        "fp16 with --simulate.", show_default=False)] = None,
+        "(fp32,int8) to run the same trace once per format, side by side. Default: as --kv-dtype auto "
+        "elsewhere (fp16 on CPU with kvcli's C attention kernel); fp16 with --simulate.", show_default=False)] = None,
     max_model_len: Annotated[int, typer.Option("--max-model-len", help="Context limit (and the contiguous "
                                                "max-len reservation).")] = 2048,
     max_batch_tokens: ChunkOpt = 512,

@@ -172,7 +172,7 @@ class EngineOptions:
             torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16)
         return parse_dtype(self.dtype, "--dtype") or default
 
-    def cache_dtype(self, device: torch.device) -> KVDtype:
+    def cache_dtype(self, device: torch.device, quantized_weights: bool = False) -> KVDtype:
         """The KV format. auto follows the compute dtype, except on CPU with quantized weights where
         kvcli's decode-attention kernel runs (kernels/cpu_attention.c): there fp16, as llama.cpp's
         default, since the kernel reads it in registers: half the bytes of fp32 (twice the context in a
@@ -182,7 +182,7 @@ class EngineOptions:
         if explicit is not None:
             return explicit
         compute = self.compute_dtype(device)
-        if (device.type == "cpu" and compute == torch.float32 and not self.dequantize
+        if (quantized_weights and device.type == "cpu" and compute == torch.float32 and not self.dequantize
                 and self.attention_backend in ("auto", "torch")):
             from kvcli.attention.torch_backend import native_attention
 

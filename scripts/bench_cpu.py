@@ -67,7 +67,7 @@ def main() -> int:
     if len(ids_all) < max(contexts):
         print(f"error: the sample text has only {len(ids_all)} tokens", file=sys.stderr)
         return 1
-    linear_mode = llm.engine.linear_mode
+    linear_mode, kv_dtype = llm.engine.linear_mode, llm.engine.kv_dtype.name
     if "kvcli" in engines:
         out = results["kvcli"] = {}
         for n in contexts:
@@ -137,7 +137,7 @@ def main() -> int:
     print(f"load average (1 min): {load_before:.2f} at start, {load_after:.2f} at end"
           + (" — other work shared the CPU, timings are not clean" if busy else ""))
     print("command: python scripts/bench_cpu.py" + ("" if len(sys.argv) == 1 else " " + shlex.join(sys.argv[1:])))
-    print(f"model: SmolLM2-135M-Instruct Q4_1 GGUF; kvcli {linear_mode} weights, fp32 activations and KV "
+    print(f"model: SmolLM2-135M-Instruct Q4_1 GGUF; kvcli {linear_mode} weights, fp32 activations, {kv_dtype} KV "
           f"(default --kv-dtype); transformers fp32; {a.new_tokens} new tokens, greedy, batch 1\n")
     print("| context | engine | prefill tok/s | decode tok/s | kvcli prefill ratio | kvcli decode ratio |")
     print("|---:|---|---:|---:|---:|---:|")

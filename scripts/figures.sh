@@ -11,7 +11,7 @@ PY=.venv/bin/python
 KVCLI=.venv/bin/kvcli
 OUT=docs/results
 mkdir -p "$OUT"
-ALL="decode load continue throughput profile simulate live dashboard kv-dtype kv-decode kv-int4 cpu cpu-avx2 invariant spec"
+ALL="decode load continue throughput throughput-avx2 profile simulate live dashboard kv-dtype kv-decode kv-int4 cpu cpu-avx2 invariant spec"
 WANT=" ${FIGURES:-$ALL} "
 
 header() {  # name, command...
@@ -38,6 +38,8 @@ run decode "$PY" scripts/bench_decode.py
 run load "$PY" scripts/bench_load.py
 run continue "$KVCLI" continue samples/keepers-log.txt -n 40 --no-live
 run throughput "$PY" scripts/bench_throughput.py --workload alpaca --num-requests 64
+run throughput-avx2 env ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 "$PY" scripts/bench_throughput.py \
+  --workload alpaca --num-requests 64  # the same trace with torch, kvcli's C kernels and llama.cpp held to AVX2
 run cpu "$PY" scripts/bench_cpu.py --repeats 1  # kvcli vs transformers vs llama.cpp, 512 and 4k, batch 1
 run cpu-avx2 "$PY" scripts/bench_cpu.py --repeats 1 --isa avx2  # the same with torch and llama.cpp held to AVX2
 run kv-dtype "$PY" scripts/bench_kv_dtype.py  # every --kv-dtype: perplexity, bytes, decode at 4k

@@ -291,7 +291,9 @@ def test_chat_live_dashboard_while_a_reply_streams(tmp_path):
     meanwhile and Ctrl-C leave the screen intact (echoed, they would shift rich's redraw by a row), and
     once the reply stops the screen holds exactly the reply as kept: no line twice, no leftover panel."""
     saved = tmp_path / "chat.json"
-    cmd = shlex.join([*KVCLI, "chat", "--temperature", "0", "--max-tokens", "200"])
+    # A reply long enough to still be streaming when Ctrl-C comes (~100 tok/s here since the C kernels:
+    # 200 tokens were over before the keys below were typed).
+    cmd = shlex.join([*KVCLI, "chat", "--temperature", "0", "--max-tokens", "1500"])
     t = Tmux(f"{cmd}; echo KVCLI_EXIT=$?; sleep 120", width=100, height=60)
     try:
         t.wait(at_prompt, "the first prompt", timeout=180)

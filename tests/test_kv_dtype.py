@@ -95,6 +95,14 @@ def test_quantized_cache_through_torch_backend_matches_reference(storage, g, per
 def test_kv_dtype_options():
     assert EngineOptions(kv_dtype="int8").cache_dtype(torch.device("cpu")) == kv_dtype_of("int8")
     assert EngineOptions().cache_dtype(torch.device("cpu")).name == "fp32"
+    # INT4-resident weights on CPU: fp16 where kvcli's C decode-attention kernel runs; the exact path and
+    # the batch-invariant backend keep the compute dtype
+    from kvcli.attention.torch_backend import native_attention
+
+    quantized = EngineOptions().cache_dtype(torch.device("cpu"), quantized_weights=True).name
+    assert quantized == ("fp16" if native_attention() is not None else "fp32")
+    for opts in (EngineOptions(dequantize=True), EngineOptions(attention_backend="invariant")):
+        assert opts.cache_dtype(torch.device("cpu"), quantized_weights=True).name == "fp32"
     assert EngineOptions(kv_dtype="bfloat16").cache_dtype(torch.device("cpu")).name == "bf16"
     with pytest.raises(ConfigError, match="--kv-dtype must be one of auto, fp32, fp16, bf16, int8, fp8"):
         EngineOptions(kv_dtype="int3")

@@ -90,7 +90,8 @@ def run_plan(a: PlanArgs, fail: Fail) -> int:
     for flag, value in (("--context", context), ("--batch", batch), ("--mean-tokens", mean_tokens)):
         if value is not None and value <= 0:
             fail(f"{flag} must be a positive integer (got {value})")
-    kv_dtype = a.options.cache_dtype(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    # plan assumes INT4-resident weights (weight_bytes), so the KV dtype the engine picks for them
+    kv_dtype = a.options.cache_dtype(torch.device("cuda" if torch.cuda.is_available() else "cpu"), quantized_weights=True)
     try:
         config = load_config(a.model)
         if a.memory:
