@@ -169,3 +169,24 @@ def test_resident_bytes_are_the_files_for_q4_1():
     gen = torch.Generator().manual_seed(1)
     q = _q4(64, 256, 32, True, False, gen)
     assert Int8DotCpu(q).nbytes == 64 * 256 // 32 * 20
+
+
+@pytest.mark.slow
+def test_without_a_compiler_torch_kernels_run(tmp_path):
+    """No C compiler (CC names none, an empty build cache): one status line says why, and the model
+    loads and generates on torch's kernels (int4-cpu linears, torch attention and norms)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    code = ("import json; from kvcli.llm import LLM; from kvcli.model.int8dot_cpu import native_status; "
+            "from kvcli.config import SamplingParams; llm = LLM(kv_budget='16MiB'); "
+            "out = llm.generate(['The keeper'], SamplingParams(max_tokens=3, ignore_eos=True))[0]; "
+            "print(json.dumps([native_status(), llm.engine.linear_mode, llm.engine.kv_dtype.name, len(out.token_ids)]))")
+    env = dict(os.environ, CC=str(tmp_path / "no-such-cc"), KVCLI_CACHE=str(tmp_path / "cache"))
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    status, mode, kv, n = json.loads(p.stdout.strip().splitlines()[-1])
+    assert status.startswith("unavailable:") and "no-such-cc" in status, status
+    assert (mode, kv, n) == ("int4-cpu", "fp32", 3)
