@@ -40,8 +40,8 @@ run continue "$KVCLI" continue samples/keepers-log.txt -n 40 --no-live
 run throughput "$PY" scripts/bench_throughput.py --workload alpaca --num-requests 64
 run throughput-avx2 env ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 "$PY" scripts/bench_throughput.py \
   --workload alpaca --num-requests 64  # the same trace with torch, kvcli's C kernels and llama.cpp held to AVX2
-run cpu "$PY" scripts/bench_cpu.py --repeats 1  # kvcli vs transformers vs llama.cpp, 512 and 4k, batch 1
-run cpu-avx2 "$PY" scripts/bench_cpu.py --repeats 1 --isa avx2  # the same with torch and llama.cpp held to AVX2
+run cpu "$PY" scripts/bench_cpu.py --repeats 2  # kvcli vs transformers vs llama.cpp, 512 and 4k, batch 1
+run cpu-avx2 "$PY" scripts/bench_cpu.py --repeats 2 --isa avx2  # the same with torch and llama.cpp held to AVX2
 run kv-dtype "$PY" scripts/bench_kv_dtype.py  # every --kv-dtype: perplexity, bytes, decode at 4k
 run kv-decode "$PY" scripts/bench_kv_decode.py  # decode at 4k per --kv-dtype, interleaved rounds
 run kv-int4 "$PY" scripts/probe_kv_int4.py  # what an int4 cache would cost in perplexity at 4k (not shipped)
