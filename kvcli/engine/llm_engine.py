@@ -100,13 +100,12 @@ class LLMEngine:
         self.load_seconds = 0.0 if loaded is None else loaded.load_seconds
         self.device = torch.device("cpu") if loaded is None else options.resolve_device()
         dtype = options.compute_dtype(self.device)
+        # kvcli's own quantized forms (QuantTensor linears; not bitsandbytes' nf4) pick fp16 KV on CPU.
         if model is not None:  # a second engine over a built model (profile --compare): its weights are taken
-            quantized = any(lin.quantized for lin in model._linears())
+            quantized = any(lin.quantized and lin.mode not in ("dense", "nf4") for lin in model._linears())
         else:
-            from kvcli.model.bnb_4bit import Bnb4bitWeight
-
-            quantized = loaded is not None and any(isinstance(w, (QuantTensor, Bnb4bitWeight))
-                                                   for name, w in loaded.weights.items() if name.endswith("proj.weight"))
+            quantized = loaded is not None and any(
+                isinstance(w, QuantTensor) for name, w in loaded.weights.items() if name.endswith("proj.weight"))
         self.kv_dtype = options.cache_dtype(self.device, quantized_weights=quantized)
         self.max_model_len = min(options.max_model_len or c.max_position_embeddings, c.max_position_embeddings)
         self.model: LlamaModel | None = None

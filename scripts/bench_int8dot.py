@@ -1,0 +1,86 @@
+#!/usr/bin/env python
+"""Per-linear timings of kvcli's int8dot CPU kernel against torch's packed int4 kernel (int4-cpu) and
+against the read-back + GEMM used for many rows, on SmolLM2-135M's linear shapes and its vocabulary
+projection, with the error of each against a float64 reference. Run it twice to see both ISAs:
+
+  python scripts/bench_int8dot.py
+  ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python scripts/bench_int8dot.py
+
+Times are wall ms per call, best of 3 batches of --calls calls each, after a warm-up, at the torch thread
+count (2 here). Weights are random (Q4_1-style for layers, Q8_0 for the vocabulary table): speed does not
+depend on the values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from datetime import datetime, timezone
+
+import torch
+import torch.nn.functional as F
+
+
+def best_ms(fn, calls: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t) / calls * 1e3)
+    return best
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.double() - ref).abs().max() / ref.abs().max()).item()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--calls", type=int, default=20)
+    a = ap.parse_args()
+    from kvcli.bench.machine import machine_line
+    from kvcli.model.int4_cpu import Int4Cpu
+    from kvcli.model.int8dot_cpu import Int8DotCpu, native_library
+    from kvcli.model.quant import QuantTensor, quantize_q4
+
+    print(f"# bench_int8dot {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC\n# {machine_line()}")
+    if native_library() is None:
+        print("kvcli's C kernel is not available here: nothing to compare")
+        return
+    gen = torch.Generator().manual_seed(0)
+    print("\n| weight [N x K] | rows | int8dot ms | int4-cpu ms | read-back + GEMM ms | int8dot / int4-cpu | "
+          "int8dot rel. error | int4-cpu rel. error |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for n, k in ((960, 576), (576, 576), (3072, 576), (576, 1536)):
+        q = quantize_q4(torch.randn(n, k, generator=gen) * 0.02)
+        ours = Int8DotCpu(q)
+        torch4 = Int4Cpu(q.unpack_codes(), q.group_scales(), q.group_mins(), q.group_size)
+        w = q.dequantize().double()
+        for rows in (1, 4, 16, 64, 128, 256, 512):
+            x = torch.randn(rows, k, generator=gen)
+            ours.dense_min_rows = torch4.dense_min_rows = None  # each kernel itself at every row count
+            t_ours, t_t4 = best_ms(lambda: ours(x), a.calls), best_ms(lambda: torch4(x), a.calls)
+            t_rb = best_ms(lambda: F.linear(x.to(ours.dense_dtype), ours.dense(ours.dense_dtype)), a.calls)
+            ref = x.double() @ w.t()
+            print(f"| {n} x {k} | {rows} | {t_ours:.3f} | {t_t4:.3f} | {t_rb:.3f} | {t_ours / t_t4:.2f}x | "
+                  f"{rel_err(ours(x), ref):.1e} | {rel_err(torch4(x), ref):.1e} |")
+    # The vocabulary projection: a Q8_0 table, int8dot as stored vs the bf16 GEMM it replaced.
+    n, k = 49152, 576
+    wt = torch.randn(n, k, generator=gen) * 0.05
+    d = (wt.view(n, k // 32, 32).abs().amax(-1) / 127).half()
+    codes = torch.round(wt.view(n, k // 32, 32) / d.float().unsqueeze(-1)).clamp(-127, 127).to(torch.int8).view(n, k)
+    table = QuantTensor("q8", codes, d, None, 32)
+    head = Int8DotCpu(table)
+    head.dense_min_rows = None
+    wb = table.dequantize().to(torch.bfloat16)
+    print("\n| vocabulary projection 49152 x 576 | rows | int8dot (Q8_0 as stored) ms | bf16 GEMM ms |")
+    print("|---|---:|---:|---:|")
+    for rows in (1, 4, 16, 64):
+        x = torch.randn(rows, k, generator=gen)
+        print(f"| | {rows} | {best_ms(lambda: head(x), 5):.2f} | {best_ms(lambda: F.linear(x.bfloat16(), wb), 5):.2f} |")
+
+
+if __name__ == "__main__":
+    main()
