@@ -8,8 +8,7 @@ the file's own compact forms the kernel reads directly: K-quants' 8-bit multipli
 super-block, AWQ / GPTQ zero points (fp32 only where nothing else holds a value exactly); 5/6/8-bit
 codes as int8 (q - offset); codes interleaved by 8 rows (kvcli_kernels/cpu_int8dot.c).
 Calls with many rows (prefill chunks) read the weight back into a reused buffer and run a plain GEMM
-instead, as int4-cpu: bf16 where the CPU has native bf16 dot products (from 128 rows), else fp32 (from
-256 rows).
+instead, as int4-cpu, from 256 rows: bf16 where the CPU has native bf16 dot products, else fp32.
 
 Not bit-exact with the exact path, but close: the weights are exact, and each activation is held as two
 int8 levels per block of 32 (x ~ d (q1 + q2 / 256), d = max|x| / 127: ~15 bits, finer than bf16). On
@@ -38,11 +37,12 @@ if TYPE_CHECKING:
 
     from kvcli.model.quant import QuantTensor
 
-# From this many rows a read-back + GEMM beats the integer kernel (2 threads, AMD EPYC, idle, 2026-12-01
-# 09:00 UTC, scripts/bench_cpu_ops.py): with native bf16, 0.63 vs 0.64 ms at 128 rows of 960 x 576 and
-# 1.83 vs 2.01 of 3072 x 576; with bf16 emulated (fp32 read-back) 1.68 vs 1.72 ms at 256 rows of
-# 960 x 576, 5.96 vs 6.03 of 3072 x 576, 2.85 vs 3.15 of 576 x 1536 (and slower at 128 rows).
-DENSE_MIN_ROWS = {torch.bfloat16: 128, torch.float32: 256}
+# From this many rows a read-back + GEMM is about as fast as the integer kernel or faster
+# (scripts/bench_int8dot.py, 2 threads, AMD EPYC, 2026-12-01 10:53 UTC, docs/results/int8dot-ops-*.txt):
+# with native bf16, 0.64 vs 0.81 ms at 128 rows of 960 x 576 and 1.25 vs 1.13 at 256 (3072 x 576: 1.96
+# vs 2.38, 3.93 vs 3.40); with bf16 emulated (fp32 read-back), 1.77 vs 1.85 ms at 256 rows of 960 x 576
+# and 3.51 vs 3.41 at 512 (576 x 1536: 2.77 vs 2.86, 5.59 vs 5.36).
+DENSE_MIN_ROWS = {torch.bfloat16: 256, torch.float32: 256}
 
 
 def native_library() -> "ctypes.CDLL | None":

@@ -2,8 +2,9 @@
 
 It is the largest single matmul of a decode step for small models (SmolLM2-135M: 49152 x 576, 56 MB
 in bf16). Where the table is quantized (GGUF files store it as Q8_0 most often) and kvcli's CPU kernel
-builds, it is multiplied as stored, int8 codes against int8 activations (model/int8dot_cpu.py): 0.32 vs
-3.98 ms per token for the bf16 GEMM on AVX-512-BF16, 0.50 vs 1.64 ms on AVX2 (scripts/bench_cpu_ops.py).
+builds, it is multiplied as stored, int8 codes against int8 activations (model/int8dot_cpu.py): 0.51 vs
+3.20 ms per token for the bf16 GEMM on AVX-512-BF16, 0.77 vs 2.12 ms on AVX2 (scripts/bench_int8dot.py,
+docs/results/int8dot-ops-*.txt; at 64 rows 21.9 vs 11.3 ms on AVX-512, 32.5 vs 93.9 on AVX2).
 Otherwise it is a dense table, and how to run it best depends on the processor, measured by
 scripts/bench_cpu_ops.py (docs/results/cpu-ops-*.txt):
   - CPUs with native bf16 dot products (AVX-512-BF16, AMX): torch's bf16 GEMM, at every batch size.
