@@ -147,19 +147,25 @@ def test_simulated_profile_compares_fp16_int8_fp8(tmp_path):
     assert [(x["kv_dtype"], x["kv_bytes_per_token"]) for x in runs] == [("fp16", 23040), ("int8", 12240), ("fp8", 12240)]
 
 
-def test_real_profile_runs_fp16_int8_fp8_on_one_trace(tmp_path):
-    """A real (tiny, random-weight) engine per KV dtype on the same trace: each run completes, and the
-    report names its dtype with its bytes per token (2 layers x 3 KV heads x head_dim 64)."""
+def profile_tiny_model(tmp_path, *args: str):
+    """`kvcli profile` on a real (tiny, random-weight) 2-layer SmolLM2-shaped engine, 3 requests: the
+    CliRunner result and the JSON report's runs."""
     from kvcli.config import PRESETS
     tiny = tmp_path / "tiny.json"
     tiny.write_text(json.dumps(dict(PRESETS["smollm2-135m"], num_hidden_layers=2, vocab_size=259)))
     path = tmp_path / "r.json"
     r = runner.invoke(app, ["profile", "--model", f"dummy:{tiny}", "--no-live", "-N", "3", "--max-model-len", "128",
-                            "--kv-dtype", "fp16,int8,fp8", "--json", str(path)], env={"COLUMNS": "240"})
+                            *args, "--json", str(path)], env={"COLUMNS": "240"})
     assert r.exit_code == 0, r.stderr or r.stdout
+    return r, json.loads(path.read_text())["runs"]
+
+
+def test_real_profile_runs_fp16_int8_fp8_on_one_trace(tmp_path):
+    """A real (tiny, random-weight) engine per KV dtype on the same trace: each run completes, and the
+    report names its dtype with its bytes per token (2 layers x 3 KV heads x head_dim 64)."""
+    r, runs = profile_tiny_model(tmp_path, "--kv-dtype", "fp16,int8,fp8")
     out = " ".join(r.stdout.split())
     assert "fp16, 1,536 │ int8, 816 │ fp8, 816" in out, out
-    runs = json.loads(path.read_text())["runs"]
     assert [(x["kv_dtype"], x["kv_bytes_per_token"]) for x in runs] == [("fp16", 1536), ("int8", 816), ("fp8", 816)]
     assert all(x["completed"] == 3 for x in runs)
 
@@ -168,13 +174,6 @@ def test_real_compare_contiguous_runs_both_layouts_in_one_kv_dtype(tmp_path):
     """paged vs contiguous is the same workload in the same budget and KV format: the second engine
     (sharing the first one's model, whose weights it took) must pick the KV dtype the first one did
     (a bug once gave the paged side fp16 and the contiguous side fp32)."""
-    from kvcli.config import PRESETS
-    tiny = tmp_path / "tiny.json"
-    tiny.write_text(json.dumps(dict(PRESETS["smollm2-135m"], num_hidden_layers=2, vocab_size=259)))
-    path = tmp_path / "r.json"
-    r = runner.invoke(app, ["profile", "--model", f"dummy:{tiny}", "--no-live", "-N", "3", "--max-model-len", "128",
-                            "--compare", "contiguous", "--json", str(path)], env={"COLUMNS": "240"})
-    assert r.exit_code == 0, r.stderr or r.stdout
-    runs = json.loads(path.read_text())["runs"]
+    _, runs = profile_tiny_model(tmp_path, "--compare", "contiguous")
     assert len(runs) == 2 and runs[0]["kv_dtype"] == runs[1]["kv_dtype"], runs
     assert runs[0]["kv_bytes_per_token"] == runs[1]["kv_bytes_per_token"]
