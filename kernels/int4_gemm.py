@@ -1,9 +1,13 @@
-"""out = x @ W^T with W stored as group-wise affine INT4 (GGUF Q4_1 layout), dequantized in registers.
+"""out = x @ W^T with W stored as group-wise affine INT4 (GGUF Q4_1 layout), dequantized in registers;
+or with 8-bit integer codes (the 5/6/8-bit GGUF types: Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, codes minus their
+offset held as int8).
 
   x      : [M, K] fp16 / bf16 / fp32
   codes  : uint8 [N, K // 2]; k = 2j is the LOW nibble of codes[n, j], k = 2j + 1 the HIGH nibble
-  scale  : fp16 [N, K // G],  min : fp16 [N, K // G]
-  W[n, k] = scale[n, k // G] * q[n, k] + min[n, k // G]   (Q4_0 is min = -8 * scale), G in {32, 64, 128}
+           or int8 [N, K] (8-bit codes, one byte per weight)
+  scale  : [N, K // G],  min : [N, K // G] or None (no min: Q8_0, Q6_K, Q5_0); fp16 / bf16 / fp32
+  W[n, k] = scale[n, k // G] * q[n, k] + min[n, k // G]   (Q4_0 is min = -8 * scale),
+           G in {32, 64, 128}, and 16 for 8-bit codes (Q6_K)
   out    : [M, N] in x's dtype, fp32 accumulation
 
 Two kernels, both with optional split-K over an fp32 workspace (deterministic, no atomics):
@@ -57,6 +61,8 @@ def _int4_gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    CODE_BITS: tl.constexpr = 4,  # 4: packed nibbles; 8: int8 codes, stride_cj per k
+    HAS_MIN: tl.constexpr = True,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -77,17 +83,26 @@ def _int4_gemv_kernel(
         offs_g = k0 // GROUP_SIZE + tl.arange(0, BLOCK_K // GROUP_SIZE)
         offs_k = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
         k_valid = offs_k < k_hi
-        c = tl.load(
-            codes_ptr + n64[:, None] * stride_cn + offs_j[None, :] * stride_cj,
-            mask=n_valid[:, None] & (offs_j[None, :] < j_hi),
-            other=0,
-        )
-        q = tl.interleave(c & 0xF, c >> 4).to(tl.float32)  # [BLOCK_N, BLOCK_K] in k order
+        if CODE_BITS == 8:
+            q = tl.load(
+                codes_ptr + n64[:, None] * stride_cn + offs_k[None, :] * stride_cj,
+                mask=n_valid[:, None] & k_valid[None, :],
+                other=0,
+            ).to(tl.float32)  # [BLOCK_N, BLOCK_K]
+        else:
+            c = tl.load(
+                codes_ptr + n64[:, None] * stride_cn + offs_j[None, :] * stride_cj,
+                mask=n_valid[:, None] & (offs_j[None, :] < j_hi),
+                other=0,
+            )
+            q = tl.interleave(c & 0xF, c >> 4).to(tl.float32)  # [BLOCK_N, BLOCK_K] in k order
         g_mask = n_valid[:, None] & (offs_g[None, :] < tl.cdiv(k_hi, GROUP_SIZE))
         s = tl.load(scale_ptr + n64[:, None] * stride_sn + offs_g[None, :] * stride_sg, mask=g_mask, other=0.0)
-        z = tl.load(min_ptr + n64[:, None] * stride_zn + offs_g[None, :] * stride_zg, mask=g_mask, other=0.0)
         q = tl.reshape(q, [BLOCK_N, BLOCK_K // GROUP_SIZE, GROUP_SIZE])
-        w = q * s.to(tl.float32)[:, :, None] + z.to(tl.float32)[:, :, None]
+        w = q * s.to(tl.float32)[:, :, None]
+        if HAS_MIN:
+            z = tl.load(min_ptr + n64[:, None] * stride_zn + offs_g[None, :] * stride_zg, mask=g_mask, other=0.0)
+            w = w + z.to(tl.float32)[:, :, None]
         w = tl.reshape(w, [BLOCK_N, BLOCK_K])
         for m in tl.static_range(BLOCK_M):
             x_mask = k_valid & (tl.full([BLOCK_K], m, tl.int32) < M)  # rows past M read as 0 (vector form for the interpreter)
@@ -132,6 +147,8 @@ def _int4_gemm_kernel(
     GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr,
     COMPUTE_F32: tl.constexpr,  # fp32 x (or bf16 under the interpreter): fp32 operands, 3xTF32 dot
+    CODE_BITS: tl.constexpr = 4,  # 4: packed nibbles; 8: int8 codes (exact in fp16 / bf16 too)
+    HAS_MIN: tl.constexpr = True,
 ):
     """Per quantization group: acc += scale * (x_g @ q_g) + min * rowsum(x_g)   (as llama.cpp's Q4_1 dot).
 
@@ -177,20 +194,28 @@ def _int4_gemm_kernel(
                 mask=m_valid[:, None] & k_ok[None, :],
                 other=0.0,
             )
-            c = tl.load(  # [GROUP_SIZE // 2, BLOCK_N], bytes contiguous along dim 0
-                codes_ptr + n64[None, :] * stride_cn + offs_j[:, None] * stride_cj,
-                mask=n_valid[None, :] & j_ok[:, None],
-                other=0,
-            )
-            # (j, nibble, n) -> row k = 2j + nibble
-            q = tl.reshape(tl.permute(tl.join(c & 0xF, c >> 4), (0, 2, 1)), [GROUP_SIZE, BLOCK_N])
+            if CODE_BITS == 8:
+                q = tl.load(  # [GROUP_SIZE, BLOCK_N], bytes contiguous along dim 0
+                    codes_ptr + n64[None, :] * stride_cn + offs_k[:, None] * stride_cj,
+                    mask=n_valid[None, :] & k_ok[:, None],
+                    other=0,
+                )
+            else:
+                c = tl.load(  # [GROUP_SIZE // 2, BLOCK_N], bytes contiguous along dim 0
+                    codes_ptr + n64[None, :] * stride_cn + offs_j[:, None] * stride_cj,
+                    mask=n_valid[None, :] & j_ok[:, None],
+                    other=0,
+                )
+                # (j, nibble, n) -> row k = 2j + nibble
+                q = tl.reshape(tl.permute(tl.join(c & 0xF, c >> 4), (0, 2, 1)), [GROUP_SIZE, BLOCK_N])
             g_mask = n_valid & (tl.full([BLOCK_N], kg, tl.int32) < k_hi)  # (vector form: the interpreter rejects scalar masks)
             g = kg // GROUP_SIZE
             s = tl.load(scale_ptr + n64 * stride_sn + g * stride_sg, mask=g_mask, other=0.0).to(tl.float32)
-            z = tl.load(min_ptr + n64 * stride_zn + g * stride_zg, mask=g_mask, other=0.0).to(tl.float32)
             xq = tl.dot(x.to(dot_ty), q.to(dot_ty), input_precision="tf32x3" if COMPUTE_F32 else "tf32")
-            x_sum = tl.sum(x.to(tl.float32), 1)
-            acc += xq * s[None, :] + x_sum[:, None] * z[None, :]
+            acc += xq * s[None, :]
+            if HAS_MIN:
+                z = tl.load(min_ptr + n64 * stride_zn + g * stride_zg, mask=g_mask, other=0.0).to(tl.float32)
+                acc += tl.sum(x.to(tl.float32), 1)[:, None] * z[None, :]
 
     mask = m_valid[:, None] & n_valid[None, :]
     if SPLIT_K:
@@ -281,13 +306,14 @@ def int4_matmul(
     x: torch.Tensor,
     codes: torch.Tensor,
     scale: torch.Tensor,
-    min: torch.Tensor,
+    min: torch.Tensor | None,
     group_size: int = 32,
     *,
     out: torch.Tensor | None = None,
     split_k: int | None = None,
 ) -> torch.Tensor:
-    """x [M, K] @ W^T -> [M, N] in x's dtype, W dequantized on the fly from INT4 codes (see module doc).
+    """x [M, K] @ W^T -> [M, N] in x's dtype, W dequantized on the fly from INT4 codes, or from int8
+    codes when `codes` is int8 [N, K] (see module doc). min None: no min term.
 
     split_k: None = automatic, 1 = off, n = exactly n K-slices (rounded to whole BLOCK_K tiles).
     out: optional preallocated [M, N] output (x's dtype).
@@ -297,24 +323,30 @@ def int4_matmul(
         raise ValueError(f"x must be [M, K]; got shape {tuple(x.shape)}")
     if x.dtype not in _X_DTYPES:
         raise ValueError(f"x must be float16/bfloat16/float32; got {x.dtype}")
-    if group_size not in (32, 64, 128):
-        raise ValueError(f"group_size must be 32, 64 or 128; got {group_size}")
+    bits = 8 if codes.dtype == torch.int8 else 4
+    if group_size not in ((16, 32, 64, 128) if bits == 8 else (32, 64, 128)):
+        raise ValueError(f"group_size must be 32, 64 or 128 (or 16 for int8 codes); got {group_size}")
     M, K = x.shape
     if K % group_size:
         raise ValueError(f"K={K} must be a multiple of group_size={group_size}")
-    if codes.dtype != torch.uint8 or codes.dim() != 2 or codes.shape[1] * 2 != K:
-        raise ValueError(f"codes must be uint8 [N, K//2={K // 2}]; got {codes.dtype} {tuple(codes.shape)}")
+    if codes.dim() != 2 or (bits == 4 and (codes.dtype != torch.uint8 or codes.shape[1] * 2 != K)) \
+            or (bits == 8 and codes.shape[1] != K):
+        raise ValueError(f"codes must be uint8 [N, K//2={K // 2}] or int8 [N, K={K}]; got {codes.dtype} "
+                         f"{tuple(codes.shape)}")
     N = codes.shape[0]
     for name, t in (("scale", scale), ("min", mins)):
-        if t.shape != (N, K // group_size):
-            raise ValueError(f"{name} must be [N={N}, K//G={K // group_size}]; got {tuple(t.shape)}")
+        if t is None and name == "min":
+            continue
+        if t is None or t.shape != (N, K // group_size):
+            raise ValueError(f"{name} must be [N={N}, K//G={K // group_size}]; got "
+                             f"{None if t is None else tuple(t.shape)}")
         if t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise ValueError(f"{name} must be a float tensor (fp16 in GGUF); got {t.dtype}")
     if out is None:
         out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     elif out.shape != (M, N) or out.dtype != x.dtype:
         raise ValueError(f"out must be [{M}, {N}] {x.dtype}; got {tuple(out.shape)} {out.dtype}")
-    devices = {t.device for t in (x, codes, scale, mins, out)}
+    devices = {t.device for t in (x, codes, scale, mins, out) if t is not None}
     if len(devices) != 1:
         raise ValueError(f"all tensors must be on one device; got {sorted(str(d) for d in devices)}")
     if M == 0 or N == 0:
@@ -331,6 +363,8 @@ def int4_matmul(
     split, k_per_split = _split_plan(K, block_k, int(cfg["split_k"]))
     use_ws = split > 1
     target = torch.empty((split, M, N), dtype=torch.float32, device=x.device) if use_ws else out
+    has_min = mins is not None
+    mins = mins if has_min else scale  # not read without HAS_MIN
     args = (
         x, codes, scale, mins, target, M, N, K, k_per_split,
         *x.stride(), *codes.stride(), *scale.stride(), *mins.stride(), *out.stride(),
@@ -340,7 +374,7 @@ def int4_matmul(
         _int4_gemv_kernel[grid](
             *args,
             GROUP_SIZE=group_size, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k,
-            SPLIT_K=use_ws, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            SPLIT_K=use_ws, CODE_BITS=bits, HAS_MIN=has_min, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
     else:
         grid = (triton.cdiv(M, int(cfg["BLOCK_M"])) * triton.cdiv(N, int(cfg["BLOCK_N"])), split)
@@ -349,7 +383,7 @@ def int4_matmul(
             GROUP_SIZE=group_size, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k,
             GROUP_M=cfg["GROUP_M"], SPLIT_K=use_ws,
             COMPUTE_F32=x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and _INTERPRETED),
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            CODE_BITS=bits, HAS_MIN=has_min, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
     if use_ws:
         block = 1024

@@ -136,3 +136,16 @@ def quantize_int4(
     scale16, min16 = scale.half(), mins.half()
     q = torch.round((g - min16.float()[..., None]) / scale16.float()[..., None]).clamp(0, 15)
     return pack_int4(q.reshape(n, k)), scale16, min16
+
+
+def dequantize_int8_ref(codes: torch.Tensor, scale: torch.Tensor, min: torch.Tensor | None,
+                        group_size: int) -> torch.Tensor:
+    """w[n, k] = scale[n, k // G] * codes[n, k] (+ min[n, k // G]) in fp32 for int8 codes [N, K]."""
+    w = codes.float() * scale.float().repeat_interleave(group_size, dim=1)
+    return w if min is None else w + min.float().repeat_interleave(group_size, dim=1)
+
+
+def int8_matmul_ref(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, min: torch.Tensor | None,
+                    group_size: int) -> torch.Tensor:
+    """x @ W^T with int8-code W dequantized in fp32; output in x's dtype."""
+    return (x.float() @ dequantize_int8_ref(codes, scale, min, group_size).t()).to(x.dtype)

@@ -11,7 +11,11 @@ A quantized linear is built from a canonical QuantTensor and keeps only the form
                 Calls with many rows (prefill chunks) read the codes back as a transient dense
                 weight and run a plain GEMM instead: bf16 where native, fp32 on AVX2 (model/int4_cpu.py).
   "triton"      kvcli_kernels.int4_matmul on the canonical layout (CUDA; plain float group scale/min:
-                fp16 from GGUF; a float32 min = -zero * scale from AWQ / GPTQ / compressed-tensors).
+                fp16 from GGUF Q4_0/Q4_1; float32 where multiplied out once: a min = -zero * scale from
+                AWQ / GPTQ / compressed-tensors, Q4_K's two-level scales and mins per group of 32).
+  "triton-int8" 5/6/8-bit codes (Q5_0, Q5_1, Q5_K, Q6_K, Q8_0) through the same Triton kernels as int8
+                codes [N, K] (q - offset) with a float32 scale (and min) per group of the file
+                (16 for Q6_K): exact, one byte per weight (CUDA; K-quant two-level scales multiplied out).
   "int4-torch"  4-bit codes dequantized per call in plain torch: exact, slow (fallback).
   "int4x2-cpu"  5/6/8-bit codes (Q5_0, Q5_1, Q5_K, Q6_K, Q8_0) through the same int4 kernel: each code
                 split into two nibbles, q = lo + 16 * hi, both in one kernel group of twice the
@@ -91,12 +95,17 @@ class Linear:
         if weight.kind != "q4":
             if mode == "int4-cpu" and self.out_features % 16 == 0 and 2 * weight.group_size in KERNEL_GROUPS:
                 self.mode, self.int4 = "int4x2-cpu", Int4x2Cpu(weight)
+            elif mode == "triton" and weight.group_size in (16, 32, 64, 128):
+                q = weight.unpack_codes()
+                codes = q.view(torch.int8) if weight.kind == "q8" else (q.to(torch.int16) - weight.offset).to(torch.int8)
+                self.mode = "triton-int8"
+                self.q8 = (codes.contiguous(), weight.group_scales(), weight.group_mins())
             else:
                 self.mode, self.q = "lowbit-torch", weight
         elif mode == "int4-cpu" and self.out_features % 16 == 0 and weight.offset == 0:
             self.int4 = Int4Cpu(weight.unpack_codes(), weight.group_scales(), weight.group_mins(), weight.group_size)
         elif mode == "triton" and weight.with_float_min().plain_groups:
-            self.q = weight.with_float_min()  # zero points (AWQ/GPTQ) as an exact float32 min, once
+            self.q = weight.with_float_min()  # zero points, Q4_K's two levels, offsets: float32, once
         else:  # CPU rows not a multiple of 16, or a layout the Triton GEMM does not read
             self.mode, self.q = "int4-torch", weight
 
@@ -108,6 +117,8 @@ class Linear:
             return self.int4.nbytes + _nbytes(self.bias)
         if self.mode == "nf4":
             return _nbytes(self.nf4, self.nf4_state.absmax, self.bias)
+        if self.mode == "triton-int8":
+            return _nbytes(*self.q8, self.bias)
         return self.q.nbytes + _nbytes(self.bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -123,6 +134,10 @@ class Linear:
             from kvcli_kernels.int4_gemm import int4_matmul
 
             y = int4_matmul(x, self.q.codes, self.q.scale, self.q.min, group_size=self.group_size)
+        elif self.mode == "triton-int8":
+            from kvcli_kernels.int4_gemm import int4_matmul
+
+            y = int4_matmul(x, *self.q8, group_size=self.group_size)
         elif self.mode == "half-torch":
             y = F.linear(x, self.weight.to(x.dtype))
         else:

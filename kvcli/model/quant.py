@@ -68,10 +68,17 @@ class QuantTensor:
                 and self.scale.dtype in floats and (self.min is None or self.min.dtype in floats))
 
     def with_float_min(self) -> "QuantTensor":
-        """Zero points multiplied out once into a float32 min (exact), for kernels that read scale/min."""
-        if self.zero is None:
+        """4-bit codes with one plain float scale and min per group, for kernels that read scale/min: zero
+        points (AWQ / GPTQ), K-quants' two-level scales and mins (Q4_K) and a code offset multiplied
+        out once into float32 (exact: an fp16 x 8-bit product, or a scale times a small integer)."""
+        if self.kind != "q4" or (self.zero is None and self.sub_scale is None and self.sub_min is None
+                                 and self.offset == 0):
             return self
-        return QuantTensor(self.kind, self.codes, self.scale, self.group_mins(), self.group_size)
+        scale = self.group_scales()
+        mins = self.group_mins()
+        if self.offset:  # s (q - o) + m == s q + (m - s o)
+            mins = (torch.zeros_like(scale) if mins is None else mins) - scale * self.offset
+        return QuantTensor(self.kind, self.codes, scale, mins, self.group_size)
 
     def unpack_codes(self) -> torch.Tensor:
         """Integer codes as uint8 [N, K] (0 .. 2^bits - 1 before the offset; raw int8 for q8)."""

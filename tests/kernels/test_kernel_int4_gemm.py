@@ -13,6 +13,7 @@ from kvcli_kernels.int4_gemm import GEMV_MAX_M, int4_launch_config, int4_matmul 
 from kvcli_kernels.reference import (  # noqa: E402
     dequantize_int4_ref,
     int4_matmul_ref,
+    int8_matmul_ref,
     pack_int4,
     quantize_int4,
 )
@@ -65,6 +66,33 @@ def test_gemm_path(dtype: torch.dtype, m: int, n: int, k: int, g: int, split_k: 
     _check(*_problem(m, n, k, g, dtype), g, split_k, f"gemm M={m} N={n} K={k} G={g} split={split_k}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=dtype_id)
+@pytest.mark.parametrize(("m", "n", "k", "g", "lo", "hi", "has_min", "split_k"), [
+    (1, 40, 96, 16, -32, 31, False, None),  # GEMV, Q6_K's groups of 16 and signed 6-bit codes
+    (3, 24, 640, 32, 0, 31, True, 3),  # GEMV split-K (ragged last slice), Q5_1-like codes with a min
+    (9, 72, 96, 16, -128, 127, False, None),  # GEMM, groups of 16, full int8 range, ragged tiles
+    (20, 80, 320, 32, -16, 15, True, 2),  # GEMM split-K with a min
+    (70, 24, 256, 32, -128, 127, False, 1),  # M > 64: 128-row tile with a ragged edge (Q8_0)
+])
+def test_int8_codes(dtype: torch.dtype, m: int, n: int, k: int, g: int, lo: int, hi: int, has_min: bool,
+                    split_k: int | None) -> None:
+    """5/6/8-bit GGUF codes held as int8 [N, K] (minus their offset) take both kernel paths, with a float
+    scale per group of 16 or 32 and a min or none."""
+    gen = generator("int8", m, n, k, g, dtype, has_min)
+    codes = torch.randint(lo, hi + 1, (n, k), generator=gen, dtype=torch.int8)
+    scale = torch.rand(n, k // g, generator=gen) * 0.01 + 0.001
+    mins = -(torch.rand(n, k // g, generator=gen) * 0.1) if has_min else None
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    x, codes, scale = x.to(DEVICE), codes.to(DEVICE), scale.to(DEVICE)
+    mins = None if mins is None else mins.to(DEVICE)
+    out = torch.full((m, n), float("nan"), dtype=dtype, device=DEVICE)
+    assert int4_matmul(x, codes, scale, mins, g, out=out, split_k=split_k) is out
+    ref = int8_matmul_ref(x, codes, scale, mins, g)
+    assert not out.isnan().any()
+    tol = REL_TOL[dtype] * float(ref.float().abs().max())
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=0)
+
+
 @pytest.mark.parametrize("m", [2, 17])
 def test_q4_0_symmetric_and_strided_x(m: int) -> None:
     """Q4_0 (min = -8 * scale) and an x that is a column slice of a wider activation."""
@@ -109,6 +137,10 @@ def test_validation_errors() -> None:
         int4_matmul(x[:, :48], codes, scale, mins)
     with pytest.raises(ValueError, match="scale must be"):
         int4_matmul(x, codes, scale[:, :1], mins)
+    with pytest.raises(ValueError, match="group_size"):  # groups of 16 only for int8 codes
+        int4_matmul(x, codes, scale, mins, 16)
+    with pytest.raises(ValueError, match="int8 \\[N, K=64\\]"):
+        int4_matmul(x, codes.view(torch.int8), scale, mins)  # int8 codes must be one byte per weight
     with pytest.raises(ValueError, match="x must be"):
         int4_matmul(x.to(torch.int32), codes, scale, mins)
     with pytest.raises(ValueError, match="out must be"):

@@ -57,3 +57,32 @@ def test_triton_linear_reads_zero_point_checkpoints(dtype: torch.dtype, m: int, 
     y, ref = tri(x), exact(x.float()).float()
     tol = REL_TOL[dtype] * float(ref.abs().max())
     torch.testing.assert_close(y.float(), ref, atol=tol, rtol=0)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0"])
+@pytest.mark.parametrize("m", [1, 12])  # GEMV / GEMM paths
+def test_triton_linear_reads_every_gguf_type(type_name: str, m: int) -> None:
+    """Random well-formed GGUF blocks of each type (the loader's own decoders) take the Triton kernels:
+    4-bit types as packed nibbles (Q4_K's two-level scales and mins, Q4_0's offset multiplied out once
+    into float32 per group of 32), 5/6/8-bit types as int8 codes (q - offset), one byte per weight; all
+    agree with the exact per-call dequantization (int4-torch / lowbit-torch)."""
+    import numpy as np
+
+    from kvcli.model.gguf_loader import _DECODERS
+    from kvcli.model.kquant_encode import random_blocks
+
+    n, k = 40, 512
+    raw = random_blocks(type_name, n, k, np.random.default_rng(m), scale=0.02)
+    q = _DECODERS[type_name](torch.from_numpy(raw.copy()), n, k).to(DEVICE)
+    tri = Linear(q, None, "triton", torch.float32)
+    exact = Linear(q, None, "int4-torch", torch.float32)
+    if type_name.startswith("Q4"):
+        assert tri.mode == "triton" and exact.mode == "int4-torch"
+        assert tri.nbytes <= n * k // 2 + 2 * 4 * n * k // 32  # nibbles + at most a float32 scale and min per 32
+    else:
+        assert tri.mode == "triton-int8" and exact.mode == "lowbit-torch"
+        assert tri.q8[0].dtype == torch.int8 and tri.q8[0].shape == (n, k)
+        assert tri.nbytes < n * k * 1.3  # one byte per code plus float32 group values
+    x = torch.randn(m, k, generator=generator("lowbit", type_name, m)).to(DEVICE)
+    y, ref = tri(x), exact(x)
+    torch.testing.assert_close(y, ref, atol=REL_TOL[torch.float32] * float(ref.abs().max()), rtol=0)
