@@ -69,7 +69,7 @@ def main() -> int:
         out = subprocess.run([exe], check=True, capture_output=True, text=True).stdout.split()
     t_maddubs, t_madd, t_fma = (float(v) for v in out[:3])
     print(f"# probe_int8_throughput {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC")
-    print(f"# machine: {machine_line()}")
+    print(f"# {machine_line()}")
     print("| instruction (256-bit) | products | ns per instruction | MACs per ns |")
     print("|---|---:|---:|---:|")
     rows = [("vpmaddubsw + vpaddw (u8 x s8)", 32, t_maddubs), ("vpmaddwd + vpaddd (s16 x s16)", 16, t_madd),
