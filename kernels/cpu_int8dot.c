@@ -12,6 +12,9 @@
  * Every (row of y, column of y) is computed by one thread in one fixed order, whatever M and the thread
  * count: a row's result does not depend on the rows it is batched with.
  *
+ * Calls with many rows take kvq_gemm_f32 at the end of this file instead (AVX2 builds): an fp32 GEMM over
+ * weight panels dequantized on the fly.
+ *
  * Built at first use by kvcli_kernels/cpu_build.py (cc -O3 -fopenmp, flags of the ISA in use). The
  * OpenMP runtime is the one torch already loaded (same soname, libgomp.so.1), so torch.set_num_threads and
  * this kernel share one thread pool.
@@ -401,3 +404,142 @@ void kvq_dequant(const uint8_t *codes, int bits, int scale_kind, const void *sca
         }
     }
 }
+
+/* ---- many rows: an fp32 GEMM over weight panels dequantized on the fly (AVX2 + FMA) ---------------
+ * Where bf16 dot products are emulated (AVX2), the integer kernel's two activation levels cost as much
+ * as an fp32 GEMM (two maddubs per 4 products; scripts/probe_int8_throughput.py), so calls with many
+ * rows (prefill chunks) run an fp32 GEMM instead. Rather than reading the whole weight back to fp32 for
+ * a library GEMM (a transient as large as the dense weight, written and read again), each thread
+ * dequantizes a panel of 16 weight rows x KC k (16 KB, L2) into [k][16] order and multiplies it with a
+ * 6 x 16 register tile (12 FMA accumulators, the BLIS Haswell shape). The weights are exact (w = d q + m
+ * in fp32, as the read-back); each output element sums its k in one fixed order, whatever M and the
+ * thread count. */
+#ifdef KVQ_AVX2
+#define GEMM_MR 6
+#define GEMM_NR 16
+#define GEMM_KC 256
+#define GEMM_PB 4 /* panels (of 16 rows) per work item */
+
+/* Rows 8g .. 8g + 7 of the weight at k in [k0, k0 + kc) (whole blocks) into out[k - k0][0..7] (row
+ * stride GEMM_NR floats). Codes of a block: 4-bit chunk c / 8-bit step s holds, for lane j (row 8g + j),
+ * 4 consecutive k; a byte shuffle puts the same k of the 8 rows side by side. */
+static void pack_rows8(const kvq_args *a, const int bits, int64_t g, int64_t k0, int64_t kc, float *out) {
+    const int64_t nb = a->K / QK, ng = a->K / a->G;
+    /* per 128-bit lane: bytes (row j, t) -> (t, row j) for the lane's 4 rows */
+    const __m256i tr = _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15,
+                                        0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7); /* dword t of both lanes side by side */
+    for (int64_t b = k0 / QK; b < (k0 + kc) / QK; b++) {
+        float *ob = out + (b * QK - k0) * GEMM_NR;
+        for (int s = 0; s < 8; s++) { /* step s: k = 32 b + 4 s + t */
+            const int64_t gr = group_of(b, s, a->G);
+            const __m256 dw = groups8(&a->scale, _mm256_setzero_ps(), g, gr, ng);
+            const __m256 mw = a->mins.kind ? groups8(&a->mins, dw, g, gr, ng) : _mm256_setzero_ps();
+            __m256i v;
+            if (bits == 4) {
+                const __m256i c = _mm256_loadu_si256((const __m256i *)(a->codes + (g * nb + b) * 128 + 32 * (s & 3)));
+                v = _mm256_and_si256(s < 4 ? c : _mm256_srli_epi16(c, 4), _mm256_set1_epi8(0x0F));
+            } else {
+                v = _mm256_loadu_si256((const __m256i *)((const int8_t *)a->codes + (g * nb + b) * 256 + 32 * s));
+            }
+            v = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(v, tr), perm);
+            for (int t = 0; t < 4; t++) {
+                const __m128i q8 = _mm_cvtsi64_si128(t == 0 ? _mm256_extract_epi64(v, 0) : t == 1 ? _mm256_extract_epi64(v, 1)
+                                                     : t == 2 ? _mm256_extract_epi64(v, 2) : _mm256_extract_epi64(v, 3));
+                const __m256i qi = bits == 4 ? _mm256_cvtepu8_epi32(q8) : _mm256_cvtepi8_epi32(q8);
+                /* d q + m: the same two fp32 roundings as the read-back (kvq_dequant) */
+                const __m256 w = _mm256_add_ps(_mm256_mul_ps(dw, _mm256_cvtepi32_ps(qi)), mw);
+                _mm256_storeu_ps(ob + (4 * s + t) * GEMM_NR, w);
+            }
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void gemm_micro(const int R, const int NV, const float *x, int64_t ldx,
+                                                             const float *bp, int64_t kc, float *y, int64_t ldy,
+                                                             const int first) {
+    __m256 c0[GEMM_MR], c1[GEMM_MR];
+    for (int r = 0; r < R; r++) c0[r] = c1[r] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < kc; k++) {
+        const __m256 b0 = _mm256_loadu_ps(bp + k * GEMM_NR);
+        const __m256 b1 = NV == 2 ? _mm256_loadu_ps(bp + k * GEMM_NR + 8) : b0;
+        for (int r = 0; r < R; r++) {
+            const __m256 xv = _mm256_broadcast_ss(x + r * ldx + k);
+            c0[r] = _mm256_fmadd_ps(xv, b0, c0[r]);
+            if (NV == 2) c1[r] = _mm256_fmadd_ps(xv, b1, c1[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        float *yr = y + r * ldy;
+        _mm256_storeu_ps(yr, first ? c0[r] : _mm256_add_ps(_mm256_loadu_ps(yr), c0[r]));
+        if (NV == 2) _mm256_storeu_ps(yr + 8, first ? c1[r] : _mm256_add_ps(_mm256_loadu_ps(yr + 8), c1[r]));
+    }
+}
+
+#define MICRO_CASES(NV)                                                     \
+    switch (R) {                                                            \
+    case 6: gemm_micro(6, NV, xr, a->K, bp, kc, yr, a->ldy, first); break;  \
+    case 5: gemm_micro(5, NV, xr, a->K, bp, kc, yr, a->ldy, first); break;  \
+    case 4: gemm_micro(4, NV, xr, a->K, bp, kc, yr, a->ldy, first); break;  \
+    case 3: gemm_micro(3, NV, xr, a->K, bp, kc, yr, a->ldy, first); break;  \
+    case 2: gemm_micro(2, NV, xr, a->K, bp, kc, yr, a->ldy, first); break;  \
+    default: gemm_micro(1, NV, xr, a->K, bp, kc, yr, a->ldy, first);        \
+    }
+
+/* y [M, N] (row stride ldy) = x [M, K] @ W^T in fp32. Returns 0, -1 out of memory, -2 not built for this
+ * ISA (the caller reads the weight back instead). */
+int kvq_gemm_f32(const float *x, int64_t M, int64_t K, const uint8_t *codes, int bits, int scale_kind,
+                 const void *scale, const uint16_t *scale_sup, int64_t scale_per, int min_kind, const void *mins,
+                 const uint16_t *min_sup, int64_t min_per, int64_t G, int64_t N, float *y, int64_t ldy, int nthreads) {
+    const kvq_args a0 = {NULL, NULL, NULL, codes, {scale_kind, scale, scale_sup, scale_per}, {min_kind, mins, min_sup, min_per},
+                         M, K, N, G, y, ldy};
+    const kvq_args *a = &a0;
+    const int64_t npanels = (N / 8 + 1) / 2, nitems = (npanels + GEMM_PB - 1) / GEMM_PB;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+    {
+        float *buf = (float *)aligned_alloc(64, sizeof(float) * GEMM_KC * GEMM_NR * GEMM_PB);
+        if (!buf) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < nitems; item++) {
+            if (!buf) continue;
+            const int64_t p0 = item * GEMM_PB, p1 = p0 + GEMM_PB < npanels ? p0 + GEMM_PB : npanels;
+            for (int64_t k0 = 0; k0 < K; k0 += GEMM_KC) {
+                const int64_t kc = K - k0 < GEMM_KC ? K - k0 : GEMM_KC;
+                const int first = k0 == 0;
+                for (int64_t p = p0; p < p1; p++) {
+                    float *bp = buf + (p - p0) * GEMM_KC * GEMM_NR;
+                    pack_rows8(a, bits, 2 * p, k0, kc, bp);
+                    if (2 * p + 1 < N / 8) pack_rows8(a, bits, 2 * p + 1, k0, kc, bp + 8);
+                }
+                for (int64_t m0 = 0; m0 < M; m0 += GEMM_MR) {
+                    const int R = (int)(M - m0 < GEMM_MR ? M - m0 : GEMM_MR);
+                    const float *xr = x + m0 * K + k0;
+                    for (int64_t p = p0; p < p1; p++) {
+                        const float *bp = buf + (p - p0) * GEMM_KC * GEMM_NR;
+                        float *yr = y + m0 * ldy + 16 * p;
+                        if (2 * p + 1 < N / 8) {
+                            MICRO_CASES(2)
+                        } else {
+                            MICRO_CASES(1)
+                        }
+                    }
+                }
+            }
+        }
+        free(buf);
+    }
+    return failed ? -1 : 0;
+}
+#else
+int kvq_gemm_f32(const float *x, int64_t M, int64_t K, const uint8_t *codes, int bits, int scale_kind,
+                 const void *scale, const uint16_t *scale_sup, int64_t scale_per, int min_kind, const void *mins,
+                 const uint16_t *min_sup, int64_t min_per, int64_t G, int64_t N, float *y, int64_t ldy, int nthreads) {
+    (void)x, (void)M, (void)K, (void)codes, (void)bits, (void)scale_kind, (void)scale, (void)scale_sup, (void)scale_per;
+    (void)min_kind, (void)mins, (void)min_sup, (void)min_per, (void)G, (void)N, (void)y, (void)ldy, (void)nthreads;
+    return -2;
+}
+#endif

@@ -1,4 +1,5 @@
-"""Launcher of cpu_int8dot.c: y = x W^T with int8 activations against 4-bit or 8-bit weight codes.
+"""Launcher of cpu_int8dot.c: y = x W^T with int8 activations against 4-bit or 8-bit weight codes, or
+(many rows, AVX2) an fp32 GEMM over weight panels dequantized on the fly.
 
 Built at first use by cpu_build.py; `load(isa, cache_dir)` returns None, with the reason in
 `load_error(isa)`, where there is no compiler or the build fails: callers fall back to torch's kernels.
@@ -49,6 +50,8 @@ def load(isa: str, cache_dir: str) -> ctypes.CDLL | None:
         lib.kvq_linear.restype = i32
         lib.kvq_dequant.argtypes = [ptr, i32, *groups, *groups, i64, i64, i64, i64, ptr, ptr, i32]
         lib.kvq_dequant.restype = None
+        lib.kvq_gemm_f32.argtypes = lib.kvq_linear.argtypes
+        lib.kvq_gemm_f32.restype = i32
         lib._kvq_declared = True
     return lib
 
@@ -76,6 +79,21 @@ def int8dot_linear(lib: ctypes.CDLL, x: torch.Tensor, weight: tuple, out_feature
                         out_features, torch.get_num_threads())
     if rc != 0:
         raise MemoryError(f"int8dot: no memory to quantize {m} x {k} activations")
+    return y
+
+
+def int8dot_gemm_f32(lib: ctypes.CDLL, x: torch.Tensor, weight: tuple, out_features: int) -> torch.Tensor | None:
+    """x fp32 [M, K] contiguous -> fp32 [M, N] by the fp32 GEMM over weight panels dequantized on the fly
+    (exact weights, fp32 products); None where the build has no such kernel (no AVX2 + FMA)."""
+    m, k = x.shape
+    y = torch.empty(m, out_features, dtype=torch.float32)
+    codes, bits, *groups, group_size = weight
+    rc = lib.kvq_gemm_f32(x.data_ptr(), m, k, codes, bits, *groups, group_size, out_features, y.data_ptr(),
+                          out_features, torch.get_num_threads())
+    if rc == -2:
+        return None
+    if rc != 0:
+        raise MemoryError("int8dot: no memory for the GEMM's weight panels")
     return y
 
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env python
-"""Per-linear timings of kvcli's int8dot CPU kernel against torch's packed int4 kernel (int4-cpu) and
-against the read-back + GEMM used for many rows, on SmolLM2-135M's linear shapes and its vocabulary
-projection, with the error of each against a float64 reference. Run it twice to see both ISAs:
+"""Per-linear timings of kvcli's int8dot CPU kernel against torch's packed int4 kernel (int4-cpu), the
+read-back + torch GEMM and kvcli's fused fp32 GEMM (weight panels dequantized on the fly; AVX2 builds
+take it from GEMM_F32_MIN_ROWS rows), on SmolLM2-135M's linear shapes and its vocabulary projection,
+with the error of each against a float64 reference. Run it twice to see both ISAs:
 
   python scripts/bench_int8dot.py
   ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python scripts/bench_int8dot.py
@@ -43,6 +44,7 @@ def main() -> None:
     from kvcli.bench.machine import machine_line
     from kvcli.model.int4_cpu import Int4Cpu
     from kvcli.model.int8dot_cpu import Int8DotCpu, native_library
+    from kvcli_kernels.cpu_int8dot import int8dot_gemm_f32
     from kvcli.model.quant import QuantTensor, quantize_q4
 
     print(f"# bench_int8dot {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC\n# {machine_line()}")
@@ -50,9 +52,9 @@ def main() -> None:
         print("kvcli's C kernel is not available here: nothing to compare")
         return
     gen = torch.Generator().manual_seed(0)
-    print("\n| weight [N x K] | rows | int8dot ms | int4-cpu ms | read-back + GEMM ms | int8dot / int4-cpu | "
-          "int8dot rel. error | int4-cpu rel. error |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("\n| weight [N x K] | rows | int8dot ms | int4-cpu ms | read-back + GEMM ms | fused fp32 GEMM ms | "
+          "int8dot / int4-cpu | fused / int8dot | int8dot rel. error | int4-cpu rel. error | fused rel. error |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for n, k in ((960, 576), (576, 576), (3072, 576), (576, 1536)):
         q = quantize_q4(torch.randn(n, k, generator=gen) * 0.02)
         ours = Int8DotCpu(q)
@@ -64,8 +66,12 @@ def main() -> None:
             t_ours, t_t4 = best_ms(lambda: ours(x), a.calls), best_ms(lambda: torch4(x), a.calls)
             t_rb = best_ms(lambda: F.linear(x.to(ours.dense_dtype), ours.dense(ours.dense_dtype)), a.calls)
             ref = x.double() @ w.t()
-            print(f"| {n} x {k} | {rows} | {t_ours:.3f} | {t_t4:.3f} | {t_rb:.3f} | {t_ours / t_t4:.2f}x | "
-                  f"{rel_err(ours(x), ref):.1e} | {rel_err(torch4(x), ref):.1e} |")
+            fused = int8dot_gemm_f32(ours.lib, x, ours.args, n)  # None: not in this build
+            t_f = best_ms(lambda: int8dot_gemm_f32(ours.lib, x, ours.args, n), a.calls) if fused is not None else None
+            f_cols = ("n/a", "n/a", "n/a") if t_f is None else (f"{t_f:.3f}", f"{t_f / t_ours:.2f}x",
+                                                              f"{rel_err(fused, ref):.1e}")
+            print(f"| {n} x {k} | {rows} | {t_ours:.3f} | {t_t4:.3f} | {t_rb:.3f} | {f_cols[0]} | {t_ours / t_t4:.2f}x | "
+                  f"{f_cols[1]} | {rel_err(ours(x), ref):.1e} | {rel_err(torch4(x), ref):.1e} | {f_cols[2]} |")
     # The vocabulary projection: a Q8_0 table, int8dot as stored vs the bf16 GEMM it replaced.
     n, k = 49152, 576
     wt = torch.randn(n, k, generator=gen) * 0.05
@@ -75,11 +81,14 @@ def main() -> None:
     head = Int8DotCpu(table)
     head.dense_min_rows = None
     wb = table.dequantize().to(torch.bfloat16)
-    print("\n| vocabulary projection 49152 x 576 | rows | int8dot (Q8_0 as stored) ms | bf16 GEMM ms |")
-    print("|---|---:|---:|---:|")
+    print("\n| vocabulary projection 49152 x 576 | rows | int8dot (Q8_0 as stored) ms | bf16 GEMM ms | fused fp32 GEMM ms |")
+    print("|---|---:|---:|---:|---:|")
     for rows in (1, 4, 16, 64):
         x = torch.randn(rows, k, generator=gen)
-        print(f"| | {rows} | {best_ms(lambda: head(x), 5):.2f} | {best_ms(lambda: F.linear(x.bfloat16(), wb), 5):.2f} |")
+        has_fused = int8dot_gemm_f32(head.lib, x, head.args, n) is not None
+        t_f = f"{best_ms(lambda: int8dot_gemm_f32(head.lib, x, head.args, n), 5):.2f}" if has_fused else "n/a"
+        print(f"| | {rows} | {best_ms(lambda: head(x), 5):.2f} | {best_ms(lambda: F.linear(x.bfloat16(), wb), 5):.2f} | "
+              f"{t_f} |")
 
 
 if __name__ == "__main__":

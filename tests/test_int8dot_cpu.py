@@ -190,3 +190,80 @@ def test_without_a_compiler_torch_kernels_run(tmp_path):
     status, mode, kv, n = json.loads(p.stdout.strip().splitlines()[-1])
     assert status.startswith("unavailable:") and "no-such-cc" in status, status
     assert (mode, kv, n) == ("int4-cpu", "fp32", 3)
+
+
+def _gemm_problem(kind: str, gen: torch.Generator) -> tuple[QuantTensor, torch.Tensor]:
+    # N = 136: 8 panels of 16 rows and a last one of 8. K: 640 = two 256-wide panels and a tail of 128
+    # (legacy kinds); K-quants need whole super-blocks of 256: 1280, five panels.
+    k = 1280 if kind.startswith(("Q4_K", "Q5_K", "Q6_K")) else 640
+    q = WEIGHTS[kind](136, k, gen)
+    return q, q.dequantize()
+
+
+@pytest.mark.parametrize("kind", list(WEIGHTS))
+def test_fp32_gemm_matches_float64_reference(isa, kind):
+    """kvq_gemm_f32, the many-row path of AVX2 builds: weight panels dequantized exactly (as the
+    read-back), fp32 products: within fp32 rounding of the float64 reference for every code kind, every
+    tail of the 6-row tile, a last panel of 8 rows and K panels with a tail. The plain C build has none."""
+    from kvcli_kernels.cpu_int8dot import int8dot_gemm_f32
+
+    gen = torch.Generator().manual_seed(11)
+    q, w = _gemm_problem(kind, gen)
+    lin = Int8DotCpu(q)
+    for rows in (1, 5, 6, 7, 13, 40):
+        x = torch.randn(rows, w.shape[1], generator=gen) * torch.rand(1, w.shape[1], generator=gen) * 3
+        y = int8dot_gemm_f32(lin.lib, x, lin.args, lin.out_features)
+        if isa == "generic":
+            assert y is None
+            return
+        ref = x.double() @ w.double().t()
+        err = ((y.double() - ref).abs().amax(-1) / ref.abs().amax(-1)).max().item()
+        assert err < 1e-5, f"{isa} {kind} rows {rows}: max relative error {err:.2e}"
+
+
+def test_fp32_gemm_rows_and_threads_do_not_change_a_row(isa):
+    """Each output sums its k in one fixed order: a row alone, in a batch, or on one thread is bit-identical."""
+    from kvcli_kernels.cpu_int8dot import int8dot_gemm_f32
+
+    if isa == "generic":
+        pytest.skip("the plain C build has no fp32 GEMM")
+    gen = torch.Generator().manual_seed(12)
+    q, w = _gemm_problem("q4 min fp16 g32", gen)
+    lin = Int8DotCpu(q)
+    x = torch.randn(13, w.shape[1], generator=gen)
+    full = int8dot_gemm_f32(lin.lib, x, lin.args, lin.out_features)
+    for i in (0, 6, 12):
+        assert torch.equal(int8dot_gemm_f32(lin.lib, x[i:i + 1], lin.args, lin.out_features)[0], full[i])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(int8dot_gemm_f32(lin.lib, x, lin.args, lin.out_features), full)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_many_rows_take_the_fp32_gemm_where_it_is_chosen(isa, monkeypatch):
+    """Where the fused GEMM is chosen (AVX2 build, torch on AVX2), calls from GEMM_F32_MIN_ROWS rows take
+    it (fp32-exact), fewer rows the integer kernel; the vocabulary projection too, and a row-invariant
+    model turns it off (one path at every row count)."""
+    from kvcli.model import vocab_head
+    from kvcli.model.vocab_head import VocabHead
+
+    if isa == "generic":
+        pytest.skip("the plain C build has no fp32 GEMM")
+    monkeypatch.setattr(int8dot_cpu, "fp32_gemm_here", lambda: True)
+    monkeypatch.setattr(vocab_head, "cpu_has_native_bf16", lambda: False)
+    gen = torch.Generator().manual_seed(13)
+    q, w = _gemm_problem("q8 fp16", gen)
+    lin = Int8DotCpu(q)
+    assert lin.gemm_f32 and lin.dense_min_rows == int8dot_cpu.GEMM_F32_MIN_ROWS
+    n = lin.dense_min_rows
+    x = torch.randn(n, w.shape[1], generator=gen)
+    assert _check(lin, w, x) < 1e-5  # the integer kernel's two levels alone give ~5e-5
+    few = lin(x[:n - 1])
+    lin.dense_min_rows = None
+    assert torch.equal(lin(x[:n - 1]), few)  # below the threshold: the integer kernel
+    head = VocabHead.int8dot(Int8DotCpu(q))
+    assert head.int8dot.dense_min_rows == n and "fp32 GEMM" in head.path
+    head.make_row_invariant()
+    assert head.int8dot.dense_min_rows is None and "fp32 GEMM" not in head.path

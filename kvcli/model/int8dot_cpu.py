@@ -7,8 +7,11 @@ copy. Resident per weight: 4-bit codes + an fp16 scale and min per group (the GG
 the file's own compact forms the kernel reads directly: K-quants' 8-bit multipliers of an fp16 value per
 super-block, AWQ / GPTQ zero points (fp32 only where nothing else holds a value exactly); 5/6/8-bit
 codes as int8 (q - offset); codes interleaved by 8 rows (kvcli_kernels/cpu_int8dot.c).
-Calls with many rows (prefill chunks) read the weight back into a reused buffer and run a plain GEMM
-instead, as int4-cpu, from 256 rows: bf16 where the CPU has native bf16 dot products, else fp32.
+Calls with many rows (prefill chunks, big decode batches) run a float GEMM instead, with the weights
+exact: on the AVX2 build (torch's kernels AVX2, bf16 emulated) from 32 rows kvcli's own fp32 GEMM over
+weight panels dequantized on the fly (kvq_gemm_f32: with two int8 levels the integer kernel's ceiling
+is below an fp32 GEMM's there, scripts/probe_int8_throughput.py); elsewhere from 256 rows a read-back
+of the weight into a reused buffer and torch's GEMM, bf16 where the CPU has native bf16 dot products.
 
 Not bit-exact with the exact path, but close: the weights are exact, and each activation is held as two
 int8 levels per block of 32 (x ~ d (q1 + q2 / 256), d = max|x| / 127: ~15 bits, finer than bf16). On
@@ -31,7 +34,7 @@ import torch.nn.functional as F
 from kvcli.model.int4_cpu import _scratch
 from kvcli.model.native import build_dir, native_enabled, native_isa  # noqa: F401  (native_isa: tests patch it here)
 from kvcli_kernels.cpu_int8dot import (F16, F32, NEG_SUB, NONE, SUB, SUB_I8, ZERO, Groups, groups_x8, int8dot_dequant,
-                                       int8dot_linear, pack_x8, weight_args)
+                                       int8dot_gemm_f32, int8dot_linear, pack_x8, weight_args)
 
 if TYPE_CHECKING:
     import ctypes
@@ -44,6 +47,18 @@ if TYPE_CHECKING:
 # vs 2.38, 3.93 vs 3.40); with bf16 emulated (fp32 read-back), 1.77 vs 1.85 ms at 256 rows of 960 x 576
 # and 3.51 vs 3.41 at 512 (576 x 1536: 2.77 vs 2.86, 5.59 vs 5.36).
 DENSE_MIN_ROWS = {torch.bfloat16: 256, torch.float32: 256}
+# The fused fp32 GEMM beats the integer kernel from 16-32 rows on the AVX2 build (2 threads, AMD EPYC held
+# to AVX2, 2026-12-01 ~12:30 UTC, a /tmp probe; scripts/bench_int8dot.py measures both): at 32 rows 0.74 vs
+# 0.86 ms for 3072 x 576, 0.28 vs 0.41 for 960 x 576; at 512 rows 1.6x a read-back + torch's GEMM.
+GEMM_F32_MIN_ROWS = 32
+
+
+def fp32_gemm_here() -> bool:
+    """Whether many-row calls take kvcli's fused fp32 GEMM: the AVX2 build under torch's AVX2 kernels. With
+    AVX-512 in torch (native bf16, or fp32 at twice the AVX2 width) its own GEMM after a read-back is faster."""
+    from kvcli.bench.machine import torch_isa
+
+    return native_isa() == "avx2" and not torch_isa().upper().startswith("AVX512")
 
 
 def native_library() -> "ctypes.CDLL | None":
@@ -134,7 +149,10 @@ class Int8DotCpu:
 
         native_bf16 = cpu_has_native_bf16()
         self.dense_dtype = torch.bfloat16 if native_bf16 else torch.float32
-        self.dense_min_rows: int | None = DENSE_MIN_ROWS[self.dense_dtype]
+        # From dense_min_rows rows a float GEMM (None: the integer kernel at every row count): the fused
+        # fp32 one where it is faster, else a read-back + torch's.
+        self.gemm_f32 = not native_bf16 and fp32_gemm_here()
+        self.dense_min_rows: int | None = GEMM_F32_MIN_ROWS if self.gemm_f32 else DENSE_MIN_ROWS[self.dense_dtype]
 
     @property
     def nbytes(self) -> int:
@@ -150,6 +168,10 @@ class Int8DotCpu:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] -> [M, N] in x's dtype."""
         if self.dense_min_rows is not None and x.shape[0] >= self.dense_min_rows:
+            if self.gemm_f32:
+                y = int8dot_gemm_f32(self.lib, x.float().contiguous(), self.args, self.out_features)
+                if y is not None:
+                    return y.to(x.dtype)
             return F.linear(x.to(self.dense_dtype), self.dense(self.dense_dtype)).to(x.dtype)
         if x.dtype != torch.float32 or not x.is_contiguous():
             return int8dot_linear(self.lib, x.float().contiguous(), self.args, self.out_features).to(x.dtype)

@@ -149,8 +149,8 @@ class LlamaModel:
     def make_row_invariant(self) -> None:
         """Make each row's logits independent of how many rows share a call (what the invariant attention
         backend needs for speculation's token identity): turn off the matmul paths picked by row count,
-        the int4 linears' read-back from DENSE_MIN_ROWS rows and the vocabulary projection's fp32
-        slices on CPUs without native bf16."""
+        the quantized linears' float GEMM from dense_min_rows rows (a read-back, or the fused fp32 GEMM
+        on AVX2 builds) and the vocabulary projection's fp32 slices or fused GEMM."""
         for lin in self._linears():
             if lin.mode in ("int4-cpu", "int8dot-cpu"):
                 lin.int4.dense_min_rows = None

@@ -56,11 +56,17 @@ class VocabHead:
 
     @classmethod
     def int8dot(cls, table: "Int8DotCpu") -> "VocabHead":
-        """The quantized table through kvcli's int8 kernel at every row count (row-invariant by itself)."""
+        """The quantized table through kvcli's int8 kernel, or from GEMM_F32_MIN_ROWS rows its fused fp32
+        GEMM where that is faster (AVX2 builds): never a read-back, which for the whole vocabulary would be
+        a 57-113 MB transient (the fused GEMM dequantizes 16-row panels)."""
+        from kvcli.model.int8dot_cpu import GEMM_F32_MIN_ROWS
+
         head = cls.__new__(cls)
-        table.dense_min_rows = None  # a read-back of the whole vocabulary would be a 57-113 MB transient
+        table.dense_min_rows = GEMM_F32_MIN_ROWS if table.gemm_f32 else None
         head.int8dot, head.weight, head.fp32_slices = table, None, False
         head.path = f"int8dot-cpu ({table.bits}-bit codes as stored)"
+        if table.gemm_f32:
+            head.path += f", fp32 GEMM from {GEMM_F32_MIN_ROWS} rows"
         return head
 
     def make_row_invariant(self) -> None:
@@ -68,6 +74,9 @@ class VocabHead:
         self.fp32_slices = False
         if self.int8dot is None:
             self.path = f"{str(self.weight.dtype)[6:]} GEMM"
+        elif self.int8dot.dense_min_rows is not None:
+            self.int8dot.dense_min_rows = None
+            self.path = f"int8dot-cpu ({self.int8dot.bits}-bit codes as stored)"
 
     @property
     def nbytes(self) -> int:
