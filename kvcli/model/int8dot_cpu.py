@@ -47,9 +47,9 @@ if TYPE_CHECKING:
 # vs 2.38, 3.93 vs 3.40); with bf16 emulated (fp32 read-back), 1.77 vs 1.85 ms at 256 rows of 960 x 576
 # and 3.51 vs 3.41 at 512 (576 x 1536: 2.77 vs 2.86, 5.59 vs 5.36).
 DENSE_MIN_ROWS = {torch.bfloat16: 256, torch.float32: 256}
-# The fused fp32 GEMM beats the integer kernel from 16-32 rows on the AVX2 build (2 threads, AMD EPYC held
-# to AVX2, 2026-12-01 ~12:30 UTC, a /tmp probe; scripts/bench_int8dot.py measures both): at 32 rows 0.74 vs
-# 0.86 ms for 3072 x 576, 0.28 vs 0.41 for 960 x 576; at 512 rows 1.6x a read-back + torch's GEMM.
+# The fused fp32 GEMM beats the integer kernel from 16-64 rows on the AVX2 build (scripts/bench_int8dot.py,
+# 2 threads, AMD EPYC held to AVX2, docs/results/int8dot-ops-avx2-2026-12-01b.txt): at 16 rows 0.97-1.13x
+# its time, at 64 rows 0.60-0.94x, at 512 rows 0.59-0.69x (and 0.65-0.9x a read-back + torch's GEMM).
 GEMM_F32_MIN_ROWS = 32
 
 
