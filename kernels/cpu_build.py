@@ -55,7 +55,9 @@ def _flags(isa: str) -> list[str]:
 
 
 def _lib_path(source: Path, isa: str, cache_dir: str) -> Path:
-    key = hashlib.sha256(source.read_bytes() + " ".join(_flags(isa)).encode() + _compiler()[1].encode())
+    # The headers beside the sources (cpu_*.h) are part of every build: a change to one rebuilds all.
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("cpu_*.h")))
+    key = hashlib.sha256(source.read_bytes() + headers + " ".join(_flags(isa)).encode() + _compiler()[1].encode())
     return Path(cache_dir) / f"{source.stem}-{isa}-{key.hexdigest()[:16]}.so"
 
 

@@ -132,3 +132,22 @@ def test_backend_takes_it_for_prefill_chunks_and_not_for_windows():
     windowed = native.forward(q, cache, meta(24), 0.125)
     torch_windowed = TorchAttentionBackend(native=False).forward(q, cache, meta(24), 0.125)
     assert not calls and torch.equal(windowed, torch_windowed)
+
+
+def test_shared_header_is_part_of_every_builds_cache_key(tmp_path):
+    """cpu_simd.h (exp8, hmax8, hsum8) is included by both attention kernels: editing it must rebuild
+    them, so the cache key of a build hashes the headers beside the sources, and they are packaged."""
+    import tomllib
+    from pathlib import Path
+
+    from kvcli_kernels.cpu_build import _lib_path
+
+    src = tmp_path / "cpu_x.c"
+    src.write_text('#include "cpu_y.h"\nint f(void) { return Y; }\n')
+    header = tmp_path / "cpu_y.h"
+    header.write_text("#define Y 1\n")
+    before = _lib_path(src, "generic", str(tmp_path / "cache"))
+    header.write_text("#define Y 2\n")
+    assert _lib_path(src, "generic", str(tmp_path / "cache")) != before
+    pyproject = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())
+    assert "*.h" in pyproject["tool"]["setuptools"]["package-data"]["kvcli_kernels"]
