@@ -25,12 +25,8 @@
 #endif
 
 #define MR 6   /* rows per register tile */
-#ifndef KB
 #define KB 64  /* keys per block */
-#endif
-#ifndef QP
 #define QP 64  /* query positions per work item */
-#endif
 
 #ifdef KVP_AVX2
 #include "cpu_simd.h" /* hsum8, hmax8, exp8 */

@@ -49,7 +49,7 @@ def _problem(t: int, length: int, h: int, kvh: int, d: int, seed: int):
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize(("t", "length", "h", "kvh", "d"), [
-    (1 + 1, 2, 1, 1, 16),  # two tokens, no GQA, the narrowest head
+    (2, 2, 1, 1, 16),  # two tokens, no GQA, the narrowest head
     (13, 13, 9, 3, 64),  # a chunk against itself: T not a multiple of the 6-row tile
     (70, 70, 4, 1, 64),  # GQA group 4, T past one 64-position work item
     (7, 200, 8, 2, 128),  # a short chunk after a long prefix: L not a multiple of the 64-key block

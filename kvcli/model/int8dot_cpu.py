@@ -112,10 +112,8 @@ def _groups(weight: "QuantTensor") -> tuple[Groups, Groups]:
         scale = Groups(SUB if sub.dtype == torch.uint8 else SUB_I8, groups_x8(sub), groups_x8(weight.scale), per)
     else:
         scale = _plain(weight.group_scales())
-    if weight.kind == "q4" and weight.offset:  # s (q - o) + m == s q + (m - s o)
-        base = weight.group_mins()
-        s = weight.group_scales()
-        return scale, _plain((base if base is not None else torch.zeros_like(s)) - s * weight.offset)
+    if weight.kind == "q4" and weight.offset:  # s (q - o) + m == s q + (m - s o), multiplied out once
+        return scale, _plain(weight.with_float_min().min)
     if weight.zero is not None and weight.zero.dtype == torch.uint8:  # AWQ / GPTQ: min = -(zero * scale)
         return scale, Groups(ZERO, groups_x8(weight.zero))
     if weight.sub_min is not None and weight.sub_min.dtype == torch.uint8 and weight.min is not None \
@@ -140,8 +138,7 @@ class Int8DotCpu:
             q = weight.unpack_codes()
         else:  # 5/6/8-bit codes minus their offset fit int8 (Q6_K: -32..31)
             self.bits = 8
-            q = weight.unpack_codes()
-            q = (q.to(torch.int16) - weight.offset).to(torch.int8) if weight.kind != "q8" else q.view(torch.int8)
+            q = weight.int8_codes()
         self.codes = pack_x8(q, self.bits)
         self.scale, self.mins = _groups(weight)
         self.args = weight_args(self.codes, self.bits, self.scale, self.mins, self.group_size)

@@ -96,10 +96,8 @@ class Linear:
             if mode == "int4-cpu" and self.out_features % 16 == 0 and 2 * weight.group_size in KERNEL_GROUPS:
                 self.mode, self.int4 = "int4x2-cpu", Int4x2Cpu(weight)
             elif mode == "triton" and weight.group_size in (16, 32, 64, 128):
-                q = weight.unpack_codes()
-                codes = q.view(torch.int8) if weight.kind == "q8" else (q.to(torch.int16) - weight.offset).to(torch.int8)
                 self.mode = "triton-int8"
-                self.q8 = (codes.contiguous(), weight.group_scales(), weight.group_mins())
+                self.q8 = (weight.int8_codes().contiguous(), weight.group_scales(), weight.group_mins())
             else:
                 self.mode, self.q = "lowbit-torch", weight
         elif mode == "int4-cpu" and self.out_features % 16 == 0 and weight.offset == 0:

@@ -80,6 +80,12 @@ class QuantTensor:
             mins = (torch.zeros_like(scale) if mins is None else mins) - scale * self.offset
         return QuantTensor(self.kind, self.codes, scale, mins, self.group_size)
 
+    def int8_codes(self) -> torch.Tensor:
+        """5/6/8-bit codes minus their offset as int8 [N, K] (Q6_K: -32..31; Q8_0's as stored): the form the
+        CPU int8dot kernel and the Triton GEMM read for these kinds."""
+        q = self.unpack_codes()
+        return q.view(torch.int8) if self.kind == "q8" else (q.to(torch.int16) - self.offset).to(torch.int8)
+
     def unpack_codes(self) -> torch.Tensor:
         """Integer codes as uint8 [N, K] (0 .. 2^bits - 1 before the offset; raw int8 for q8)."""
         if self.kind == "q8":

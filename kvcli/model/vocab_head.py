@@ -62,7 +62,8 @@ class VocabHead:
         from kvcli.model.int8dot_cpu import GEMM_F32_MIN_ROWS
 
         head = cls.__new__(cls)
-        table.dense_min_rows = GEMM_F32_MIN_ROWS if table.gemm_f32 else None
+        if not table.gemm_f32:
+            table.dense_min_rows = None
         head.int8dot, head.weight, head.fp32_slices = table, None, False
         head.path = f"int8dot-cpu ({table.bits}-bit codes as stored)"
         if table.gemm_f32:
