@@ -314,9 +314,9 @@ class TorchAttentionBackend:
 
     def _prefill_native(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                         out: torch.Tensor) -> bool:
-        """A chunk's causal attention (no window cut) by kvcli's C kernel where it runs: 1.1x torch's flash
-        attention over a long prefix, 2x for the chunk against itself (head_dim 64, 2 threads). False: not
-        here (torch computes it)."""
+        """A chunk's causal attention (no window cut) by kvcli's C kernel where it runs (about 2x torch's
+        flash attention for a chunk against itself, 1.04-1.4x after a prefix: scripts/bench_prefill_attention.py).
+        False: not here (torch computes it)."""
         if not self.native or q.device.type != "cpu" or q.shape[0] < 2:
             return False
         if self._prefill_lib is False:
