@@ -12,13 +12,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import torch
-import torch.nn.functional as F
 
 from kvcli.attention.base import AttentionBackend, AttentionMetadata
 from kvcli.config import ModelConfig
 from kvcli.kvcache.kv_cache import KVCache
 from kvcli.model import int8dot_cpu
-from kvcli.model.layers import Embedding, Linear, LinearGroup, RMSNorm, Rotary
+from kvcli.model.layers import Embedding, Linear, LinearGroup, RMSNorm, Rotary, SwiGLU
 from kvcli.model.quant import QuantTensor
 from kvcli.model.vocab_head import VocabHead
 
@@ -133,6 +132,7 @@ class LlamaModel:
             self.lm_head = VocabHead(head, head_dtype)
         weights.pop("lm_head.weight", None)
         self.rotary = Rotary(c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling, device)
+        self.swiglu = SwiGLU(device, dtype)
 
     # ---------------------------------------------------------------------------------------------
     def _count_paths(self, names: tuple[str, ...], parts: list, lin: Linear | LinearGroup) -> None:
@@ -191,22 +191,28 @@ class LlamaModel:
             meta = replace(meta, sliding_window=window)
         t = input_ids.shape[0]
         h = self.embed(input_ids)
-        cos_sin = self.rotary.at(positions, h.dtype)
+        # Rotary + KV store as one C call per layer where the backend offers it (fp32 compute on the CPU).
+        writer = getattr(backend, "rope_kv_writer", None)
+        rope_kv = None if writer is None or h.dtype != torch.float32 else writer(
+            self.rotary.cos, self.rotary.sin_signed, positions, meta, kv_cache.layers[0], c.num_heads, c.num_kv_heads)
+        cos_sin = self.rotary.at(positions, h.dtype) if rope_kv is None else None
         qk_size = self.q_size + self.kv_size
         for layer, cache in zip(self.layers, kv_cache.layers):
             x = layer.attn_norm(h)
             qkv = layer.qkv(x)
-            # q and k heads are adjacent in the fused output: rotated in one go.
-            qk = self.rotary.apply(qkv[:, :qk_size].view(t, c.num_heads + c.num_kv_heads, c.head_dim), cos_sin)
-            q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
-            v = qkv[:, qk_size:].view(t, c.num_kv_heads, c.head_dim)
-            backend.write_kv(k, v, cache, meta)
+            if rope_kv is not None:
+                q = rope_kv(qkv, cache)
+            else:
+                # q and k heads are adjacent in the fused output: rotated in one go.
+                qk = self.rotary.apply(qkv[:, :qk_size].view(t, c.num_heads + c.num_kv_heads, c.head_dim), cos_sin)
+                q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
+                v = qkv[:, qk_size:].view(t, c.num_kv_heads, c.head_dim)
+                backend.write_kv(k, v, cache, meta)
             attn = backend.forward(q, cache, meta, self.scale)
             # In place: h is this forward's own tensor (the embedding rows, then its own sums).
             h.add_(layer.o(attn.reshape(t, self.q_size)))
             x = layer.ffn_norm(h)
-            gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            h.add_(layer.down(F.silu(gate).mul_(up)))
+            h.add_(layer.down(self.swiglu(layer.gate_up(x))))
         if logits_indices is not None:
             h = h[logits_indices]
         h = self.norm(h)
