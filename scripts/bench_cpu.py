@@ -8,7 +8,9 @@ same token ids. Prints the machine's vector ISA and a markdown table of ratios a
 Method, the same for every engine: prefill tok/s = N / time to the first token from an empty cache
 (kvcli: prefix caching off); decode tok/s = (M - 1) / time from the first token to the last, both
 timed inside the same generation (kvcli: around engine steps; transformers: a streamer's put() per
-token; llama.cpp: around its decode calls). Best of --repeats after a warm-up. (Before 2026-12-01
+token; llama.cpp: around its decode calls). Best of --repeats rounds after a warm-up; each round runs every engine once per context (since
+2026-12-01 16:30 UTC; before, each engine ran all its repeats in turn, so a slow phase of a shared VM
+could fall on one engine only). (Before 2026-12-01
 06:20 UTC decode was (M - 1) / (t_M - t_1) over two whole generations: at 4k context that difference
 of two ~10 s prefills swung the decode figure by tens of percent.)
 llama.cpp is skipped with a message where it is not built (scripts/build_llama_cpp.sh).
@@ -56,11 +58,6 @@ def main() -> int:
     results: dict[str, dict[int, tuple[float, float]]] = {}
     notes: list[str] = []
 
-    def best_of(fn) -> tuple[float, float]:
-        """fn() -> (seconds to the first token, seconds from it to the last): the best of each."""
-        runs = [fn() for _ in range(a.repeats)]
-        return min(r[0] for r in runs), min(r[1] for r in runs)
-
     max_len = max(contexts) + a.new_tokens + 16
     llm = LLM(prefix_caching=False, max_model_len=max_len, max_num_batched_tokens=512, kv_budget="512MiB")
     ids_all = llm.tokenizer.encode(text * (1 + max(contexts) * 5 // len(text)))
@@ -68,67 +65,80 @@ def main() -> int:
         print(f"error: the sample text has only {len(ids_all)} tokens", file=sys.stderr)
         return 1
     linear_mode, kv_dtype = llm.engine.linear_mode, llm.engine.kv_dtype.name
-    if "kvcli" in engines:
-        out = results["kvcli"] = {}
-        for n in contexts:
-            ids = ids_all[:n]
 
-            def gen() -> tuple[float, float]:
-                eng = llm.engine
-                t0 = time.perf_counter()
-                eng.add_request(ids, SamplingParams(max_tokens=a.new_tokens, ignore_eos=True))
-                first = None
-                while eng.has_unfinished():
-                    outs = eng.step()
-                    if first is None and any(o.new_token_ids for o in outs):
-                        first = time.perf_counter()
-                assert first is not None
-                return first - t0, time.perf_counter() - first
-            gen()  # warm-up
-            t1, td = best_of(gen)
-            out[n] = (n / t1, (a.new_tokens - 1) / td)
-            print(f"kvcli {n}: prefill {out[n][0]:.1f} tok/s, decode {out[n][1]:.1f} tok/s", file=sys.stderr, flush=True)
-    del llm
+    def kvcli_once(n: int) -> tuple[float, float]:
+        """(seconds to the first token, seconds from it to the last) of one generation."""
+        eng, ids = llm.engine, ids_all[:n]
+        t0 = time.perf_counter()
+        eng.add_request(ids, SamplingParams(max_tokens=a.new_tokens, ignore_eos=True))
+        first = None
+        while eng.has_unfinished():
+            outs = eng.step()
+            if first is None and any(o.new_token_ids for o in outs):
+                first = time.perf_counter()
+        assert first is not None
+        return first - t0, time.perf_counter() - first
 
     path = bundled_gguf_path()
+    hf = None
     if "transformers" in engines:
         from transformers import AutoModelForCausalLM, GenerationConfig
 
         hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
         hf.generation_config = GenerationConfig(eos_token_id=None, pad_token_id=0)
-        out = results["transformers"] = {}
-        for n in contexts:
-            x = torch.tensor([ids_all[:n]])
 
-            def gen(m: int) -> tuple[float, float]:
-                stamps: list[float] = []  # put() gets the prompt first, then each new token
+    def hf_once(n: int, m: int | None = None) -> tuple[float, float]:
+        x = torch.tensor([ids_all[:n]])
+        m = a.new_tokens if m is None else m
+        stamps: list[float] = []  # put() gets the prompt first, then each new token
 
-                class Clock:
-                    def put(self, _value) -> None:
-                        stamps.append(time.perf_counter())
+        class Clock:
+            def put(self, _value) -> None:
+                stamps.append(time.perf_counter())
 
-                    def end(self) -> None:
-                        pass
-                t0 = time.perf_counter()
-                with torch.inference_mode():
-                    hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=m, min_new_tokens=m,
-                                do_sample=False, streamer=Clock())
-                return stamps[1] - t0, stamps[-1] - stamps[1]
-            gen(2)
-            t1, td = best_of(lambda: gen(a.new_tokens))
-            out[n] = (n / t1, (a.new_tokens - 1) / td)
-            print(f"transformers {n}: prefill {out[n][0]:.1f}, decode {out[n][1]:.1f}", file=sys.stderr, flush=True)
-        del hf
+            def end(self) -> None:
+                pass
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=m, min_new_tokens=m,
+                        do_sample=False, streamer=Clock())
+        return stamps[1] - t0, stamps[-1] - stamps[1]
 
-    if "llama.cpp" in engines:
-        job = {"model": str(path), "threads": torch.get_num_threads(), "contexts": contexts,
-               "new_tokens": a.new_tokens, "repeats": a.repeats, "prompt_ids": ids_all[:max(contexts)]}
-        res, note = llama_bench.run(job, a.isa)
-        if res is None:
-            notes.append(note)
-        else:
-            results["llama.cpp"] = {r["context"]: (r["prefill_tok_s"], r["decode_tok_s"]) for r in res["batch1"]}
-            notes.append(f"llama.cpp: llama-cpp-python {res['llama_cpp_version']}; {res['system_info'].strip()}")
+    # Rounds: each engine once per context per round, best of the rounds; a phase of the machine (a shared
+    # VM's neighbours) then weighs on every engine alike instead of on whichever ran during it.
+    times: dict[str, dict[int, list[tuple[float, float]]]] = {}
+    llama = "llama.cpp" in engines  # False once its worker is found missing or failing
+    for n in contexts:  # warm-ups
+        if "kvcli" in engines:
+            kvcli_once(n)
+        if hf is not None:
+            hf_once(n, 2)
+    for rnd in range(a.repeats):
+        if "kvcli" in engines:
+            for n in contexts:
+                times.setdefault("kvcli", {}).setdefault(n, []).append(kvcli_once(n))
+        if hf is not None:
+            for n in contexts:
+                times.setdefault("transformers", {}).setdefault(n, []).append(hf_once(n))
+        if llama:
+            # one worker process per round (it warms up on each context first)
+            job = {"model": str(path), "threads": torch.get_num_threads(), "contexts": contexts,
+                   "new_tokens": a.new_tokens, "repeats": 1, "prompt_ids": ids_all[:max(contexts)]}
+            res, note = llama_bench.run(job, a.isa)
+            if res is None:
+                notes.append(note)
+                llama = False
+            else:
+                for r in res["batch1"]:  # rates back to seconds, so that every engine is reduced alike
+                    times.setdefault("llama.cpp", {}).setdefault(r["context"], []).append(
+                        (r["context"] / r["prefill_tok_s"], a.new_tokens / r["decode_tok_s"]))
+                version = f"llama.cpp: llama-cpp-python {res['llama_cpp_version']}; {res['system_info'].strip()}"
+                if version not in notes:
+                    notes.append(version)
+        print(f"round {rnd + 1} of {a.repeats} done", file=sys.stderr, flush=True)
+    for eng, per_n in times.items():
+        decoded = a.new_tokens if eng == "llama.cpp" else a.new_tokens - 1  # llama.cpp times m decode calls
+        results[eng] = {n: (n / min(t[0] for t in runs), decoded / min(t[1] for t in runs)) for n, runs in per_n.items()}
 
     load_after = os.getloadavg()[0]
     print(f"# CPU batch-1 benchmark — {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC")
