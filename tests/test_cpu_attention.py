@@ -160,10 +160,15 @@ def test_backend_decode_rows_go_through_the_kernel(kv, window, storage):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kv", ["fp32", "fp16", "int8"])
+# Not int8: its quantize-on-write turns the two attention paths' rounding differences into flipped codes in
+# the next layers' K/V (logits 0.2 apart at the first step, before and after 2026-12-01's kernels), so
+# greedy text follows them through any near-tie (a 0.03-0.08 top-2 margin at step 7 of the second prompt).
+# The int8 kernel is held to the dense reference above instead.
+@pytest.mark.parametrize("kv", ["fp32", "fp16"])
 def test_greedy_text_equals_kvcli_native_off(kv, monkeypatch):
-    """The bundled model (exact fp32 weights) generating greedily with the kernel and with KVCLI_NATIVE=0
-    (torch's decode path): identical tokens, on prompts of two lengths decoding side by side."""
+    """The bundled model (exact fp32 weights) generating greedily with the kernel and with the backend's
+    kernels off (torch's decode path; every other kernel as it was, so that only attention differs):
+    identical tokens, on prompts of two lengths decoding side by side."""
     from kvcli.config import SamplingParams
     from kvcli.engine.llm_engine import EngineOptions, LLMEngine
     from kvcli.model.loader import load_weights
@@ -171,10 +176,11 @@ def test_greedy_text_equals_kvcli_native_off(kv, monkeypatch):
     loaded = load_weights(None)
     model = None
 
-    def generate() -> tuple[list[list[int]], LLMEngine]:
+    def generate(native: bool = True) -> tuple[list[list[int]], LLMEngine]:
         nonlocal model
         engine = LLMEngine(loaded, EngineOptions(kv_budget="32MiB", max_model_len=512, dequantize=True, kv_dtype=kv),
                            model=model)
+        engine.backend.native = native
         model = engine.model
         params = SamplingParams(max_tokens=24, ignore_eos=True)
         reqs = [engine.add_request(engine.tokenizer.encode(p), params) for p in
@@ -186,12 +192,8 @@ def test_greedy_text_equals_kvcli_native_off(kv, monkeypatch):
 
     with_kernel, engine = generate()
     assert engine.backend._native_meta is not None  # the kernel ran
-    monkeypatch.setenv("KVCLI_NATIVE", "0")  # read when the next engine's backend first decodes
-    try:
-        without, engine = generate()
-        assert engine.backend._native_meta is None
-    finally:
-        monkeypatch.undo()
+    without, engine = generate(native=False)
+    assert engine.backend._native_meta is None
     assert with_kernel == without
 
 

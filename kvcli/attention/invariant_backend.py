@@ -70,6 +70,11 @@ class InvariantAttentionBackend(TorchAttentionBackend):
         self._groups: list[_DecodeGroup] = []
         self._req_blocks: dict[int, torch.Tensor] = {}
 
+    def native_decode_plan(self, *args: object) -> None:
+        """Never: the C decode loop (model/native_decode.py) would run the default backend's attention kernel,
+        not this backend's row-invariant attention."""
+        return None
+
     # -- per-step plan (shared by every layer) -------------------------------------------------------
     def _plan(self, meta: AttentionMetadata, block_size: int, device: torch.device) -> None:
         """Block ids of each request's (padded) keys and the decode groups, worked out once per step."""

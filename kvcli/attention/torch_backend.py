@@ -110,6 +110,7 @@ class TorchAttentionBackend:
         self._rope_kv_lib: ctypes.CDLL | None | bool = False  # native_rope_kv(), likewise
         self._native_meta: AttentionMetadata | None = None
         self._native_scale = 0.0
+        self._native_heads = 0
         self._native_ids: set[int] = set()
         self._native_step: DecodeStep | None = None
         self._native_views: dict[int, tuple[weakref.ref[LayerKV], tuple[torch.Tensor, ...], CacheView | None]] = {}
@@ -312,32 +313,54 @@ class TorchAttentionBackend:
         `out`; returns the requests done (none where the kernel is off or does not fit: torch's path)."""
         if not self.native or q.device.type != "cpu":
             return set()
-        if self._lib is False:
-            self._lib = native_attention()
-        lib = self._lib
-        if lib is None:
-            return set()
-        from kvcli_kernels.cpu_attention import DecodeStep, query_supported, run
-
-        if meta is not self._native_meta or scale != self._native_scale:  # per step: which rows decode
-            starts = [0]
-            for n in meta.query_lens_list:
-                starts.append(starts[-1] + n)
-            ids = [b for b, n in enumerate(meta.query_lens_list) if n == 1]
-            self._native_meta, self._native_scale, self._native_ids = meta, scale, set(ids)
-            self._native_step = None
-            if ids and meta.block_tables.device.type == "cpu" and meta.block_tables.stride(-1) == 1:
-                self._native_step = DecodeStep(meta.block_tables, meta.seq_lens.contiguous(), q.shape[1], scale,
-                                               meta.sliding_window, torch.tensor(ids, dtype=torch.int64),
-                                               torch.tensor([starts[b] for b in ids], dtype=torch.int64))
-        step = self._native_step
+        step = self._native_decode_step(meta, q.shape[1], scale)
         if step is None:
             return set()
+        from kvcli_kernels.cpu_attention import query_supported, run
+
+        lib = self._lib
         view = self._cache_view(cache)
         if view is None or not query_supported(q, step, view):
             return set()
         run(lib, step, view, q, out)
         return self._native_ids
+
+    def _native_decode_step(self, meta: AttentionMetadata, heads: int, scale: float) -> DecodeStep | None:
+        """The decode kernel's per-step arguments for the step's decode rows (requests with one query
+        token), built once per step; None where there are none or the kernel does not load."""
+        if self._lib is False:
+            self._lib = native_attention()
+        if self._lib is None:
+            return None
+        if meta is not self._native_meta or scale != self._native_scale or heads != self._native_heads:
+            from kvcli_kernels.cpu_attention import DecodeStep
+
+            starts = [0]
+            for n in meta.query_lens_list:
+                starts.append(starts[-1] + n)
+            ids = [b for b, n in enumerate(meta.query_lens_list) if n == 1]
+            self._native_meta, self._native_scale, self._native_heads = meta, scale, heads
+            self._native_ids = set(ids)
+            self._native_step = None
+            if ids and meta.block_tables.device.type == "cpu" and meta.block_tables.stride(-1) == 1:
+                self._native_step = DecodeStep(meta.block_tables, meta.seq_lens.contiguous(), heads, scale,
+                                               meta.sliding_window, torch.tensor(ids, dtype=torch.int64),
+                                               torch.tensor([starts[b] for b in ids], dtype=torch.int64))
+        return self._native_step
+
+    def native_decode_plan(self, meta: AttentionMetadata, caches: list[LayerKV], heads: int,
+                           scale: float) -> tuple[DecodeStep, list[CacheView]] | None:
+        """For a caller that runs whole decoder layers in C (kernels/cpu_decode_layers.c): the decode
+        kernel's step arguments and every layer's cache view, when every request of the step decodes one
+        token and the kernel reads these caches (else None: the caller goes layer by layer through
+        forward)."""
+        if not self.native or not meta.query_lens_list or any(n != 1 for n in meta.query_lens_list):
+            return None
+        step = self._native_decode_step(meta, heads, scale)
+        if step is None:
+            return None
+        views = [self._cache_view(c) for c in caches]
+        return None if any(v is None for v in views) else (step, views)  # type: ignore[return-value]
 
     def _cache_view(self, cache: LayerKV) -> CacheView | None:
         """The kernel's view of a layer's pool (None: a format or shape it does not read), built once per

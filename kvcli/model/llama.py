@@ -17,6 +17,7 @@ from kvcli.attention.base import AttentionBackend, AttentionMetadata
 from kvcli.config import ModelConfig
 from kvcli.kvcache.kv_cache import KVCache
 from kvcli.model import int8dot_cpu
+from kvcli.model.native_decode import NativeDecode
 from kvcli.model.layers import Embedding, Linear, LinearGroup, RMSNorm, Rotary, SwiGLU
 from kvcli.model.quant import QuantTensor
 from kvcli.model.vocab_head import VocabHead
@@ -133,6 +134,8 @@ class LlamaModel:
         weights.pop("lm_head.weight", None)
         self.rotary = Rotary(c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling, device)
         self.swiglu = SwiGLU(device, dtype)
+        self.native_decode = NativeDecode.build(self)
+        self.row_invariant = False
 
     # ---------------------------------------------------------------------------------------------
     def _count_paths(self, names: tuple[str, ...], parts: list, lin: Linear | LinearGroup) -> None:
@@ -155,6 +158,7 @@ class LlamaModel:
             if lin.mode in ("int4-cpu", "int8dot-cpu"):
                 lin.int4.dense_min_rows = None
         self.lm_head.make_row_invariant()
+        self.row_invariant = True  # and every row through every layer (no last-layer cut)
 
     def _linears(self) -> Iterator[Linear]:
         """Every layer Linear, the parts of a LinearGroup one by one."""
@@ -189,8 +193,55 @@ class LlamaModel:
         window = c.sliding_window or 0
         if meta.sliding_window != window:  # the model's window, whoever built the step's metadata
             meta = replace(meta, sliding_window=window)
-        t = input_ids.shape[0]
         h = self.embed(input_ids)
+        # A decode step through every layer in one C call where everything runs on kvcli's C kernels.
+        if self.native_decode is not None and self.native_decode(h, positions, kv_cache, meta, backend):
+            if logits_indices is not None:
+                h = h[logits_indices]
+        else:
+            cut = self._last_layer_rows(meta, logits_indices, backend, h.device)
+            h = self._layers(h, positions, kv_cache, meta, backend, cut)
+            if cut is None and logits_indices is not None:
+                h = h[logits_indices]
+        h = self.norm(h)
+        return self.lm_head(h)
+
+    def _last_layer_rows(self, meta: AttentionMetadata, wanted: torch.Tensor | None, backend: AttentionBackend,
+                         device: torch.device) -> tuple[torch.Tensor, AttentionMetadata | None] | None:
+        """Rows only the last layer may skip: after it stores its K/V, its attention, output projection and
+        MLP matter only for the rows whose logits are wanted (llama.cpp does the same). For a step whose
+        wanted rows are each the last row of its request (sampling after a prefill chunk) or none (a
+        prefill-only step), with at least one multi-row request: (those rows, a metadata of one query row
+        per such request, None when there are none). None: compute every row (decode-only steps, a
+        speculative verify's several rows per request, the row-invariant model, non-CPU backends)."""
+        if wanted is None or self.row_invariant or device.type != "cpu" or getattr(backend, "name", "") != "torch" \
+                or all(n == 1 for n in meta.query_lens_list):
+            return None
+        rows = wanted.tolist()
+        ends, last = {}, -1
+        for b, n in enumerate(meta.query_lens_list):
+            last += n
+            ends[last] = b
+        if any(r not in ends for r in rows) or rows != sorted(set(rows)):
+            return None
+        if not rows:
+            return wanted, None
+        sel = [ends[r] for r in rows]
+        sel_t = torch.tensor(sel, dtype=torch.int64, device=device)
+        lens = tuple(meta.seq_lens_list[b] for b in sel)
+        return wanted, AttentionMetadata(
+            slot_mapping=meta.slot_mapping[wanted], cu_seqlens_q=torch.arange(len(sel) + 1, dtype=torch.int32),
+            seq_lens=meta.seq_lens[sel_t], block_tables=meta.block_tables[sel_t], max_seqlen_q=1,
+            max_seq_len=max(lens), seq_lens_list=lens, query_lens_list=(1,) * len(sel),
+            sliding_window=meta.sliding_window)
+
+    def _layers(self, h: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
+                backend: AttentionBackend, cut: tuple[torch.Tensor, AttentionMetadata | None] | None) -> torch.Tensor:
+        """Every decoder layer on h [T, hidden], in place, one kernel call at a time; returns h, or with a
+        `cut` (_last_layer_rows) only its rows, the last layer computed for them alone."""
+        c = self.config
+        t = h.shape[0]
+        last = kv_cache.layers[-1]
         # Rotary + KV store as one C call per layer where the backend offers it (fp32 compute on the CPU).
         writer = getattr(backend, "rope_kv_writer", None)
         rope_kv = None if writer is None or h.dtype != torch.float32 else writer(
@@ -208,12 +259,16 @@ class LlamaModel:
                 q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
                 v = qkv[:, qk_size:].view(t, c.num_kv_heads, c.head_dim)
                 backend.write_kv(k, v, cache, meta)
+            if cut is not None and cache is last:  # K/V of every row are stored; the rest only for these
+                rows, meta = cut
+                h = h[rows]
+                if meta is None:
+                    return h
+                q, t = q[rows], h.shape[0]
             attn = backend.forward(q, cache, meta, self.scale)
             # In place: h is this forward's own tensor (the embedding rows, then its own sums).
             h.add_(layer.o(attn.reshape(t, self.q_size)))
             x = layer.ffn_norm(h)
             h.add_(layer.down(self.swiglu(layer.gate_up(x))))
-        if logits_indices is not None:
-            h = h[logits_indices]
-        h = self.norm(h)
-        return self.lm_head(h)
+        return h
+

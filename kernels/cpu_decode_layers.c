@@ -1,0 +1,94 @@
+/* The decoder layers of a decode step in one call: for each layer, RMSNorm, the fused q/k/v projection,
+ * rotary + KV store, decode attention, the output projection and residual add, RMSNorm, gate/up, SwiGLU,
+ * down and residual add, over the step's rows (one per decoding request).
+ *
+ * Why: at batch 1 the arithmetic of a SmolLM2 layer is ~0.2 ms on 2 cores, and the Python around the ten
+ * kernel calls (argument conversion, tensor allocation, dispatch checks) was ~30 % of the main thread's
+ * time in a perf profile (libpython + libtorch_python + ctypes, 2026-12-01). This file computes nothing
+ * itself beyond the residual adds: it calls the same kernels the per-op path calls (kvq_linear,
+ * kvq_rmsnorm, kvr_rope_kv, kva_decode, kvs_swiglu, through function pointers the launcher takes from
+ * their libraries) with the same arguments, in the same order, so the result is the per-op path's bit for
+ * bit. Scratch memory is one buffer from the caller.
+ * Built by kvcli_kernels/cpu_build.py like the others.
+ */
+#include <stdint.h>
+
+typedef int (*linear_fn)(const float *x, int64_t M, int64_t K, const uint8_t *codes, int bits, int scale_kind,
+                         const void *scale, const uint16_t *scale_sup, int64_t scale_per, int min_kind,
+                         const void *mins, const uint16_t *min_sup, int64_t min_per, int64_t G, int64_t N, float *y,
+                         int64_t ldy, int nthreads);
+typedef void (*rmsnorm_fn)(const float *x, const float *w, float *out, int64_t M, int64_t K, float eps, int nthreads);
+typedef int (*rope_kv_fn)(const float *qkv, int64_t T, int64_t qkv_row, int64_t H, int64_t KVH, int64_t D,
+                          const float *cos, const float *sin_signed, int64_t table_rows, const int64_t *positions,
+                          const int64_t *slots, float *q_out, void *k, void *v, int dt, int64_t block_size,
+                          int64_t num_slots, int64_t k_sb, int64_t k_st, int64_t k_sh, int64_t v_sb, int64_t v_st,
+                          int64_t v_sh, int nthreads);
+typedef int (*attention_fn)(const void *step, const void *cache, const float *q, int64_t q_row, float *out,
+                            int64_t out_row, int nthreads);
+typedef int (*swiglu_fn)(const float *gu, int64_t M, int64_t F, int64_t row, float *out, int nthreads);
+
+/* Mirrored by kvcli_kernels/cpu_decode_layers.py (_Linear, _Layer, _Model): keep field order and types. */
+typedef struct { /* kvq_linear's weight arguments (kvcli_kernels.cpu_int8dot.weight_args) and N */
+    const uint8_t *codes;
+    int64_t bits, scale_kind;
+    const void *scale;
+    const uint16_t *scale_sup;
+    int64_t scale_per, min_kind;
+    const void *mins;
+    const uint16_t *min_sup;
+    int64_t min_per, group_size, n;
+} kvd_linear;
+
+typedef struct {
+    const float *attn_norm, *ffn_norm;
+    kvd_linear qkv, o, gate_up, down;
+    void *k, *v;        /* the layer's cache storage (strides are the model's) */
+    const void *cache;  /* its kva_cache (cpu_attention.c) */
+} kvd_layer;
+
+typedef struct {
+    linear_fn linear;
+    rmsnorm_fn rmsnorm;
+    rope_kv_fn rope_kv;
+    attention_fn attention;
+    swiglu_fn swiglu;
+    int64_t heads, kv_heads, head_dim, hidden, ffn;
+    float eps;
+    const float *cos, *sin_signed;
+    int64_t table_rows;
+    int64_t kv_dtype, block_size, num_slots, k_sb, k_st, k_sh, v_sb, v_st, v_sh;
+} kvd_model;
+
+static int linear(const kvd_model *m, const kvd_linear *w, const float *x, int64_t T, int64_t K, float *y, int nt) {
+    return m->linear(x, T, K, w->codes, (int)w->bits, (int)w->scale_kind, w->scale, w->scale_sup, w->scale_per,
+                     (int)w->min_kind, w->mins, w->min_sup, w->min_per, w->group_size, w->n, y, w->n, nt);
+}
+
+/* h [T, hidden] is updated in place through `n_layers` layers. scratch: T * (2 hidden + qkv + 2 q + 3 ffn)
+ * floats. Returns 0, or (layer index + 1) * 16 + the failing step's code: 1 linear (no memory), 2 rotary /
+ * KV store (position or slot out of range), 3 attention (no memory or an unsupported shape). */
+int kvd_decode_layers(const kvd_model *m, const kvd_layer *layers, int64_t n_layers, float *h, int64_t T,
+                      const int64_t *positions, const int64_t *slots, const void *step, float *scratch, int nthreads) {
+    const int64_t hid = m->hidden, qd = m->heads * m->head_dim, nqkv = (m->heads + 2 * m->kv_heads) * m->head_dim;
+    float *x = scratch, *qkv = x + T * hid, *q = qkv + T * nqkv, *att = q + T * qd, *gu = att + T * qd,
+          *act = gu + T * 2 * m->ffn, *y = act + T * m->ffn;
+    for (int64_t l = 0; l < n_layers; l++) {
+        const kvd_layer *L = layers + l;
+        const int64_t fail = (l + 1) * 16;
+        m->rmsnorm(h, L->attn_norm, x, T, hid, m->eps, nthreads);
+        if (linear(m, &L->qkv, x, T, hid, qkv, nthreads)) return fail + 1;
+        if (m->rope_kv(qkv, T, nqkv, m->heads, m->kv_heads, m->head_dim, m->cos, m->sin_signed, m->table_rows,
+                       positions, slots, q, L->k, L->v, (int)m->kv_dtype, m->block_size, m->num_slots, m->k_sb,
+                       m->k_st, m->k_sh, m->v_sb, m->v_st, m->v_sh, nthreads))
+            return fail + 2;
+        if (m->attention(step, L->cache, q, qd, att, qd, nthreads)) return fail + 3;
+        if (linear(m, &L->o, att, T, qd, y, nthreads)) return fail + 1;
+        for (int64_t i = 0; i < T * hid; i++) h[i] += y[i];
+        m->rmsnorm(h, L->ffn_norm, x, T, hid, m->eps, nthreads);
+        if (linear(m, &L->gate_up, x, T, hid, gu, nthreads)) return fail + 1;
+        m->swiglu(gu, T, m->ffn, 2 * m->ffn, act, nthreads);
+        if (linear(m, &L->down, act, T, m->ffn, y, nthreads)) return fail + 1;
+        for (int64_t i = 0; i < T * hid; i++) h[i] += y[i];
+    }
+    return 0;
+}

@@ -1,0 +1,74 @@
+"""Launcher of cpu_decode_layers.c: every decoder layer of a decode step in one call, through the kernels of
+cpu_int8dot.c, cpu_rmsnorm.c, cpu_rope_kv.c, cpu_attention.c and cpu_swiglu.c (function pointers from their
+loaded libraries). Built at first use by cpu_build.py; `load` returns None where it cannot be built."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kvcli_kernels.cpu_build import build
+
+_SOURCE = "cpu_decode_layers.c"
+_ptr, _i64, _f32, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+STEPS = {1: "a linear (no memory for its activations)", 2: "rotary / KV store (a position or slot out of range)",
+         3: "attention (no memory, or a shape it does not read)"}
+
+
+class Linear(ctypes.Structure):
+    """cpu_decode_layers.c's kvd_linear: kvcli_kernels.cpu_int8dot.weight_args and N."""
+
+    _fields_ = [("codes", _ptr), ("bits", _i64), ("scale_kind", _i64), ("scale", _ptr), ("scale_sup", _ptr),
+                ("scale_per", _i64), ("min_kind", _i64), ("mins", _ptr), ("min_sup", _ptr), ("min_per", _i64),
+                ("group_size", _i64), ("n", _i64)]
+
+
+class Layer(ctypes.Structure):
+    _fields_ = [("attn_norm", _ptr), ("ffn_norm", _ptr), ("qkv", Linear), ("o", Linear), ("gate_up", Linear),
+                ("down", Linear), ("k", _ptr), ("v", _ptr), ("cache", _ptr)]
+
+
+class Model(ctypes.Structure):
+    _fields_ = [("linear", _ptr), ("rmsnorm", _ptr), ("rope_kv", _ptr), ("attention", _ptr), ("swiglu", _ptr),
+                ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64), ("hidden", _i64), ("ffn", _i64),
+                ("eps", _f32), ("cos", _ptr), ("sin_signed", _ptr), ("table_rows", _i64),
+                ("kv_dtype", _i64), ("block_size", _i64), ("num_slots", _i64), ("k_sb", _i64), ("k_st", _i64),
+                ("k_sh", _i64), ("v_sb", _i64), ("v_st", _i64), ("v_sh", _i64)]
+
+
+def load(isa: str, cache_dir: str) -> ctypes.CDLL | None:
+    lib = build(_SOURCE, isa, cache_dir)
+    if lib is not None and not hasattr(lib, "_kvd_declared"):
+        lib.kvd_decode_layers.argtypes = [_ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _int]
+        lib.kvd_decode_layers.restype = _int
+        lib._kvd_declared = True
+    return lib
+
+
+def address(fn: ctypes._CFuncPtr) -> int:  # type: ignore[name-defined]
+    """A loaded C function's address, for the Model struct."""
+    return ctypes.cast(fn, ctypes.c_void_p).value or 0
+
+
+def linear_args(weight: tuple, n: int) -> Linear:
+    """From kvcli_kernels.cpu_int8dot.weight_args(...) and the output features."""
+    codes, bits, sk, s, ssup, sper, mk, m, msup, mper, g = weight
+    return Linear(codes, bits, sk, s, ssup, sper, mk, m, msup, mper, g, n)
+
+
+def scratch_floats(rows: int, model: Model) -> int:
+    q = model.heads * model.head_dim
+    return rows * (2 * model.hidden + (model.heads + 2 * model.kv_heads) * model.head_dim + 2 * q + 3 * model.ffn)
+
+
+def decode_layers(lib: ctypes.CDLL, model: Model, layers: ctypes.Array, h: torch.Tensor, positions: torch.Tensor,
+                  slots: torch.Tensor, step_ref: object, scratch: torch.Tensor) -> None:
+    """h fp32 [T, hidden] contiguous, updated in place through every layer; positions / slots int64 [T]
+    contiguous; step_ref: the attention's per-step arguments (DecodeStep.ref); scratch fp32 of at least
+    scratch_floats(T, model). RuntimeError naming the layer and step that failed."""
+    rc = lib.kvd_decode_layers(ctypes.addressof(model), ctypes.addressof(layers), len(layers), h.data_ptr(),
+                               h.shape[0], positions.data_ptr(), slots.data_ptr(), step_ref, scratch.data_ptr(),
+                               torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"decode layers: layer {rc // 16 - 1}: {STEPS.get(rc % 16, f'error {rc % 16}')}")

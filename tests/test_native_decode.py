@@ -1,0 +1,121 @@
+"""Decode steps through every layer in one C call (kvcli/model/native_decode.py, kernels/cpu_decode_layers.c)
+against the layer-by-layer path on the bundled model: the same kernels in the same order, so every
+step's logits and the whole KV cache must be equal bit for bit. Ragged requests decoding side by side,
+each KV dtype the C loop writes; and the steps it must leave to the layer-by-layer path (prefill chunks,
+int8 caches, the row-invariant backend)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcli.config import SamplingParams
+from kvcli.engine.llm_engine import EngineOptions, LLMEngine
+from kvcli.model.loader import load_weights
+
+pytestmark = pytest.mark.slow
+PROMPTS = ("The keeper climbed the stairs to the lamp room and",
+           "Once upon a time, in a lighthouse at the end of a long and narrow road by the sea, there lived",
+           "Fog")
+
+
+@pytest.fixture(scope="module")
+def shared():
+    loaded = load_weights(None)
+    engine = LLMEngine(loaded, EngineOptions(kv_budget="32MiB", max_model_len=512))
+    if engine.model.native_decode is None:
+        pytest.skip("kvcli's C kernels do not all build here (or KVCLI_NATIVE=0)")
+    return loaded, engine.model
+
+
+class Head:
+    """The model's vocabulary projection, recording every output."""
+
+    def __init__(self, head, logits: list) -> None:
+        self.head, self.logits = head, logits
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        out = self.head(h)
+        self.logits.append(out.clone())
+        return out
+
+    def __getattr__(self, name: str):
+        return getattr(self.head, name)
+
+
+class Recorder:
+    """Stands in for the model's vocabulary projection and the C loop, recording what they did."""
+
+    def __init__(self, model) -> None:
+        self.native = model.native_decode
+        self.logits: list[torch.Tensor] = []
+        self.lm_head = Head(model.lm_head, self.logits)
+        self.native_steps = self.native_declined = 0
+
+    def native_decode(self, *args) -> bool:
+        took = self.native(*args)
+        self.native_steps += took
+        self.native_declined += not took
+        return took
+
+
+def _run(shared, monkeypatch, native: bool, backend: str = "auto", **opts) -> tuple[Recorder, LLMEngine]:
+    loaded, model = shared
+    rec = Recorder(model)
+    with monkeypatch.context() as m:
+        m.setattr(model, "lm_head", rec.lm_head)
+        m.setattr(model, "native_decode", rec.native_decode if native else None)
+        engine = LLMEngine(loaded, EngineOptions(kv_budget="32MiB", max_model_len=512, attention_backend=backend,
+                                                 **opts), model=model)
+        for layer in engine.kv_cache.layers:  # unused blocks hold whatever memory the pool got
+            for t in layer.tensors():
+                t.zero_()
+        params = SamplingParams(max_tokens=12, ignore_eos=True)
+        for p in PROMPTS:
+            engine.add_request(engine.tokenizer.encode(p), params)
+        while engine.has_unfinished():
+            engine.step()
+    return rec, engine
+
+
+@pytest.mark.parametrize("kv", ["fp16", "fp32", "bf16"])
+def test_logits_and_cache_equal_the_layer_by_layer_path_bitwise(shared, monkeypatch, kv):
+    native, eng_a = _run(shared, monkeypatch, True, kv_dtype=kv)
+    layers, eng_b = _run(shared, monkeypatch, False, kv_dtype=kv)
+    assert native.native_steps >= 10  # the decode steps went through the C loop
+    assert native.native_declined >= 1  # the prefill step did not
+    assert len(native.logits) == len(layers.logits)
+    for a, b in zip(native.logits, layers.logits):
+        assert torch.equal(a, b)
+    for la, lb in zip(eng_a.kv_cache.layers, eng_b.kv_cache.layers):
+        assert torch.equal(la.k, lb.k) and torch.equal(la.v, lb.v)
+
+
+def test_steps_it_leaves_to_the_layers(shared, monkeypatch):
+    rec, _ = _run(shared, monkeypatch, True, kv_dtype="int8")  # quantized on write: the torch path's job
+    assert rec.native_steps == 0 and rec.native_declined > 0
+    rec, _ = _run(shared, monkeypatch, True, backend="invariant")  # its own row-invariant attention
+    assert rec.native_steps == 0 and rec.native_declined > 0
+
+
+def test_a_bad_position_is_an_error_not_a_write(shared):
+    """Positions past the rotary table stop the C loop before it writes (the kernel validates first)."""
+    loaded, model = shared
+    engine = LLMEngine(loaded, EngineOptions(kv_budget="32MiB", max_model_len=512), model=model)
+    engine.add_request(engine.tokenizer.encode(PROMPTS[0]), SamplingParams(max_tokens=3, ignore_eos=True))
+    engine.step()  # prefill
+    seen = {}
+    real = model.native_decode
+
+    def bad(h, positions, kv_cache, meta, backend):
+        seen["cache"] = [l.k.clone() for l in kv_cache.layers[:1]]
+        return real(h, positions + model.rotary.cos.shape[0], kv_cache, meta, backend)
+
+    model.native_decode = bad
+    try:
+        with pytest.raises(RuntimeError, match="layer 0: rotary / KV store"):
+            engine.step()
+    finally:
+        model.native_decode = real
+    bits = torch.int16 if seen["cache"][0].element_size() == 2 else torch.int32  # the pool may hold NaN garbage
+    assert torch.equal(seen["cache"][0].view(bits), engine.kv_cache.layers[0].k.view(bits))
