@@ -22,3 +22,15 @@ def runnable_isas() -> list[str]:
     if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
         isas.append("avx512vnni")
     return isas
+
+
+def built(load, isa: str):
+    """A kernel library from its launcher's load(isa, cache_dir), or the test skipped (no build for isa here)."""
+    import pytest
+
+    from kvcli.model import native
+
+    lib = load(isa, native.build_dir())
+    if lib is None:
+        pytest.skip(f"no {isa} build here")
+    return lib

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cpu_paths import runnable_isas
+from cpu_paths import built, runnable_isas
 from kvcli.model import native
 
 ISAS = [i for i in runnable_isas() if i != "generic"]
@@ -20,10 +20,7 @@ pytestmark = pytest.mark.skipif(not native.native_enabled(), reason="KVCLI_NATIV
 def _lib(isa: str):
     from kvcli_kernels.cpu_prefill_attention import load
 
-    lib = load(isa, native.build_dir())
-    if lib is None:
-        pytest.skip(f"no {isa} build here")
-    return lib
+    return built(load, isa)
 
 
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

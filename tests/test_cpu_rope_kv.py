@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cpu_paths import runnable_isas
+from cpu_paths import built, runnable_isas
 from kvcli.attention.base import AttentionMetadata
 from kvcli.attention.torch_backend import TorchAttentionBackend
 from kvcli.kvcache.kv_cache import LayerKV
@@ -24,10 +24,7 @@ pytestmark = pytest.mark.skipif(not native.native_enabled(), reason="KVCLI_NATIV
 def _lib(isa: str):
     from kvcli_kernels.cpu_rope_kv import load
 
-    lib = load(isa, native.build_dir())
-    if lib is None:
-        pytest.skip(f"no {isa} build here")
-    return lib
+    return built(load, isa)
 
 
 def _cache(blocks: int, bs: int, kvh: int, d: int, dtype: torch.dtype, head_major: bool) -> LayerKV:

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cpu_paths import runnable_isas
+from cpu_paths import built, runnable_isas
 from kvcli.model import native
 from kvcli.model.layers import SwiGLU
 
@@ -18,10 +18,7 @@ ISAS = [i for i in runnable_isas() if i != "generic"]
 def _lib(isa: str):
     from kvcli_kernels.cpu_swiglu import load
 
-    lib = load(isa, native.build_dir())
-    if lib is None:
-        pytest.skip(f"no {isa} build here")
-    return lib
+    return built(load, isa)
 
 
 def _want(gu: torch.Tensor) -> torch.Tensor:

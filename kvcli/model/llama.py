@@ -195,14 +195,12 @@ class LlamaModel:
             meta = replace(meta, sliding_window=window)
         h = self.embed(input_ids)
         # A decode step through every layer in one C call where everything runs on kvcli's C kernels.
-        if self.native_decode is not None and self.native_decode(h, positions, kv_cache, meta, backend):
-            if logits_indices is not None:
-                h = h[logits_indices]
-        else:
+        cut = None
+        if self.native_decode is None or not self.native_decode(h, positions, kv_cache, meta, backend):
             cut = self._last_layer_rows(meta, logits_indices, backend, h.device)
             h = self._layers(h, positions, kv_cache, meta, backend, cut)
-            if cut is None and logits_indices is not None:
-                h = h[logits_indices]
+        if cut is None and logits_indices is not None:  # a cut already kept only these rows
+            h = h[logits_indices]
         h = self.norm(h)
         return self.lm_head(h)
 

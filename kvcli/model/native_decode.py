@@ -74,7 +74,7 @@ class NativeDecode:
         if plan is None:
             return False
         step, views = plan
-        entry = self._plan_for(kv_cache, backend, views)
+        entry = self._plan_for(kv_cache, views)
         if entry is None:
             return False
         from kvcli_kernels.cpu_decode_layers import decode_layers, scratch_floats
@@ -88,7 +88,7 @@ class NativeDecode:
         decode_layers(self.lib, model_args, layers, h, pos, slots, step.ref, self._scratch)
         return True
 
-    def _plan_for(self, kv_cache: "KVCache", backend: object, views: list) -> tuple | None:
+    def _plan_for(self, kv_cache: "KVCache", views: list) -> tuple | None:
         """The C structs for this cache (built once per KVCache; None where its format is not written by
         the rotary/KV-store kernel)."""
         key = id(kv_cache)
@@ -101,7 +101,7 @@ class NativeDecode:
         first = kv_cache.layers[0]
         if first.k_scale is not None or not cache_supported(first.k, first.v):
             return None
-        libs = self._libs(backend)
+        libs = self._libs()
         if libs is None:
             return None
         m, c = self.model, self.model.config
@@ -124,7 +124,7 @@ class NativeDecode:
         self._plans[key] = entry
         return entry
 
-    def _libs(self, backend: object) -> tuple[int, ...] | None:
+    def _libs(self) -> tuple[int, ...] | None:
         """Addresses of kvq_linear, kvq_rmsnorm, kvr_rope_kv, kva_decode, kvs_swiglu."""
         from kvcli.attention.torch_backend import native_attention, native_rope_kv
         from kvcli.model.int8dot_cpu import native_library
