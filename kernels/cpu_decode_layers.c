@@ -27,7 +27,7 @@ typedef int (*attention_fn)(const void *step, const void *cache, const float *q,
                             int64_t out_row, int nthreads);
 typedef int (*swiglu_fn)(const float *gu, int64_t M, int64_t F, int64_t row, float *out, int nthreads);
 
-/* Mirrored by kvcli_kernels/cpu_decode_layers.py (_Linear, _Layer, _Model): keep field order and types. */
+/* Mirrored by kvcli_kernels/cpu_decode_layers.py (Part, Linear, Layer, Model): keep field order and types. */
 typedef struct { /* kvq_linear's weight arguments (kvcli_kernels.cpu_int8dot.weight_args) and N */
     const uint8_t *codes;
     int64_t bits, scale_kind;
@@ -37,6 +37,14 @@ typedef struct { /* kvq_linear's weight arguments (kvcli_kernels.cpu_int8dot.wei
     const void *mins;
     const uint16_t *min_sup;
     int64_t min_per, group_size, n;
+} kvd_part;
+
+/* One fused projection (q/k/v, gate/up) held as up to KVD_PARTS weights of different forms (a Q4_K_M file:
+ * q/k in Q4_K, v in Q6_K): each part writes its columns of the output, as LinearGroup's concatenation. */
+#define KVD_PARTS 3
+typedef struct {
+    int64_t nparts, n; /* n: the parts' features together, the output's row stride */
+    kvd_part part[KVD_PARTS];
 } kvd_linear;
 
 typedef struct {
@@ -60,8 +68,15 @@ typedef struct {
 } kvd_model;
 
 static int linear(const kvd_model *m, const kvd_linear *w, const float *x, int64_t T, int64_t K, float *y, int nt) {
-    return m->linear(x, T, K, w->codes, (int)w->bits, (int)w->scale_kind, w->scale, w->scale_sup, w->scale_per,
-                     (int)w->min_kind, w->mins, w->min_sup, w->min_per, w->group_size, w->n, y, w->n, nt);
+    float *col = y;
+    for (int64_t p = 0; p < w->nparts; p++) {
+        const kvd_part *q = w->part + p;
+        if (m->linear(x, T, K, q->codes, (int)q->bits, (int)q->scale_kind, q->scale, q->scale_sup, q->scale_per,
+                      (int)q->min_kind, q->mins, q->min_sup, q->min_per, q->group_size, q->n, col, w->n, nt))
+            return 1;
+        col += q->n;
+    }
+    return 0;
 }
 
 /* h [T, hidden] is updated in place through `n_layers` layers. scratch: T * (2 hidden + qkv + 2 q + 3 ffn)

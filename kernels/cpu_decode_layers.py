@@ -16,12 +16,21 @@ STEPS = {1: "a linear (no memory for its activations)", 2: "rotary / KV store (a
          3: "attention (no memory, or a shape it does not read)"}
 
 
-class Linear(ctypes.Structure):
-    """cpu_decode_layers.c's kvd_linear: kvcli_kernels.cpu_int8dot.weight_args and N."""
+class Part(ctypes.Structure):
+    """cpu_decode_layers.c's kvd_part: kvcli_kernels.cpu_int8dot.weight_args and N."""
 
     _fields_ = [("codes", _ptr), ("bits", _i64), ("scale_kind", _i64), ("scale", _ptr), ("scale_sup", _ptr),
                 ("scale_per", _i64), ("min_kind", _i64), ("mins", _ptr), ("min_sup", _ptr), ("min_per", _i64),
                 ("group_size", _i64), ("n", _i64)]
+
+
+MAX_PARTS = 3  # KVD_PARTS
+
+
+class Linear(ctypes.Structure):
+    """cpu_decode_layers.c's kvd_linear: one projection as up to MAX_PARTS weights side by side."""
+
+    _fields_ = [("nparts", _i64), ("n", _i64), ("part", Part * MAX_PARTS)]
 
 
 class Layer(ctypes.Structure):
@@ -51,10 +60,12 @@ def address(fn: ctypes._CFuncPtr) -> int:  # type: ignore[name-defined]
     return ctypes.cast(fn, ctypes.c_void_p).value or 0
 
 
-def linear_args(weight: tuple, n: int) -> Linear:
-    """From kvcli_kernels.cpu_int8dot.weight_args(...) and the output features."""
-    codes, bits, sk, s, ssup, sper, mk, m, msup, mper, g = weight
-    return Linear(codes, bits, sk, s, ssup, sper, mk, m, msup, mper, g, n)
+def linear_args(parts: list[tuple[tuple, int]]) -> Linear:
+    """From each part's kvcli_kernels.cpu_int8dot.weight_args(...) and output features, in output order."""
+    if not 1 <= len(parts) <= MAX_PARTS:
+        raise ValueError(f"a linear of {len(parts)} parts (1 to {MAX_PARTS})")
+    held = (Part * MAX_PARTS)(*(Part(*weight, n) for weight, n in parts))
+    return Linear(len(parts), sum(n for _, n in parts), held)
 
 
 def scratch_floats(rows: int, model: Model) -> int:

@@ -1,5 +1,5 @@
 """Decode steps through every layer in one C call (kvcli/model/native_decode.py, kernels/cpu_decode_layers.c)
-against the layer-by-layer path on the bundled model: the same kernels in the same order, so every
+against the layer-by-layer path on the bundled model and a K-quant one: the same kernels in the same order, so every
 step's logits and the whole KV cache must be equal bit for bit. Ragged requests decoding side by side,
 each KV dtype the C loop writes; and the steps it must leave to the layer-by-layer path (prefill chunks,
 int8 caches, the row-invariant backend)."""
@@ -19,13 +19,24 @@ PROMPTS = ("The keeper climbed the stairs to the lamp room and",
            "Fog")
 
 
-@pytest.fixture(scope="module")
-def shared():
-    loaded = load_weights(None)
+def _load(path) -> tuple:
+    loaded = load_weights(path)
     engine = LLMEngine(loaded, EngineOptions(kv_budget="32MiB", max_model_len=512))
     if engine.model.native_decode is None:
         pytest.skip("kvcli's C kernels do not all build here (or KVCLI_NATIVE=0)")
     return loaded, engine.model
+
+
+@pytest.fixture(scope="module")
+def shared():
+    return _load(None)
+
+
+@pytest.fixture(scope="module")
+def kquant(tiny_kquant):
+    """Q4_K_M-like layer 0 (q/k Q4_K + v Q6_K), layer 1 with q/k/v and gate/up of mixed 5/8-bit types:
+    LinearGroups of two and three parts."""
+    return _load(str(tiny_kquant))
 
 
 class Head:
@@ -85,6 +96,24 @@ def test_logits_and_cache_equal_the_layer_by_layer_path_bitwise(shared, monkeypa
     assert native.native_steps >= 10  # the decode steps went through the C loop
     assert native.native_declined >= 1  # the prefill step did not
     assert len(native.logits) == len(layers.logits)
+    for a, b in zip(native.logits, layers.logits):
+        assert torch.equal(a, b)
+    for la, lb in zip(eng_a.kv_cache.layers, eng_b.kv_cache.layers):
+        assert torch.equal(la.k, lb.k) and torch.equal(la.v, lb.v)
+
+
+def test_linear_groups_of_mixed_forms_equal_the_layer_by_layer_path_bitwise(kquant, monkeypatch):
+    """Each part of a LinearGroup writes its columns of the fused output: the same values as the layer
+    path's concatenation."""
+    from kvcli.model.layers import LinearGroup
+
+    model = kquant[1]
+    sizes = sorted({len(lin.parts) for layer in model.layers for lin in (layer.qkv, layer.gate_up)
+                    if isinstance(lin, LinearGroup)})
+    assert sizes == [2, 3]
+    native, eng_a = _run(kquant, monkeypatch, True)
+    layers, eng_b = _run(kquant, monkeypatch, False)
+    assert native.native_steps >= 10 and len(native.logits) == len(layers.logits)
     for a, b in zip(native.logits, layers.logits):
         assert torch.equal(a, b)
     for la, lb in zip(eng_a.kv_cache.layers, eng_b.kv_cache.layers):

@@ -5,10 +5,11 @@ At batch 1 on 2 cores a SmolLM2 layer's arithmetic is ~0.2 ms, and the Python ar
 (argument conversion, tensor allocation, dispatch checks) took ~30 % of the main thread (perf, 2026-12-01).
 The C loop calls the same kernels with the same arguments in the same order, so logits are the per-op
 path's bit for bit (tests/test_native_decode.py compares them). It applies only where every piece
-already takes kvcli's C kernel: every layer's linears int8dot-cpu without bias (one Linear each, not a
-LinearGroup), native RMSNorm and SwiGLU, fp32 compute; per step: every request decodes one token, fewer
-rows than the linears' float-GEMM threshold, a cache the rotary/KV-store and attention kernels read
-(fp32 / fp16 / bf16), the torch backend's native attention. Anything else goes layer by layer.
+already takes kvcli's C kernel: every layer's linears int8dot-cpu without bias (a Linear, or a LinearGroup
+of up to three such parts written side by side, as a Q4_K_M file's q/k/v), native RMSNorm and SwiGLU,
+fp32 compute; per step: every request decodes one token, fewer rows than the linears' float-GEMM
+threshold, a cache the rotary/KV-store and attention kernels read (fp32 / fp16 / bf16), the torch
+backend's native attention. Anything else goes layer by layer.
 """
 
 from __future__ import annotations
@@ -38,17 +39,16 @@ class NativeDecode:
     @staticmethod
     def build(model: "LlamaModel") -> "NativeDecode | None":
         """None unless every layer runs on kvcli's C kernels (see the module docstring)."""
-        from kvcli.model.layers import Linear
-
         if not native.native_enabled() or native.native_isa() == "generic" or model.dtype != torch.float32 \
                 or model.device.type != "cpu" or model.swiglu.native is None:
             return None
         rows = []
         for layer in model.layers:
             for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
-                if not isinstance(lin, Linear) or lin.mode != "int8dot-cpu" or lin.bias is not None:
+                parts = _parts(lin)
+                if parts is None:
                     return None
-                rows.append(lin.int4.dense_min_rows)
+                rows += [p.int4.dense_min_rows for p in parts]
             if layer.attn_norm.native is None or layer.ffn_norm.native is None:
                 return None
         from kvcli_kernels.cpu_decode_layers import load
@@ -116,7 +116,7 @@ class NativeDecode:
             if cache.k.stride() != k.stride() or cache.v.stride() != first.v.stride() or cache.k.dtype != k.dtype:
                 return None
             layers[i] = D.Layer(layer.attn_norm.weight.data_ptr(), layer.ffn_norm.weight.data_ptr(),
-                                *(D.linear_args(lin.int4.args, lin.out_features)
+                                *(D.linear_args([(p.int4.args, p.out_features) for p in _parts(lin) or ()])
                                   for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)),
                                 cache.k.data_ptr(), cache.v.data_ptr(), ctypes.addressof(view.args))
         # views hold the cache tensors and the kva_cache structs the layer array points into
@@ -136,3 +136,19 @@ class NativeDecode:
             return None
         return (address(int8dot.kvq_linear), address(norm.kvq_rmsnorm), address(rope.kvr_rope_kv),
                 address(attn.kva_decode), address(swiglu.kvs_swiglu))
+
+
+def _parts(lin: object) -> list | None:
+    """The int8dot-cpu weights a layer linear is made of, in output order (a LinearGroup's parts: a Q4_K_M
+    file's q/k in Q4_K and v in Q6_K), or None where the C loop cannot run it (another mode, a bias, more
+    parts than it holds)."""
+    from kvcli.model.layers import Linear, LinearGroup
+    from kvcli_kernels.cpu_decode_layers import MAX_PARTS
+
+    if isinstance(lin, LinearGroup):
+        parts = lin.parts if lin.bias is None and len(lin.parts) <= MAX_PARTS else None
+    else:
+        parts = [lin]
+    if parts is None or not all(isinstance(p, Linear) and p.mode == "int8dot-cpu" and p.bias is None for p in parts):
+        return None
+    return list(parts)
