@@ -52,6 +52,7 @@ typedef struct {
     const int8_t *qx;  /* [M, K / 32, 2, 32]: two levels per block (quantize_row) */
     const float *dx;   /* [M, K / 32] */
     const float *sx;   /* [M, K / 32] */
+    const int32_t *xs; /* [M, K / 16]: 256 sum(q1) + sum(q2) per half block, for bits 7 (else NULL) */
     const uint8_t *codes;
     kvq_groups scale, mins;
     int64_t M, K, N, G;
@@ -101,7 +102,7 @@ static inline float group_value(const kvq_groups *q, const kvq_groups *scale, in
  * second the activations carry ~15 bits, finer than bf16's 8, for one more integer pass over the codes
  * already in registers. Stored per block: q1[32], q2[32]. */
 
-static void quantize_row(const float *x, int64_t K, int8_t *q, float *d, float *s) {
+static void quantize_row(const float *x, int64_t K, int8_t *q, float *d, float *s, int32_t *xs) {
     for (int64_t b = 0; b < K / QK; b++) {
         const float *xb = x + b * QK;
         int8_t *qb = q + 2 * b * QK;
@@ -155,6 +156,12 @@ static void quantize_row(const float *x, int64_t K, int8_t *q, float *d, float *
             qb[QK + j] = (int8_t)(r2 > 127.0f ? 127.0f : r2 < -127.0f ? -127.0f : r2);
         }
 #endif
+        if (xs)
+            for (int h = 0; h < 2; h++) {
+                int32_t s1 = 0, s2 = 0;
+                for (int j = 16 * h; j < 16 * h + 16; j++) s1 += qb[j], s2 += qb[QK + j];
+                xs[2 * b + h] = 256 * s1 + s2;
+            }
     }
 }
 
@@ -165,6 +172,9 @@ static void quantize_row(const float *x, int64_t K, int8_t *q, float *d, float *
  *   bits 4: [N / 8, K / 32, 4, 8, 4] bytes: chunk c, lane j, byte t holds the code of row 8g + j at
  *           k = 32 b + 4 c + t (low nibble) and k = 32 b + 16 + 4 c + t (high nibble)
  *   bits 8: [N / 8, K / 32, 8, 8, 4] int8: step s, lane j, byte t = row 8g + j at k = 32 b + 4 s + t
+ *   bits 7: as bits 8, codes in [-64, 63] stored as uint8 q + 64 (Q5_0/Q5_1/Q5_K/Q6_K): unsigned, they go
+ *           into the dot product as they are, like 4-bit codes, without the sign moves int8 codes need,
+ *           and 64 times the activations' integer sum (xs) comes off after: the same exact integer sum
  *   scale, mins: [N / 8, K / G, 8]
  * Step s of a block multiplies the 4 activations 32 b + 4 s .. + 3 (broadcast) into every lane. */
 
@@ -235,7 +245,7 @@ static inline __attribute__((always_inline)) void group_tile(const kvq_args *a, 
                 w[s] = _mm256_and_si256(v, m);
                 w[s + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);
             }
-        } else {
+        } else { /* bits 8 and 7 */
             const int8_t *c = (const int8_t *)a->codes + (g * nb + b) * 256;
             for (int s = 0; s < 8; s++) w[s] = _mm256_loadu_si256((const __m256i *)(c + 32 * s));
         }
@@ -243,6 +253,7 @@ static inline __attribute__((always_inline)) void group_tile(const kvq_args *a, 
             const int64_t xi = (m0 + r) * nb + b;
             const int8_t *xq = a->qx + (m0 + r) * 2 * a->K + 2 * b * QK;
             __m256i i1 = _mm256_setzero_si256(), i2 = _mm256_setzero_si256();
+            int32_t off = 0; /* bits 7: the offset's share, 64 (256 sum(q1) + sum(q2)) */
             if (bits == 4) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
                 /* two chains per level: dpbusd's latency (4-5 cycles) would otherwise bound a single row */
@@ -265,6 +276,28 @@ static inline __attribute__((always_inline)) void group_tile(const kvq_args *a, 
                 i1 = _mm256_madd_epi16(s1, _mm256_set1_epi16(1));
                 i2 = _mm256_madd_epi16(s2, _mm256_set1_epi16(1));
 #endif
+            } else if (bits == 7) {
+                /* per half block (a Q6_K group of 16 ends after step 3), two chains per level; on AVX2 the
+                 * DPBUSD pairs (at most 2 * 127 * 127) go to int32 at every step */
+                const int32_t *xs = a->xs + ((m0 + r) * nb + b) * 2;
+                for (int h = 0; h < 2; h++) {
+                    __m256i a1 = _mm256_setzero_si256(), a2 = a1, b1 = a1, b2 = a1;
+                    for (int s = 4 * h; s < 4 * h + 4; s += 2) {
+                        a1 = DPBUSD(a1, w[s], bcast4(xq + 4 * s));
+                        a2 = DPBUSD(a2, w[s], bcast4(xq + QK + 4 * s));
+                        b1 = DPBUSD(b1, w[s + 1], bcast4(xq + 4 * s + 4));
+                        b2 = DPBUSD(b2, w[s + 1], bcast4(xq + QK + 4 * s + 4));
+                    }
+                    i1 = _mm256_add_epi32(i1, _mm256_add_epi32(a1, b1));
+                    i2 = _mm256_add_epi32(i2, _mm256_add_epi32(a2, b2));
+                    if (g16 && h == 0) { /* the first group of 16 is complete */
+                        const __m256i isum = _mm256_sub_epi32(_mm256_add_epi32(_mm256_slli_epi32(i1, 8), i2),
+                                                              _mm256_set1_epi32(64 * xs[0]));
+                        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dw, _mm256_set1_ps(a->dx[xi] / 256.0f)), acc[r]);
+                        i1 = i2 = _mm256_setzero_si256();
+                    }
+                }
+                off = 64 * (g16 ? xs[1] : xs[0] + xs[1]);
             } else {
                 for (int s = 0; s < 8; s++) { /* |w| as u8 (-128 -> 128), its sign moved onto x */
                     if (g16 && s == 4) { /* the first group of 16 is complete */
@@ -278,7 +311,8 @@ static inline __attribute__((always_inline)) void group_tile(const kvq_args *a, 
                 }
             }
             /* 256 q1 + q2 in int32: at most 256 * 32 * 128 * 127 + 32 * 128 * 127 < 2^31 */
-            const __m256i isum = _mm256_add_epi32(_mm256_slli_epi32(i1, 8), i2);
+            __m256i isum = _mm256_add_epi32(_mm256_slli_epi32(i1, 8), i2);
+            if (bits == 7) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(off));
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dw2, _mm256_set1_ps(a->dx[xi] / 256.0f)), acc[r]);
             if (a->mins.kind) macc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a->sx[xi]), macc[r]);
         }
@@ -299,6 +333,8 @@ static inline __attribute__((always_inline)) void group_tile(const kvq_args *a, 
                         if (bits == 4) {
                             const uint8_t c = a->codes[(g * nb + b) * 128 + 32 * (s & 3) + 4 * j + t];
                             q = s < 4 ? (c & 15) : (c >> 4);
+                        } else if (bits == 7) {
+                            q = (int32_t)a->codes[(g * nb + b) * 256 + 32 * s + 4 * j + t] - 64;
                         } else {
                             q = ((const int8_t *)a->codes)[(g * nb + b) * 256 + 32 * s + 4 * j + t];
                         }
@@ -331,6 +367,10 @@ static void gemm_tile(const kvq_args *a, const int bits, int64_t t) {
         for (int64_t g = g0; g < g1; g++) {
             if (bits == 4) {
                 TILE_CASES(4, 0)
+            } else if (bits == 7 && a->G == 16) {
+                TILE_CASES(7, 1)
+            } else if (bits == 7) {
+                TILE_CASES(7, 0)
             } else if (a->G == 16) {
                 TILE_CASES(8, 1)
             } else {
@@ -347,22 +387,24 @@ int kvq_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, int b
     const int64_t nb = K / QK, ntiles = (N / 8 + TILE_G - 1) / TILE_G;
     int8_t *qx = (int8_t *)malloc((size_t)(2 * M * K));
     float *dx = (float *)malloc(sizeof(float) * (size_t)(M * nb)), *sx = (float *)malloc(sizeof(float) * (size_t)(M * nb));
-    if (!qx || !dx || !sx) {
-        free(qx), free(dx), free(sx);
+    int32_t *xs = bits == 7 ? (int32_t *)malloc(sizeof(int32_t) * (size_t)(2 * M * nb)) : NULL;
+    if (!qx || !dx || !sx || (bits == 7 && !xs)) {
+        free(qx), free(dx), free(sx), free(xs);
         return -1;
     }
-    const kvq_args a = {qx, dx, sx, codes, {scale_kind, scale, scale_sup, scale_per}, {min_kind, mins, min_sup, min_per},
+    const kvq_args a = {qx, dx, sx, xs, codes, {scale_kind, scale, scale_sup, scale_per}, {min_kind, mins, min_sup, min_per},
                         M, K, N, G, y, ldy};
     /* below ~64k weights a second thread costs more to wake than it saves */
     const int nt = N * K < (1 << 16) ? 1 : nthreads;
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
 #pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; m++) quantize_row(x + m * K, K, qx + 2 * m * K, dx + m * nb, sx + m * nb);
+        for (int64_t m = 0; m < M; m++)
+            quantize_row(x + m * K, K, qx + 2 * m * K, dx + m * nb, sx + m * nb, xs ? xs + 2 * m * nb : NULL);
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < ntiles; t++) gemm_tile(&a, bits, t);
     }
-    free(qx), free(dx), free(sx);
+    free(qx), free(dx), free(sx), free(xs);
     return 0;
 }
 
@@ -386,6 +428,8 @@ void kvq_dequant(const uint8_t *codes, int bits, int scale_kind, const void *sca
                     if (bits == 4) {
                         const uint8_t c = codes[(g * nb + b) * 128 + 32 * (s & 3) + 4 * j + t];
                         q = s < 4 ? (c & 15) : (c >> 4);
+                    } else if (bits == 7) {
+                        q = (int32_t)codes[(g * nb + b) * 256 + 32 * s + 4 * j + t] - 64;
                     } else {
                         q = ((const int8_t *)codes)[(g * nb + b) * 256 + 32 * s + 4 * j + t];
                     }
@@ -446,7 +490,9 @@ static void pack_rows8(const kvq_args *a, const int bits, int64_t g, int64_t k0,
             for (int t = 0; t < 4; t++) {
                 const __m128i q8 = _mm_cvtsi64_si128(t == 0 ? _mm256_extract_epi64(v, 0) : t == 1 ? _mm256_extract_epi64(v, 1)
                                                      : t == 2 ? _mm256_extract_epi64(v, 2) : _mm256_extract_epi64(v, 3));
-                const __m256i qi = bits == 4 ? _mm256_cvtepu8_epi32(q8) : _mm256_cvtepi8_epi32(q8);
+                const __m256i qi = bits == 4   ? _mm256_cvtepu8_epi32(q8)
+                                   : bits == 7 ? _mm256_sub_epi32(_mm256_cvtepu8_epi32(q8), _mm256_set1_epi32(64))
+                                               : _mm256_cvtepi8_epi32(q8);
                 /* d q + m: the same two fp32 roundings as the read-back (kvq_dequant) */
                 const __m256 w = _mm256_add_ps(_mm256_mul_ps(dw, _mm256_cvtepi32_ps(qi)), mw);
                 _mm256_storeu_ps(ob + (4 * s + t) * GEMM_NR, w);
@@ -491,7 +537,7 @@ static inline __attribute__((always_inline)) void gemm_micro(const int R, const 
 int kvq_gemm_f32(const float *x, int64_t M, int64_t K, const uint8_t *codes, int bits, int scale_kind,
                  const void *scale, const uint16_t *scale_sup, int64_t scale_per, int min_kind, const void *mins,
                  const uint16_t *min_sup, int64_t min_per, int64_t G, int64_t N, float *y, int64_t ldy, int nthreads) {
-    const kvq_args a0 = {NULL, NULL, NULL, codes, {scale_kind, scale, scale_sup, scale_per}, {min_kind, mins, min_sup, min_per},
+    const kvq_args a0 = {NULL, NULL, NULL, NULL, codes, {scale_kind, scale, scale_sup, scale_per}, {min_kind, mins, min_sup, min_per},
                          M, K, N, G, y, ldy};
     const kvq_args *a = &a0;
     const int64_t npanels = (N / 8 + 1) / 2, nitems = (npanels + GEMM_PB - 1) / GEMM_PB;

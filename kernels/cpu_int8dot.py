@@ -1,5 +1,6 @@
-"""Launcher of cpu_int8dot.c: y = x W^T with int8 activations against 4-bit or 8-bit weight codes, or
-(many rows, AVX2) an fp32 GEMM over weight panels dequantized on the fly.
+"""Launcher of cpu_int8dot.c: y = x W^T with int8 activations against 4-bit or 8-bit weight codes (bits 7:
+5/6-bit codes + 64 held as uint8), or (many rows, AVX2) an fp32 GEMM over weight panels dequantized on
+the fly.
 
 Built at first use by cpu_build.py; `load(isa, cache_dir)` returns None, with the reason in
 `load_error(isa)`, where there is no compiler or the build fails: callers fall back to torch's kernels.
@@ -107,11 +108,12 @@ def int8dot_dequant(lib: ctypes.CDLL, weight: tuple, out: torch.Tensor, first_ro
 
 
 def pack_x8(q: torch.Tensor, bits: int) -> torch.Tensor:
-    """Codes [N, K] (uint8 0..15 for bits 4, int8 for bits 8), N a multiple of 8 -> the kernel's
-    interleaved layout (see cpu_int8dot.c): 8 rows side by side, 4 consecutive k per lane and step."""
+    """Codes [N, K] (uint8 0..15 for bits 4, int8 for bits 8, uint8 code + 64 for bits 7), N a multiple
+    of 8 -> the kernel's interleaved layout (see cpu_int8dot.c): 8 rows side by side, 4 consecutive k per
+    lane and step."""
     n, k = q.shape
     steps = q.reshape(n // 8, 8, k // 32, 8, 4).permute(0, 2, 3, 1, 4)  # [N/8, blocks, step, lane, 4]
-    if bits == 8:
+    if bits in (7, 8):
         return steps.contiguous().view(torch.int8).reshape(n // 8, -1)
     return (steps[:, :, :4] | (steps[:, :, 4:] << 4)).contiguous().reshape(n // 8, -1)
 

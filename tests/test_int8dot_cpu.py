@@ -115,6 +115,23 @@ def test_matches_float64_reference(isa, kind):
         assert err < REL_BOUND, f"{isa} {kind} rows {rows}: max relative error {err:.2e}"
 
 
+@pytest.mark.parametrize("kind", ["Q5_K two-level", "Q6_K groups of 16", "Q5_1", "q6 offset 32", "Q5_0"])
+def test_offset_codes_equal_signed_codes_bitwise(isa, kind):
+    """5/6-bit codes held as uint8 q + 64 (bits 7: unsigned products, 64 x the activations' integer sum
+    taken off after) give the signed int8 form's outputs bit for bit: both sums are exact integers. Groups
+    of 16 (Q6_K) and every tail of the 4-row tiles."""
+    gen = torch.Generator().manual_seed(11)
+    q = (WEIGHTS.get(kind) or _gguf(kind))(136, 512, gen)
+    lin7, lin8 = Int8DotCpu(q), Int8DotCpu(q, offset_codes=False)
+    assert (lin7.bits, lin8.bits) == (7, 8) and lin7.nbytes == lin8.nbytes
+    lin7.dense_min_rows = lin8.dense_min_rows = None
+    for rows in (1, 2, 3, 4, 5, 9):
+        x = torch.randn(rows, 512, generator=gen) * 3
+        x[:, 7] *= 50
+        assert torch.equal(lin7(x), lin8(x)), f"{isa} {kind} rows {rows}"
+    assert torch.equal(lin7.dense(torch.float32), lin8.dense(torch.float32))
+
+
 def test_rows_do_not_depend_on_their_batch(isa):
     """A row's output is bit-identical whether it runs alone or among others (speculation's verify
     steps and batched decode rely on it), and so is the zero row."""

@@ -125,9 +125,11 @@ def _groups(weight: "QuantTensor") -> tuple[Groups, Groups]:
 
 
 class Int8DotCpu:
-    """A weight [N, K] as 4-bit (per-32-block nibble order) or int8 codes, a scale and a min per group."""
+    """A weight [N, K] as 4-bit (per-32-block nibble order) or int8 codes, a scale and a min per group.
+    offset_codes=False keeps 5/6-bit codes signed (bits 8) instead of + 64 (bits 7): the same products,
+    for tests and A/B runs."""
 
-    def __init__(self, weight: "QuantTensor") -> None:
+    def __init__(self, weight: "QuantTensor", offset_codes: bool = True) -> None:
         lib = native_library()
         assert lib is not None, "int8dot-cpu needs the native library (see native_status)"
         self.lib = lib
@@ -137,8 +139,13 @@ class Int8DotCpu:
             self.bits = 4
             q = weight.unpack_codes()
         else:  # 5/6/8-bit codes minus their offset fit int8 (Q6_K: -32..31)
-            self.bits = 8
             q = weight.int8_codes()
+            # codes within [-64, 63] (every 5/6-bit kind) are held as uint8 q + 64, which the kernel
+            # multiplies as they are, without the sign moves int8 codes cost (cpu_int8dot.c, bits 7)
+            small = weight.kind != "q8" and q.numel() > 0 and -64 <= int(q.min()) and int(q.max()) <= 63
+            self.bits = 7 if small and offset_codes else 8
+            if self.bits == 7:
+                q = (q.to(torch.int16) + 64).to(torch.uint8)
         self.codes = pack_x8(q, self.bits)
         self.scale, self.mins = _groups(weight)
         self.args = weight_args(self.codes, self.bits, self.scale, self.mins, self.group_size)
@@ -154,6 +161,11 @@ class Int8DotCpu:
     @property
     def nbytes(self) -> int:
         return self.codes.numel() + self.scale.nbytes + self.mins.nbytes
+
+    @property
+    def form(self) -> str:
+        """How the codes are held, for `path` strings."""
+        return {4: "4-bit codes as stored", 7: "5/6-bit codes + 64 as uint8", 8: "8-bit codes as stored"}[self.bits]
 
     def dense(self, dtype: torch.dtype, first_row: int = 0, rows: int | None = None) -> torch.Tensor:
         """Rows first_row .. + rows of the weight [N, K] as `dtype` (fp32 or bf16) in a reused buffer:

@@ -65,7 +65,7 @@ class VocabHead:
         if not table.gemm_f32:
             table.dense_min_rows = None
         head.int8dot, head.weight, head.fp32_slices = table, None, False
-        head.path = f"int8dot-cpu ({table.bits}-bit codes as stored)"
+        head.path = f"int8dot-cpu ({table.form})"
         if table.gemm_f32:
             head.path += f", fp32 GEMM from {GEMM_F32_MIN_ROWS} rows"
         return head
@@ -77,7 +77,7 @@ class VocabHead:
             self.path = f"{str(self.weight.dtype)[6:]} GEMM"
         elif self.int8dot.dense_min_rows is not None:
             self.int8dot.dense_min_rows = None
-            self.path = f"int8dot-cpu ({self.int8dot.bits}-bit codes as stored)"
+            self.path = f"int8dot-cpu ({self.int8dot.form})"
 
     @property
     def nbytes(self) -> int:
