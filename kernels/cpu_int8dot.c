@@ -46,7 +46,20 @@ typedef struct {
     const void *v;
     const uint16_t *sup;
     int64_t per_super;
+    int shift; /* log2(per_super) where a power of two, else -1: an integer division per block was ~40 % of
+                * a Q4_K matmul's time (perf, 2026-12-01) */
 } kvq_groups;
+
+static kvq_groups groups_of(int kind, const void *v, const uint16_t *sup, int64_t per_super) {
+    int shift = -1;
+    for (int i = 0; i < 31; i++)
+        if (per_super == (int64_t)1 << i) shift = i;
+    const kvq_groups q = {kind, v, sup, per_super, shift};
+    return q;
+}
+
+/* The super-block of group gr (or the number of super-blocks in ng groups). */
+static inline int64_t super_of(const kvq_groups *q, int64_t gr) { return q->shift >= 0 ? gr >> q->shift : gr / q->per_super; }
 
 typedef struct {
     const int8_t *qx;  /* [M, K / 32, 2, 32]: two levels per block (quantize_row) */
@@ -85,9 +98,9 @@ static inline float group_value(const kvq_groups *q, const kvq_groups *scale, in
     case KVQ_SUB:
     case KVQ_NEG_SUB:
     case KVQ_SUB_I8: {
-        const int64_t ns = ng / q->per_super;
+        const int64_t ns = super_of(q, ng);
         const float m = q->kind == KVQ_SUB_I8 ? (float)((const int8_t *)q->v)[i] : (float)((const uint8_t *)q->v)[i];
-        const float v = f16_to_f32(q->sup[((n / 8) * ns + gr / q->per_super) * 8 + n % 8]) * m;
+        const float v = f16_to_f32(q->sup[((n / 8) * ns + super_of(q, gr)) * 8 + n % 8]) * m;
         return q->kind == KVQ_NEG_SUB ? -v : v;
     }
     case KVQ_ZERO: return -((float)((const uint8_t *)q->v)[i] * group_value(scale, scale, n, gr, ng));
@@ -198,9 +211,9 @@ static inline __m256 groups8(const kvq_groups *q, __m256 scale_v, int64_t g, int
     case KVQ_SUB:
     case KVQ_NEG_SUB:
     case KVQ_SUB_I8: {
-        const int64_t ns = ng / q->per_super;
+        const int64_t ns = super_of(q, ng);
         const __m256 m = q->kind == KVQ_SUB_I8 ? load_i8x8((const int8_t *)q->v + i) : load_u8x8((const uint8_t *)q->v + i);
-        const __m256 v = _mm256_mul_ps(load_f16x8(q->sup + (g * ns + gr / q->per_super) * 8), m);
+        const __m256 v = _mm256_mul_ps(load_f16x8(q->sup + (g * ns + super_of(q, gr)) * 8), m);
         return q->kind == KVQ_NEG_SUB ? _mm256_sub_ps(_mm256_setzero_ps(), v) : v;
     }
     case KVQ_ZERO: return _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(load_u8x8((const uint8_t *)q->v + i), scale_v));
@@ -225,17 +238,37 @@ static inline __m256i bcast4(const int8_t *p) {
  * block in two, steps 0-3 and 4-7. */
 static inline int64_t group_of(int64_t b, int s, int64_t G) { return (b * QK + 4 * s) / G; }
 
+/* ksub 1: Q4_K / Q5_K groups (KVQ_SUB scales, KVQ_NEG_SUB mins, super-blocks of a power of two groups of
+ * 32) read inline, without groups8's dispatch and division; mw then holds +dmin m and is subtracted
+ * (fnmadd: the same single rounding of macc - v sx as groups8's negated value in an fmadd). ksub 2: Q6_K's
+ * (KVQ_SUB_I8 scales of groups of 16, no mins). */
 static inline __attribute__((always_inline)) void group_tile(const kvq_args *a, const int bits, const int g16,
-                                                             const int R, int64_t g, int64_t m0) {
+                                                             const int ksub, const int R, int64_t g, int64_t m0) {
     const int64_t nb = a->K / QK, ng = a->K / a->G;
 #ifdef KVQ_AVX2
     __m256 acc[TILE_M], macc[TILE_M];
     for (int r = 0; r < R; r++) acc[r] = macc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const int64_t gr = g16 ? 2 * b : group_of(b, 0, a->G);
-        const __m256 dw = groups8(&a->scale, _mm256_setzero_ps(), g, gr, ng);
-        const __m256 dw2 = g16 ? groups8(&a->scale, _mm256_setzero_ps(), g, gr + 1, ng) : dw;
-        const __m256 mw = a->mins.kind ? groups8(&a->mins, dw, g, gr, ng) : _mm256_setzero_ps();
+        const int64_t gr = g16 ? 2 * b : ksub ? b : group_of(b, 0, a->G);
+        __m256 dw, dw2, mw = _mm256_setzero_ps();
+        if (ksub == 2) {
+            const int sh = a->scale.shift;
+            dw = _mm256_mul_ps(load_f16x8(a->scale.sup + (g * (ng >> sh) + (gr >> sh)) * 8),
+                               load_i8x8((const int8_t *)a->scale.v + (g * ng + gr) * 8));
+            dw2 = _mm256_mul_ps(load_f16x8(a->scale.sup + (g * (ng >> sh) + ((gr + 1) >> sh)) * 8),
+                                load_i8x8((const int8_t *)a->scale.v + (g * ng + gr + 1) * 8));
+        } else if (ksub) {
+            const int sh = a->scale.shift, mh = a->mins.shift;
+            dw = _mm256_mul_ps(load_f16x8(a->scale.sup + (g * (ng >> sh) + (gr >> sh)) * 8),
+                               load_u8x8((const uint8_t *)a->scale.v + (g * ng + gr) * 8));
+            mw = _mm256_mul_ps(load_f16x8(a->mins.sup + (g * (ng >> mh) + (gr >> mh)) * 8),
+                               load_u8x8((const uint8_t *)a->mins.v + (g * ng + gr) * 8));
+            dw2 = dw;
+        } else {
+            dw = groups8(&a->scale, _mm256_setzero_ps(), g, gr, ng);
+            mw = a->mins.kind ? groups8(&a->mins, dw, g, gr, ng) : _mm256_setzero_ps();
+            dw2 = g16 ? groups8(&a->scale, _mm256_setzero_ps(), g, gr + 1, ng) : dw;
+        }
         __m256i w[8];
         if (bits == 4) {
             const uint8_t *c = a->codes + (g * nb + b) * 128;
@@ -314,7 +347,10 @@ static inline __attribute__((always_inline)) void group_tile(const kvq_args *a, 
             __m256i isum = _mm256_add_epi32(_mm256_slli_epi32(i1, 8), i2);
             if (bits == 7) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(off));
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dw2, _mm256_set1_ps(a->dx[xi] / 256.0f)), acc[r]);
-            if (a->mins.kind) macc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a->sx[xi]), macc[r]);
+            if (ksub == 1)
+                macc[r] = _mm256_fnmadd_ps(mw, _mm256_set1_ps(a->sx[xi]), macc[r]);
+            else if (a->mins.kind)
+                macc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a->sx[xi]), macc[r]);
         }
     }
     for (int r = 0; r < R; r++) _mm256_storeu_ps(a->y + (m0 + r) * a->ldy + 8 * g, _mm256_add_ps(acc[r], macc[r]));
@@ -352,29 +388,38 @@ static inline __attribute__((always_inline)) void group_tile(const kvq_args *a, 
 }
 
 /* Constant bits, group kind and row count: each case is its own unrolled loop, accumulators in registers. */
-#define TILE_CASES(BITS, G16)                              \
-    switch (R) {                                           \
-    case 4: group_tile(a, BITS, G16, 4, g, m0); break;     \
-    case 3: group_tile(a, BITS, G16, 3, g, m0); break;     \
-    case 2: group_tile(a, BITS, G16, 2, g, m0); break;     \
-    default: group_tile(a, BITS, G16, 1, g, m0);           \
+#define TILE_CASES(BITS, G16, KSUB)                              \
+    switch (R) {                                                 \
+    case 4: group_tile(a, BITS, G16, KSUB, 4, g, m0); break;     \
+    case 3: group_tile(a, BITS, G16, KSUB, 3, g, m0); break;     \
+    case 2: group_tile(a, BITS, G16, KSUB, 2, g, m0); break;     \
+    default: group_tile(a, BITS, G16, KSUB, 1, g, m0);           \
     }
 
 static void gemm_tile(const kvq_args *a, const int bits, int64_t t) {
     const int64_t g0 = t * TILE_G, g1 = g0 + TILE_G < a->N / 8 ? g0 + TILE_G : a->N / 8;
+    const int ksub = a->G == QK && a->scale.kind == KVQ_SUB && a->mins.kind == KVQ_NEG_SUB && a->scale.shift >= 0 &&
+                     a->mins.shift >= 0;
+    const int q6k = a->G == 16 && a->scale.kind == KVQ_SUB_I8 && a->mins.kind == KVQ_NONE && a->scale.shift >= 0;
     for (int64_t m0 = 0; m0 < a->M; m0 += TILE_M) {
         const int64_t R = a->M - m0 < TILE_M ? a->M - m0 : TILE_M;
         for (int64_t g = g0; g < g1; g++) {
-            if (bits == 4) {
-                TILE_CASES(4, 0)
+            if (bits == 4 && ksub) { /* Q4_K */
+                TILE_CASES(4, 0, 1)
+            } else if (bits == 4) {
+                TILE_CASES(4, 0, 0)
+            } else if (bits == 7 && q6k) {
+                TILE_CASES(7, 1, 2)
             } else if (bits == 7 && a->G == 16) {
-                TILE_CASES(7, 1)
+                TILE_CASES(7, 1, 0)
+            } else if (bits == 7 && ksub) { /* Q5_K */
+                TILE_CASES(7, 0, 1)
             } else if (bits == 7) {
-                TILE_CASES(7, 0)
+                TILE_CASES(7, 0, 0)
             } else if (a->G == 16) {
-                TILE_CASES(8, 1)
+                TILE_CASES(8, 1, 0)
             } else {
-                TILE_CASES(8, 0)
+                TILE_CASES(8, 0, 0)
             }
         }
     }
@@ -392,7 +437,7 @@ int kvq_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, int b
         free(qx), free(dx), free(sx), free(xs);
         return -1;
     }
-    const kvq_args a = {qx, dx, sx, xs, codes, {scale_kind, scale, scale_sup, scale_per}, {min_kind, mins, min_sup, min_per},
+    const kvq_args a = {qx, dx, sx, xs, codes, groups_of(scale_kind, scale, scale_sup, scale_per), groups_of(min_kind, mins, min_sup, min_per),
                         M, K, N, G, y, ldy};
     /* below ~64k weights a second thread costs more to wake than it saves */
     const int nt = N * K < (1 << 16) ? 1 : nthreads;
@@ -413,7 +458,7 @@ int kvq_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, int b
 void kvq_dequant(const uint8_t *codes, int bits, int scale_kind, const void *scale, const uint16_t *scale_sup,
                  int64_t scale_per, int min_kind, const void *mins, const uint16_t *min_sup, int64_t min_per, int64_t G,
                  int64_t K, int64_t n0, int64_t rows, float *out32, uint16_t *out16, int nthreads) {
-    const kvq_groups sc = {scale_kind, scale, scale_sup, scale_per}, mn = {min_kind, mins, min_sup, min_per};
+    const kvq_groups sc = groups_of(scale_kind, scale, scale_sup, scale_per), mn = groups_of(min_kind, mins, min_sup, min_per);
     const int64_t nb = K / QK, ng = K / G;
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
     for (int64_t i = 0; i < rows; i++) {
@@ -537,7 +582,7 @@ static inline __attribute__((always_inline)) void gemm_micro(const int R, const 
 int kvq_gemm_f32(const float *x, int64_t M, int64_t K, const uint8_t *codes, int bits, int scale_kind,
                  const void *scale, const uint16_t *scale_sup, int64_t scale_per, int min_kind, const void *mins,
                  const uint16_t *min_sup, int64_t min_per, int64_t G, int64_t N, float *y, int64_t ldy, int nthreads) {
-    const kvq_args a0 = {NULL, NULL, NULL, NULL, codes, {scale_kind, scale, scale_sup, scale_per}, {min_kind, mins, min_sup, min_per},
+    const kvq_args a0 = {NULL, NULL, NULL, NULL, codes, groups_of(scale_kind, scale, scale_sup, scale_per), groups_of(min_kind, mins, min_sup, min_per),
                          M, K, N, G, y, ldy};
     const kvq_args *a = &a0;
     const int64_t npanels = (N / 8 + 1) / 2, nitems = (npanels + GEMM_PB - 1) / GEMM_PB;
