@@ -13,7 +13,7 @@
  */
 #include <stdint.h>
 
-typedef int (*linear_fn)(const float *x, int64_t M, int64_t K, const uint8_t *codes, int bits, int scale_kind,
+typedef int (*linear_fn)(const float *x, int64_t M, int64_t K, const uint8_t *codes, int bits, int offset, int scale_kind,
                          const void *scale, const uint16_t *scale_sup, int64_t scale_per, int min_kind,
                          const void *mins, const uint16_t *min_sup, int64_t min_per, int64_t G, int64_t N, float *y,
                          int64_t ldy, int nthreads);
@@ -30,7 +30,7 @@ typedef int (*swiglu_fn)(const float *gu, int64_t M, int64_t F, int64_t row, flo
 /* Mirrored by kvcli_kernels/cpu_decode_layers.py (Part, Linear, Layer, Model): keep field order and types. */
 typedef struct { /* kvq_linear's weight arguments (kvcli_kernels.cpu_int8dot.weight_args) and N */
     const uint8_t *codes;
-    int64_t bits, scale_kind;
+    int64_t bits, offset, scale_kind;
     const void *scale;
     const uint16_t *scale_sup;
     int64_t scale_per, min_kind;
@@ -71,7 +71,7 @@ static int linear(const kvd_model *m, const kvd_linear *w, const float *x, int64
     float *col = y;
     for (int64_t p = 0; p < w->nparts; p++) {
         const kvd_part *q = w->part + p;
-        if (m->linear(x, T, K, q->codes, (int)q->bits, (int)q->scale_kind, q->scale, q->scale_sup, q->scale_per,
+        if (m->linear(x, T, K, q->codes, (int)q->bits, (int)q->offset, (int)q->scale_kind, q->scale, q->scale_sup, q->scale_per,
                       (int)q->min_kind, q->mins, q->min_sup, q->min_per, q->group_size, q->n, col, w->n, nt))
             return 1;
         col += q->n;

@@ -19,7 +19,7 @@ STEPS = {1: "a linear (no memory for its activations)", 2: "rotary / KV store (a
 class Part(ctypes.Structure):
     """cpu_decode_layers.c's kvd_part: kvcli_kernels.cpu_int8dot.weight_args and N."""
 
-    _fields_ = [("codes", _ptr), ("bits", _i64), ("scale_kind", _i64), ("scale", _ptr), ("scale_sup", _ptr),
+    _fields_ = [("codes", _ptr), ("bits", _i64), ("offset", _i64), ("scale_kind", _i64), ("scale", _ptr), ("scale_sup", _ptr),
                 ("scale_per", _i64), ("min_kind", _i64), ("mins", _ptr), ("min_sup", _ptr), ("min_per", _i64),
                 ("group_size", _i64), ("n", _i64)]
 

@@ -65,12 +65,13 @@ typedef struct {
     const int8_t *qx;  /* [M, K / 32, 2, 32]: two levels per block (quantize_row) */
     const float *dx;   /* [M, K / 32] */
     const float *sx;   /* [M, K / 32] */
-    const int32_t *xs; /* [M, K / 16]: 256 sum(q1) + sum(q2) per half block, for bits 7 (else NULL) */
+    const int32_t *xs; /* [M, K / 16]: 256 sum(q1) + sum(q2) per half block, where offset != 0 (else NULL) */
     const uint8_t *codes;
     kvq_groups scale, mins;
     int64_t M, K, N, G;
     float *y;
     int64_t ldy;
+    int offset; /* unsigned codes (bits 5, 6, 7): the code offset the kernel takes off, w = d (q - offset) + m */
 } kvq_args;
 
 static inline float f16_to_f32(uint16_t h) {
@@ -185,9 +186,15 @@ static void quantize_row(const float *x, int64_t K, int8_t *q, float *d, float *
  *   bits 4: [N / 8, K / 32, 4, 8, 4] bytes: chunk c, lane j, byte t holds the code of row 8g + j at
  *           k = 32 b + 4 c + t (low nibble) and k = 32 b + 16 + 4 c + t (high nibble)
  *   bits 8: [N / 8, K / 32, 8, 8, 4] int8: step s, lane j, byte t = row 8g + j at k = 32 b + 4 s + t
- *   bits 7: as bits 8, codes in [-64, 63] stored as uint8 q + 64 (Q5_0/Q5_1/Q5_K/Q6_K): unsigned, they go
- *           into the dot product as they are, like 4-bit codes, without the sign moves int8 codes need,
- *           and 64 times the activations' integer sum (xs) comes off after: the same exact integer sum
+ *   bits 7: as bits 8, unsigned codes up to 127 (uint8)
+ *   bits 5, 6 (Q5_0/Q5_1/Q5_K, Q6_K): per block the 4-bit layout's 128 bytes, then the high bits, the
+ *           file's own 5 or 6 bits per weight in all: bits 5, 32 bytes: bit s of byte p holds bit 4 of
+ *           the code step s's vector has at byte p (lane j = p / 4, t = p % 4); bits 6, 64 bytes: bits
+ *           2 (s % 4) .. + 1 of byte 32 (s / 4) + p hold its bits 4 and 5 (three operations a step to
+ *           unpack, where two planes of single bits took six)
+ * Codes of bits 5, 6 and 7 are unsigned: they go into the dot product as they are, like 4-bit codes,
+ * without the sign moves int8 codes need, and `offset` times the activations' integer sum (xs) comes off
+ * after. Both sums are exact integers, so the result is the signed form's bit for bit.
  *   scale, mins: [N / 8, K / G, 8]
  * Step s of a block multiplies the 4 activations 32 b + 4 s .. + 3 (broadcast) into every lane. */
 
@@ -221,6 +228,21 @@ static inline __m256 groups8(const kvq_groups *q, __m256 scale_v, int64_t g, int
     }
 }
 
+/* OR the high bits (bits 5 / 6, see above) into the nibbles of step s. 16-bit shifts: the bits kept
+ * (4, or 4 and 5) come from the same byte. */
+static inline __attribute__((always_inline)) __m256i high_bits(__m256i v, const uint8_t *high, const int bits,
+                                                               const int s) {
+    if (bits == 5) {
+        const __m256i h = _mm256_loadu_si256((const __m256i *)high);
+        const __m256i b = s < 4 ? _mm256_sll_epi16(h, _mm_cvtsi32_si128(4 - s)) : _mm256_srl_epi16(h, _mm_cvtsi32_si128(s - 4));
+        return _mm256_or_si256(v, _mm256_and_si256(b, _mm256_set1_epi8(0x10)));
+    }
+    const __m256i h = _mm256_loadu_si256((const __m256i *)(high + 32 * (s / 4)));
+    const int sh = 2 * (s % 4);
+    const __m256i b = sh < 4 ? _mm256_sll_epi16(h, _mm_cvtsi32_si128(4 - sh)) : _mm256_srl_epi16(h, _mm_cvtsi32_si128(sh - 4));
+    return _mm256_or_si256(v, _mm256_and_si256(b, _mm256_set1_epi8(0x30)));
+}
+
 static inline __m256i bcast4(const int8_t *p) {
     int32_t v;
     memcpy(&v, p, 4);
@@ -237,6 +259,21 @@ static inline __m256i bcast4(const int8_t *p) {
 /* Group index of step s (k = 32 b + 4 s ..) of block b: groups of 16 (Q6_K; int8 codes, no mins) split a
  * block in two, steps 0-3 and 4-7. */
 static inline int64_t group_of(int64_t b, int s, int64_t G) { return (b * QK + 4 * s) / G; }
+
+/* Bytes of one block of 8 rows x 32 codes. */
+static inline int64_t block_bytes(int bits) { return bits == 4 ? 128 : bits == 5 ? 160 : bits == 6 ? 192 : 256; }
+
+/* The stored code at step s, byte p (lane p / 4, t = p % 4) of block `blk` (= g * nb + b); unsigned for
+ * bits 4-7 (before the offset), signed for bits 8. */
+static inline int32_t code_at(const uint8_t *codes, int bits, int64_t blk, int s, int p) {
+    const uint8_t *c = codes + blk * block_bytes(bits);
+    if (bits == 8) return ((const int8_t *)c)[32 * s + p];
+    if (bits == 7) return c[32 * s + p];
+    const int32_t nib = s < 4 ? (c[32 * s + p] & 15) : (c[32 * (s - 4) + p] >> 4);
+    if (bits == 4) return nib;
+    const int32_t hi = bits == 5 ? ((c[128 + p] >> s) & 1) : ((c[128 + 32 * (s / 4) + p] >> (2 * (s % 4))) & 3);
+    return nib | hi << 4;
+}
 
 /* ksub 1: Q4_K / Q5_K groups (KVQ_SUB scales, KVQ_NEG_SUB mins, super-blocks of a power of two groups of
  * 32) read inline, without groups8's dispatch and division; mw then holds +dmin m and is subtracted
@@ -270,14 +307,16 @@ static inline __attribute__((always_inline)) void group_tile(const kvq_args *a, 
             dw2 = g16 ? groups8(&a->scale, _mm256_setzero_ps(), g, gr + 1, ng) : dw;
         }
         __m256i w[8];
-        if (bits == 4) {
-            const uint8_t *c = a->codes + (g * nb + b) * 128;
+        if (bits == 4 || bits == 5 || bits == 6) {
+            const uint8_t *c = a->codes + (g * nb + b) * block_bytes(bits);
             const __m256i m = _mm256_set1_epi8(0x0F);
             for (int s = 0; s < 4; s++) {
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(c + 32 * s));
                 w[s] = _mm256_and_si256(v, m);
                 w[s + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);
             }
+            if (bits != 4)
+                for (int s = 0; s < 8; s++) w[s] = high_bits(w[s], c + 128, bits, s);
         } else { /* bits 8 and 7 */
             const int8_t *c = (const int8_t *)a->codes + (g * nb + b) * 256;
             for (int s = 0; s < 8; s++) w[s] = _mm256_loadu_si256((const __m256i *)(c + 32 * s));
@@ -286,7 +325,7 @@ static inline __attribute__((always_inline)) void group_tile(const kvq_args *a, 
             const int64_t xi = (m0 + r) * nb + b;
             const int8_t *xq = a->qx + (m0 + r) * 2 * a->K + 2 * b * QK;
             __m256i i1 = _mm256_setzero_si256(), i2 = _mm256_setzero_si256();
-            int32_t off = 0; /* bits 7: the offset's share, 64 (256 sum(q1) + sum(q2)) */
+            int32_t off = 0; /* unsigned codes: the offset's share, offset (256 sum(q1) + sum(q2)) */
             if (bits == 4) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
                 /* two chains per level: dpbusd's latency (4-5 cycles) would otherwise bound a single row */
@@ -309,10 +348,10 @@ static inline __attribute__((always_inline)) void group_tile(const kvq_args *a, 
                 i1 = _mm256_madd_epi16(s1, _mm256_set1_epi16(1));
                 i2 = _mm256_madd_epi16(s2, _mm256_set1_epi16(1));
 #endif
-            } else if (bits == 7) {
+            } else if (bits != 8) { /* 5, 6, 7 */
                 /* per half block (a Q6_K group of 16 ends after step 3), two chains per level; on AVX2 the
                  * DPBUSD pairs (at most 2 * 127 * 127) go to int32 at every step */
-                const int32_t *xs = a->xs + ((m0 + r) * nb + b) * 2;
+                const int32_t *xs = a->xs ? a->xs + ((m0 + r) * nb + b) * 2 : NULL;
                 for (int h = 0; h < 2; h++) {
                     __m256i a1 = _mm256_setzero_si256(), a2 = a1, b1 = a1, b2 = a1;
                     for (int s = 4 * h; s < 4 * h + 4; s += 2) {
@@ -325,12 +364,12 @@ static inline __attribute__((always_inline)) void group_tile(const kvq_args *a, 
                     i2 = _mm256_add_epi32(i2, _mm256_add_epi32(a2, b2));
                     if (g16 && h == 0) { /* the first group of 16 is complete */
                         const __m256i isum = _mm256_sub_epi32(_mm256_add_epi32(_mm256_slli_epi32(i1, 8), i2),
-                                                              _mm256_set1_epi32(64 * xs[0]));
+                                                              _mm256_set1_epi32(xs ? a->offset * xs[0] : 0));
                         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dw, _mm256_set1_ps(a->dx[xi] / 256.0f)), acc[r]);
                         i1 = i2 = _mm256_setzero_si256();
                     }
                 }
-                off = 64 * (g16 ? xs[1] : xs[0] + xs[1]);
+                if (xs) off = a->offset * (g16 ? xs[1] : xs[0] + xs[1]);
             } else {
                 for (int s = 0; s < 8; s++) { /* |w| as u8 (-128 -> 128), its sign moved onto x */
                     if (g16 && s == 4) { /* the first group of 16 is complete */
@@ -345,7 +384,7 @@ static inline __attribute__((always_inline)) void group_tile(const kvq_args *a, 
             }
             /* 256 q1 + q2 in int32: at most 256 * 32 * 128 * 127 + 32 * 128 * 127 < 2^31 */
             __m256i isum = _mm256_add_epi32(_mm256_slli_epi32(i1, 8), i2);
-            if (bits == 7) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(off));
+            if (bits == 5 || bits == 6 || bits == 7) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(off));
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dw2, _mm256_set1_ps(a->dx[xi] / 256.0f)), acc[r]);
             if (ksub == 1)
                 macc[r] = _mm256_fnmadd_ps(mw, _mm256_set1_ps(a->sx[xi]), macc[r]);
@@ -355,6 +394,7 @@ static inline __attribute__((always_inline)) void group_tile(const kvq_args *a, 
     }
     for (int r = 0; r < R; r++) _mm256_storeu_ps(a->y + (m0 + r) * a->ldy + 8 * g, _mm256_add_ps(acc[r], macc[r]));
 #else
+    (void)ksub;
     for (int r = 0; r < R; r++) {
         float acc[8] = {0}, macc[8] = {0};
         for (int64_t b = 0; b < nb; b++) {
@@ -366,11 +406,8 @@ static inline __attribute__((always_inline)) void group_tile(const kvq_args *a, 
                 for (int s = 0; s < 8; s++)
                     for (int t = 0; t < 4; t++) {
                         int32_t q;
-                        if (bits == 4) {
-                            const uint8_t c = a->codes[(g * nb + b) * 128 + 32 * (s & 3) + 4 * j + t];
-                            q = s < 4 ? (c & 15) : (c >> 4);
-                        } else if (bits == 7) {
-                            q = (int32_t)a->codes[(g * nb + b) * 256 + 32 * s + 4 * j + t] - 64;
+                        if (bits != 8) {
+                            q = code_at(a->codes, bits, g * nb + b, s, 4 * j + t) - a->offset;
                         } else {
                             q = ((const int8_t *)a->codes)[(g * nb + b) * 256 + 32 * s + 4 * j + t];
                         }
@@ -408,6 +445,18 @@ static void gemm_tile(const kvq_args *a, const int bits, int64_t t) {
                 TILE_CASES(4, 0, 1)
             } else if (bits == 4) {
                 TILE_CASES(4, 0, 0)
+            } else if (bits == 6 && q6k) { /* Q6_K */
+                TILE_CASES(6, 1, 2)
+            } else if (bits == 6 && a->G == 16) {
+                TILE_CASES(6, 1, 0)
+            } else if (bits == 6) {
+                TILE_CASES(6, 0, 0)
+            } else if (bits == 5 && ksub) { /* Q5_K */
+                TILE_CASES(5, 0, 1)
+            } else if (bits == 5 && a->G == 16) {
+                TILE_CASES(5, 1, 0)
+            } else if (bits == 5) { /* Q5_0, Q5_1 */
+                TILE_CASES(5, 0, 0)
             } else if (bits == 7 && q6k) {
                 TILE_CASES(7, 1, 2)
             } else if (bits == 7 && a->G == 16) {
@@ -425,20 +474,22 @@ static void gemm_tile(const kvq_args *a, const int bits, int64_t t) {
     }
 }
 
-/* y [M, N] (row stride ldy) = x [M, K] @ W^T. Returns 0, or -1 when out of memory. */
-int kvq_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, int bits, int scale_kind,
+/* y [M, N] (row stride ldy) = x [M, K] @ W^T. bits 4, 5, 6, 7 (unsigned codes, less `offset`) or 8
+ * (int8 codes, offset 0). Returns 0, or -1 when out of memory. */
+int kvq_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, int bits, int offset, int scale_kind,
                const void *scale, const uint16_t *scale_sup, int64_t scale_per, int min_kind, const void *mins,
                const uint16_t *min_sup, int64_t min_per, int64_t G, int64_t N, float *y, int64_t ldy, int nthreads) {
     const int64_t nb = K / QK, ntiles = (N / 8 + TILE_G - 1) / TILE_G;
     int8_t *qx = (int8_t *)malloc((size_t)(2 * M * K));
     float *dx = (float *)malloc(sizeof(float) * (size_t)(M * nb)), *sx = (float *)malloc(sizeof(float) * (size_t)(M * nb));
-    int32_t *xs = bits == 7 ? (int32_t *)malloc(sizeof(int32_t) * (size_t)(2 * M * nb)) : NULL;
-    if (!qx || !dx || !sx || (bits == 7 && !xs)) {
+    const int need_xs = offset != 0 && bits != 4 && bits != 8;
+    int32_t *xs = need_xs ? (int32_t *)malloc(sizeof(int32_t) * (size_t)(2 * M * nb)) : NULL;
+    if (!qx || !dx || !sx || (need_xs && !xs)) {
         free(qx), free(dx), free(sx), free(xs);
         return -1;
     }
     const kvq_args a = {qx, dx, sx, xs, codes, groups_of(scale_kind, scale, scale_sup, scale_per), groups_of(min_kind, mins, min_sup, min_per),
-                        M, K, N, G, y, ldy};
+                        M, K, N, G, y, ldy, offset};
     /* below ~64k weights a second thread costs more to wake than it saves */
     const int nt = N * K < (1 << 16) ? 1 : nthreads;
 #pragma omp parallel num_threads(nt) if (nt > 1)
@@ -453,9 +504,38 @@ int kvq_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, int b
     return 0;
 }
 
-/* The weight itself, w = d q + m, as fp32 or (round to nearest even) bf16 [N, K] in plain row order: the
+/* Codes [N, K] (uint8 below 2^bits; int8 for bits 8, as bytes) into the layout above, [N / 8, K / 32,
+ * block_bytes]: what pack_x8 in cpu_int8dot.py writes (its reference), ~100x faster at load. */
+void kvq_pack(const uint8_t *q, int64_t N, int64_t K, int bits, uint8_t *out, int nthreads) {
+    const int64_t nb = K / QK, bb = block_bytes(bits);
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
+    for (int64_t g = 0; g < N / 8; g++)
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *o = out + (g * nb + b) * bb;
+            memset(o, 0, (size_t)bb);
+            for (int j = 0; j < 8; j++) {
+                const uint8_t *row = q + (8 * g + j) * K + QK * b;
+                for (int s = 0; s < 8; s++)
+                    for (int t = 0; t < 4; t++) {
+                        const uint8_t c = row[4 * s + t];
+                        const int p = 4 * j + t;
+                        if (bits >= 7) {
+                            o[32 * s + p] = c;
+                            continue;
+                        }
+                        o[32 * (s & 3) + p] |= (uint8_t)(s < 4 ? (c & 15) : (c & 15) << 4);
+                        if (bits == 5)
+                            o[128 + p] |= (uint8_t)(((c >> 4) & 1) << s);
+                        else
+                            o[128 + 32 * (s / 4) + p] |= (uint8_t)(((c >> 4) & 3) << (2 * (s % 4)));
+                    }
+            }
+        }
+}
+
+/* The weight itself, w = d (q - offset) + m, as fp32 or (round to nearest even) bf16 [N, K] in plain row order: the
  * read-back that calls with many rows run through a plain GEMM. Rows n0 .. n0 + rows of the weight. */
-void kvq_dequant(const uint8_t *codes, int bits, int scale_kind, const void *scale, const uint16_t *scale_sup,
+void kvq_dequant(const uint8_t *codes, int bits, int offset, int scale_kind, const void *scale, const uint16_t *scale_sup,
                  int64_t scale_per, int min_kind, const void *mins, const uint16_t *min_sup, int64_t min_per, int64_t G,
                  int64_t K, int64_t n0, int64_t rows, float *out32, uint16_t *out16, int nthreads) {
     const kvq_groups sc = groups_of(scale_kind, scale, scale_sup, scale_per), mn = groups_of(min_kind, mins, min_sup, min_per);
@@ -469,15 +549,7 @@ void kvq_dequant(const uint8_t *codes, int bits, int scale_kind, const void *sca
                 const int64_t gr = group_of(b, s, G);
                 const float d = group_value(&sc, &sc, n, gr, ng), m = mn.kind ? group_value(&mn, &sc, n, gr, ng) : 0.0f;
                 for (int t = 0; t < 4; t++) {
-                    int32_t q;
-                    if (bits == 4) {
-                        const uint8_t c = codes[(g * nb + b) * 128 + 32 * (s & 3) + 4 * j + t];
-                        q = s < 4 ? (c & 15) : (c >> 4);
-                    } else if (bits == 7) {
-                        q = (int32_t)codes[(g * nb + b) * 256 + 32 * s + 4 * j + t] - 64;
-                    } else {
-                        q = ((const int8_t *)codes)[(g * nb + b) * 256 + 32 * s + 4 * j + t];
-                    }
+                    const int32_t q = code_at(codes, bits, g * nb + b, s, (int)(4 * j + t)) - (bits == 8 ? 0 : offset);
                     row[4 * s + t] = d * (float)q + m;
                 }
             }
@@ -525,9 +597,13 @@ static void pack_rows8(const kvq_args *a, const int bits, int64_t g, int64_t k0,
             const __m256 dw = groups8(&a->scale, _mm256_setzero_ps(), g, gr, ng);
             const __m256 mw = a->mins.kind ? groups8(&a->mins, dw, g, gr, ng) : _mm256_setzero_ps();
             __m256i v;
-            if (bits == 4) {
-                const __m256i c = _mm256_loadu_si256((const __m256i *)(a->codes + (g * nb + b) * 128 + 32 * (s & 3)));
+            if (bits == 4 || bits == 5 || bits == 6) {
+                const uint8_t *cb = a->codes + (g * nb + b) * block_bytes(bits);
+                const __m256i c = _mm256_loadu_si256((const __m256i *)(cb + 32 * (s & 3)));
                 v = _mm256_and_si256(s < 4 ? c : _mm256_srli_epi16(c, 4), _mm256_set1_epi8(0x0F));
+                if (bits != 4) v = high_bits(v, cb + 128, bits, s);
+            } else if (bits == 7) {
+                v = _mm256_loadu_si256((const __m256i *)(a->codes + (g * nb + b) * 256 + 32 * s));
             } else {
                 v = _mm256_loadu_si256((const __m256i *)((const int8_t *)a->codes + (g * nb + b) * 256 + 32 * s));
             }
@@ -536,7 +612,7 @@ static void pack_rows8(const kvq_args *a, const int bits, int64_t g, int64_t k0,
                 const __m128i q8 = _mm_cvtsi64_si128(t == 0 ? _mm256_extract_epi64(v, 0) : t == 1 ? _mm256_extract_epi64(v, 1)
                                                      : t == 2 ? _mm256_extract_epi64(v, 2) : _mm256_extract_epi64(v, 3));
                 const __m256i qi = bits == 4   ? _mm256_cvtepu8_epi32(q8)
-                                   : bits == 7 ? _mm256_sub_epi32(_mm256_cvtepu8_epi32(q8), _mm256_set1_epi32(64))
+                                   : bits != 8 ? _mm256_sub_epi32(_mm256_cvtepu8_epi32(q8), _mm256_set1_epi32(a->offset))
                                                : _mm256_cvtepi8_epi32(q8);
                 /* d q + m: the same two fp32 roundings as the read-back (kvq_dequant) */
                 const __m256 w = _mm256_add_ps(_mm256_mul_ps(dw, _mm256_cvtepi32_ps(qi)), mw);
@@ -579,11 +655,11 @@ static inline __attribute__((always_inline)) void gemm_micro(const int R, const 
 
 /* y [M, N] (row stride ldy) = x [M, K] @ W^T in fp32. Returns 0, -1 out of memory, -2 not built for this
  * ISA (the caller reads the weight back instead). */
-int kvq_gemm_f32(const float *x, int64_t M, int64_t K, const uint8_t *codes, int bits, int scale_kind,
+int kvq_gemm_f32(const float *x, int64_t M, int64_t K, const uint8_t *codes, int bits, int offset, int scale_kind,
                  const void *scale, const uint16_t *scale_sup, int64_t scale_per, int min_kind, const void *mins,
                  const uint16_t *min_sup, int64_t min_per, int64_t G, int64_t N, float *y, int64_t ldy, int nthreads) {
     const kvq_args a0 = {NULL, NULL, NULL, NULL, codes, groups_of(scale_kind, scale, scale_sup, scale_per), groups_of(min_kind, mins, min_sup, min_per),
-                         M, K, N, G, y, ldy};
+                         M, K, N, G, y, ldy, offset};
     const kvq_args *a = &a0;
     const int64_t npanels = (N / 8 + 1) / 2, nitems = (npanels + GEMM_PB - 1) / GEMM_PB;
     int failed = 0;
@@ -626,10 +702,10 @@ int kvq_gemm_f32(const float *x, int64_t M, int64_t K, const uint8_t *codes, int
     return failed ? -1 : 0;
 }
 #else
-int kvq_gemm_f32(const float *x, int64_t M, int64_t K, const uint8_t *codes, int bits, int scale_kind,
+int kvq_gemm_f32(const float *x, int64_t M, int64_t K, const uint8_t *codes, int bits, int offset, int scale_kind,
                  const void *scale, const uint16_t *scale_sup, int64_t scale_per, int min_kind, const void *mins,
                  const uint16_t *min_sup, int64_t min_per, int64_t G, int64_t N, float *y, int64_t ldy, int nthreads) {
-    (void)x, (void)M, (void)K, (void)codes, (void)bits, (void)scale_kind, (void)scale, (void)scale_sup, (void)scale_per;
+    (void)x, (void)M, (void)K, (void)codes, (void)bits, (void)offset, (void)scale_kind, (void)scale, (void)scale_sup, (void)scale_per;
     (void)min_kind, (void)mins, (void)min_sup, (void)min_per, (void)G, (void)N, (void)y, (void)ldy, (void)nthreads;
     return -2;
 }

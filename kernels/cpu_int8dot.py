@@ -1,6 +1,6 @@
-"""Launcher of cpu_int8dot.c: y = x W^T with int8 activations against 4-bit or 8-bit weight codes (bits 7:
-5/6-bit codes + 64 held as uint8), or (many rows, AVX2) an fp32 GEMM over weight panels dequantized on
-the fly.
+"""Launcher of cpu_int8dot.c: y = x W^T with int8 activations against 4/5/6-bit weight codes (the file's
+bits, interleaved by 8 rows) or 8-bit ones, or (many rows, AVX2) an fp32 GEMM over weight panels
+dequantized on the fly.
 
 Built at first use by cpu_build.py; `load(isa, cache_dir)` returns None, with the reason in
 `load_error(isa)`, where there is no compiler or the build fails: callers fall back to torch's kernels.
@@ -47,10 +47,12 @@ def load(isa: str, cache_dir: str) -> ctypes.CDLL | None:
     if lib is not None and not hasattr(lib, "_kvq_declared"):
         i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
         groups = [i32, ptr, ptr, i64]
-        lib.kvq_linear.argtypes = [ptr, i64, i64, ptr, i32, *groups, *groups, i64, i64, ptr, i64, i32]
+        lib.kvq_linear.argtypes = [ptr, i64, i64, ptr, i32, i32, *groups, *groups, i64, i64, ptr, i64, i32]
         lib.kvq_linear.restype = i32
-        lib.kvq_dequant.argtypes = [ptr, i32, *groups, *groups, i64, i64, i64, i64, ptr, ptr, i32]
+        lib.kvq_dequant.argtypes = [ptr, i32, i32, *groups, *groups, i64, i64, i64, i64, ptr, ptr, i32]
         lib.kvq_dequant.restype = None
+        lib.kvq_pack.argtypes = [ptr, i64, i64, i32, ptr, i32]
+        lib.kvq_pack.restype = None
         lib.kvq_gemm_f32.argtypes = lib.kvq_linear.argtypes
         lib.kvq_gemm_f32.restype = i32
         lib._kvq_declared = True
@@ -65,18 +67,20 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def weight_args(codes: torch.Tensor, bits: int, scale: Groups, mins: Groups, group_size: int) -> tuple:
+def weight_args(codes: torch.Tensor, bits: int, scale: Groups, mins: Groups, group_size: int,
+                offset: int = 0) -> tuple:
     """The weight's arguments of kvq_linear / kvq_dequant, built once per weight (pointers into tensors
-    the caller keeps alive): per-call argument building was ~0.4 ms of a 13 ms decode step."""
-    return (codes.data_ptr(), bits, *scale.args(), *mins.args(), group_size)
+    the caller keeps alive): per-call argument building was ~0.4 ms of a 13 ms decode step. offset: of
+    unsigned codes (bits 5, 6, 7), w = d (q - offset) + m."""
+    return (codes.data_ptr(), bits, offset, *scale.args(), *mins.args(), group_size)
 
 
 def int8dot_linear(lib: ctypes.CDLL, x: torch.Tensor, weight: tuple, out_features: int) -> torch.Tensor:
     """x fp32 [M, K] contiguous, `weight` from weight_args -> fp32 [M, N]."""
     m, k = x.shape
     y = torch.empty(m, out_features, dtype=torch.float32)
-    codes, bits, *groups, group_size = weight
-    rc = lib.kvq_linear(x.data_ptr(), m, k, codes, bits, *groups, group_size, out_features, y.data_ptr(),
+    codes, bits, offset, *groups, group_size = weight
+    rc = lib.kvq_linear(x.data_ptr(), m, k, codes, bits, offset, *groups, group_size, out_features, y.data_ptr(),
                         out_features, torch.get_num_threads())
     if rc != 0:
         raise MemoryError(f"int8dot: no memory to quantize {m} x {k} activations")
@@ -88,8 +92,8 @@ def int8dot_gemm_f32(lib: ctypes.CDLL, x: torch.Tensor, weight: tuple, out_featu
     (exact weights, fp32 products); None where the build has no such kernel (no AVX2 + FMA)."""
     m, k = x.shape
     y = torch.empty(m, out_features, dtype=torch.float32)
-    codes, bits, *groups, group_size = weight
-    rc = lib.kvq_gemm_f32(x.data_ptr(), m, k, codes, bits, *groups, group_size, out_features, y.data_ptr(),
+    codes, bits, offset, *groups, group_size = weight
+    rc = lib.kvq_gemm_f32(x.data_ptr(), m, k, codes, bits, offset, *groups, group_size, out_features, y.data_ptr(),
                           out_features, torch.get_num_threads())
     if rc == -2:
         return None
@@ -107,15 +111,32 @@ def int8dot_dequant(lib: ctypes.CDLL, weight: tuple, out: torch.Tensor, first_ro
     return out
 
 
+def pack_x8_native(lib: ctypes.CDLL, q: torch.Tensor, bits: int) -> torch.Tensor:
+    """pack_x8 by the library (kvq_pack): the same bytes, without the tensor passes."""
+    n, k = q.shape
+    q = q.contiguous()
+    out = torch.empty(n // 8, k // 32 * {4: 128, 5: 160, 6: 192}.get(bits, 256), dtype=torch.uint8)
+    lib.kvq_pack(q.data_ptr(), n, k, bits, out.data_ptr(), torch.get_num_threads())
+    return out.view(torch.int8) if bits == 8 else out
+
+
 def pack_x8(q: torch.Tensor, bits: int) -> torch.Tensor:
-    """Codes [N, K] (uint8 0..15 for bits 4, int8 for bits 8, uint8 code + 64 for bits 7), N a multiple
-    of 8 -> the kernel's interleaved layout (see cpu_int8dot.c): 8 rows side by side, 4 consecutive k per
-    lane and step."""
+    """Codes [N, K] (uint8 below 2^bits for bits 4-7, int8 for bits 8), N a multiple of 8 -> the kernel's
+    interleaved layout (see cpu_int8dot.c): 8 rows side by side, 4 consecutive k per lane and step; for
+    bits 5 and 6 the nibbles of bits 4, then the high bits (32 or 64 bytes per block)."""
     n, k = q.shape
     steps = q.reshape(n // 8, 8, k // 32, 8, 4).permute(0, 2, 3, 1, 4)  # [N/8, blocks, step, lane, 4]
     if bits in (7, 8):
         return steps.contiguous().view(torch.int8).reshape(n // 8, -1)
-    return (steps[:, :, :4] | (steps[:, :, 4:] << 4)).contiguous().reshape(n // 8, -1)
+    if bits == 4:
+        return (steps[:, :, :4] | (steps[:, :, 4:] << 4)).contiguous().reshape(n // 8, -1)
+    nib = (steps[:, :, :4] & 0x0F) | (steps[:, :, 4:] << 4)  # uint8: the high bits shift out
+    high = (steps >> 4).reshape(n // 8, k // 32, 8, 32)  # [N/8, blocks, step, byte p = 4 lane + t]
+    if bits == 5:  # bit s of byte p: bit 4 of step s's code there
+        planes = [sum(high[:, :, s] << s for s in range(8)).to(torch.uint8)]
+    else:  # bits 2 (s % 4) .. + 1 of byte 32 (s / 4) + p: its bits 4 and 5
+        planes = [sum(high[:, :, 4 * h + u] << (2 * u) for u in range(4)).to(torch.uint8) for h in range(2)]
+    return torch.cat([nib.reshape(n // 8, k // 32, 128), *planes], dim=-1).reshape(n // 8, -1)
 
 
 def groups_x8(t: torch.Tensor) -> torch.Tensor:

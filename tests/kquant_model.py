@@ -47,13 +47,13 @@ def cpu_path(type_name: str) -> str:
 
 def kernel_bytes(type_name: str, n: int, k: int, path: str | None = None) -> int:
     """Resident bytes of an [n, k] linear on CPU in the form of `path` (default: cpu_path's): int8dot-cpu
-    keeps 4-bit codes or int8 ones for 5/8-bit, plus INT8DOT_GROUP_BYTES; torch's int4 kernel forms keep
+    keeps the file's 4/5/6/8-bit codes, plus INT8DOT_GROUP_BYTES; torch's int4 kernel forms keep
     4-bit codes (int4-cpu) or two nibbles per 5/6/8-bit code (int4x2-cpu), plus a bf16 scale and zero
     per file group."""
     path = path or cpu_path(type_name)
     if path == "int8dot-cpu":
-        code_bytes = n * k // 2 if type_name in ("Q4_0", "Q4_1", "Q4_K") else n * k
-        return code_bytes + INT8DOT_GROUP_BYTES[type_name] * n * k // 256
+        bits = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6}.get(type_name, 8)
+        return n * k * bits // 8 + INT8DOT_GROUP_BYTES[type_name] * n * k // 256
     group = 16 if type_name == "Q6_K" else 32
     code_bytes = n * k // 2 if type_name in ("Q4_0", "Q4_1", "Q4_K") else n * k
     return code_bytes + 4 * n * k // group

@@ -116,20 +116,40 @@ def test_matches_float64_reference(isa, kind):
 
 
 @pytest.mark.parametrize("kind", ["Q5_K two-level", "Q6_K groups of 16", "Q5_1", "q6 offset 32", "Q5_0"])
-def test_offset_codes_equal_signed_codes_bitwise(isa, kind):
-    """5/6-bit codes held as uint8 q + 64 (bits 7: unsigned products, 64 x the activations' integer sum
-    taken off after) give the signed int8 form's outputs bit for bit: both sums are exact integers. Groups
-    of 16 (Q6_K) and every tail of the 4-row tiles."""
+def test_packed_and_byte_codes_equal_signed_codes_bitwise(isa, kind):
+    """5/6-bit codes held as the file's bits (nibbles + high-bit planes, bits 5/6) or a byte each (bits 7),
+    unsigned, with the offset taken off after as offset x the activations' integer sum, give the signed
+    int8 form's (bits 8) outputs bit for bit: all are exact integer sums. Groups of 16 (Q6_K), every
+    tail of the 4-row tiles, the read-back."""
     gen = torch.Generator().manual_seed(11)
     q = (WEIGHTS.get(kind) or _gguf(kind))(136, 512, gen)
-    lin7, lin8 = Int8DotCpu(q), Int8DotCpu(q, offset_codes=False)
-    assert (lin7.bits, lin8.bits) == (7, 8) and lin7.nbytes == lin8.nbytes
-    lin7.dense_min_rows = lin8.dense_min_rows = None
+    forms = {c: Int8DotCpu(q, codes=c) for c in ("packed", "u8", "i8")}
+    assert [f.bits for f in forms.values()] == [5 if q.kind == "q5" else 6, 7, 8]
+    assert forms["packed"].codes.numel() == 136 * 512 * forms["packed"].bits // 8
+    for f in forms.values():
+        f.dense_min_rows = None
     for rows in (1, 2, 3, 4, 5, 9):
         x = torch.randn(rows, 512, generator=gen) * 3
         x[:, 7] *= 50
-        assert torch.equal(lin7(x), lin8(x)), f"{isa} {kind} rows {rows}"
-    assert torch.equal(lin7.dense(torch.float32), lin8.dense(torch.float32))
+        ref = forms["i8"](x)
+        for name in ("packed", "u8"):
+            assert torch.equal(forms[name](x), ref), f"{isa} {kind} {name} rows {rows}"
+    for name in ("packed", "u8"):
+        assert torch.equal(forms[name].dense(torch.float32), q.dequantize())
+
+
+@pytest.mark.parametrize("bits", [4, 5, 6, 7, 8])
+def test_native_pack_writes_the_reference_layout(isa, bits):
+    """kvq_pack (what a load runs) writes the bytes of pack_x8, the layout's torch reference."""
+    from kvcli_kernels.cpu_int8dot import pack_x8, pack_x8_native
+
+    gen = torch.Generator().manual_seed(bits)
+    if bits == 8:
+        q = torch.randint(-128, 128, (24, 96), dtype=torch.int8, generator=gen)
+    else:
+        q = torch.randint(0, 1 << bits, (24, 96), dtype=torch.uint8, generator=gen)
+    got = pack_x8_native(int8dot_cpu.native_library(), q, bits)
+    assert torch.equal(got.view(torch.uint8), pack_x8(q, bits).view(torch.uint8))
 
 
 def test_rows_do_not_depend_on_their_batch(isa):
@@ -157,11 +177,11 @@ def test_read_back_equals_dequantize(dtype, kind):
         assert torch.equal(lin.dense(dtype, 16, 8), q.dequantize()[16:24].to(dtype))
 
 
-@pytest.mark.parametrize("type_name,ratio", [("Q4_K", 144 / 148), ("Q5_K", 176 / 276), ("Q6_K", 210 / 274)])
+@pytest.mark.parametrize("type_name,ratio", [("Q4_K", 144 / 148), ("Q5_K", 176 / 180), ("Q6_K", 210 / 210)])
 def test_k_quants_stay_in_their_files_bytes(type_name, ratio):
-    """The file's 8-bit sub-scales and fp16 super-block scales are what the kernel reads: Q4_K keeps
-    4-bit codes + 20 bytes of scales per 256 weights (the file: 144 B per 256), Q5_K a byte per code
-    (+ 20), Q6_K a byte per code + 16 signed sub-scales + an fp16 d (the file: 210 B per 256)."""
+    """The file's codes, 8-bit sub-scales and fp16 super-block scales are what the kernel reads: Q4_K
+    keeps 4-bit codes + 20 bytes of scales per 256 weights (the file: 144 B per 256), Q5_K 5-bit codes
+    (+ 20; the file: 176), Q6_K 6-bit codes + 16 signed sub-scales + an fp16 d (the file: 210)."""
     from kvcli_kernels.cpu_int8dot import NEG_SUB, NONE, SUB, SUB_I8
 
     q = _gguf(type_name)(64, 512, torch.Generator().manual_seed(2))

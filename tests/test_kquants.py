@@ -193,10 +193,10 @@ def test_kquant_model_packed_path_agrees_with_transformers(tiny_runs):
 
 def test_kquant_model_stays_packed_in_memory(tiny_runs):
     """Resident = the CPU kernels' forms, nothing dense. int8dot-cpu: Q4_K 1.03x its file bytes (the file's
-    8-bit sub-scales), Q8_0 1.0x, Q6_K 1.30x, Q5_0 1.55x, Q5_1 1.45x, Q5_K 1.57x (5/6-bit codes in a byte).
+    8-bit sub-scales), Q8_0 1.0x, Q6_K 1.0x, Q5_0 1.0x, Q5_1 1.0x, Q5_K 1.02x (the file's 5/6 bits).
     Torch's forms alone (KVCLI_NATIVE=0): Q4_K 1.11x, Q8_0 1.06x, Q5_* 1.5-1.64x, Q6_K 1.52x."""
     import gguf
-    from kquant_model import LAYER_TYPES, kernel_bytes, tensor_shapes
+    from kquant_model import LAYER_TYPES, cpu_path, kernel_bytes, tensor_shapes
 
     model = tiny_runs["packed_engine"].model
     file_linear = 0  # the file's bytes for the layer linears, from the GGML block sizes
@@ -209,5 +209,6 @@ def test_kquant_model_stays_packed_in_memory(tiny_runs):
     resident = sum(lin.nbytes for l in model.layers for lin in (l.qkv, l.o, l.gate_up, l.down))
     assert resident == expected, (resident, expected)
     print(f"resident {resident} vs file {file_linear}: {resident / file_linear:.2f}x")
-    assert file_linear <= resident <= 1.65 * file_linear, (resident, file_linear)
+    bound = 1.05 if cpu_path("Q6_K") == "int8dot-cpu" else 1.65
+    assert file_linear <= resident <= bound * file_linear, (resident, file_linear)
     assert model.embed.nbytes == 49152 * 256 * 2  # the F16 embedding stays half precision

@@ -1,12 +1,13 @@
-"""The "int8dot-cpu" form of a linear: the file's codes kept at 4 or 8 bits, multiplied by activations
+"""The "int8dot-cpu" form of a linear: the file's codes kept at their 4, 5, 6 or 8 bits, multiplied by activations
 quantized to int8 per block of 32 with integer dot products (kvcli_kernels/cpu_int8dot.c).
 
 This is what llama.cpp does on CPUs (Q4 x Q8): the weights are read once per call as 4-bit codes, with
 no bf16 conversion of the activations (emulated, and slow, without AVX-512-BF16) and no dequantized
 copy. Resident per weight: 4-bit codes + an fp16 scale and min per group (the GGUF Q4_0/Q4_1 bytes) or
 the file's own compact forms the kernel reads directly: K-quants' 8-bit multipliers of an fp16 value per
-super-block, AWQ / GPTQ zero points (fp32 only where nothing else holds a value exactly); 5/6/8-bit
-codes as int8 (q - offset); codes interleaved by 8 rows (kvcli_kernels/cpu_int8dot.c).
+super-block, AWQ / GPTQ zero points (fp32 only where nothing else holds a value exactly); 5/6-bit codes
+as nibbles + their high bits, the offset (Q5_0's 16, Q6_K's 32) taken off in the integer sum; Q8_0's
+int8 codes; codes interleaved by 8 rows (kvcli_kernels/cpu_int8dot.c).
 Calls with many rows (prefill chunks, big decode batches) run a float GEMM instead, with the weights
 exact: on the AVX2 build (torch's kernels AVX2, bf16 emulated) from 32 rows kvcli's own fp32 GEMM over
 weight panels dequantized on the fly (kvq_gemm_f32: with two int8 levels the integer kernel's ceiling
@@ -34,7 +35,7 @@ import torch.nn.functional as F
 from kvcli.model.int4_cpu import _scratch
 from kvcli.model.native import build_dir, native_enabled, native_isa  # noqa: F401  (native_isa: tests patch it here)
 from kvcli_kernels.cpu_int8dot import (F16, F32, NEG_SUB, NONE, SUB, SUB_I8, ZERO, Groups, groups_x8, int8dot_dequant,
-                                       int8dot_gemm_f32, int8dot_linear, pack_x8, weight_args)
+                                       int8dot_gemm_f32, int8dot_linear, pack_x8_native, weight_args)
 
 if TYPE_CHECKING:
     import ctypes
@@ -90,7 +91,7 @@ def native_status() -> str:
 def supports(weight: "QuantTensor") -> bool:
     n, k = weight.shape
     g = weight.group_size
-    # Groups of 16 (Q6_K) for int8 codes without mins: the kernel splits each block of 32 in two.
+    # Groups of 16 (Q6_K) for 5/6/8-bit codes without mins: the kernel splits each block of 32 in two.
     groups_ok = g % 32 == 0 or (g == 16 and weight.kind != "q4" and weight.group_mins() is None)
     return n % 8 == 0 and k % 32 == 0 and k % g == 0 and groups_ok and native_library() is not None
 
@@ -125,30 +126,31 @@ def _groups(weight: "QuantTensor") -> tuple[Groups, Groups]:
 
 
 class Int8DotCpu:
-    """A weight [N, K] as 4-bit (per-32-block nibble order) or int8 codes, a scale and a min per group.
-    offset_codes=False keeps 5/6-bit codes signed (bits 8) instead of + 64 (bits 7): the same products,
-    for tests and A/B runs."""
+    """A weight [N, K] as its file's codes, a scale and a min per group: 4-bit nibbles (per-32-block
+    order); 5/6-bit codes as those nibbles plus one or two planes of high bits (the file's bits, the
+    code offset taken off by the kernel); int8 (Q8_0). codes="u8" (5/6-bit codes as a byte each,
+    bits 7) and "i8" (minus their offset as int8, bits 8) are the same products in more bytes, for tests
+    and A/B runs."""
 
-    def __init__(self, weight: "QuantTensor", offset_codes: bool = True) -> None:
+    def __init__(self, weight: "QuantTensor", codes: str = "packed") -> None:
         lib = native_library()
         assert lib is not None, "int8dot-cpu needs the native library (see native_status)"
         self.lib = lib
         n, k = weight.shape
         self.out_features, self.in_features, self.group_size = n, k, weight.group_size
+        offset = 0
         if weight.kind == "q4":
             self.bits = 4
             q = weight.unpack_codes()
-        else:  # 5/6/8-bit codes minus their offset fit int8 (Q6_K: -32..31)
+        elif weight.kind in ("q5", "q6") and codes != "i8":
+            q, offset = weight.unpack_codes(), weight.offset  # 0 .. 31 / 0 .. 63
+            self.bits = {"q5": 5, "q6": 6}[weight.kind] if codes == "packed" else 7
+        else:  # Q8_0's codes as stored, or 5/6-bit codes minus their offset (Q6_K: -32..31)
+            self.bits = 8
             q = weight.int8_codes()
-            # codes within [-64, 63] (every 5/6-bit kind) are held as uint8 q + 64, which the kernel
-            # multiplies as they are, without the sign moves int8 codes cost (cpu_int8dot.c, bits 7)
-            small = weight.kind != "q8" and q.numel() > 0 and -64 <= int(q.min()) and int(q.max()) <= 63
-            self.bits = 7 if small and offset_codes else 8
-            if self.bits == 7:
-                q = (q.to(torch.int16) + 64).to(torch.uint8)
-        self.codes = pack_x8(q, self.bits)
+        self.codes = pack_x8_native(lib, q, self.bits)
         self.scale, self.mins = _groups(weight)
-        self.args = weight_args(self.codes, self.bits, self.scale, self.mins, self.group_size)
+        self.args = weight_args(self.codes, self.bits, self.scale, self.mins, self.group_size, offset)
         from kvcli.model.vocab_head import cpu_has_native_bf16
 
         native_bf16 = cpu_has_native_bf16()
@@ -165,7 +167,8 @@ class Int8DotCpu:
     @property
     def form(self) -> str:
         """How the codes are held, for `path` strings."""
-        return {4: "4-bit codes as stored", 7: "5/6-bit codes + 64 as uint8", 8: "8-bit codes as stored"}[self.bits]
+        return {4: "4-bit codes as stored", 5: "5-bit codes as stored", 6: "6-bit codes as stored",
+                7: "5/6-bit codes as uint8", 8: "8-bit codes as stored"}[self.bits]
 
     def dense(self, dtype: torch.dtype, first_row: int = 0, rows: int | None = None) -> torch.Tensor:
         """Rows first_row .. + rows of the weight [N, K] as `dtype` (fp32 or bf16) in a reused buffer:
