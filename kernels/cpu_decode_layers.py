@@ -12,7 +12,7 @@ from kvcli_kernels.cpu_build import build
 
 _SOURCE = "cpu_decode_layers.c"
 _ptr, _i64, _f32, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-STEPS = {1: "a linear (no memory for its activations)", 2: "rotary / KV store (a position or slot out of range)",
+STEPS = {1: "a linear (no memory for its activations, or a weight form without a kernel loop)", 2: "rotary / KV store (a position or slot out of range)",
          3: "attention (no memory, or a shape it does not read)"}
 
 

@@ -186,13 +186,12 @@ static void quantize_row(const float *x, int64_t K, int8_t *q, float *d, float *
  *   bits 4: [N / 8, K / 32, 4, 8, 4] bytes: chunk c, lane j, byte t holds the code of row 8g + j at
  *           k = 32 b + 4 c + t (low nibble) and k = 32 b + 16 + 4 c + t (high nibble)
  *   bits 8: [N / 8, K / 32, 8, 8, 4] int8: step s, lane j, byte t = row 8g + j at k = 32 b + 4 s + t
- *   bits 7: as bits 8, unsigned codes up to 127 (uint8)
  *   bits 5, 6 (Q5_0/Q5_1/Q5_K, Q6_K): per block the 4-bit layout's 128 bytes, then the high bits, the
  *           file's own 5 or 6 bits per weight in all: bits 5, 32 bytes: bit s of byte p holds bit 4 of
  *           the code step s's vector has at byte p (lane j = p / 4, t = p % 4); bits 6, 64 bytes: bits
  *           2 (s % 4) .. + 1 of byte 32 (s / 4) + p hold its bits 4 and 5 (three operations a step to
  *           unpack, where two planes of single bits took six)
- * Codes of bits 5, 6 and 7 are unsigned: they go into the dot product as they are, like 4-bit codes,
+ * Codes of bits 5 and 6 are unsigned: they go into the dot product as they are, like 4-bit codes,
  * without the sign moves int8 codes need, and `offset` times the activations' integer sum (xs) comes off
  * after. Both sums are exact integers, so the result is the signed form's bit for bit.
  *   scale, mins: [N / 8, K / G, 8]
@@ -268,7 +267,6 @@ static inline int64_t block_bytes(int bits) { return bits == 4 ? 128 : bits == 5
 static inline int32_t code_at(const uint8_t *codes, int bits, int64_t blk, int s, int p) {
     const uint8_t *c = codes + blk * block_bytes(bits);
     if (bits == 8) return ((const int8_t *)c)[32 * s + p];
-    if (bits == 7) return c[32 * s + p];
     const int32_t nib = s < 4 ? (c[32 * s + p] & 15) : (c[32 * (s - 4) + p] >> 4);
     if (bits == 4) return nib;
     const int32_t hi = bits == 5 ? ((c[128 + p] >> s) & 1) : ((c[128 + 32 * (s / 4) + p] >> (2 * (s % 4))) & 3);
@@ -348,7 +346,7 @@ static inline __attribute__((always_inline)) void group_tile(const kvq_args *a, 
                 i1 = _mm256_madd_epi16(s1, _mm256_set1_epi16(1));
                 i2 = _mm256_madd_epi16(s2, _mm256_set1_epi16(1));
 #endif
-            } else if (bits != 8) { /* 5, 6, 7 */
+            } else if (bits != 8) { /* 5, 6 */
                 /* per half block (a Q6_K group of 16 ends after step 3), two chains per level; on AVX2 the
                  * DPBUSD pairs (at most 2 * 127 * 127) go to int32 at every step */
                 const int32_t *xs = a->xs ? a->xs + ((m0 + r) * nb + b) * 2 : NULL;
@@ -384,7 +382,7 @@ static inline __attribute__((always_inline)) void group_tile(const kvq_args *a, 
             }
             /* 256 q1 + q2 in int32: at most 256 * 32 * 128 * 127 + 32 * 128 * 127 < 2^31 */
             __m256i isum = _mm256_add_epi32(_mm256_slli_epi32(i1, 8), i2);
-            if (bits == 5 || bits == 6 || bits == 7) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(off));
+            if (bits == 5 || bits == 6) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(off));
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dw2, _mm256_set1_ps(a->dx[xi] / 256.0f)), acc[r]);
             if (ksub == 1)
                 macc[r] = _mm256_fnmadd_ps(mw, _mm256_set1_ps(a->sx[xi]), macc[r]);
@@ -433,53 +431,65 @@ static inline __attribute__((always_inline)) void group_tile(const kvq_args *a, 
     default: group_tile(a, BITS, G16, KSUB, 1, g, m0);           \
     }
 
+/* The same with loops for 4 rows and 1 (tails of 2-3 rows one by one: the same values, a row's sum does
+ * not depend on its neighbours), for forms less common than Q4_0/Q4_1/Q4_K/Q8_0: half the compile time. */
+#define TILE_CASES_41(BITS, G16, KSUB)                                                   \
+    if (R == 4) {                                                                        \
+        group_tile(a, BITS, G16, KSUB, 4, g, m0);                                        \
+    } else {                                                                             \
+        for (int64_t r = 0; r < R; r++) group_tile(a, BITS, G16, KSUB, 1, g, m0 + r);    \
+    }
+
 static void gemm_tile(const kvq_args *a, const int bits, int64_t t) {
     const int64_t g0 = t * TILE_G, g1 = g0 + TILE_G < a->N / 8 ? g0 + TILE_G : a->N / 8;
     const int ksub = a->G == QK && a->scale.kind == KVQ_SUB && a->mins.kind == KVQ_NEG_SUB && a->scale.shift >= 0 &&
                      a->mins.shift >= 0;
-    const int q6k = a->G == 16 && a->scale.kind == KVQ_SUB_I8 && a->mins.kind == KVQ_NONE && a->scale.shift >= 0;
     for (int64_t m0 = 0; m0 < a->M; m0 += TILE_M) {
         const int64_t R = a->M - m0 < TILE_M ? a->M - m0 : TILE_M;
         for (int64_t g = g0; g < g1; g++) {
+            /* one unrolled loop per form a file has (each costs compile time at first use): the
+             * generic scale reads for the others (form_ok) */
             if (bits == 4 && ksub) { /* Q4_K */
                 TILE_CASES(4, 0, 1)
-            } else if (bits == 4) {
+            } else if (bits == 4) { /* Q4_0, Q4_1, AWQ / GPTQ */
                 TILE_CASES(4, 0, 0)
-            } else if (bits == 6 && q6k) { /* Q6_K */
-                TILE_CASES(6, 1, 2)
-            } else if (bits == 6 && a->G == 16) {
-                TILE_CASES(6, 1, 0)
-            } else if (bits == 6) {
-                TILE_CASES(6, 0, 0)
             } else if (bits == 5 && ksub) { /* Q5_K */
-                TILE_CASES(5, 0, 1)
-            } else if (bits == 5 && a->G == 16) {
-                TILE_CASES(5, 1, 0)
+                TILE_CASES_41(5, 0, 1)
             } else if (bits == 5) { /* Q5_0, Q5_1 */
-                TILE_CASES(5, 0, 0)
-            } else if (bits == 7 && q6k) {
-                TILE_CASES(7, 1, 2)
-            } else if (bits == 7 && a->G == 16) {
-                TILE_CASES(7, 1, 0)
-            } else if (bits == 7 && ksub) { /* Q5_K */
-                TILE_CASES(7, 0, 1)
-            } else if (bits == 7) {
-                TILE_CASES(7, 0, 0)
+                TILE_CASES_41(5, 0, 0)
+            } else if (bits == 6) { /* Q6_K */
+                TILE_CASES_41(6, 1, 2)
             } else if (a->G == 16) {
-                TILE_CASES(8, 1, 0)
-            } else {
+                TILE_CASES_41(8, 1, 0)
+            } else { /* Q8_0 */
                 TILE_CASES(8, 0, 0)
             }
         }
     }
 }
 
-/* y [M, N] (row stride ldy) = x [M, K] @ W^T. bits 4, 5, 6, 7 (unsigned codes, less `offset`) or 8
- * (int8 codes, offset 0). Returns 0, or -1 when out of memory. */
+/* Whether gemm_tile has a loop for this weight: 4-bit codes in groups of a multiple of 32; 5-bit ones
+ * too; 6-bit ones only as Q6_K (groups of 16, int8 sub-scales of an fp16 d, no mins); 8-bit ones in
+ * groups of 16 or a multiple of 32. */
+static int form_ok(const kvq_args *a, int bits) {
+    switch (bits) {
+    case 4:
+    case 5: return a->G % QK == 0;
+    case 6: return a->G == 16 && a->scale.kind == KVQ_SUB_I8 && a->mins.kind == KVQ_NONE && a->scale.shift >= 0;
+    case 8: return a->G == 16 || a->G % QK == 0;
+    default: return 0;
+    }
+}
+
+/* y [M, N] (row stride ldy) = x [M, K] @ W^T. bits 4, 5, 6 (unsigned codes, less `offset`) or 8 (int8
+ * codes, offset 0). Returns 0, -1 when out of memory, -3 for a form gemm_tile has no loop for. */
 int kvq_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, int bits, int offset, int scale_kind,
                const void *scale, const uint16_t *scale_sup, int64_t scale_per, int min_kind, const void *mins,
                const uint16_t *min_sup, int64_t min_per, int64_t G, int64_t N, float *y, int64_t ldy, int nthreads) {
     const int64_t nb = K / QK, ntiles = (N / 8 + TILE_G - 1) / TILE_G;
+    const kvq_args form = {NULL, NULL, NULL, NULL, codes, groups_of(scale_kind, scale, scale_sup, scale_per),
+                           groups_of(min_kind, mins, min_sup, min_per), M, K, N, G, y, ldy, offset};
+    if (!form_ok(&form, bits)) return -3;
     int8_t *qx = (int8_t *)malloc((size_t)(2 * M * K));
     float *dx = (float *)malloc(sizeof(float) * (size_t)(M * nb)), *sx = (float *)malloc(sizeof(float) * (size_t)(M * nb));
     const int need_xs = offset != 0 && bits != 4 && bits != 8;
@@ -488,8 +498,8 @@ int kvq_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, int b
         free(qx), free(dx), free(sx), free(xs);
         return -1;
     }
-    const kvq_args a = {qx, dx, sx, xs, codes, groups_of(scale_kind, scale, scale_sup, scale_per), groups_of(min_kind, mins, min_sup, min_per),
-                        M, K, N, G, y, ldy, offset};
+    kvq_args a = form;
+    a.qx = qx, a.dx = dx, a.sx = sx, a.xs = xs;
     /* below ~64k weights a second thread costs more to wake than it saves */
     const int nt = N * K < (1 << 16) ? 1 : nthreads;
 #pragma omp parallel num_threads(nt) if (nt > 1)
@@ -519,7 +529,7 @@ void kvq_pack(const uint8_t *q, int64_t N, int64_t K, int bits, uint8_t *out, in
                     for (int t = 0; t < 4; t++) {
                         const uint8_t c = row[4 * s + t];
                         const int p = 4 * j + t;
-                        if (bits >= 7) {
+                        if (bits == 8) {
                             o[32 * s + p] = c;
                             continue;
                         }
@@ -602,8 +612,6 @@ static void pack_rows8(const kvq_args *a, const int bits, int64_t g, int64_t k0,
                 const __m256i c = _mm256_loadu_si256((const __m256i *)(cb + 32 * (s & 3)));
                 v = _mm256_and_si256(s < 4 ? c : _mm256_srli_epi16(c, 4), _mm256_set1_epi8(0x0F));
                 if (bits != 4) v = high_bits(v, cb + 128, bits, s);
-            } else if (bits == 7) {
-                v = _mm256_loadu_si256((const __m256i *)(a->codes + (g * nb + b) * 256 + 32 * s));
             } else {
                 v = _mm256_loadu_si256((const __m256i *)((const int8_t *)a->codes + (g * nb + b) * 256 + 32 * s));
             }

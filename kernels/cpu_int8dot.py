@@ -71,7 +71,7 @@ def weight_args(codes: torch.Tensor, bits: int, scale: Groups, mins: Groups, gro
                 offset: int = 0) -> tuple:
     """The weight's arguments of kvq_linear / kvq_dequant, built once per weight (pointers into tensors
     the caller keeps alive): per-call argument building was ~0.4 ms of a 13 ms decode step. offset: of
-    unsigned codes (bits 5, 6, 7), w = d (q - offset) + m."""
+    unsigned codes (bits 5, 6), w = d (q - offset) + m."""
     return (codes.data_ptr(), bits, offset, *scale.args(), *mins.args(), group_size)
 
 
@@ -82,6 +82,8 @@ def int8dot_linear(lib: ctypes.CDLL, x: torch.Tensor, weight: tuple, out_feature
     codes, bits, offset, *groups, group_size = weight
     rc = lib.kvq_linear(x.data_ptr(), m, k, codes, bits, offset, *groups, group_size, out_features, y.data_ptr(),
                         out_features, torch.get_num_threads())
+    if rc == -3:
+        raise ValueError(f"int8dot: no kernel loop for {bits}-bit codes in groups of {group_size} of this scale form")
     if rc != 0:
         raise MemoryError(f"int8dot: no memory to quantize {m} x {k} activations")
     return y
@@ -121,12 +123,12 @@ def pack_x8_native(lib: ctypes.CDLL, q: torch.Tensor, bits: int) -> torch.Tensor
 
 
 def pack_x8(q: torch.Tensor, bits: int) -> torch.Tensor:
-    """Codes [N, K] (uint8 below 2^bits for bits 4-7, int8 for bits 8), N a multiple of 8 -> the kernel's
+    """Codes [N, K] (uint8 below 2^bits for bits 4-6, int8 for bits 8), N a multiple of 8 -> the kernel's
     interleaved layout (see cpu_int8dot.c): 8 rows side by side, 4 consecutive k per lane and step; for
     bits 5 and 6 the nibbles of bits 4, then the high bits (32 or 64 bytes per block)."""
     n, k = q.shape
     steps = q.reshape(n // 8, 8, k // 32, 8, 4).permute(0, 2, 3, 1, 4)  # [N/8, blocks, step, lane, 4]
-    if bits in (7, 8):
+    if bits == 8:
         return steps.contiguous().view(torch.int8).reshape(n // 8, -1)
     if bits == 4:
         return (steps[:, :, :4] | (steps[:, :, 4:] << 4)).contiguous().reshape(n // 8, -1)

@@ -115,30 +115,40 @@ def test_matches_float64_reference(isa, kind):
         assert err < REL_BOUND, f"{isa} {kind} rows {rows}: max relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("kind", ["Q5_K two-level", "Q6_K groups of 16", "Q5_1", "q6 offset 32", "Q5_0"])
-def test_packed_and_byte_codes_equal_signed_codes_bitwise(isa, kind):
-    """5/6-bit codes held as the file's bits (nibbles + high-bit planes, bits 5/6) or a byte each (bits 7),
-    unsigned, with the offset taken off after as offset x the activations' integer sum, give the signed
-    int8 form's (bits 8) outputs bit for bit: all are exact integer sums. Groups of 16 (Q6_K), every
-    tail of the 4-row tiles, the read-back."""
+@pytest.mark.parametrize("kind", ["Q5_K two-level", "Q6_K groups of 16", "Q5_1", "Q5_0", "q6 offset 32"])
+def test_packed_codes_equal_signed_codes_bitwise(isa, kind):
+    """5/6-bit codes held as the file's bits (nibbles + high bits), unsigned, with the offset taken off
+    after as offset x the activations' integer sum, give the signed int8 form's outputs bit for bit: both
+    are exact integer sums. Groups of 16 (Q6_K), every tail of the 4-row tiles, the read-back. 6-bit codes
+    in another scale layout than Q6_K's (no kernel loop for them) are held as int8."""
     gen = torch.Generator().manual_seed(11)
     q = (WEIGHTS.get(kind) or _gguf(kind))(136, 512, gen)
-    forms = {c: Int8DotCpu(q, codes=c) for c in ("packed", "u8", "i8")}
-    assert [f.bits for f in forms.values()] == [5 if q.kind == "q5" else 6, 7, 8]
-    assert forms["packed"].codes.numel() == 136 * 512 * forms["packed"].bits // 8
-    for f in forms.values():
-        f.dense_min_rows = None
+    packed, signed = Int8DotCpu(q), Int8DotCpu(q, codes="i8")
+    bits = 8 if kind == "q6 offset 32" else 5 if q.kind == "q5" else 6
+    assert (packed.bits, signed.bits) == (bits, 8)
+    assert packed.codes.numel() == 136 * 512 * bits // 8
+    packed.dense_min_rows = signed.dense_min_rows = None
     for rows in (1, 2, 3, 4, 5, 9):
         x = torch.randn(rows, 512, generator=gen) * 3
         x[:, 7] *= 50
-        ref = forms["i8"](x)
-        for name in ("packed", "u8"):
-            assert torch.equal(forms[name](x), ref), f"{isa} {kind} {name} rows {rows}"
-    for name in ("packed", "u8"):
-        assert torch.equal(forms[name].dense(torch.float32), q.dequantize())
+        assert torch.equal(packed(x), signed(x)), f"{isa} {kind} rows {rows}"
+    assert torch.equal(packed.dense(torch.float32), q.dequantize())
 
 
-@pytest.mark.parametrize("bits", [4, 5, 6, 7, 8])
+def test_a_form_without_a_kernel_loop_is_an_error():
+    """6-bit codes packed with plain per-32 scales: kvq_linear refuses them (-3) rather than run a loop
+    for another form."""
+    from kvcli_kernels.cpu_int8dot import int8dot_linear, pack_x8_native, weight_args
+
+    q = _q6(16, 64, torch.Generator().manual_seed(1))
+    lin = Int8DotCpu(q, codes="i8")
+    codes = pack_x8_native(lin.lib, q.unpack_codes(), 6)
+    args = weight_args(codes, 6, lin.scale, lin.mins, 32, 32)
+    with pytest.raises(ValueError, match="no kernel loop"):
+        int8dot_linear(lin.lib, torch.randn(1, 64), args, 16)
+
+
+@pytest.mark.parametrize("bits", [4, 5, 6, 8])
 def test_native_pack_writes_the_reference_layout(isa, bits):
     """kvq_pack (what a load runs) writes the bytes of pack_x8, the layout's torch reference."""
     from kvcli_kernels.cpu_int8dot import pack_x8, pack_x8_native

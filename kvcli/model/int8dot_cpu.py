@@ -127,10 +127,9 @@ def _groups(weight: "QuantTensor") -> tuple[Groups, Groups]:
 
 class Int8DotCpu:
     """A weight [N, K] as its file's codes, a scale and a min per group: 4-bit nibbles (per-32-block
-    order); 5/6-bit codes as those nibbles plus one or two planes of high bits (the file's bits, the
-    code offset taken off by the kernel); int8 (Q8_0). codes="u8" (5/6-bit codes as a byte each,
-    bits 7) and "i8" (minus their offset as int8, bits 8) are the same products in more bytes, for tests
-    and A/B runs."""
+    order); 5/6-bit codes as those nibbles plus their high bits (the file's bits, the code offset taken
+    off by the kernel; 6-bit ones in Q6_K's layout of scales, else as int8); int8 (Q8_0). codes="i8" holds
+    5/6-bit codes minus their offset as int8: the same products in more bytes, for tests and A/B runs."""
 
     def __init__(self, weight: "QuantTensor", codes: str = "packed") -> None:
         lib = native_library()
@@ -138,18 +137,20 @@ class Int8DotCpu:
         self.lib = lib
         n, k = weight.shape
         self.out_features, self.in_features, self.group_size = n, k, weight.group_size
+        self.scale, self.mins = _groups(weight)
         offset = 0
         if weight.kind == "q4":
             self.bits = 4
             q = weight.unpack_codes()
-        elif weight.kind in ("q5", "q6") and codes != "i8":
+        elif codes == "packed" and weight.kind == "q5" and self.group_size % 32 == 0 or \
+                codes == "packed" and weight.kind == "q6" and self.group_size == 16 and \
+                (self.scale.kind, self.mins.kind) == (SUB_I8, NONE):  # the forms the kernel has loops for
+            self.bits = 5 if weight.kind == "q5" else 6
             q, offset = weight.unpack_codes(), weight.offset  # 0 .. 31 / 0 .. 63
-            self.bits = {"q5": 5, "q6": 6}[weight.kind] if codes == "packed" else 7
         else:  # Q8_0's codes as stored, or 5/6-bit codes minus their offset (Q6_K: -32..31)
             self.bits = 8
             q = weight.int8_codes()
         self.codes = pack_x8_native(lib, q, self.bits)
-        self.scale, self.mins = _groups(weight)
         self.args = weight_args(self.codes, self.bits, self.scale, self.mins, self.group_size, offset)
         from kvcli.model.vocab_head import cpu_has_native_bf16
 
@@ -167,8 +168,7 @@ class Int8DotCpu:
     @property
     def form(self) -> str:
         """How the codes are held, for `path` strings."""
-        return {4: "4-bit codes as stored", 5: "5-bit codes as stored", 6: "6-bit codes as stored",
-                7: "5/6-bit codes as uint8", 8: "8-bit codes as stored"}[self.bits]
+        return f"{self.bits}-bit codes as stored"
 
     def dense(self, dtype: torch.dtype, first_row: int = 0, rows: int | None = None) -> torch.Tensor:
         """Rows first_row .. + rows of the weight [N, K] as `dtype` (fp32 or bf16) in a reused buffer:
