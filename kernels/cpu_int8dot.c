@@ -347,19 +347,35 @@ static inline __attribute__((always_inline)) void group_tile(const kvq_args *a, 
                 i2 = _mm256_madd_epi16(s2, _mm256_set1_epi16(1));
 #endif
             } else if (bits != 8) { /* 5, 6 */
-                /* per half block (a Q6_K group of 16 ends after step 3), two chains per level; on AVX2 the
-                 * DPBUSD pairs (at most 2 * 127 * 127) go to int32 at every step */
+                /* per half block (a Q6_K group of 16 ends after step 3) */
                 const int32_t *xs = a->xs ? a->xs + ((m0 + r) * nb + b) * 2 : NULL;
                 for (int h = 0; h < 2; h++) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+                    /* two chains per level */
                     __m256i a1 = _mm256_setzero_si256(), a2 = a1, b1 = a1, b2 = a1;
                     for (int s = 4 * h; s < 4 * h + 4; s += 2) {
-                        a1 = DPBUSD(a1, w[s], bcast4(xq + 4 * s));
-                        a2 = DPBUSD(a2, w[s], bcast4(xq + QK + 4 * s));
-                        b1 = DPBUSD(b1, w[s + 1], bcast4(xq + 4 * s + 4));
-                        b2 = DPBUSD(b2, w[s + 1], bcast4(xq + QK + 4 * s + 4));
+                        a1 = _mm256_dpbusd_epi32(a1, w[s], bcast4(xq + 4 * s));
+                        a2 = _mm256_dpbusd_epi32(a2, w[s], bcast4(xq + QK + 4 * s));
+                        b1 = _mm256_dpbusd_epi32(b1, w[s + 1], bcast4(xq + 4 * s + 4));
+                        b2 = _mm256_dpbusd_epi32(b2, w[s + 1], bcast4(xq + QK + 4 * s + 4));
                     }
                     i1 = _mm256_add_epi32(i1, _mm256_add_epi32(a1, b1));
                     i2 = _mm256_add_epi32(i2, _mm256_add_epi32(a2, b2));
+#else
+                    /* maddubs pairs stay inside int16 summed over 4 steps for 5-bit codes (4 * 2 * 31 * 127),
+                     * over 2 for 6-bit ones (2 * 2 * 63 * 127): then one madd into int32 */
+                    const __m256i ones = _mm256_set1_epi16(1);
+                    for (int s0 = 4 * h; s0 < 4 * h + 4; s0 += (bits == 5 ? 4 : 2)) {
+                        __m256i s1 = _mm256_maddubs_epi16(w[s0], bcast4(xq + 4 * s0));
+                        __m256i s2 = _mm256_maddubs_epi16(w[s0], bcast4(xq + QK + 4 * s0));
+                        for (int s = s0 + 1; s < s0 + (bits == 5 ? 4 : 2); s++) {
+                            s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(w[s], bcast4(xq + 4 * s)));
+                            s2 = _mm256_add_epi16(s2, _mm256_maddubs_epi16(w[s], bcast4(xq + QK + 4 * s)));
+                        }
+                        i1 = _mm256_add_epi32(i1, _mm256_madd_epi16(s1, ones));
+                        i2 = _mm256_add_epi32(i2, _mm256_madd_epi16(s2, ones));
+                    }
+#endif
                     if (g16 && h == 0) { /* the first group of 16 is complete */
                         const __m256i isum = _mm256_sub_epi32(_mm256_add_epi32(_mm256_slli_epi32(i1, 8), i2),
                                                               _mm256_set1_epi32(xs ? a->offset * xs[0] : 0));
