@@ -550,9 +550,9 @@ void kvq_pack(const uint8_t *q, int64_t N, int64_t K, int bits, uint8_t *out, in
                             continue;
                         }
                         o[32 * (s & 3) + p] |= (uint8_t)(s < 4 ? (c & 15) : (c & 15) << 4);
-                        if (bits == 5)
+                        if (bits == 5) /* (bits 4 has no high bits: nothing past its 128 bytes) */
                             o[128 + p] |= (uint8_t)(((c >> 4) & 1) << s);
-                        else
+                        else if (bits == 6)
                             o[128 + 32 * (s / 4) + p] |= (uint8_t)(((c >> 4) & 3) << (2 * (s % 4)));
                     }
             }
