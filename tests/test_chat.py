@@ -9,7 +9,6 @@ The tmux test needs the `tmux` binary (CI: `apt-get install -y tmux`); it is ski
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
 import shutil
@@ -17,13 +16,13 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from cli_helpers import one_line_error
+from terminal import Tmux, after, at_prompt
 
 from kvcli.cli import app
 
@@ -184,58 +183,7 @@ def test_chat_truncate_drops_oldest_turns(tmp_path):
     assert [m["content"] for m in data["messages"][::2]] == [MOON]
 
 
-# --- a real terminal: tmux -----------------------------------------------------------------------------------
-class Tmux:
-    """A detached tmux session on a private server socket, driven by send-keys and read by capture-pane."""
-
-    def __init__(self, command: str, width: int = 120, height: int = 40) -> None:
-        self.sock = f"kvcli-test-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        self.name = "chat"
-        # COLUMNS/LINES from the test's environment would override the pane's size for rich.
-        self._tmux("new-session", "-d", "-s", self.name, "-x", str(width), "-y", str(height),
-                   "-c", tempfile.gettempdir(), f"unset COLUMNS LINES; {command}")
-
-    def _tmux(self, *args: str) -> str:
-        # -u: UTF-8 whatever the locale (the status line uses "·").
-        return subprocess.run(["tmux", "-u", "-f", "/dev/null", "-L", self.sock, *args], capture_output=True,
-                              text=True, encoding="utf-8", errors="replace", timeout=30, check=True).stdout
-
-    def send(self, *keys: str) -> None:
-        self._tmux("send-keys", "-t", self.name, *keys)
-
-    def type_line(self, text: str) -> None:
-        self._tmux("send-keys", "-t", self.name, "-l", text)
-        self.send("Enter")
-
-    def screen(self) -> str:
-        return self._tmux("capture-pane", "-p", "-J", "-t", self.name, "-S", "-400")
-
-    def wait(self, pred, what: str, timeout: float = 90.0) -> str:
-        deadline = time.monotonic() + timeout
-        text = ""
-        while time.monotonic() < deadline:
-            text = self.screen()
-            if pred(text):
-                return text
-            time.sleep(0.1)
-        raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}; screen:\n{text}")
-
-    def close(self) -> None:
-        subprocess.run(["tmux", "-L", self.sock, "kill-server"], capture_output=True, timeout=30)
-
-
-def at_prompt(text: str) -> bool:
-    lines = [line for line in text.splitlines() if line.strip()]
-    return bool(lines) and lines[-1].rstrip() == "you>"
-
-
-def after(text: str, marker: str) -> list[str]:
-    """The screen lines after the last line containing `marker`."""
-    lines = text.splitlines()
-    idx = max((i for i, line in enumerate(lines) if marker in line), default=None)
-    return [] if idx is None else lines[idx + 1:]
-
-
+# --- a real terminal: tmux (tests/terminal.py) ----------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="needs the tmux binary for a real terminal "
                     "(apt-get install -y tmux)")

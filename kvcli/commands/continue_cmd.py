@@ -84,7 +84,7 @@ def run_continue(a: ContinueArgs, fail: Fail) -> int:
         with (view.dash if view else nullcontext()):
             while engine.has_unfinished():
                 for o in engine.step():
-                    _emit(o.new_text, pieces, a.json_out, whole_lines=by_line)
+                    _emit(o.new_text, pieces, a.json_out, above=view.dash if by_line else None)
                 if view:
                     view.update(req.num_computed_tokens)
     except KeyboardInterrupt:
@@ -180,19 +180,20 @@ class _PrefillDashboard(LiveDashboard):
         return Group(self.progress.get_renderable(), body) if self.prefilling else body
 
 
-def _emit(text: str, pieces: list[str], quiet: bool, whole_lines: bool = False) -> None:
-    """Stream text to stdout. Under the live dashboard, stdout is printed above the panel a line at
-    a time, so only complete lines are written then (the rest when the run ends)."""
+def _emit(text: str, pieces: list[str], quiet: bool, above: LiveDashboard | None = None) -> None:
+    """Stream text to stdout. Under the live dashboard (`above`), text is printed above the panel a
+    line at a time, so only complete lines are written then (the rest when the run ends)."""
     if not text:
         return
     pieces.append(text)
     if quiet:
         return
-    if whole_lines:
+    if above is not None:
         if "\n" not in text:
             return
         done = "".join(pieces)  # only when a line completes
         start = done.rfind("\n", 0, len(done) - len(text)) + 1
-        text = done[start:done.rfind("\n") + 1]
+        above.print_above(done[start:done.rfind("\n") + 1])
+        return
     sys.stdout.write(text)
     sys.stdout.flush()

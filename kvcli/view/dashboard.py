@@ -9,6 +9,7 @@ rich's refresh thread renders the latest one 4 times a second. Off a terminal it
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from collections.abc import Callable
 from types import TracebackType
@@ -231,7 +232,12 @@ class LiveDashboard:
     On a terminal (and with `live=True`) a rich Live on stderr redraws the latest snapshot
     `refresh_per_second` times a second from its own thread; `update` never renders. Otherwise
     one `format_log_line` is printed at most every `log_interval_s` seconds, plus the last
-    snapshot on exit.
+    snapshot on exit. Text meant to scroll above the panels goes through `print_above`.
+
+    Every draw, the refresh thread's and `print_above`'s, holds one lock from cursor positioning to
+    the write. rich's own refresh thread does not exclude a print from another thread (its Live lock
+    covers only the cursor-up count, computed from the previous frame's height), so a frame drawn in
+    between, taller or shorter, left a stale panel row among the printed lines or erased one of them.
     """
 
     def __init__(
@@ -262,6 +268,9 @@ class LiveDashboard:
         self._logged: Snapshot | None = None
         self._last_log = float("-inf")
         self._cache: tuple[Snapshot, int, int, RenderableType] | None = None
+        self._draw = threading.Lock()  # one draw at a time: see the class docstring
+        self._stop = threading.Event()
+        self._refresher: threading.Thread | None = None
 
     @property
     def latest(self) -> Snapshot | None:
@@ -300,12 +309,36 @@ class LiveDashboard:
             self._live = Live(
                 get_renderable=self.renderable,
                 console=self.console,
-                refresh_per_second=self._refresh,
+                auto_refresh=False,  # refreshed by _refresh_loop, under self._draw
                 transient=False,
                 redirect_stdout=self._redirect_stdout,
             )
-            self._live.start()
+            with self._draw:
+                self._live.start(refresh=True)
+            self._stop.clear()
+            self._refresher = threading.Thread(target=self._refresh_loop, name="kvcli-dashboard", daemon=True)
+            self._refresher.start()
         return self
+
+    def _refresh_loop(self) -> None:
+        while not self._stop.wait(1.0 / self._refresh):
+            with self._draw:
+                if self._live is not None:
+                    self._live.refresh()
+
+    def print_above(self, text: str) -> None:
+        """Whole lines of text (ending in a newline) printed above the panels, which are redrawn at
+        once from the current renderable; straight to stdout when no dashboard is up."""
+        live = self._live
+        if live is None:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+            return
+        with self._draw:
+            # As the text is, and wrapped by the terminal as a plain write would be.
+            self.console.print(text.removesuffix("\n"), markup=False, highlight=False, emoji=False,
+                               soft_wrap=True)
+            live.refresh()
 
     def __exit__(
         self,
@@ -313,9 +346,13 @@ class LiveDashboard:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        if self._refresher is not None:
+            self._stop.set()
+            self._refresher.join()
+            self._refresher = None
         if self._live is not None:
-            self._live.stop()  # draws the last snapshot once more and leaves it on screen
+            with self._draw:
+                self._live.stop()  # draws the last snapshot once more and leaves it on screen
             self._live = None
         elif self._latest is not None and self._latest is not self._logged:
             self._log(self._latest)
-

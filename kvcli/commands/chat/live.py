@@ -1,8 +1,8 @@
 """The full dashboard while a chat reply streams (--live, /live), and where the reply's text goes.
 
 Without the dashboard a reply's pieces go straight to stdout. Under it, with stdout on the same
-terminal, rich's Live redirects stdout above the panels a line at a time, so only whole lines are
-written while it is up; the unfinished line is drawn above the panels instead and written out when
+terminal, they are printed above the panels a line at a time (LiveDashboard.print_above), so only
+whole lines are written while it is up; the unfinished line is drawn above the panels instead and written out when
 the dashboard closes. The dashboard goes away when the reply ends, leaving the reply as text.
 """
 
@@ -129,12 +129,11 @@ class ReplyView:
         text = self.held + piece
         cut = text.rfind("\n") + 1
         self.held = text[cut:]
-        # Before printing: the proxy's print redraws the dashboard, which must not show the printed
-        # line a second time as pending.
+        # Before printing: the print redraws the dashboard, which must not show the printed line a
+        # second time as pending.
         self.dash.pending = self.held
         if cut:
-            sys.stdout.write(text[:cut])  # rich's proxy for stdout: printed above the panels
-            sys.stdout.flush()
+            self.dash.print_above(text[:cut])
 
     def finish(self) -> None:
         """After the dashboard closed: the held unfinished line, and plain writes from now on."""
