@@ -113,11 +113,17 @@ def int8dot_dequant(lib: ctypes.CDLL, weight: tuple, out: torch.Tensor, first_ro
     return out
 
 
+# Bytes per block of 8 rows x 32 k in the kernel's layout, by code bits (block_bytes() in cpu_int8dot.c).
+BLOCK_BYTES = {4: 128, 5: 160, 6: 192, 8: 256}
+
+
 def pack_x8_native(lib: ctypes.CDLL, q: torch.Tensor, bits: int) -> torch.Tensor:
     """pack_x8 by the library (kvq_pack): the same bytes, without the tensor passes."""
+    if bits not in BLOCK_BYTES:
+        raise ValueError(f"int8dot holds codes of {sorted(BLOCK_BYTES)} bits, not {bits}")
     n, k = q.shape
     q = q.contiguous()
-    out = torch.empty(n // 8, k // 32 * {4: 128, 5: 160, 6: 192}.get(bits, 256), dtype=torch.uint8)
+    out = torch.empty(n // 8, k // 32 * BLOCK_BYTES[bits], dtype=torch.uint8)
     lib.kvq_pack(q.data_ptr(), n, k, bits, out.data_ptr(), torch.get_num_threads())
     return out.view(torch.int8) if bits == 8 else out
 

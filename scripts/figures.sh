@@ -16,9 +16,13 @@ WANT=" ${FIGURES:-$ALL} "
 
 header() {  # name, command...
   local name=$1; shift
+  local envs=() a
+  if [ "${1:-}" = env ]; then  # `env K=V ... cmd`: the machine line under the command's settings
+    for a in "${@:2}"; do case "$a" in *=*) envs+=("$a") ;; *) break ;; esac; done
+  fi
   {
     echo "# $name — $(date -u '+%Y-%m-%d %H:%M UTC')"
-    "$PY" -c 'from kvcli.bench.machine import machine_line; print(machine_line())'
+    env "${envs[@]}" "$PY" -c 'from kvcli.bench.machine import machine_line; print(machine_line())'
     echo "load average: $(cut -d' ' -f1-3 /proc/loadavg)"
     echo "command: $*"
     echo

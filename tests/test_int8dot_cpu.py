@@ -162,6 +162,13 @@ def test_native_pack_writes_the_reference_layout(isa, bits):
     assert torch.equal(got.view(torch.uint8), pack_x8(q, bits).view(torch.uint8))
 
 
+def test_native_pack_refuses_other_code_widths():
+    from kvcli_kernels.cpu_int8dot import pack_x8_native
+
+    with pytest.raises(ValueError, match="not 7"):
+        pack_x8_native(int8dot_cpu.native_library(), torch.zeros(8, 32, dtype=torch.uint8), 7)
+
+
 def test_rows_do_not_depend_on_their_batch(isa):
     """A row's output is bit-identical whether it runs alone or among others (speculation's verify
     steps and batched decode rely on it), and so is the zero row."""
