@@ -329,9 +329,9 @@ def test_lines_printed_above_a_redrawing_dashboard_all_stay(tmp_path):
     ~1.5 % of 1,500 such lines were erased and as many stale panel rows left here.)"""
     script = tmp_path / "redraw.py"
     script.write_text(_REDRAW_SCRIPT, encoding="utf-8")
-    n = 1000
+    n = 400
     t = Tmux(shlex.join([sys.executable, str(script), str(n)]) + "; sleep 60", width=100, height=40,
-             history=1900)
+             history=800)
     try:
         screen = t.wait(lambda s: "DONE" in s, "the script to finish", timeout=120)
     finally:

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from types import TracebackType
 
-from rich.console import Console, Group, RenderableType
+from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
 from rich.live import Live
 from rich.panel import Panel
 from rich.table import Table
@@ -226,6 +226,17 @@ def render_dashboard(s: Snapshot, width: int = 100, map_rows: int = 12) -> Rende
 
 # -- live / plain output -----------------------------------------------------------------------
 
+class _Current:
+    """The dashboard as it is when drawn, not when a frame was last set: rich redraws the Live's
+    renderable below every print, which then shows the current state without a second render."""
+
+    def __init__(self, dash: LiveDashboard) -> None:
+        self.dash = dash
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        yield self.dash.renderable()
+
+
 class LiveDashboard:
     """`with LiveDashboard() as dash: ... dash.update(snapshot)` once per engine step.
 
@@ -307,7 +318,7 @@ class LiveDashboard:
     def __enter__(self) -> LiveDashboard:
         if self.use_live:
             self._live = Live(
-                get_renderable=self.renderable,
+                _Current(self),
                 console=self.console,
                 auto_refresh=False,  # refreshed by _refresh_loop, under self._draw
                 transient=False,
@@ -335,10 +346,10 @@ class LiveDashboard:
             sys.stdout.flush()
             return
         with self._draw:
-            # As the text is, and wrapped by the terminal as a plain write would be.
+            # As the text is, and wrapped by the terminal as a plain write would be; the print draws
+            # the panels below it (rich's render hook), as they are now: one render per print.
             self.console.print(text.removesuffix("\n"), markup=False, highlight=False, emoji=False,
                                soft_wrap=True)
-            live.refresh()
 
     def __exit__(
         self,
