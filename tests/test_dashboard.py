@@ -297,6 +297,25 @@ def test_print_above_and_off_terminal_writes_stdout(capsys):
     assert capsys.readouterr().out == "one\ntwo\n"
 
 
+def test_continue_streams_whole_lines_under_the_dashboard(capsys):
+    """`kvcli continue` under the live view: a line goes out once complete, the unfinished rest is held
+    for the end, and every piece is kept for the continuation."""
+    from kvcli.commands.continue_cmd import _Stream
+
+    with LiveDashboard(Console(file=io.StringIO(), force_terminal=False)) as dash:
+        stream = _Stream(quiet=False, above=dash)
+        pieces = ["Hel", "lo\nwor", "ld", "\n", "\nta", "il"]
+        for i, piece in enumerate(pieces):
+            stream.emit(piece)
+            if i == 2:
+                assert capsys.readouterr().out == "Hello\n"
+    assert capsys.readouterr().out == "world\n\n"
+    assert "".join(stream.held) == "tail" and "".join(stream.pieces) == "".join(pieces)
+    quiet = _Stream(quiet=True, above=None)
+    quiet.emit("a\nb")
+    assert capsys.readouterr().out == "" and quiet.pieces == ["a\nb"]
+
+
 # A dashboard whose height changes from frame to frame, redrawn 50 times a second, while the main
 # thread prints numbered lines above it, as a streamed reply does.
 _REDRAW_SCRIPT = """

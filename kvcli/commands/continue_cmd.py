@@ -73,18 +73,18 @@ def run_continue(a: ContinueArgs, fail: Fail) -> int:
     if len(prompt) < len(ids):
         err.print(f"[yellow]truncated: kept the last {len(prompt):,} of {len(ids):,} tokens[/yellow]")
 
-    pieces: list[str] = []
     interrupted = False
     # On a terminal: the dashboard with a prefill bar on top. Otherwise (a pipe, --no-live): plain
     # log lines on stderr every 2 s. --json keeps stderr quiet apart from errors.
     view = None if a.json_out else _LiveView(engine, err, len(prompt), live=a.live and err.is_terminal)
     by_line = view is not None and view.dash.use_live and sys.stdout.isatty()  # stdout shares the terminal
+    stream = _Stream(quiet=a.json_out, above=view.dash if by_line else None)
     t0 = time.perf_counter()
     try:
         with (view.dash if view else nullcontext()):
             while engine.has_unfinished():
                 for o in engine.step():
-                    _emit(o.new_text, pieces, a.json_out, above=view.dash if by_line else None)
+                    stream.emit(o.new_text)
                 if view:
                     view.update(req.num_computed_tokens)
     except KeyboardInterrupt:
@@ -94,10 +94,10 @@ def run_continue(a: ContinueArgs, fail: Fail) -> int:
         fail(str(e))
     wall = time.perf_counter() - t0
 
-    continuation = "".join(pieces)
+    continuation = "".join(stream.pieces)
     if not a.json_out:
         if by_line:  # the unfinished last line, held back while the dashboard was up
-            sys.stdout.write(continuation[continuation.rfind("\n") + 1:])
+            sys.stdout.write("".join(stream.held))
         sys.stdout.write("\n")
         sys.stdout.flush()
     if a.output is not None:
@@ -180,20 +180,31 @@ class _PrefillDashboard(LiveDashboard):
         return Group(self.progress.get_renderable(), body) if self.prefilling else body
 
 
-def _emit(text: str, pieces: list[str], quiet: bool, above: LiveDashboard | None = None) -> None:
-    """Stream text to stdout. Under the live dashboard (`above`), text is printed above the panel a
-    line at a time, so only complete lines are written then (the rest when the run ends)."""
-    if not text:
-        return
-    pieces.append(text)
-    if quiet:
-        return
-    if above is not None:
-        if "\n" not in text:
+class _Stream:
+    """The continuation as it streams: every piece kept, and written to stdout as it comes or, under
+    the live dashboard (`above`), a whole line at a time above the panels (the rest, `held`, when the
+    run ends). Linear in the output: a line is joined once, when it completes."""
+
+    def __init__(self, quiet: bool, above: LiveDashboard | None) -> None:
+        self.pieces: list[str] = []
+        self.held: list[str] = []  # the unfinished line's pieces, under the dashboard
+        self.quiet = quiet
+        self.above = above
+
+    def emit(self, text: str) -> None:
+        if not text:
             return
-        done = "".join(pieces)  # only when a line completes
-        start = done.rfind("\n", 0, len(done) - len(text)) + 1
-        above.print_above(done[start:done.rfind("\n") + 1])
-        return
-    sys.stdout.write(text)
-    sys.stdout.flush()
+        self.pieces.append(text)
+        if self.quiet:
+            return
+        if self.above is None:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+            return
+        if "\n" not in text:
+            self.held.append(text)
+            return
+        cut = text.rfind("\n") + 1
+        line = "".join(self.held) + text[:cut]
+        self.held = [text[cut:]] if cut < len(text) else []
+        self.above.print_above(line)
