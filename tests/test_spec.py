@@ -16,9 +16,9 @@ from kvcli.kvcache.block_manager import PagedKVManager
 from kvcli.kvcache.contiguous import ContiguousArena
 from kvcli.kvcache.interface import blocks_for
 from kvcli.options import ConfigError, EngineOptions
-from kvcli.spec.acceptance import accept
-from kvcli.spec.backoff import AdaptiveBackoff
-from kvcli.spec.prompt_lookup import PromptLookupProposer
+from kvcli.spec_decode.acceptance import accept
+from kvcli.spec_decode.backoff import AdaptiveBackoff
+from kvcli.spec_decode.prompt_lookup import PromptLookupProposer
 
 
 def propose(p: PromptLookupProposer, tokens: list[int], limit: int = 99, rid: str = "r") -> list[int]:

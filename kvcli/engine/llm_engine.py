@@ -29,8 +29,8 @@ from kvcli.model.tokenizer import Tokenizer
 from kvcli.options import ConfigError, EngineOptions, parse_kv_budget
 from kvcli.runner.model_runner import ModelRunner
 from kvcli.runner.simulated_runner import SimulatedRunner
-from kvcli.spec.backoff import AdaptiveBackoff
-from kvcli.spec.prompt_lookup import PromptLookupProposer
+from kvcli.spec_decode.backoff import AdaptiveBackoff
+from kvcli.spec_decode.prompt_lookup import PromptLookupProposer
 
 __all__ = ["ConfigError", "EngineOptions", "LLMEngine"]
 

@@ -35,8 +35,8 @@ from kvcli.config import SamplingParams
 from kvcli.engine.request import Request, RequestStatus
 from kvcli.kvcache.interface import KVLayout
 from kvcli.metrics.stats import RequestExtent, SchedulerStats, SpecStats
-from kvcli.spec.backoff import AdaptiveBackoff
-from kvcli.spec.prompt_lookup import PromptLookupProposer
+from kvcli.spec_decode.backoff import AdaptiveBackoff
+from kvcli.spec_decode.prompt_lookup import PromptLookupProposer
 
 if TYPE_CHECKING:
     import torch

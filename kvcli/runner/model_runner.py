@@ -1,6 +1,6 @@
 """Turns a SchedulerOutput into tensors (ids, positions, slot mapping, block tables), runs the model
 and samples the next token of the requests that sample this step. A request carrying guesses gets
-logits at its last token and at each guess, and the guesses are verified here (spec/acceptance.py):
+logits at its last token and at each guess, and the guesses are verified here (spec_decode/acceptance.py):
 the runner returns the accepted guesses followed by the model's own next token."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from kvcli.kvcache.interface import NULL_BLOCK
 from kvcli.kvcache.kv_cache import HostBlocks, KVCache
 from kvcli.model.llama import LlamaModel
 from kvcli.sampler import sample
-from kvcli.spec.acceptance import accept
+from kvcli.spec_decode.acceptance import accept
 
 
 def build_metadata(out: SchedulerOutput, block_size: int, device: torch.device, sliding_window: int = 0
