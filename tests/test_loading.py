@@ -87,7 +87,7 @@ def test_checkpoint_folder_exact(tmp_path, tokenizer_files, arch):
 
 
 def logits_through_engine(engine, ids: list[int], chunk: int) -> torch.Tensor:
-    from kvcli.engine.scheduler import ScheduledChunk, SchedulerOutput
+    from kvcli.step import ScheduledChunk, SchedulerOutput
 
     rows = []
     for pos in range(0, len(ids), chunk):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from kvcli.engine.scheduler import ScheduledChunk, SchedulerOutput
 from kvcli.kvcache.interface import NULL_BLOCK
 from kvcli.runner.model_runner import build_metadata
+from kvcli.step import ScheduledChunk, SchedulerOutput
 
 
 def test_build_metadata_mixed_step():

@@ -16,10 +16,10 @@ from typer.testing import CliRunner
 from cli_helpers import one_line_error
 from kvcli.cli import app
 from kvcli.config import ModelConfig
-from kvcli.engine.scheduler import ScheduledChunk, SchedulerOutput
 from kvcli.llm import LLM
 from kvcli.model.gguf_file import GGUFFile
 from kvcli.model.gguf_loader import GGUFError, read_config
+from kvcli.step import ScheduledChunk, SchedulerOutput
 
 WINDOW = 8
 BASE = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -11,7 +11,7 @@ import torch
 
 from kvcli.config import SamplingParams
 from kvcli.engine.request import Request
-from kvcli.engine.scheduler import RunnerOutput, Scheduler, SchedulerOutput
+from kvcli.engine.scheduler import Scheduler
 from kvcli.kvcache.block_manager import PagedKVManager
 from kvcli.kvcache.contiguous import ContiguousArena
 from kvcli.kvcache.interface import blocks_for
@@ -19,6 +19,7 @@ from kvcli.options import ConfigError, EngineOptions
 from kvcli.spec_decode.acceptance import accept
 from kvcli.spec_decode.backoff import AdaptiveBackoff
 from kvcli.spec_decode.prompt_lookup import PromptLookupProposer
+from kvcli.step import RunnerOutput, SchedulerOutput
 
 
 def propose(p: PromptLookupProposer, tokens: list[int], limit: int = 99, rid: str = "r") -> list[int]:

@@ -7,7 +7,7 @@ import torch
 from transformers import GenerationConfig
 
 from kvcli.config import SamplingParams
-from kvcli.engine.scheduler import ScheduledChunk, SchedulerOutput
+from kvcli.step import ScheduledChunk, SchedulerOutput
 
 pytestmark = pytest.mark.slow
 

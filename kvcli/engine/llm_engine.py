@@ -14,7 +14,7 @@ from kvcli.config import ModelConfig, SamplingParams
 from kvcli.engine.detokenizer import IncrementalDetokenizer
 from kvcli.engine.outputs import CompletionOutput, RequestOutput
 from kvcli.engine.request import Request
-from kvcli.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from kvcli.engine.scheduler import Scheduler
 from kvcli.kvcache.block_manager import PagedKVManager
 from kvcli.kvcache.contiguous import ContiguousArena
 from kvcli.kvcache.interface import KVLayout
@@ -31,6 +31,7 @@ from kvcli.runner.model_runner import ModelRunner
 from kvcli.runner.simulated_runner import SimulatedRunner
 from kvcli.spec_decode.backoff import AdaptiveBackoff
 from kvcli.spec_decode.prompt_lookup import PromptLookupProposer
+from kvcli.step import ScheduledChunk, SchedulerOutput
 
 __all__ = ["ConfigError", "EngineOptions", "LLMEngine"]
 

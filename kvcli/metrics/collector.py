@@ -18,7 +18,7 @@ from kvcli.metrics.stats import KVLayoutStats, RequestExtent
 
 if TYPE_CHECKING:
     from kvcli.engine.llm_engine import LLMEngine
-    from kvcli.engine.scheduler import SchedulerOutput
+    from kvcli.step import SchedulerOutput
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import torch
 
 from kvcli.attention.base import AttentionBackend, AttentionMetadata
 from kvcli.config import SamplingParams
-from kvcli.engine.scheduler import RunnerOutput, SchedulerOutput
+from kvcli.step import RunnerOutput, SchedulerOutput
 from kvcli.kvcache.interface import NULL_BLOCK
 from kvcli.kvcache.kv_cache import HostBlocks, KVCache
 from kvcli.model.llama import LlamaModel

@@ -5,7 +5,7 @@ verified greedily against that model: guesses of 0 are accepted up to the first 
 
 from __future__ import annotations
 
-from kvcli.engine.scheduler import RunnerOutput, SchedulerOutput
+from kvcli.step import RunnerOutput, SchedulerOutput
 
 
 class SimulatedRunner:

@@ -34,7 +34,7 @@ def test_triton_and_torch_backends_same_logits_over_chunks(tmp_path, kv_dtype):
     dequantize in registers; the torch backend quantizes with kv_dtype.quantize and dequantizes)."""
     import torch
 
-    from kvcli.engine.scheduler import ScheduledChunk, SchedulerOutput
+    from kvcli.step import ScheduledChunk, SchedulerOutput
 
     cfg = dict(PRESETS["smollm2-135m"], num_hidden_layers=2, vocab_size=512)
     f = tmp_path / "tiny.json"
