@@ -22,18 +22,19 @@ test-fast: setup
 # 64-request trace. `make bench ISA=avx2` holds torch and llama.cpp to AVX2 on an AVX-512 machine.
 ISA ?= native
 bench: setup bench-deps
-	$(PY) scripts/bench_cpu.py --isa $(ISA)
-	$(if $(filter avx2,$(ISA)),ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2) $(PY) scripts/bench_throughput.py --workload alpaca --num-requests 64
+	$(PY) -m kvcli.bench $(if $(filter avx2,$(ISA)),cpu-avx2,cpu)
+	$(PY) -m kvcli.bench $(if $(filter avx2,$(ISA)),throughput-avx2,throughput)
 
 # llama.cpp for the comparison, built once per ISA into .cache/bench (never a kvcli dependency);
 # a failed build only skips llama.cpp's rows.
 bench-deps:
 	-bash scripts/build_llama_cpp.sh $(ISA)
 
-# Every figure in README.md and docs/benchmarks.md, raw outputs to docs/results/ (about an hour, idle machine;
+# Every figure in README.md and docs/benchmarks.md, each from one entry of the benchmark package
+# (`python -m kvcli.bench --list`), raw output to docs/results/<figure>.txt (about an hour, idle machine;
 # FIGURES="decode load" make figures for a subset).
 figures: setup
-	bash scripts/figures.sh
+	bash scripts/figures.sh $(FIGURES)
 
 # The plan (kernel variants, time budget) first, then the run: one capped process per section.
 gpu-check:

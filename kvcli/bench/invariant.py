@@ -13,18 +13,18 @@ import argparse
 import statistics
 import time
 from datetime import datetime, timezone
-from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+from kvcli.bench.harness import REPO
 
 
-def main() -> None:
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=48)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     torch.set_num_threads(1)
 
     from kvcli.bench.machine import machine_line
@@ -75,7 +75,3 @@ def main() -> None:
         fmt = lambda xs: ", ".join(f"{x:.1f}" for x in xs)  # noqa: E731
         print(f"| {name} | {fmt(got['torch'])} | {fmt(got['invariant'])} | {statistics.median(ratios):.2f}x |",
               flush=True)
-
-
-if __name__ == "__main__":
-    main()

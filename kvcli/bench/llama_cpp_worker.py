@@ -1,4 +1,4 @@
-"""llama.cpp's side of `make bench`, run inside the benchmark-only venv that scripts/build_llama_cpp.sh
+"""llama.cpp's side of the benchmarks, run by kvcli/bench/llama_cpp.py inside the benchmark-only venv that scripts/build_llama_cpp.sh
 builds (never imports kvcli). Reads a JSON job on stdin, prints one JSON result on stdout.
 
 It drives llama.cpp's C API (llama-cpp-python's ctypes bindings) with kvcli's token ids, so both

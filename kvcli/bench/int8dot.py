@@ -1,11 +1,10 @@
-#!/usr/bin/env python
 """Per-linear timings of kvcli's int8dot CPU kernel against torch's packed int4 kernel (int4-cpu), the
 read-back + torch GEMM and kvcli's fused fp32 GEMM (weight panels dequantized on the fly; AVX2 builds
 take it from GEMM_F32_MIN_ROWS rows), on SmolLM2-135M's linear shapes and its vocabulary projection,
 with the error of each against a float64 reference. Run it twice to see both ISAs:
 
-  python scripts/bench_int8dot.py
-  ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python scripts/bench_int8dot.py
+  python -m kvcli.bench int8dot-ops
+  ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python -m kvcli.bench int8dot-ops
 
 Times are wall ms per call, best of 3 batches of --calls calls each, after a warm-up, at the torch thread
 count (2 here). Weights are random (Q4_1-style for layers, Q8_0 for the vocabulary table): speed does not
@@ -15,32 +14,27 @@ depend on the values.
 from __future__ import annotations
 
 import argparse
-import time
 from datetime import datetime, timezone
 
 import torch
 import torch.nn.functional as F
 
+from kvcli.bench import harness
+
 
 def best_ms(fn, calls: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(3):
-        t = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - t) / calls * 1e3)
-    return best
+    """Best of 3 timings of `calls` calls, ms per call, after a warm-up call."""
+    return harness.best_ms(fn, 3, calls)
 
 
 def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     return ((y.double() - ref).abs().max() / ref.abs().max()).item()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=int, default=20)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     from kvcli.bench.machine import machine_line
     from kvcli.model.int4_cpu import Int4Cpu
     from kvcli.model.int8dot_cpu import Int8DotCpu, native_library
@@ -89,7 +83,3 @@ def main() -> None:
         t_f = f"{best_ms(lambda: int8dot_gemm_f32(head.lib, x, head.args, n), 5):.2f}" if has_fused else "n/a"
         print(f"| | {rows} | {best_ms(lambda: head(x), 5):.2f} | {best_ms(lambda: F.linear(x.bfloat16(), wb), 5):.2f} | "
               f"{t_f} |")
-
-
-if __name__ == "__main__":
-    main()

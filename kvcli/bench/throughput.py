@@ -41,7 +41,7 @@ def progress(mode: str, done: int, total: int) -> None:
         print(f"  {mode}: {done}/{total} requests", file=sys.stderr, flush=True)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workload", default="alpaca", help="sharegpt | alpaca | uniform | FILE.jsonl (default alpaca)")
     ap.add_argument("--num-requests", type=int, default=64)
@@ -60,7 +60,7 @@ def main() -> int:
                     help="auto: also run llama.cpp with --parallel sequences where scripts/build_llama_cpp.sh built it")
     ap.add_argument("--parallel", type=int, default=16, help="llama.cpp sequences in flight (default 16)")
     ap.add_argument("--json", metavar="FILE", help="also write the numbers to FILE as JSON")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     if a.threads is not None:
         if a.threads < 1:
             ap.error("--threads must be >= 1")
@@ -132,16 +132,17 @@ def main() -> int:
     llama: dict | None = None
     llama_note = ""
     if a.llama_cpp == "auto":
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        import llama_bench
+        from kvcli.bench.engines import LlamaCppEngine
 
         # f16 K and V for every layer and KV head: llama.cpp's default cache type.
         c = load_config(None)
         per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 2
-        job = {"model": str(bundled_gguf_path()), "threads": torch.get_num_threads(), "parallel": a.parallel,
-               "n_ctx": kv_bytes // per_token, "trace": [{"prompt": p, "max_tokens": m} for p, m in zip(prompts, max_tokens)]}
         print(f"llama.cpp: running {len(prompts)} requests, {a.parallel} in parallel", file=sys.stderr, flush=True)
-        llama, llama_note = llama_bench.run(job)
+        lc = LlamaCppEngine()
+        if lc.available:
+            res = lc.trace(prompts, max_tokens, a.parallel, kv_bytes // per_token)
+            llama = None if res is None else {"trace": res, "llama_cpp_version": res["llama_cpp_version"]}
+        llama_note = lc.note
         if llama is not None and llama["trace"]["output_tokens"] != kv_tokens:
             llama_note = f"llama.cpp produced {llama['trace']['output_tokens']} tokens instead of {kv_tokens}; not counted"
             llama = None
@@ -151,7 +152,7 @@ def main() -> int:
 
     load_after = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     now = datetime.now(timezone.utc)
-    command = "python scripts/bench_throughput.py" + ("" if len(sys.argv) == 1 else " " + shlex.join(sys.argv[1:]))
+    command = "python -m kvcli.bench throughput" + ("" if not argv else " " + shlex.join(argv))
     print(f"# throughput benchmark — {now:%Y-%m-%d %H:%M} UTC")
     print(f"{machine_line()}; transformers {transformers.__version__}")
     if load_before is not None:
@@ -228,7 +229,3 @@ def main() -> int:
             json.dump(report, f, indent=2)
             f.write("\n")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

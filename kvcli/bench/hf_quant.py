@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Pre-quantized Hugging Face folders (AWQ / GPTQ / compressed-tensors) against the bundled GGUF (CPU).
 
 Folders (written once into .cache/hf-quant/, reused after): the bundled SmolLM2-135M's layer linears
@@ -25,9 +24,10 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from kvcli.bench.harness import REPO
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-REPO = Path(__file__).resolve().parent.parent
 CACHE = REPO / ".cache" / "hf-quant"
 FORMATS = [("awq", False), ("gptq", True), ("gptq_v2", False), ("compressed-tensors", True),
            ("compressed-tensors", False)]
@@ -124,17 +124,17 @@ def measure(spec: str, args) -> dict:
             "tok_s": max(speeds)}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--force", action="store_true", help="rewrite the folders")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     from kvcli.bench.machine import machine_line
     from kvcli.model.loader import bundled_gguf_path
 
-    print(f"# scripts/bench_hf_quant.py {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC")
+    print(f"# python -m kvcli.bench hf-quant {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC")
     print(machine_line())
     folders = write_folders(args.force)
     models = {"bundled Q4_1 GGUF (g32)": bundled_gguf_path(), **folders}
@@ -148,7 +148,3 @@ def main() -> None:
         rss = peak_rss_mib(spec)
         print(f"{name:<28} {layer_file_bytes(path) / 2**20:8.1f} {m['resident'] / 2**20:12.1f} {m['path']:>9} "
               f"{m['load']:7.2f} {rss:12.0f} {m['tok_s']:12.1f}   (load average {os.getloadavg()[0]:.1f})")
-
-
-if __name__ == "__main__":
-    main()

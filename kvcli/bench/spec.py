@@ -2,7 +2,7 @@
 ngram`, and transformers `generate` with and without `prompt_lookup_num_tokens`, on the same prompts:
 a repetitive text (source code) and prose, at batch 1 and as a 16-request batch.
 
-Method (as scripts/bench_decode.py): wall time of a greedy generation of 1 token and of N tokens from
+Method (as the decode figure): wall time of a greedy generation of 1 token and of N tokens from
 the same prompts; decode tok/s = batch * (N - 1) / (t_N - t_1), so prefill is excluded. Best of
 --repeats after one warm-up. kvcli runs its CPU default (INT4 weights resident); transformers runs the
 same GGUF dequantized to fp32 (its GGUF loader). Greedy identity is checked on the N-token outputs.
@@ -18,14 +18,14 @@ import platform
 import sys
 import time
 from datetime import datetime, timezone
-from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+from kvcli.bench.harness import REPO, best_warm
+
 
 
 def cpu_isa() -> str:
@@ -37,13 +37,8 @@ def cpu_isa() -> str:
 
 
 def best(fn, repeats: int) -> tuple[float, object]:
-    fn()  # warm-up
-    times, out = [], None
-    for _ in range(repeats):
-        t = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t)
-    return min(times), out
+    """A warm-up, then the best of `repeats` wall times, and the last run's output."""
+    return best_warm(fn, repeats)
 
 
 def texts(prompt_tokens: int, batch: int, tokenizer) -> dict[str, list[list[int]]]:
@@ -58,7 +53,7 @@ def texts(prompt_tokens: int, batch: int, tokenizer) -> dict[str, list[list[int]
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=128)
@@ -77,7 +72,7 @@ def main() -> None:
                          "output with speculation bit-identical to plain decoding on INT4 weights)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads for every engine (on a shared "
                     "machine one thread avoids OpenMP spinning against other processes)")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
 
     from kvcli.config import SamplingParams
@@ -176,7 +171,3 @@ def print_row(r, table: bool = False) -> None:
              "n/a" if ratio is None else f"{ratio:.2f}x", "" if acc is None else f"{acc:.1%}",
              "" if tps is None else f"{tps:.2f}", same, note]
     print(("| " + " | ".join(cells) + " |") if table else "  ".join(cells))
-
-
-if __name__ == "__main__":
-    main()

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """K-quant GGUFs against the bundled Q4_1 model: resident layer bytes, load time, decode speed (CPU).
 
 Files (written once into .cache/, reused after):
@@ -24,9 +23,10 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from kvcli.bench.harness import REPO
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-REPO = Path(__file__).resolve().parent.parent
 CACHE = REPO / ".cache"
 
 
@@ -133,14 +133,14 @@ def decode_tok_s(llm, ids: list[int], n: int, repeats: int, warm: bool = True) -
     return best
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--no-aligned", action="store_true", help="only the bundled model's re-encoding")
     ap.add_argument("--force", action="store_true", help="re-encode the files in .cache/")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
 
     from kvcli.bench.machine import machine_line
 
@@ -187,7 +187,3 @@ def main() -> None:
         print(f"  => load {lk / lb:.2f}x the Q4_1 model's (goal <= 2x); decode {paired[len(paired) // 2]:.2f}x its "
               f"speed, the median of the rounds' ratios (goal >= 0.75x; ratios {', '.join(f'{r:.2f}' for r in paired)}; "
               f"best against best {tk / tb:.2f}x)")
-
-
-if __name__ == "__main__":
-    main()

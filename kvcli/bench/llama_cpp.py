@@ -1,5 +1,6 @@
-"""kvcli-side handle on the benchmark-only llama.cpp (scripts/build_llama_cpp.sh): find its venv for the
-ISA under test and run scripts/llama_cpp_worker.py there with a JSON job. Shared by the benchmarks."""
+"""kvcli's handle on the benchmark-only llama.cpp (scripts/build_llama_cpp.sh): find its venv for the ISA
+under test and run kvcli/bench/llama_cpp_worker.py there with a JSON job (the worker never imports kvcli;
+it is run by its file path, so the venv needs only llama-cpp-python and numpy)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import os
 import subprocess
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from kvcli.bench.harness import REPO
+
+WORKER = Path(__file__).resolve().parent / "llama_cpp_worker.py"
 
 
 def bench_isa() -> str:
@@ -24,15 +27,19 @@ def python_for(isa: str) -> Path | None:
     return py if ok else None
 
 
+def not_built_note(isa: str) -> str:
+    return f"llama.cpp not built for {isa}: run `bash scripts/build_llama_cpp.sh {isa}` (or `make bench-deps`)"
+
+
 def run(job: dict, isa: str | None = None, timeout: float = 3600) -> tuple[dict | None, str]:
     """(result, note): result None with a one-line reason when llama.cpp is not built or fails."""
     isa = isa or bench_isa()
     py = python_for(isa)
     if py is None:
-        return None, f"llama.cpp not built for {isa}: run `bash scripts/build_llama_cpp.sh {isa}` (or `make bench-deps`)"
+        return None, not_built_note(isa)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
-    p = subprocess.run([str(py), str(REPO / "scripts" / "llama_cpp_worker.py")], input=json.dumps(job),
-                       capture_output=True, text=True, env=env, timeout=timeout)
+    p = subprocess.run([str(py), str(WORKER)], input=json.dumps(job), capture_output=True, text=True, env=env,
+                       timeout=timeout)
     if p.returncode != 0:
         return None, f"llama.cpp worker failed: {(p.stderr.strip().splitlines() or ['?'])[-1]}"
     return json.loads(p.stdout.strip().splitlines()[-1]), ""

@@ -18,7 +18,7 @@ import time
 import torch
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--layers", type=int, default=30)
@@ -26,7 +26,7 @@ def main() -> None:
     ap.add_argument("--kv-dtypes", default="fp32,fp16,bf16,int8,fp8")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
 
     from kvcli.attention.base import AttentionMetadata
@@ -89,6 +89,3 @@ def main() -> None:
     for label, t in times.items():
         rel = f"{statistics.median(x / y for x, y in zip(t, base)):.2f}x" if base else "-"
         print(f"| {label} | {statistics.median(t):.1f} | {min(t):.1f} | {rel} |")
-
-if __name__ == "__main__":
-    main()

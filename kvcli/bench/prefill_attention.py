@@ -1,11 +1,10 @@
-#!/usr/bin/env python
 """Causal attention of one prefill chunk: kvcli's C kernel (kernels/cpu_prefill_attention.c) against the
 torch path it replaces (kvcli.attention.torch_backend.attend: torch's flash attention over the prefix
 merged with causal flash attention over the chunk), on SmolLM2-135M's shape (9 q / 3 KV heads, head_dim
 64), fp32, with the largest difference of each from a float64 reference. Run it twice for both ISAs:
 
-  python scripts/bench_prefill_attention.py
-  ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python scripts/bench_prefill_attention.py
+  python -m kvcli.bench prefill-attention
+  ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python -m kvcli.bench prefill-attention
 
 Times: wall ms per call, best of --repeats after a warm-up, at the torch thread count.
 """
@@ -13,23 +12,14 @@ Times: wall ms per call, best of --repeats after a warm-up, at the torch thread 
 from __future__ import annotations
 
 import argparse
-import time
 from datetime import datetime, timezone
 
 import torch
 
+from kvcli.bench.harness import best_ms
+
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 CASES = ((512, 512), (512, 2048), (512, 4096))  # (chunk tokens, keys): a chunk alone, then after a prefix
-
-
-def best_ms(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, (time.perf_counter() - t) * 1e3)
-    return best
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -40,10 +30,10 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
     return (s.softmax(-1) @ v.double().repeat_interleave(g, 0)).transpose(0, 1)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=7)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     from kvcli.attention.torch_backend import attend, native_prefill_attention
     from kvcli.bench.machine import machine_line
     from kvcli_kernels.cpu_prefill_attention import prefill_attention
@@ -68,7 +58,3 @@ def main() -> None:
         e_ours = (out.double() - ref).abs().max().item()
         e_torch = (attend(q.transpose(0, 1), k, v, scale).transpose(0, 1).double() - ref).abs().max().item()
         print(f"| {t} | {length} | {t_ours:.2f} | {t_torch:.2f} | {t_torch / t_ours:.2f}x | {e_ours:.1e} | {e_torch:.1e} |")
-
-
-if __name__ == "__main__":
-    main()

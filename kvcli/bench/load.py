@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Load time of the bundled model as a user sees it: `kvcli continue FILE -n 1 --json`, whose report
 has `load_seconds` (file, tokenizer, model build and KV pool), run first with an empty kvcli cache (a
 fresh machine) and then twice with the cache it left. Each run is its own process, as a user's would
@@ -13,9 +12,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from kvcli.bench.harness import REPO
 
 
 def load_seconds(cache: str) -> tuple[float, float]:
@@ -27,7 +25,7 @@ def load_seconds(cache: str) -> tuple[float, float]:
     return json.loads(out.stdout)["load_seconds"], time.perf_counter() - t
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     from kvcli.bench.machine import machine_line
 
     print(machine_line())
@@ -37,7 +35,3 @@ def main() -> None:
     print(f"load_seconds, empty cache (first run on a machine): {first[0]:.2f}  (whole process: {first[1]:.2f} s)")
     print(f"load_seconds, cache present (later runs): {', '.join(f'{x[0]:.2f}' for x in later)}  "
           f"(whole process: {', '.join(f'{x[1]:.2f}' for x in later)} s)")
-
-
-if __name__ == "__main__":
-    main()

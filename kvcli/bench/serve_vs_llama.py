@@ -8,7 +8,7 @@ Memory: kvcli's KV pool and its breakdown come from its /metrics (kvcli: metrics
 --metrics export no KV figure in this version, so its KV buffer size is quoted from llama-server's
 own startup log, labelled as such.
 
-  PYTHONPATH=. python scripts/bench_serve_vs_llama.py --threads 1 --out docs/results/serve-vs-llama-server-DATE.txt
+  python -m kvcli.bench serve-vs-llama-server --threads 1 --out docs/results/serve-vs-llama-server-DATE.txt
 llama-server: --llama-server PATH, else as kvcli/bench/llama_server.py finds it ($KVCLI_LLAMA_SERVER,
 $KVCLI_CACHE/llama-server/bin, .cache/bench/llama-server/bin; scripts/build_llama_server.sh builds it).
 Loopback only.
@@ -37,7 +37,7 @@ from kvcli.bench.machine import machine_line
 from kvcli.model.loader import bundled_gguf_path
 from kvcli.remote.scrape import parse
 
-from bench_serve import start_server as start_kvcli  # scripts/ is on sys.path when run as a script
+from kvcli.bench.serve import start_server as start_kvcli
 
 
 def free_port() -> int:
@@ -90,7 +90,7 @@ def stop(p: subprocess.Popen) -> None:
         p.kill()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--llama-server", type=Path, default=None)
     ap.add_argument("--workload", default="alpaca")
@@ -103,7 +103,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="CPU threads for both servers (torch threads for "
                     "kvcli, -t/-tb for llama-server); default: each one's own")
     ap.add_argument("--out", type=Path, default=None)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     binary = a.llama_server or find_llama_server()
     if binary is None or not binary.is_file():
         raise SystemExit(f"llama-server not found ({a.llama_server or ', '.join(map(str, candidates()))}); "
@@ -124,7 +124,7 @@ def main() -> None:
         torch.set_num_threads(a.threads)
         env["OMP_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"] = str(a.threads)
     gguf = bundled_gguf_path()
-    say(f"bench_serve_vs_llama · {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC} · {' '.join(sys.argv[1:]) or '(defaults)'}")
+    say(f"bench_serve_vs_llama · {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC} · {' '.join(argv or []) or '(defaults)'}")
     say(machine_line() + (f" (kvcli serve's torch threads; llama-server -t {a.threads} -tb {a.threads})" if a.threads
                           else " (this process; each server uses its own default)"))
     say(f"load average at start: {os.getloadavg()[0]:.1f}")
@@ -193,7 +193,3 @@ def main() -> None:
         say(f"                {ln}")
     say("  peak resident memory of each server process after the run (VmHWM): "
         + ", ".join(f"{k} {'n/a' if v is None else f'{v:,.0f} MiB'}" for k, v in rss.items()))
-
-
-if __name__ == "__main__":
-    main()

@@ -10,7 +10,7 @@ Schemes (4-bit, asymmetric min/max per group, as KIVI and transformers' Quantize
               block of 32), quantized when the block fills; the last, partial block stays fp32 (KIVI's
               residual). The chunk that fills a block already attends to its quantized keys (KIVI
               attends in full precision during prefill: slightly pessimistic here).
-Same text, model and window as scripts/bench_kv_dtype.py; prints one table and the machine line.
+Same text, model and window as the kv-dtype figure; prints one table and the machine line.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+from kvcli.bench.harness import REPO
+
 GROUP = 32
 
 
@@ -39,11 +40,11 @@ def fake_int4(x: torch.Tensor, dim: int) -> torch.Tensor:
     return (q * step + lo).reshape(shape).movedim(-1, dim)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--text", type=Path, default=REPO / "samples" / "heldout-gpl-3.0.txt")
     ap.add_argument("--context", type=int, default=4096)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
 
     from kvcli.attention.torch_backend import TorchAttentionBackend
     from kvcli.bench.machine import machine_line
@@ -87,7 +88,3 @@ def main() -> None:
     print("|---|---:|---:|")
     for name, ppl, rel, _ in rows:
         print(f"| {name} | {ppl:.4f} | {rel:+.3%} |")
-
-
-if __name__ == "__main__":
-    main()

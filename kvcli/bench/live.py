@@ -22,12 +22,12 @@ from kvcli.view.dashboard import LiveDashboard
 from kvcli.workloads import SAMPLE_TEXT
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--prompt-tokens", type=int, default=1024)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     llm = LLM(prefix_caching=False)  # every run prefills its prompt in full, as the first one did
     engine = llm.engine
     ids = llm.tokenizer.encode(SAMPLE_TEXT.read_text(encoding="utf-8"))[: a.prompt_tokens]
@@ -68,12 +68,8 @@ def main() -> None:
     b, l_ = max(base), max(live)
     print(f"# live dashboard overhead — {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC")
     print(machine_line())
-    print(f"command: python scripts/bench_live_overhead.py "
+    print(f"command: python -m kvcli.bench live "
           f"--prompt-tokens {a.prompt_tokens} --new-tokens {a.new_tokens} --rounds {a.rounds}")
     print(f"decode tok/s without dashboard: {', '.join(f'{x:.1f}' for x in base)} (best {b:.1f})")
     print(f"decode tok/s with dashboard:    {', '.join(f'{x:.1f}' for x in live)} (best {l_:.1f})")
     print(f"slowdown (best vs best): {(1 - l_ / b) * 100:.1f} %  (goal <= 5 %)")
-
-
-if __name__ == "__main__":
-    main()

@@ -56,7 +56,7 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--workload", default="alpaca")
     ap.add_argument("--num-requests", type=int, default=64)
@@ -68,7 +68,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch threads for the engine, in-process and in "
                     "the server (default: torch's). 1 is steadier when other work shares the cores.")
     ap.add_argument("--out", type=Path, default=None)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     lines: list[str] = []
 
     def say(s: str) -> None:
@@ -83,7 +83,7 @@ def main() -> None:
 
         torch.set_num_threads(a.threads)
         os.environ["OMP_NUM_THREADS"] = str(a.threads)  # the server subprocess reads it at torch's start
-    say(f"bench_serve · {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC} · {' '.join(sys.argv[1:]) or '(defaults)'}")
+    say(f"bench_serve · {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC} · {' '.join(argv or []) or '(defaults)'}")
     say(machine_line() + ("" if not a.threads else " (set for the engine in-process and in the server)"))
     say(f"load average at start: {os.getloadavg()[0]:.1f} (the machine is shared; runs are interleaved, ratios "
         "taken within each round)")
@@ -161,7 +161,3 @@ def main() -> None:
     say(f"watch overhead     : median {1 - rw:+.1%} of serve's tok/s ({', '.join(f'{1 - x:+.1%}' for x in ratio_watch)}) "
         f"(goal < 5 %) -> {'met' if rw > 0.95 else 'NOT met'}")
     say(f"no request lost, all tokens, all blocks free after each run: {'yes' if ok else 'NO'}")
-
-
-if __name__ == "__main__":
-    main()

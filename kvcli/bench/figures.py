@@ -1,0 +1,84 @@
+"""Every figure README.md and docs/benchmarks.md quote, and the one entry that prints it.
+
+A figure is a function `main(argv) -> int` of a module of this package (or, for the two that are outputs of
+an entry-point script, that script), the arguments `make figures` gives it, the environment it runs under
+(the AVX2 figures) and the file of docs/results/ that holds its current raw output, named after it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvcli.bench.harness import AVX2_ENV
+
+
+@dataclass(frozen=True)
+class Figure:
+    name: str
+    entry: str  # "module:function" in kvcli.bench, or "script:<command>" (an entry point of scripts/)
+    about: str
+    args: tuple[str, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)
+    in_make_figures: bool = True  # re-measured by `make figures` (the others: run by hand, see about)
+
+    @property
+    def results(self) -> str:
+        return f"docs/results/{self.name}.txt"
+
+
+_PROFILE = ("profile", "--workload", "sharegpt", "--num-requests", "64", "--max-model-len", "2048", "--block-size",
+            "16", "--kv-budget", "512MiB", "--compare", "contiguous", "--no-live", "--plot",
+            "docs/profile-sharegpt-cpu.png")
+_SIMULATE = ("profile", "--model", "dummy:llama-2-13b", "--kv-budget", "12GiB", "--workload", "sharegpt",
+             "--num-requests", "1000", "--simulate", "--compare", "contiguous", "--no-live")
+
+FIGURES: dict[str, Figure] = {f.name: f for f in [
+    Figure("decode", "batch1:decode", "batch-1 decode tok/s: kvcli INT4, kvcli --dequantize, transformers"),
+    Figure("cpu", "batch1:cpu", "batch 1 at 512 and 4k: kvcli vs transformers vs llama.cpp (make bench)",
+           ("--repeats", "2")),
+    Figure("cpu-avx2", "batch1:cpu", "the cpu figure with torch, kvcli's C kernels and llama.cpp held to AVX2",
+           ("--repeats", "2"), AVX2_ENV),
+    Figure("load", "load:main", "load time of the bundled model, empty and warm kvcli cache"),
+    Figure("continue", "cli:main", "kvcli continue on the 4k-token sample",
+           ("continue", "samples/keepers-log.txt", "-n", "40", "--no-live")),
+    Figure("throughput", "throughput:main", "64-request trace: kvcli vs transformers (3 ways) vs llama.cpp",
+           ("--workload", "alpaca", "--num-requests", "64")),
+    Figure("throughput-avx2", "throughput:main", "the throughput figure held to AVX2",
+           ("--workload", "alpaca", "--num-requests", "64"), AVX2_ENV),
+    Figure("profile", "cli:main", "paged vs contiguous KV on the bundled model (kvcli profile)", _PROFILE),
+    Figure("simulate", "cli:main", "paged vs contiguous KV, simulated 13B (kvcli profile --simulate)", _SIMULATE),
+    Figure("live", "live:main", "cost of the live dashboard on decode"),
+    Figure("dashboard", "dashboard:main", "the live view captured in tmux (120x50) during decode"),
+    Figure("kv-dtype", "kv_dtype:main", "every --kv-dtype: perplexity, bytes, decode at 4k, agreement"),
+    Figure("kv-decode", "kv_dtype:decode", "decode at 4k per --kv-dtype, interleaved rounds, thread CPU time"),
+    Figure("kv-int4", "kv_int4:main", "what an int4 KV cache would cost in perplexity at 4k (not shipped)"),
+    Figure("kv-attention", "kv_attention:main", "decode attention alone per KV format at 4k (no model)",
+           ("--rounds", "9"), in_make_figures=False),
+    Figure("invariant", "invariant:main", "what --attention-backend invariant costs"),
+    Figure("spec", "spec:main", "speculative decoding by prompt lookup (~17 min)",
+           ("--repeats", "2", "--attention-backend", "invariant")),
+    Figure("spec-sampled", "spec:main", "speculation on sampled continuations (T=0.8)",
+           ("--repeats", "2", "--skip-batch", "--skip-hf", "--temperature", "0.8"), in_make_figures=False),
+    Figure("kquants", "kquants:main", "K-quant GGUFs against Q4_1: resident bytes, load, decode",
+           ("--repeats", "5", "--new-tokens", "64"), in_make_figures=False),
+    Figure("kquants-avx2", "kquants:main", "the kquants figure held to AVX2",
+           ("--repeats", "5", "--new-tokens", "64"), AVX2_ENV, in_make_figures=False),
+    Figure("hf-quant", "hf_quant:main", "AWQ / GPTQ / compressed-tensors folders against the bundled GGUF",
+           in_make_figures=False),
+    Figure("serve", "serve:main", "kvcli serve against the in-process engine, and kvcli watch's cost",
+           ("--threads", "1", "--rounds", "3"), in_make_figures=False),
+    Figure("serve-vs-llama-server", "serve_vs_llama:main", "kvcli serve beside llama.cpp's llama-server",
+           ("--threads", "1"), in_make_figures=False),
+    Figure("prefill-attention", "prefill_attention:main", "prefill attention: kvcli's C kernel vs torch",
+           in_make_figures=False),
+    Figure("prefill-attention-avx2", "prefill_attention:main", "the prefill-attention figure held to AVX2",
+           env=AVX2_ENV, in_make_figures=False),
+    Figure("int8dot-ops", "int8dot:main", "per-linear times: int8dot vs torch int4 vs read-back + GEMM",
+           in_make_figures=False),
+    Figure("int8dot-ops-avx2", "int8dot:main", "the int8dot-ops figure held to AVX2", env=AVX2_ENV,
+           in_make_figures=False),
+    Figure("triton-matrix", "script:bash scripts/triton_matrix.sh", "kernel tests under older Triton releases",
+           in_make_figures=False),
+    Figure("gpu-check-dry-run", "script:python3 scripts/gpu_check.py --dry-run",
+           "the GPU check's plan and time budget, without a GPU", in_make_figures=False),
+]}
