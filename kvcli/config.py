@@ -182,21 +182,6 @@ def preset_config(spec: str) -> ModelConfig:
     raise ValueError(f"unknown dummy preset {spec!r}; choose one of {', '.join(PRESETS)} or a config.json path")
 
 
-@dataclass(frozen=True)
-class CacheConfig:
-    block_size: int = 16
-    num_blocks: int = 0  # filled in from the budget at engine start
-    dtype: torch.dtype = torch.float32
-    budget_bytes: int = 0
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512  # per-step token budget; prefill is chunked to fit
-    max_model_len: int = 2048
-
-
 MAX_SEED = 2**62  # room for seed + i (sample i of n, turn i of a chat) below torch's 2**63 limit
 
 
