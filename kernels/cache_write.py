@@ -25,11 +25,13 @@ import torch
 import triton
 import triton.language as tl
 
+from kvcli_kernels import kv_formats
+
 __all__ = ["write_kv_cache"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# Quantized cache element type -> (QUANT id in the kernels, qmax); qmax as in kvcli.kvcache.kv_dtype.
-QUANT_FORMATS = {torch.int8: (1, 127.0), torch.float8_e4m3fn: (2, 448.0)}
+# Quantized cache element type -> (QUANT id in the kernels, qmax): kv_formats.py, the one table.
+QUANT_FORMATS = kv_formats.QUANT_FORMATS
 # Adding 1.5 * 2^23 to an fp32 |y| < 2^22 leaves no fraction bits: the add rounds y half to even
 # (the FPU's default mode), the subtraction is exact. Same result as torch.round, in every backend.
 _RNE_MAGIC = tl.constexpr(12582912.0)

@@ -14,13 +14,14 @@ import ctypes
 
 import torch
 
+from kvcli_kernels import kv_formats
 from kvcli_kernels.cpu_build import build, build_error
 
 _SOURCE = "cpu_attention.c"
 MAX_HEAD_DIM = 256  # cpu_attention.c MAX_D
 MAX_GROUP = 16  # cpu_attention.c MAX_G
 FP8_UNIT = 256.0  # the kernel reads fp8 codes as fp16 holding code / 256 (as torch_backend.py does)
-DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int8: 3, torch.float8_e4m3fn: 4}
+DTYPE_CODES = kv_formats.DTYPE_CODES  # cache storage dtype -> DT_* of cpu_attention.c (kv_formats.py)
 
 _i64, _f32, _i32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_int32, ctypes.c_void_p
 

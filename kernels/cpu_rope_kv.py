@@ -7,10 +7,11 @@ import ctypes
 
 import torch
 
+from kvcli_kernels import kv_formats
 from kvcli_kernels.cpu_build import build
 
 _SOURCE = "cpu_rope_kv.c"
-DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+DTYPE_CODES = kv_formats.FLOAT_DTYPE_CODES  # float cache dtype -> DT_* of cpu_rope_kv.c (kv_formats.py)
 _ERRORS = {-2: "a position outside the rotary table", -3: "a KV slot outside the cache",
            -4: "an unsupported cache dtype or head size"}
 
