@@ -351,7 +351,7 @@ def test_bitsandbytes_4bit_folder_matches_transformers(tmp_path, tokenizer_files
 @pytest.mark.parametrize("fmt,sym", [("awq", False), ("gptq", True), ("gptq", False), ("gptq_v2", False),
                                      ("compressed-tensors", True), ("compressed-tensors", False)])
 def test_benchmark_encoder_round_trips(fmt, sym):
-    """hf_quant_encode (used by scripts/bench_hf_quant.py) writes what the loader reads back exactly."""
+    """hf_quant_encode (used by kvcli/bench/hf_quant.py) writes what the loader reads back exactly."""
     from kvcli.model.hf_quant_encode import encode, quantization_config, rtn_quantize
 
     w = torch.randn(32, 128, generator=torch.Generator().manual_seed(5)) * 0.05
