@@ -9,11 +9,12 @@ one line before any slow model load.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from kvcli.kvcache.kv_dtype import KV_DTYPE_CHOICES, KVDtype, kv_dtype_of
+from kvcli.kvcache.kv_dtype import KV_DTYPE_CHOICES, KVDtype, kv_dtype_of, resolve_kv_dtype
 
 
 class ConfigError(ValueError):
@@ -111,7 +112,7 @@ class EngineOptions:
     preempt: str = "recompute"  # recompute | swap
     swap_space: str = "4GiB"  # host memory for swapped-out blocks
     dtype: str | None = None  # compute dtype; default fp32 on CPU, bf16 (fp16 if unsupported) on CUDA
-    kv_dtype: str | None = None  # auto | fp32 | fp16 | bf16 | int8 | fp8; auto (None): see cache_dtype
+    kv_dtype: str | None = None  # auto | fp32 | fp16 | bf16 | int8 | fp8; auto (None): see resolve_kv_dtype
     prefix_caching: bool = True  # reuse full blocks of shared prefixes across requests
     watermark: float = 0.01  # paged admission keeps this share of blocks free for running requests
     # Speculative decoding: guess up to num_speculative_tokens by prompt lookup (the last n tokens,
@@ -172,23 +173,15 @@ class EngineOptions:
             torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16)
         return parse_dtype(self.dtype, "--dtype") or default
 
-    def cache_dtype(self, device: torch.device, quantized_weights: bool = False) -> KVDtype:
-        """The KV format. auto follows the compute dtype, except on CPU with quantized weights where
-        kvcli's decode-attention kernel runs (kernels/cpu_attention.c): there fp16, as llama.cpp's
-        default, since the kernel reads it in registers: half the bytes of fp32 (twice the context in a
-        budget), 1.4x the decode speed at 4k tokens, +0.1 % perplexity (docs/benchmarks.md). The exact
-        path (--dequantize) and the batch-invariant backend keep fp32."""
-        explicit = parse_kv_dtype(self.kv_dtype)
-        if explicit is not None:
-            return explicit
-        compute = self.compute_dtype(device)
-        if (quantized_weights and device.type == "cpu" and compute == torch.float32 and not self.dequantize
-                and self.attention_backend in ("auto", "torch")):
-            from kvcli.attention.torch_backend import native_attention
-
-            if native_attention() is not None:
-                return kv_dtype_of(torch.float16)
-        return kv_dtype_of(compute)
+    def resolve_kv_dtype(self, device: torch.device, *, backend: str | None, quantized_weights: bool,
+                         native_attention: bool | Callable[[], bool]) -> KVDtype:
+        """The KV format for these options on `device`: kvcli.kvcache.kv_dtype.resolve_kv_dtype (the one
+        rule for auto) over this object's facts (--kv-dtype, the compute dtype, --dequantize) and the
+        caller's: the chosen backend's name (None: a simulation), kvcli-quantized linears, whether the C
+        decode-attention kernel runs (a bool, or a callable asked only when it matters)."""
+        return resolve_kv_dtype(self.kv_dtype, device_type=device.type, compute_dtype=self.compute_dtype(device),
+                                dequantize=self.dequantize, backend=backend, quantized_weights=quantized_weights,
+                                native_attention=native_attention)
 
     def swap_space_bytes(self) -> int:
         return parse_bytes(self.swap_space, "--swap-space")

@@ -127,3 +127,21 @@ def test_inspect_shows_the_sliding_window_and_keeps_the_kv_fit(tmp_path):
         assert ("sliding window 4,096 (all KV kept)" in " ".join(r.stdout.replace("│", " ").split())) == bool(window)
     # Every token's K/V is still stored: the fit does not change (up to the memory probe's drift).
     assert [f["bytes_per_token"] for f in fits[None]] == [f["bytes_per_token"] for f in fits[4096]]
+
+
+def test_inspect_sizes_its_pool_in_the_kv_dtype_the_engine_picks():
+    """The KV format inspect reports (and sizes its two-block pool in) is the one an engine built with the
+    same flags stores: fp16 on CPU for the bundled Q4_1 where kvcli's C attention kernel builds."""
+    from kvcli.attention.torch_backend import native_attention
+    from kvcli.engine.llm_engine import LLMEngine
+    from kvcli.model.loader import load_weights
+    from kvcli.options import EngineOptions
+
+    rep = inspect_json("--device", "cpu", "--context", "4096")
+    engine = LLMEngine(load_weights(None), EngineOptions(device="cpu", kv_budget="16MiB"))
+    assert rep["kv_dtype"] == engine.kv_dtype.name == ("fp16" if native_attention() is not None else "fp32")
+    pool = 2 * 16 * engine.config.kv_bytes_per_token(engine.kv_dtype)  # what inspect hands its engine
+    assert LLMEngine(load_weights(None), EngineOptions(device="cpu", kv_budget=str(pool))).num_blocks >= 1
+    r = runner.invoke(app, ["inspect", "--device", "cpu"], env={"COLUMNS": "200"})
+    assert f"{rep['kv_dtype']} * " in " ".join(r.stdout.replace("│", " ").split())
+    assert inspect_json("--no-load")["kv_dtype"] is None  # it depends on the loaded linears

@@ -92,22 +92,71 @@ def test_quantized_cache_through_torch_backend_matches_reference(storage, g, per
     assert (out - full).abs().max() < (0.03 if storage == torch.int8 else 0.1)
 
 
+def _cpu_kv_dtype(opts: EngineOptions, quantized_weights: bool = False):
+    """What an engine with `opts` on the CPU stores (its torch backend unless asked otherwise)."""
+    from kvcli.engine.llm_engine import native_attention_available, pick_backend
+
+    cpu = torch.device("cpu")
+    return opts.resolve_kv_dtype(cpu, backend=pick_backend(opts.attention_backend, cpu).name,
+                                 quantized_weights=quantized_weights, native_attention=native_attention_available)
+
+
 def test_kv_dtype_options():
-    assert EngineOptions(kv_dtype="int8").cache_dtype(torch.device("cpu")) == kv_dtype_of("int8")
-    assert EngineOptions().cache_dtype(torch.device("cpu")).name == "fp32"
+    assert _cpu_kv_dtype(EngineOptions(kv_dtype="int8")) == kv_dtype_of("int8")
+    assert _cpu_kv_dtype(EngineOptions()).name == "fp32"
     # INT4-resident weights on CPU: fp16 where kvcli's C decode-attention kernel runs; the exact path and
     # the batch-invariant backend keep the compute dtype
     from kvcli.attention.torch_backend import native_attention
 
-    quantized = EngineOptions().cache_dtype(torch.device("cpu"), quantized_weights=True).name
+    quantized = _cpu_kv_dtype(EngineOptions(), quantized_weights=True).name
     assert quantized == ("fp16" if native_attention() is not None else "fp32")
     for opts in (EngineOptions(dequantize=True), EngineOptions(attention_backend="invariant")):
-        assert opts.cache_dtype(torch.device("cpu"), quantized_weights=True).name == "fp32"
-    assert EngineOptions(kv_dtype="bfloat16").cache_dtype(torch.device("cpu")).name == "bf16"
+        assert _cpu_kv_dtype(opts, quantized_weights=True).name == "fp32"
+    assert _cpu_kv_dtype(EngineOptions(kv_dtype="bfloat16")).name == "bf16"
     with pytest.raises(ConfigError, match="--kv-dtype must be one of auto, fp32, fp16, bf16, int8, fp8"):
         EngineOptions(kv_dtype="int3")
-    assert EngineOptions(kv_dtype="fp8").cache_dtype(torch.device("cpu")) == kv_dtype_of("fp8")
+    assert _cpu_kv_dtype(EngineOptions(kv_dtype="fp8")) == kv_dtype_of("fp8")
     assert kv_dtype_of("fp8").storage == torch.float8_e4m3fn
+
+
+def test_resolve_kv_dtype_is_a_function_of_plain_facts():
+    """auto, decided in one place from facts alone: no backend import, no kernel build."""
+    from kvcli.kvcache.kv_dtype import resolve_kv_dtype
+
+    cpu = dict(device_type="cpu", compute_dtype=torch.float32, dequantize=False, backend="torch",
+               quantized_weights=True, native_attention=True)
+    assert resolve_kv_dtype(None, **cpu).name == "fp16"
+    assert resolve_kv_dtype("auto", **cpu).name == "fp16"
+    assert resolve_kv_dtype("int8", **cpu).name == "int8"  # an explicit format always wins
+    for change in (dict(native_attention=False), dict(quantized_weights=False), dict(dequantize=True),
+                   dict(backend="invariant"), dict(backend="triton")):
+        assert resolve_kv_dtype(None, **{**cpu, **change}).name == "fp32", change
+    gpu = {**cpu, "device_type": "cuda", "backend": "triton"}
+    assert resolve_kv_dtype(None, **{**gpu, "compute_dtype": torch.bfloat16}).name == "bf16"
+    assert resolve_kv_dtype(None, **{**gpu, "compute_dtype": torch.float16}).name == "fp16"
+    assert resolve_kv_dtype(None, **{**cpu, "backend": None}).name == "fp16"  # a simulation
+    # The kernel is asked about only when the answer depends on it (the first ask may compile it).
+    asked = []
+    probe = lambda: asked.append(1) or True  # noqa: E731
+    assert resolve_kv_dtype(None, **{**cpu, "dequantize": True, "native_attention": probe}).name == "fp32"
+    assert resolve_kv_dtype("int8", **{**cpu, "native_attention": probe}).name == "int8"
+    assert not asked
+    assert resolve_kv_dtype(None, **{**cpu, "native_attention": probe}).name == "fp16" and asked == [1]
+
+
+def test_kv_dtype_carries_its_range_and_kernel_codes():
+    """qmax and the kernels' codes live in one table (kvcli_kernels/kv_formats.py) that KVDtype and the
+    kernel launchers read; the numbers themselves are what the C and Triton kernels were written for."""
+    from kvcli.kvcache.kv_dtype import KV_DTYPES
+    from kvcli_kernels import cpu_attention, cpu_rope_kv
+
+    assert {n: d.qmax for n, d in KV_DTYPES.items()} == {"fp32": 0, "fp16": 0, "bf16": 0, "int8": 127, "fp8": 448}
+    assert {n: d.kernel_code for n, d in KV_DTYPES.items()} == {"fp32": 0, "fp16": 1, "bf16": 2, "int8": 3, "fp8": 4}
+    assert {n: d.quant_code for n, d in KV_DTYPES.items()} == {"fp32": 0, "fp16": 0, "bf16": 0, "int8": 1, "fp8": 2}
+    assert cpu_attention.DTYPE_CODES == {d.storage: d.kernel_code for d in KV_DTYPES.values()}
+    assert cpu_rope_kv.DTYPE_CODES == {d.storage: d.kernel_code for d in KV_DTYPES.values() if not d.quantized}
+    cache_write = pytest.importorskip("kvcli_kernels.cache_write")
+    assert cache_write.QUANT_FORMATS == {d.storage: (d.quant_code, d.qmax) for d in KV_DTYPES.values() if d.quantized}
 
 
 def test_int8_cache_blocks_carry_scales_through_zero_copy_and_swap():

@@ -54,6 +54,7 @@ class InspectReport:
     memory_available: int = 0
     kv_budget: int = 0  # what is left for KV: USABLE x available memory minus the weights
     fits: list[KVFit] = field(default_factory=list)  # per KV dtype, at `context_length`
+    kv_dtype: str | None = None  # what the engine picks here for these flags (needs the load: --no-load, None)
 
 
 def _resolve(spec: str | None) -> str | None:
@@ -147,22 +148,27 @@ def inspect_model(spec: str | None, options: EngineOptions, load: bool, context:
         file_tensor_bytes=sum(g.bytes for g in groups), device=str(device))
     weights = rep.file_tensor_bytes
     if load:
-        from kvcli.engine.llm_engine import LLMEngine
+        from kvcli.engine.llm_engine import LLMEngine, kvcli_quantized, native_attention_available, pick_backend
         from kvcli.model.loader import load_weights
 
-        # The smallest pool the engine accepts: two blocks (one pads block tables).
-        kv_dtype = options.cache_dtype(device)
+        # The smallest pool the engine accepts: two blocks (one pads block tables), in the KV format the
+        # engine will pick (the same rule, over the same facts: backend, quantized linears, C kernel).
+        loaded = load_weights(spec)
+        kv_dtype = options.resolve_kv_dtype(device, backend=pick_backend(options.attention_backend, device).name,
+                                            quantized_weights=kvcli_quantized(loaded),
+                                            native_attention=native_attention_available)
         pool = 2 * options.block_size * config.kv_bytes_per_token(kv_dtype)
-        engine = LLMEngine(load_weights(spec), replace(options, kv_budget=str(pool)))
+        engine = LLMEngine(loaded, replace(options, kv_budget=str(pool)))
+        rep.kv_dtype = kv_dtype.name
         rep.resident = engine.model.weight_bytes()  # type: ignore[union-attr]
         rep.linear_paths = engine.linear_mode
         if device.type == "cpu":
-            from kvcli.model.int8dot_cpu import native_status
+            from kvcli.native import registry
 
-            rep.cpu_kernels = native_status()
+            rep.cpu_kernels = registry.status()
         rep.projection_paths = getattr(engine.model, "projection_paths", None)
         weights = sum(rep.resident.values())
-        del engine
+        del engine, loaded
     rep.memory_available = available_memory(device)
     rep.kv_budget = max(0, int(rep.memory_available * USABLE) - weights)
     ctx = context or config.max_position_embeddings
@@ -211,12 +217,13 @@ def render(rep: InspectReport, context: int) -> None:
                         f"{human_bytes(rep.kv_budget)} ({USABLE:.0%} of it minus the weights)")
     con.print(t)
     k = Table(title=f"KV per dtype · requests of {context:,} tokens (contiguous) or ~{max(1, context // 4):,} "
-                    f"(paged, assumed context / 4)", title_justify="left")
+                    f"(paged, assumed context / 4)" + (" · * the engine's pick here" if rep.kv_dtype else ""),
+              title_justify="left")
     for col in ("KV dtype", "B/token", "tokens fit", "req. contig.", "req. paged"):
         k.add_column(col, justify="left" if col == "KV dtype" else "right")
     for f in rep.fits:
-        k.add_row(f.kv_dtype, f"{f.bytes_per_token:,}", f"{f.tokens_fit:,}", f"{f.requests_contiguous:,}",
-                  f"{f.requests_paged:,}")
+        k.add_row(f.kv_dtype + (" *" if f.kv_dtype == rep.kv_dtype else ""), f"{f.bytes_per_token:,}",
+                  f"{f.tokens_fit:,}", f"{f.requests_contiguous:,}", f"{f.requests_paged:,}")
     con.print(k)
 
 

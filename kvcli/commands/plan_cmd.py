@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvcli.commands.common import Fail
+from kvcli.engine.llm_engine import native_attention_available, pick_backend
 from kvcli.kvcache.interface import blocks_for
 from kvcli.model.loader import ModelLoadError, load_config
 from kvcli.options import ConfigError, EngineOptions, parse_bytes
@@ -90,8 +91,10 @@ def run_plan(a: PlanArgs, fail: Fail) -> int:
     for flag, value in (("--context", context), ("--batch", batch), ("--mean-tokens", mean_tokens)):
         if value is not None and value <= 0:
             fail(f"{flag} must be a positive integer (got {value})")
-    # plan assumes INT4-resident weights (weight_bytes), so the KV dtype the engine picks for them
-    kv_dtype = a.options.cache_dtype(torch.device("cuda" if torch.cuda.is_available() else "cpu"), quantized_weights=True)
+    # plan assumes INT4-resident weights (weight_bytes), so the KV dtype the engine picks for them here
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    kv_dtype = a.options.resolve_kv_dtype(device, backend=pick_backend(a.options.attention_backend, device).name,
+                                          quantized_weights=True, native_attention=native_attention_available)
     try:
         config = load_config(a.model)
         if a.memory:

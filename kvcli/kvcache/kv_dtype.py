@@ -1,9 +1,10 @@
 """KV cache formats: how one token's K and V are stored, and the one place their bytes are counted.
 
 Float formats (fp32, fp16, bf16) store K/V as is. int8 and fp8 (e4m3fn) store codes plus one fp32
-scale per token and KV head (symmetric absmax / qmax, qmax = 127 or 448): a token's scale is final
-the moment it is written, so a streaming write never re-quantizes its neighbours, blocks copy and
-swap as plain tensors, and a partly filled block needs no special case. Per-channel key scales
+scale per token and KV head (symmetric absmax / qmax, qmax = KVDtype.qmax: 127 or 448, read like the
+kernel codes from the kernels' one table, kvcli_kernels/kv_formats.py): a token's scale is final the
+moment it is written, so a streaming write never re-quantizes its neighbours, blocks copy and swap as
+plain tensors, and a partly filled block needs no special case. Per-channel key scales
 (KIVI) would need the scale of a whole block of tokens before any of them could be stored; a
 per-tensor fp8 scale (vLLM's default) needs calibration data kvcli does not have, and one outlier
 token would coarsen every other token's codes. At head_dim 64 the scales add 4 B to 64 B of codes
@@ -17,9 +18,11 @@ both backends produce bit-identical codes and scales (tests/kernels/test_kernel_
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from kvcli_kernels.kv_formats import FORMATS
 
 
 @dataclass(frozen=True)
@@ -27,11 +30,25 @@ class KVDtype:
     name: str  # fp32 | fp16 | bf16 | int8 | fp8
     storage: torch.dtype  # element type of the K/V tensors
     scale_dtype: torch.dtype | None = None  # None: stored unscaled
-    qmax: float = 0.0  # quantized formats: the code that a vector's absmax maps to
 
     @property
     def quantized(self) -> bool:
         return self.scale_dtype is not None
+
+    @property
+    def qmax(self) -> float:
+        """Quantized formats: the code a vector's absmax maps to (127 int8, 448 e4m3); 0 for floats."""
+        return FORMATS[self.storage].qmax
+
+    @property
+    def kernel_code(self) -> int:
+        """The storage's dtype code in kvcli's C kernels (cpu_attention.c, cpu_rope_kv.c)."""
+        return FORMATS[self.storage].code
+
+    @property
+    def quant_code(self) -> int:
+        """The Triton cache-write kernel's QUANT id: 0 float, 1 int8, 2 fp8 (e4m3)."""
+        return FORMATS[self.storage].quant
 
     def bytes_per_token(self, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
         """K and V of every layer for one token, scales included."""
@@ -46,16 +63,15 @@ def _size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-INT8_QMAX = 127.0
-FP8_QMAX = 448.0  # largest finite float8_e4m3fn
-
 KV_DTYPES: dict[str, KVDtype] = {
     "fp32": KVDtype("fp32", torch.float32),
     "fp16": KVDtype("fp16", torch.float16),
     "bf16": KVDtype("bf16", torch.bfloat16),
-    "int8": KVDtype("int8", torch.int8, torch.float32, INT8_QMAX),
-    "fp8": KVDtype("fp8", torch.float8_e4m3fn, torch.float32, FP8_QMAX),
+    "int8": KVDtype("int8", torch.int8, torch.float32),
+    "fp8": KVDtype("fp8", torch.float8_e4m3fn, torch.float32),
 }
+INT8_QMAX = KV_DTYPES["int8"].qmax  # 127
+FP8_QMAX = KV_DTYPES["fp8"].qmax  # 448, the largest finite float8_e4m3fn
 ALIASES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "fp8_e4m3": "fp8", "fp8-e4m3": "fp8"}
 KV_DTYPE_CHOICES = ("auto", "fp32", "fp16", "bf16", "int8", "fp8")
 
@@ -72,19 +88,47 @@ def kv_dtype_of(spec: "str | torch.dtype | KVDtype") -> KVDtype:
     return KV_DTYPES[ALIASES.get(spec, spec)]
 
 
+def resolve_kv_dtype(requested: str | None, *, device_type: str, compute_dtype: torch.dtype, dequantize: bool,
+                     backend: str | None, quantized_weights: bool,
+                     native_attention: bool | Callable[[], bool]) -> KVDtype:
+    """THE answer to "which KV format is auto": every command and the engine ask this, with plain facts.
+
+    requested: the --kv-dtype name; None or "auto" picks. backend: the attention backend the engine
+    chose (its `.name`: torch, triton, invariant), None for a simulation (no model runs). quantized_weights:
+    the linears are kvcli's own quantized forms (QuantTensor; not bitsandbytes' nf4). native_attention:
+    whether kvcli's C decode-attention kernel (kernels/cpu_attention.c) runs here, or a callable asked
+    only when the answer depends on it (the first ask may compile the kernel).
+
+    auto follows the compute dtype, except
+      - on CPU with quantized weights over the torch backend where the C kernel runs: fp16, as
+        llama.cpp's default, since the kernel reads it in registers: half the bytes of fp32 (twice the
+        context in a budget), 1.4x the decode speed at 4k tokens, +0.1 % perplexity
+        (docs/benchmarks.md). The exact path (dequantize) and the batch-invariant backend keep fp32;
+      - in a simulation: fp16, the 2 bytes of a GPU's default (bf16 or fp16) KV.
+    """
+    if requested is not None and requested != "auto":
+        return kv_dtype_of(requested)
+    if backend is None:
+        return KV_DTYPES["fp16"]
+    if (quantized_weights and device_type == "cpu" and compute_dtype == torch.float32 and not dequantize
+            and backend == "torch" and (native_attention() if callable(native_attention) else native_attention)):
+        return KV_DTYPES["fp16"]
+    return kv_dtype_of(compute_dtype)
+
+
 def quantize(x: torch.Tensor, storage: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., head_dim] -> (codes [..., head_dim] of `storage` (int8 or float8_e4m3fn), fp32 scales [...]);
     symmetric per vector. An all-zero vector gets scale 0 and codes 0, and dequantizes back to zeros."""
-    qmax = INT8_QMAX if storage == torch.int8 else FP8_QMAX
+    if storage not in (torch.int8, torch.float8_e4m3fn):
+        raise ValueError(f"no quantized KV format stores {storage}")
+    qmax = FORMATS[storage].qmax
     x = x.float()
     scale = x.abs().amax(-1) / qmax
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     y = (x / safe.unsqueeze(-1)).clamp_(-qmax, qmax)  # |y| <= qmax up to one rounding of the division
     if storage == torch.int8:
         return torch.round(y).to(torch.int8), scale  # round half to even
-    if storage == torch.float8_e4m3fn:
-        return y.to(storage), scale  # round to nearest even, in range after the clamp
-    raise ValueError(f"no quantized KV format stores {storage}")
+    return y.to(storage), scale  # float8_e4m3fn: round to nearest even, in range after the clamp
 
 
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
