@@ -15,6 +15,7 @@ import typer
 
 from kvcli import __version__
 from kvcli.cli_errors import OneLineErrorGroup
+from kvcli.commands.engine_flags import FLAGS, NO_FLAGS, SPECULATION, EngineFlags, engine_flags
 
 
 app = typer.Typer(
@@ -31,20 +32,6 @@ app = typer.Typer(
 class Truncate(str, Enum):
     none = "none"
     head = "head"
-
-
-class Backend(str, Enum):
-    auto = "auto"
-    torch = "torch"
-    triton = "triton"
-    invariant = "invariant"
-
-
-class Quant(str, Enum):
-    auto = "auto"
-    nf4 = "nf4"
-    int4 = "int4"
-    none = "none"
 
 
 def _version(value: bool) -> None:
@@ -70,64 +57,13 @@ def fail(message: str, code: int = 1) -> None:
     raise typer.Exit(code)
 
 
-# Options shared by the commands that load a model --------------------------------------------------
-ModelOpt = Annotated[Optional[str], typer.Option(
-    "--model", "-m", help="A .gguf file, a Hugging Face checkpoint folder, or dummy:NAME "
-    "(smollm2-135m, llama-2-7b, llama-2-13b, llama-3-8b, mistral-7b, qwen2-0.5b, or a config.json). "
-    "Default: the bundled SmolLM2-135M-Instruct Q4_1.", show_default=False)]
-BlockSizeOpt = Annotated[int, typer.Option("--block-size", help="Tokens per KV block.")]
-KVBudgetOpt = Annotated[Optional[str], typer.Option(
-    "--kv-budget", help="Bytes for the KV pool (2GiB, 512MB) or a fraction of free memory (0.5). "
-    "Default: 90% of free GPU memory; on CPU min(1GiB, four full contexts).", show_default=False)]
-QuantOpt = Annotated[Quant, typer.Option(
-    "--quant", help="For Hugging Face checkpoints: nf4 (bitsandbytes), int4 (kvcli's group-wise "
-    "Q4_1-style) or none; auto = nf4 when bitsandbytes is installed, else int4 (with a note). GGUF files "
-    "keep their own quantization.")]
-DequantOpt = Annotated[bool, typer.Option(
-    "--dequantize", help="Expand INT4 weights to dense fp32 once at load: exact against transformers, "
-    "about 8x the weight memory, faster on some CPUs.")]
-DeviceOpt = Annotated[Optional[str], typer.Option("--device", help="cpu or cuda[:N]. Default: cuda when available.",
-                                                  show_default=False)]
-BackendOpt = Annotated[Backend, typer.Option("--attention-backend", help="Paged attention implementation: "
-                                             "triton on CUDA, torch on CPU when auto. invariant (CPU): every "
-                                             "row computed the same way whatever the batch, so speculation, "
-                                             "preemption and batching give bit-identical greedy text; slower.")]
-MaxLenOpt = Annotated[Optional[int], typer.Option("--max-model-len", help="Context length limit. "
-                                                  "Default: the model's.", show_default=False)]
-PrefixOpt = Annotated[bool, typer.Option("--prefix-cache/--no-prefix-cache", help="Reuse the KV blocks of "
-                                         "prompt prefixes seen before (paged layout).")]
-KVDtypeOpt = Annotated[Optional[str], typer.Option(
-    "--kv-dtype", help="KV cache format: auto, fp32, fp16, bf16, int8 or fp8 (e4m3; codes + one fp32 scale "
-    "per token and KV head: 0.53x fp16's bytes; fp8 on the Triton backend needs compute capability >= 8.9). "
-    "auto: fp16 on CPU for quantized weights where kvcli's C decode-attention kernel runs (as llama.cpp), "
-    "else the compute dtype (fp32 on CPU, and always with --dequantize).", show_default=False)]
-ChunkOpt = Annotated[int, typer.Option("--max-batch-tokens", help="Tokens computed per engine step; "
-                                       "long prompts are prefilled in chunks of this size.")]
-
-
-class Speculate(str, Enum):
-    none = "none"
-    ngram = "ngram"
-
-
-SpecOpt = Annotated[Speculate, typer.Option(
-    "--speculate", help="Speculative decoding. ngram: guess the next tokens by prompt lookup (the last "
-    "tokens matched earlier in the prompt and output) and verify them in one step; greedy output is "
-    "unchanged, sampling keeps its distribution.")]
-SpecTokensOpt = Annotated[int, typer.Option("--num-speculative-tokens", help="Most tokens guessed per step "
-                                            "(they count against --max-batch-tokens).")]
-NgramMinOpt = Annotated[int, typer.Option("--ngram-min", help="Shortest suffix matched by prompt lookup.")]
-NgramMaxOpt = Annotated[int, typer.Option("--ngram-max", help="Longest suffix matched by prompt lookup "
-                                          "(longest match first).")]
-
-
-def _spec(speculate: "Speculate", k: int, ngram_min: int, ngram_max: int) -> dict:
-    """The speculation fields of EngineOptions, as the commands pass them on."""
-    return {"speculate": speculate.value, "num_speculative_tokens": k, "ngram_min": ngram_min,
-            "ngram_max": ngram_max}
+# Engine flags (--model, --block-size, --kv-dtype, ...) are declared once, in commands/engine_flags.py: each
+# command names the ones it takes with @engine_flags and receives their values as one EngineFlags.
 
 
 @app.command("continue")
+@engine_flags("model", "block_size", "kv_budget", "quant", "dequantize", "device", "attention_backend",
+              "max_model_len", "max_batch_tokens", "kv_dtype", "prefix_cache", *SPECULATION)
 def continue_(
     file: Annotated[Path, typer.Argument(help="UTF-8 text to continue.", show_default=False)],
     max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="Tokens to generate.")] = 256,
@@ -142,42 +78,24 @@ def continue_(
                                            "(token ids, text, metrics).")] = False,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Also write the continuation to "
                                                    "this file.", show_default=False)] = None,
-    model: ModelOpt = None,
-    block_size: BlockSizeOpt = 16,
-    kv_budget: KVBudgetOpt = None,
-    quant: QuantOpt = Quant.auto,
-    dequantize: DequantOpt = False,
-    device: DeviceOpt = None,
-    attention_backend: BackendOpt = Backend.auto,
-    max_model_len: MaxLenOpt = None,
-    max_batch_tokens: ChunkOpt = 512,
-    kv_dtype: KVDtypeOpt = None,
     live: Annotated[bool, typer.Option("--live/--no-live", help="Live dashboard (VRAM, KV block map, "
                                        "fragmentation, throughput) on a terminal; plain output otherwise."
                                        )] = True,
-    prefix_cache: PrefixOpt = True,
-    speculate: SpecOpt = Speculate.none,
-    num_speculative_tokens: SpecTokensOpt = 5,
-    ngram_min: NgramMinOpt = 2,
-    ngram_max: NgramMaxOpt = 4,
+    engine: EngineFlags = NO_FLAGS,
 ) -> None:
     """Continue a long text file with the model.
 
     The prompt is prefilled in chunks (progress bar, or the live dashboard on a terminal), the
     continuation streams to stdout, and a summary (tokens, speeds, KV blocks and bytes, weight
     bytes, the KV a contiguous reservation would have taken) follows on stderr."""
-    from kvcli.commands.common import engine_options, sampling_params
+    from kvcli.commands.common import sampling_params
     from kvcli.commands.continue_cmd import ContinueArgs, run_continue
 
     args = ContinueArgs(
         file=file, params=sampling_params(fail, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                           top_k=top_k, seed=seed),
-        truncate=truncate.value, json_out=json_out, output=output, model=model, quant=quant.value, live=live,
-        options=engine_options(fail, device=device, block_size=block_size, kv_budget=kv_budget,
-                               dequantize=dequantize, max_model_len=max_model_len,
-                               max_num_batched_tokens=max_batch_tokens, attention_backend=attention_backend.value,
-                               kv_dtype=kv_dtype, prefix_caching=prefix_cache,
-                               **_spec(speculate, num_speculative_tokens, ngram_min, ngram_max)),
+        truncate=truncate.value, json_out=json_out, output=output, model=engine.model, quant=engine.quant,
+        live=live, options=engine.options(fail),
     )
     code = run_continue(args, fail)
     if code:
@@ -185,6 +103,8 @@ def continue_(
 
 
 @app.command("chat")
+@engine_flags("model", "block_size", "kv_budget", "quant", "dequantize", "device", "attention_backend",
+              "max_model_len", "kv_dtype", "prefix_cache", *SPECULATION)
 def chat(
     system: Annotated[Optional[str], typer.Option("--system", "-s", help="System prompt.",
                                                   show_default=False)] = None,
@@ -197,23 +117,10 @@ def chat(
     truncate: Annotated[bool, typer.Option(
         "--truncate", help="When the conversation outgrows the context, drop the oldest turns instead of "
         "refusing the message.")] = False,
-    model: ModelOpt = None,
-    block_size: BlockSizeOpt = 16,
-    kv_budget: KVBudgetOpt = None,
-    quant: QuantOpt = Quant.auto,
-    dequantize: DequantOpt = False,
-    device: DeviceOpt = None,
-    attention_backend: BackendOpt = Backend.auto,
-    max_model_len: MaxLenOpt = None,
-    kv_dtype: KVDtypeOpt = None,
-    prefix_cache: PrefixOpt = True,
     live: Annotated[bool, typer.Option("--live/--no-live", help="While a reply streams on a terminal, show the "
                                        "full dashboard (memory, KV blocks, fragmentation, throughput) instead "
                                        "of only the status line after it; /live toggles it.")] = False,
-    speculate: SpecOpt = Speculate.none,
-    num_speculative_tokens: SpecTokensOpt = 5,
-    ngram_min: NgramMinOpt = 2,
-    ngram_max: NgramMaxOpt = 4,
+    engine: EngineFlags = NO_FLAGS,
 ) -> None:
     """Chat with the model in a multi-turn REPL.
 
@@ -222,18 +129,12 @@ def chat(
     /blocks /live /reset /save FILE /help /quit. With stdin not a terminal, each line is one message
     and replies go to stdout, one after another."""
     from kvcli.commands.chat import ChatArgs, run_chat
-    from kvcli.commands.common import engine_options, sampling_params
+    from kvcli.commands.common import sampling_params
 
     args = ChatArgs(
         system=system, params=sampling_params(fail, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                               top_k=top_k, seed=seed),
-        truncate=truncate, model=model, quant=quant.value,
-        options=engine_options(fail, device=device, block_size=block_size, kv_budget=kv_budget,
-                               dequantize=dequantize, max_model_len=max_model_len,
-                               attention_backend=attention_backend.value, kv_dtype=kv_dtype,
-                               prefix_caching=prefix_cache,
-                               **_spec(speculate, num_speculative_tokens, ngram_min, ngram_max)),
-        live=live,
+        truncate=truncate, model=engine.model, quant=engine.quant, options=engine.options(fail), live=live,
     )
     code = run_chat(args, fail)
     if code:
@@ -247,27 +148,17 @@ class Compare(str, Enum):
     spec = "spec"
 
 
-class Layout(str, Enum):
-    paged = "paged"
-    contiguous = "contiguous"
-
-
-class Reserve(str, Enum):
-    max_len = "max-len"
-    request = "request"
-
-
-class Preempt(str, Enum):
-    recompute = "recompute"
-    swap = "swap"
-
-
-MaxSeqsOpt = Annotated[int, typer.Option("--max-num-seqs", help="Most requests running at once.")]
-PreemptOpt = Annotated[Preempt, typer.Option("--preempt", help="When blocks run out: recompute the "
-                                             "preempted request later, or swap its blocks to host memory.")]
+# profile's variants of two engine flags: the first run's layout, and a context default for its traces
+KVLayoutProfile = FLAGS["kv_layout"].but(help="KV layout of the (first) run.")
+MaxLenProfile = FLAGS["max_model_len"].but(type=int, default=2048, show_default=True,
+                                           help="Context limit (and the contiguous max-len reservation).")
 
 
 @app.command("profile")
+@engine_flags("model", "block_size", "kv_budget", "max_model_len", "max_batch_tokens", "max_num_seqs",
+              "kv_layout", "reserve", "preempt", "quant", "dequantize", "device", "attention_backend",
+              "prefix_cache", *SPECULATION, kv_layout=KVLayoutProfile, max_model_len=MaxLenProfile,
+              max_num_seqs=256)
 def profile(
     workload: Annotated[str, typer.Option("--workload", "-w", help="sharegpt (mean 161 prompt / 338 output "
                                           "tokens), alpaca (19 / 58), uniform, or a FILE.jsonl of "
@@ -280,10 +171,6 @@ def profile(
                                              "contiguous preallocation in the same budget; hf: against "
                                              "transformers on the same weights; spec: speculative "
                                              "(--speculate ngram) beside plain decoding.")] = Compare.none,
-    kv_layout: Annotated[Layout, typer.Option("--kv-layout", help="KV layout of the (first) run.")] = Layout.paged,
-    reserve: Annotated[Reserve, typer.Option("--reserve", help="Contiguous layout: reserve max_model_len "
-                                             "slots per request, or prompt + max_tokens.")] = Reserve.max_len,
-    preempt: PreemptOpt = Preempt.recompute,
     simulate: Annotated[bool, typer.Option("--simulate", help="Run the scheduler and block manager without "
                                            "the model (KV in fp16 unless --kv-dtype): exact memory figures "
                                            "for any config in seconds.")] = False,
@@ -300,26 +187,11 @@ def profile(
         "tokenizer for the prompts.", show_default=False)] = None,
     concurrency: Annotated[int, typer.Option("--concurrency", help="--endpoint: most requests in flight per "
                                              "server (1..1024).")] = 64,
-    model: ModelOpt = None,
-    block_size: BlockSizeOpt = 16,
-    kv_budget: KVBudgetOpt = None,
     kv_dtype: Annotated[Optional[str], typer.Option(
         "--kv-dtype", help="KV cache format (auto, fp32, fp16, bf16, int8, fp8), or several separated by commas "
         "(fp32,int8) to run the same trace once per format, side by side. Default: as --kv-dtype auto "
         "elsewhere (fp16 on CPU with kvcli's C attention kernel); fp16 with --simulate.", show_default=False)] = None,
-    max_model_len: Annotated[int, typer.Option("--max-model-len", help="Context limit (and the contiguous "
-                                               "max-len reservation).")] = 2048,
-    max_batch_tokens: ChunkOpt = 512,
-    max_num_seqs: MaxSeqsOpt = 256,
-    quant: QuantOpt = Quant.auto,
-    dequantize: DequantOpt = False,
-    device: DeviceOpt = None,
-    attention_backend: BackendOpt = Backend.auto,
-    prefix_cache: PrefixOpt = True,
-    speculate: SpecOpt = Speculate.none,
-    num_speculative_tokens: SpecTokensOpt = 5,
-    ngram_min: NgramMinOpt = 2,
-    ngram_max: NgramMaxOpt = 4,
+    engine: EngineFlags = NO_FLAGS,
 ) -> None:
     """Profile a request trace: paged vs contiguous KV memory, side by side.
 
@@ -330,27 +202,23 @@ def profile(
     from kvcli.commands.profile_cmd import ProfileArgs, run_profile
 
     kv_dtypes = tuple(d.strip() for d in kv_dtype.split(",")) if kv_dtype else (None,)
-    kv_dtype = kv_dtypes[0] or ("fp16" if simulate else None)
+    kv_dtype = kv_dtypes[0] or None  # auto; a simulation stores fp16 then (kvcache.kv_dtype.resolve_kv_dtype)
     for d in kv_dtypes[1:]:
         engine_options(fail, kv_dtype=d)  # each format validated before the model loads
     args = ProfileArgs(kv_dtypes=kv_dtypes if len(kv_dtypes) > 1 else (None,),
         endpoints=tuple(endpoint or ()), concurrency=concurrency,
-        model=model, workload=workload, num_requests=num_requests, request_rate=request_rate, seed=seed,
-        compare=compare.value, simulate=simulate, json_path=json_path, plot_path=plot_path, quant=quant.value,
-        live=live,
-        options=engine_options(fail, device=device, block_size=block_size, kv_budget=kv_budget,
-                               dequantize=dequantize, max_model_len=max_model_len,
-                               max_num_batched_tokens=max_batch_tokens, max_num_seqs=max_num_seqs,
-                               attention_backend=attention_backend.value, kv_layout=kv_layout.value,
-                               reserve=reserve.value, preempt=preempt.value,
-                               kv_dtype=kv_dtype, prefix_caching=prefix_cache,
-                               **_spec(speculate, num_speculative_tokens, ngram_min, ngram_max)))
+        model=engine.model, workload=workload, num_requests=num_requests, request_rate=request_rate, seed=seed,
+        compare=compare.value, simulate=simulate, json_path=json_path, plot_path=plot_path, quant=engine.quant,
+        live=live, options=engine.options(fail, kv_dtype=kv_dtype))
     code = run_profile(args, fail)
     if code:
         raise typer.Exit(code)
 
 
 @app.command("serve")
+@engine_flags("model", "block_size", "kv_budget", "kv_dtype", "max_model_len", "max_batch_tokens", "max_num_seqs",
+              "kv_layout", "preempt", "quant", "dequantize", "device", "attention_backend", "prefix_cache",
+              *SPECULATION)
 def serve(
     host: Annotated[str, typer.Option("--host", help="Address to listen on. Loopback by default: the API has "
                                       "no authentication; 0.0.0.0 exposes it to the network.")] = "127.0.0.1",
@@ -361,25 +229,7 @@ def serve(
         "file's name.", show_default=False)] = None,
     log_level: Annotated[str, typer.Option("--log-level", help="uvicorn's log level (debug logs each "
                                            "request).")] = "warning",
-    model: ModelOpt = None,
-    block_size: BlockSizeOpt = 16,
-    kv_budget: KVBudgetOpt = None,
-    kv_dtype: KVDtypeOpt = None,
-    max_model_len: MaxLenOpt = None,
-    max_batch_tokens: ChunkOpt = 512,
-    max_num_seqs: MaxSeqsOpt = 64,
-    kv_layout: Annotated[Layout, typer.Option("--kv-layout", help="paged, or contiguous preallocation "
-                                              "(for comparison).")] = Layout.paged,
-    preempt: PreemptOpt = Preempt.recompute,
-    quant: QuantOpt = Quant.auto,
-    dequantize: DequantOpt = False,
-    device: DeviceOpt = None,
-    attention_backend: BackendOpt = Backend.auto,
-    prefix_cache: PrefixOpt = True,
-    speculate: SpecOpt = Speculate.none,
-    num_speculative_tokens: SpecTokensOpt = 5,
-    ngram_min: NgramMinOpt = 2,
-    ngram_max: NgramMaxOpt = 4,
+    engine: EngineFlags = NO_FLAGS,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API, with Prometheus metrics.
 
@@ -388,20 +238,13 @@ def serve(
     breakdown and the contiguous what-if; `kvcli watch URL` shows them live). One engine thread runs
     every request through the paged KV cache with continuous batching; a client that disconnects
     frees its request's blocks. Ctrl-C or SIGTERM stops the server."""
-    from kvcli.commands.common import engine_options
     from kvcli.commands.serve_cmd import ServeArgs, run_serve
 
     if log_level not in ("critical", "error", "warning", "info", "debug"):
         fail(f"--log-level must be critical, error, warning, info or debug (got {log_level})")
     args = ServeArgs(
-        model=model, quant=quant.value, host=host, port=port, served_model_name=served_model_name,
-        log_level=log_level,
-        options=engine_options(fail, device=device, block_size=block_size, kv_budget=kv_budget,
-                               dequantize=dequantize, max_model_len=max_model_len,
-                               max_num_batched_tokens=max_batch_tokens, max_num_seqs=max_num_seqs,
-                               attention_backend=attention_backend.value, kv_layout=kv_layout.value,
-                               preempt=preempt.value, kv_dtype=kv_dtype, prefix_caching=prefix_cache,
-                               **_spec(speculate, num_speculative_tokens, ngram_min, ngram_max)))
+        model=engine.model, quant=engine.quant, host=host, port=port, served_model_name=served_model_name,
+        log_level=log_level, options=engine.options(fail))
     code = run_serve(args, fail)
     if code:
         raise typer.Exit(code)
@@ -437,6 +280,7 @@ def watch(
 
 
 @app.command("plan")
+@engine_flags("block_size", "model")
 def plan(
     context: Annotated[int, typer.Option("--context", "-c", help="Tokens per request (prompt + output).")] = 8192,
     batch: Annotated[Optional[int], typer.Option("--batch", "-b", help="Concurrent requests to check.",
@@ -449,24 +293,23 @@ def plan(
                                                        show_default=False)] = None,
     kv_dtype: Annotated[str, typer.Option("--kv-dtype", help="KV cache format to plan for: fp16, bf16, fp32, "
                                           "int8 or fp8 (scales included).")] = "fp16",
-    block_size: BlockSizeOpt = 16,
-    model: ModelOpt = None,
+    engine: EngineFlags = NO_FLAGS,
 ) -> None:
     """Will it fit? Weight and KV memory arithmetic from a model's config.
 
     INT4 weight bytes, KV bytes per token and per request, and how many tokens and requests fit in
     memory, paged against contiguous preallocation."""
-    from kvcli.commands.common import engine_options
     from kvcli.commands.plan_cmd import PlanArgs, run_plan
 
-    args = PlanArgs(model=model, context=context, batch=batch, memory=memory, mean_tokens=mean_tokens,
-                    options=engine_options(fail, block_size=block_size, kv_dtype=kv_dtype))
+    args = PlanArgs(model=engine.model, context=context, batch=batch, memory=memory, mean_tokens=mean_tokens,
+                    options=engine.options(fail, kv_dtype=kv_dtype))
     code = run_plan(args, fail)
     if code:
         raise typer.Exit(code)
 
 
 @app.command("inspect")
+@engine_flags("block_size", "device")
 def inspect(
     model: Annotated[Optional[str], typer.Argument(
         help="A .gguf file, a Hugging Face checkpoint folder, or dummy:NAME. Default: the bundled model.",
@@ -477,8 +320,7 @@ def inspect(
     context: Annotated[Optional[int], typer.Option("--context", "-c", help="Tokens per request for the fit "
                                                    "figures. Default: the model's context length.",
                                                    show_default=False)] = None,
-    block_size: BlockSizeOpt = 16,
-    device: DeviceOpt = None,
+    engine: EngineFlags = NO_FLAGS,
 ) -> None:
     """What a model is and what it costs: architecture, tensors by type, memory after load, KV fit.
 
@@ -486,14 +328,14 @@ def inspect(
     by GGML type (count and bytes), the weights' resident bytes once kvcli has built the model and the
     matmul path each kind of linear takes, KV bytes per token for each KV dtype, and how many tokens and
     requests fit in the memory available on the device now (the same arithmetic as `kvcli plan`)."""
-    from kvcli.commands.common import engine_options
     from kvcli.commands.inspect_cmd import run_inspect
 
-    options = engine_options(fail, block_size=block_size, device=device)
-    run_inspect(model, options, load, context, json_out, fail)
+    run_inspect(model, engine.options(fail), load, context, json_out, fail)
 
 
 @app.command("perplexity")
+@engine_flags("model", "block_size", "kv_budget", "kv_dtype", "quant", "dequantize", "device", "attention_backend",
+              "max_model_len", "max_batch_tokens")
 def perplexity(
     file: Annotated[Path, typer.Argument(help="UTF-8 text to score.", show_default=False)],
     window: Annotated[Optional[int], typer.Option("--window", help="Tokens per window. Default: the context "
@@ -502,34 +344,21 @@ def perplexity(
                                                   "--window, windows overlap and each scores only its new "
                                                   "tokens. Default: the window.", show_default=False)] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print only a JSON report on stdout.")] = False,
-    model: ModelOpt = None,
-    block_size: BlockSizeOpt = 16,
-    kv_budget: KVBudgetOpt = None,
-    kv_dtype: KVDtypeOpt = None,
-    quant: QuantOpt = Quant.auto,
-    dequantize: DequantOpt = False,
-    device: DeviceOpt = None,
-    attention_backend: BackendOpt = Backend.auto,
-    max_model_len: MaxLenOpt = None,
-    max_batch_tokens: ChunkOpt = 512,
+    engine: EngineFlags = NO_FLAGS,
 ) -> None:
     """Teacher-forced perplexity of a text through kvcli's own paged engine.
 
     The text is prefilled in chunks through the KV cache in the chosen --kv-dtype; every token but
     the first of each window is scored. With --dequantize and fp32 KV this is the exact path
     (matches transformers within 1e-3)."""
-    from kvcli.commands.common import engine_options
     from kvcli.commands.perplexity_cmd import PerplexityArgs, run_perplexity
 
     for flag, value in (("--window", window), ("--stride", stride)):
         if value is not None and value <= 0:
             fail(f"{flag} must be a positive integer (got {value})")
     args = PerplexityArgs(
-        file=file, window=window, stride=stride, json_out=json_out, model=model, quant=quant.value,
-        options=engine_options(fail, device=device, block_size=block_size, kv_budget=kv_budget,
-                               dequantize=dequantize, max_model_len=max_model_len,
-                               max_num_batched_tokens=max_batch_tokens, attention_backend=attention_backend.value,
-                               kv_dtype=kv_dtype, prefix_caching=False))
+        file=file, window=window, stride=stride, json_out=json_out, model=engine.model, quant=engine.quant,
+        options=engine.options(fail, prefix_caching=False))
     code = run_perplexity(args, fail)
     if code:
         raise typer.Exit(code)
