@@ -154,3 +154,21 @@ def test_a_figure_runs_end_to_end_in_a_tiny_mode() -> None:
     assert lines[0].startswith("# decode — ") and lines[1].startswith("machine: ")
     assert lines[3] == "command: python -m kvcli.bench decode --prompt-tokens 16 --new-tokens 3 --repeats 1 --engines kvcli"
     assert ab.AB["decode"].numbers["kvcli INT4 decode tok/s"](out.stdout) > 0
+
+
+def test_every_internal_a_benchmark_uses_still_resolves() -> None:
+    """kvcli/bench/internals.py is the one table of kvcli internals the figures reach into."""
+    from kvcli.bench import internals
+
+    missing = []
+    for name in internals.WHERE:
+        try:
+            getattr(internals, name)
+        except (ImportError, AttributeError) as exc:
+            missing.append(f"{name} ({internals.WHERE[name]}): {exc}")
+    assert not missing, missing
+    others = [f"{p.name}: {line.strip()}" for p in (REPO / "kvcli" / "bench").glob("*.py")
+              for line in p.read_text(encoding="utf-8").splitlines()
+              if re.match(r"\s*from kvcli\.(model|attention|kvcache|runner)\b", line)
+              and p.name != "machine.py" and "kvcli.model.loader" not in line]
+    assert not others, f"go through kvcli/bench/internals.py: {others}"

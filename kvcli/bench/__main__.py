@@ -38,6 +38,7 @@ def run_figure(fig: Figure, argv: list[str]) -> int:
         cmd = shlex.split(fig.entry[len("script:"):]) + argv
         return subprocess.run(cmd, cwd=REPO).returncode
     module, func = fig.entry.split(":")
+    sys.argv = [f"python -m kvcli.bench {fig.name}", *args]  # argparse's prog, and what a figure echoes
     mod = importlib.import_module(f"kvcli.bench.{module}")
     return int(getattr(mod, func)(args) or 0)
 

@@ -39,9 +39,11 @@ def write_folders(force: bool) -> dict[str, Path]:
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoTokenizer
 
-    from kvcli.model.hf_quant_encode import encode, quantization_config, rtn_quantize
+    from kvcli.bench.internals import hf_quant_encode
+    encode, quantization_config, rtn_quantize = (hf_quant_encode.encode, hf_quant_encode.quantization_config,
+                                                 hf_quant_encode.rtn_quantize)
     from kvcli.model.loader import bundled_gguf_path, load_weights
-    from kvcli.model.quant import QuantTensor
+    from kvcli.bench.internals import QuantTensor
 
     out = {}
     names = [f"{fmt}-{'sym' if sym else 'asym'}-g{GROUP}" for fmt, sym in FORMATS] + ["dense-fp16"]

@@ -36,10 +36,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--calls", type=int, default=20)
     a = ap.parse_args(argv)
     from kvcli.bench.machine import machine_line
-    from kvcli.model.int4_cpu import Int4Cpu
-    from kvcli.model.int8dot_cpu import Int8DotCpu, native_library
+    from kvcli.bench.internals import Int4Cpu
+    from kvcli.bench.internals import Int8DotCpu, native_library
     from kvcli_kernels.cpu_int8dot import int8dot_gemm_f32
-    from kvcli.model.quant import QuantTensor, quantize_q4
+    from kvcli.bench.internals import QuantTensor, quantize_q4
 
     print(f"# bench_int8dot {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC\n# {machine_line()}")
     if native_library() is None:

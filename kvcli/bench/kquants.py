@@ -35,7 +35,10 @@ def write_aligned(path: Path, quant: str) -> None:
     import gguf
     import numpy as np
 
-    from kvcli.model.kquant_encode import add_tensor, copy_fields, encode, finish, q4_k_m_type
+    from kvcli.bench.internals import kquant_encode
+    add_tensor, copy_fields, encode, finish, q4_k_m_type = (kquant_encode.add_tensor, kquant_encode.copy_fields,
+                                                            kquant_encode.encode, kquant_encode.finish,
+                                                            kquant_encode.q4_k_m_type)
     from kvcli.model.loader import bundled_gguf_path
 
     hidden, inter, layers, heads, kv = 768, 2048, 12, 12, 4
@@ -70,7 +73,8 @@ def write_aligned(path: Path, quant: str) -> None:
 
 
 def ensure_files(force: bool, aligned: bool) -> dict[str, tuple[Path, Path]]:
-    from kvcli.model.kquant_encode import q4_k_m_type, reencode_gguf
+    from kvcli.bench.internals import kquant_encode
+    q4_k_m_type, reencode_gguf = kquant_encode.q4_k_m_type, kquant_encode.reencode_gguf
     from kvcli.model.loader import bundled_gguf_path
 
     CACHE.mkdir(exist_ok=True)

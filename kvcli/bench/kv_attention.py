@@ -29,12 +29,12 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
 
-    from kvcli.attention.base import AttentionMetadata
+    from kvcli.bench.internals import AttentionMetadata
 
-    from kvcli.attention.torch_backend import TorchAttentionBackend
+    from kvcli.bench.internals import TorchAttentionBackend
     from kvcli.bench.machine import machine_line
-    from kvcli.kvcache.kv_cache import LayerKV
-    from kvcli.kvcache.kv_dtype import kv_dtype_of, quantize
+    from kvcli.bench.internals import LayerKV
+    from kvcli.bench.internals import kv_dtype_of, quantize
 
     kvh, hq, d, bs = 3, 9, 64, 16
     nb = a.batch

@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from kvcli.config import SamplingParams
     from kvcli.engine.llm_engine import LLMEngine
-    from kvcli.engine.perplexity import perplexity
+    from kvcli.bench.internals import perplexity
     from kvcli.model.loader import load_weights
     from kvcli.options import EngineOptions
 

@@ -46,10 +46,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--context", type=int, default=4096)
     a = ap.parse_args(argv)
 
-    from kvcli.attention.torch_backend import TorchAttentionBackend
+    from kvcli.bench.internals import TorchAttentionBackend
     from kvcli.bench.machine import machine_line
     from kvcli.engine.llm_engine import LLMEngine
-    from kvcli.engine.perplexity import perplexity
+    from kvcli.bench.internals import perplexity
     from kvcli.model.loader import load_weights
     from kvcli.options import EngineOptions
 

@@ -6,6 +6,7 @@ printed beside it."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -26,6 +27,7 @@ def load_seconds(cache: str) -> tuple[float, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argparse.ArgumentParser(description=__doc__).parse_args(argv)
     from kvcli.bench.machine import machine_line
 
     print(machine_line())

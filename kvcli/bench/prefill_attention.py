@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=7)
     a = ap.parse_args(argv)
-    from kvcli.attention.torch_backend import attend, native_prefill_attention
+    from kvcli.bench.internals import attend, native_prefill_attention
     from kvcli.bench.machine import machine_line
     from kvcli_kernels.cpu_prefill_attention import prefill_attention
 

@@ -1,0 +1,38 @@
+"""Every kvcli internal a benchmark reaches into, in one table: the kernel micro-benchmarks and the KV and
+attention figures time pieces below the public surface (kvcli.llm.LLM, kvcli.engine.llm_engine.LLMEngine,
+kvcli.options.EngineOptions, kvcli.model.loader). When one of these moves, fix it here; the figures import
+them from this module (`from kvcli.bench.internals import Int8DotCpu`), resolved at first use.
+tests/test_bench_package.py checks that every name still resolves."""
+
+from __future__ import annotations
+
+import importlib
+
+WHERE: dict[str, str] = {
+    # int8dot-ops: the CPU linear kernels, one against another
+    "Int4Cpu": "kvcli.model.int4_cpu",
+    "Int8DotCpu": "kvcli.model.int8dot_cpu",
+    "native_library": "kvcli.model.int8dot_cpu",
+    "QuantTensor": "kvcli.model.quant",
+    "quantize_q4": "kvcli.model.quant",
+    # kv-attention, prefill-attention, kv-int4: the torch attention backend and the KV pool's layer views
+    "AttentionMetadata": "kvcli.attention.base",
+    "TorchAttentionBackend": "kvcli.attention.torch_backend",
+    "attend": "kvcli.attention.torch_backend",
+    "native_prefill_attention": "kvcli.attention.torch_backend",
+    "LayerKV": "kvcli.kvcache.kv_cache",
+    "kv_dtype_of": "kvcli.kvcache.kv_dtype",
+    "quantize": "kvcli.kvcache.kv_dtype",
+    # kv-dtype, kv-int4: teacher-forced perplexity through the engine
+    "perplexity": "kvcli.engine.perplexity",
+    # kquants, hf-quant: kvcli's own encoders of the files they measure
+    "kquant_encode": "kvcli.model.kquant_encode",
+    "hf_quant_encode": "kvcli.model.hf_quant_encode",
+}
+
+
+def __getattr__(name: str):
+    if name not in WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = importlib.import_module(WHERE[name])
+    return module if module.__name__.rsplit(".", 1)[-1] == name else getattr(module, name)
