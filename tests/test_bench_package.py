@@ -163,9 +163,11 @@ def test_every_internal_a_benchmark_uses_still_resolves() -> None:
     missing = []
     for name in internals.WHERE:
         try:
-            getattr(internals, name)
+            got = getattr(internals, name)
+            assert callable(got) or hasattr(got, "__file__"), got
         except (ImportError, AttributeError) as exc:
             missing.append(f"{name} ({internals.WHERE[name]}): {exc}")
+    assert callable(internals.perplexity) and not hasattr(internals.perplexity, "__path__")
     assert not missing, missing
     others = [f"{p.name}: {line.strip()}" for p in (REPO / "kvcli" / "bench").glob("*.py")
               for line in p.read_text(encoding="utf-8").splitlines()

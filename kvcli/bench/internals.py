@@ -8,23 +8,23 @@ from __future__ import annotations
 
 import importlib
 
-WHERE: dict[str, str] = {
+WHERE: dict[str, str] = {  # name -> "module:attribute", or "module" for a module itself
     # int8dot-ops: the CPU linear kernels, one against another
-    "Int4Cpu": "kvcli.model.int4_cpu",
-    "Int8DotCpu": "kvcli.model.int8dot_cpu",
-    "native_library": "kvcli.model.int8dot_cpu",
-    "QuantTensor": "kvcli.model.quant",
-    "quantize_q4": "kvcli.model.quant",
+    "Int4Cpu": "kvcli.model.int4_cpu:Int4Cpu",
+    "Int8DotCpu": "kvcli.model.int8dot_cpu:Int8DotCpu",
+    "native_library": "kvcli.model.int8dot_cpu:native_library",
+    "QuantTensor": "kvcli.model.quant:QuantTensor",
+    "quantize_q4": "kvcli.model.quant:quantize_q4",
     # kv-attention, prefill-attention, kv-int4: the torch attention backend and the KV pool's layer views
-    "AttentionMetadata": "kvcli.attention.base",
-    "TorchAttentionBackend": "kvcli.attention.torch_backend",
-    "attend": "kvcli.attention.torch_backend",
-    "native_prefill_attention": "kvcli.attention.torch_backend",
-    "LayerKV": "kvcli.kvcache.kv_cache",
-    "kv_dtype_of": "kvcli.kvcache.kv_dtype",
-    "quantize": "kvcli.kvcache.kv_dtype",
+    "AttentionMetadata": "kvcli.attention.base:AttentionMetadata",
+    "TorchAttentionBackend": "kvcli.attention.torch_backend:TorchAttentionBackend",
+    "attend": "kvcli.attention.torch_backend:attend",
+    "native_prefill_attention": "kvcli.attention.torch_backend:native_prefill_attention",
+    "LayerKV": "kvcli.kvcache.kv_cache:LayerKV",
+    "kv_dtype_of": "kvcli.kvcache.kv_dtype:kv_dtype_of",
+    "quantize": "kvcli.kvcache.kv_dtype:quantize",
     # kv-dtype, kv-int4: teacher-forced perplexity through the engine
-    "perplexity": "kvcli.engine.perplexity",
+    "perplexity": "kvcli.engine.perplexity:perplexity",
     # kquants, hf-quant: kvcli's own encoders of the files they measure
     "kquant_encode": "kvcli.model.kquant_encode",
     "hf_quant_encode": "kvcli.model.hf_quant_encode",
@@ -34,5 +34,5 @@ WHERE: dict[str, str] = {
 def __getattr__(name: str):
     if name not in WHERE:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    module = importlib.import_module(WHERE[name])
-    return module if module.__name__.rsplit(".", 1)[-1] == name else getattr(module, name)
+    module, _, attr = WHERE[name].partition(":")
+    return getattr(importlib.import_module(module), attr) if attr else importlib.import_module(module)
