@@ -39,9 +39,10 @@ def main(argv: list[str] | None = None) -> None:
     loaded = load_weights(None)
     base = LLMEngine(loaded, EngineOptions(kv_budget="512MiB", max_model_len=4096, prefix_caching=False))
     llms = {"torch": LLM.from_engine(base)}
-    llms["invariant"] = LLM.from_engine(LLMEngine(loaded, EngineOptions(
-        kv_budget="512MiB", max_model_len=4096, prefix_caching=False, attention_backend="invariant"),
-        model=base.model))
+    # Each engine builds its own model (a model is planned for one attention backend), from its own load of
+    # the same file (building a model takes the loaded tensors).
+    llms["invariant"] = LLM.from_engine(LLMEngine(load_weights(None), EngineOptions(
+        kv_budget="512MiB", max_model_len=4096, prefix_caching=False, attention_backend="invariant")))
     ids = loaded.tokenizer.encode((REPO / "samples" / "keepers-log.txt").read_text() * 4)
 
     def cpu(llm, prompts, n: int) -> float:
