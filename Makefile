@@ -34,7 +34,7 @@ bench-deps:
 # (`python -m kvcli.bench --list`), raw output to docs/results/<figure>.txt (about an hour, idle machine;
 # FIGURES="decode load" make figures for a subset).
 figures: setup
-	bash scripts/figures.sh $(FIGURES)
+	FIGURES="$(FIGURES)" bash scripts/figures.sh
 
 # The plan (kernel variants, time budget) first, then the run: one capped process per section.
 gpu-check:

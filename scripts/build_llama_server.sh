@@ -2,7 +2,7 @@
 # Build llama.cpp's llama-server once, from the llama.cpp sources vendored in the llama-cpp-python
 # sdist that scripts/build_llama_cpp.sh builds the batch benchmark from (same version: 0.3.36), so
 # the server and the in-process llama.cpp numbers come from one llama.cpp. Used by
-# tests/test_llama_server.py and scripts/bench_serve.py --llama-server, which skip with a message
+# tests/test_llama_server.py and python -m kvcli.bench serve-vs-llama-server --llama-server, which skip with a message
 # while the binary is missing. Niced: it takes many minutes on 2 cores. No network at build time
 # beyond fetching the sdist (the web UI's prebuilt assets are not downloaded; the API needs none).
 #   scripts/build_llama_server.sh        # -> $KVCLI_CACHE/llama-server/bin/llama-server

@@ -10,4 +10,4 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NO_COLOR=1 COLUMNS=120 PATH="$PWD/.venv/bin:$PATH"
-exec .venv/bin/python -m kvcli.bench figures "$@"
+exec .venv/bin/python -m kvcli.bench figures ${FIGURES:-} "$@"

@@ -130,8 +130,8 @@ def check_engine_correctness(record: Record, smoke: bool) -> None:
 
 def _decode_tok_s(generate: Callable[[int], Any], new: int, repeats: int) -> tuple[float, float]:
     """(decode tok/s, prefill s): (N - 1) / (t_N - t_1), best of `repeats`, prefill excluded, the
-    method of scripts/bench_decode.py (whose timer this uses)."""
-    from bench_decode import best  # beside this file
+    method of the decode figure (kvcli/bench/batch1.py; its timer is the benchmark harness's)."""
+    from kvcli.bench.harness import best
 
     generate(new)  # warm-up: compiles, allocator
     t1, tn = best(lambda: generate(1), repeats), best(lambda: generate(new), repeats)
