@@ -137,7 +137,7 @@ def run_trace(engine: LLMEngine, trace: Trace, prompts: list[list[int]], label: 
         kv_mean=kv_mean, ttft_s=ttft, itl_s=itl, pool_bytes=engine.kv_pool_bytes, records=list(recs),
         outputs={r.req_id: list(r.output_token_ids) for r in reqs}, simulated=engine.simulated,
         kv_dtype=str(engine.kv_dtype), kv_bytes_per_token=engine.config.kv_bytes_per_token(engine.kv_dtype),
-        spec=engine.metrics.spec_summary())
+        spec=engine.spec_summary())
 
 
 def plot_timeline(results: list[ProfileResult], path: str) -> None:

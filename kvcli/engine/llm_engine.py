@@ -5,23 +5,23 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
 from kvcli.attention.base import AttentionBackend
 from kvcli.config import ModelConfig, SamplingParams
-from kvcli.engine.detokenizer import IncrementalDetokenizer
+from kvcli.engine.output_processor import OutputProcessor
 from kvcli.engine.outputs import CompletionOutput, RequestOutput
 from kvcli.engine.request import Request
 from kvcli.engine.scheduler import Scheduler
 from kvcli.kvcache.block_manager import PagedKVManager
-from kvcli.kvcache.contiguous import ContiguousArena
-from kvcli.kvcache.interface import KVLayout
+from kvcli.kvcache.contiguous import ContiguousArena, reservation_split
+from kvcli.kvcache.interface import KVLayout, blocks_for
 from kvcli.kvcache.kv_cache import KVCache, bytes_per_block, usable_blocks_for_budget
 from kvcli.metrics.collector import MetricsCollector
-from kvcli.metrics.snapshot import MemorySnapshot, Snapshot
-from kvcli.metrics.stats import RunStats
+from kvcli.metrics.snapshot import KVBreakdown, MemorySnapshot, Snapshot, SpecSummary
+from kvcli.metrics.stats import EngineFacts, RequestExtent, RunStats
 from kvcli.model.llama import LlamaModel
 from kvcli.model.loader import LoadedWeights
 from kvcli.model.quant import QuantTensor
@@ -31,7 +31,6 @@ from kvcli.runner.model_runner import ModelRunner
 from kvcli.runner.simulated_runner import SimulatedRunner
 from kvcli.spec_decode.backoff import AdaptiveBackoff
 from kvcli.spec_decode.prompt_lookup import PromptLookupProposer
-from kvcli.step import ScheduledChunk, SchedulerOutput
 
 __all__ = ["ConfigError", "EngineOptions", "LLMEngine"]
 
@@ -157,7 +156,7 @@ class LLMEngine:
             max_model_len=self.max_model_len, preempt=options.preempt, swap_blocks=swap_blocks,
             eos_token_ids=tuple(self.tokenizer.eos_token_ids) if self.tokenizer is not None else (),
             **self._speculation(options))
-        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self.output = OutputProcessor(self.tokenizer)  # detokenizers and output text, per request
         self._ids = itertools.count()
         # Run counters (the engine's own statistics, published through stats()).
         self.step_count = 0
@@ -166,7 +165,11 @@ class LLMEngine:
         self.decode_tokens = 0
         self.prefill_seconds = 0.0
         self.decode_seconds = 0.0
-        self.metrics = MetricsCollector(self)
+        self.metrics = MetricsCollector(EngineFacts(
+            block_size=bs, bytes_per_block=self.bytes_per_block, kv_pool_bytes=self.kv_pool_bytes,
+            kv_dtype=str(self.kv_dtype).removeprefix("torch."), max_model_len=self.max_model_len,
+            weight_bytes=tuple(self.weight_bytes().items()), speculate=options.speculate,
+            num_speculative_tokens=options.num_speculative_tokens))
         # What a user waits for: reading the file and tokenizer, then the model build (weight packing)
         # and the KV pool allocation here.
         self.load_seconds += time.perf_counter() - t_build
@@ -254,9 +257,8 @@ class LLMEngine:
         forks = [Request(f"{rid}.{i}", ids, params.with_(n=1, seed=None if params.seed is None else params.seed + i),
                          parent_id=rid, arrival_time=req.arrival_time) for i in range(1, params.n)]
         self.scheduler.add(req, forks)
-        if self.tokenizer is not None:
-            for r in (req, *forks):
-                self._detok[r.req_id] = IncrementalDetokenizer(self.tokenizer)
+        for r in (req, *forks):
+            self.output.add(r.req_id)
         return req
 
     @property
@@ -272,10 +274,8 @@ class LLMEngine:
     def release(self, req_id: str) -> None:
         """Forget a finished request (its blocks are already free). `completion()` needs the record,
         so batch callers keep it; a long-running server releases each one as it finishes."""
-        req = self.scheduler.requests.get(req_id)
-        if req is not None and req.finished:
-            del self.scheduler.requests[req_id]
-            self._detok.pop(req_id, None)
+        if self.scheduler.release(req_id):
+            self.output.release(req_id)
 
     # --- one iteration ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -289,7 +289,9 @@ class LLMEngine:
                 decode_only = False
                 self.prompt_tokens += min(req.num_prompt_tokens, chunk.start_pos + len(chunk.token_ids)) - chunk.start_pos
         new_tokens = self.scheduler.update_from_output(out, result, time.perf_counter())
-        outputs = [self._output(req, tok) for req, tok in new_tokens]
+        outputs, stopped = self.output.process(new_tokens)
+        if stopped:
+            self.scheduler.finish_requests(stopped, "stop")
         dt = time.perf_counter() - t0
         if decode_only:
             self.decode_seconds += dt
@@ -298,27 +300,10 @@ class LLMEngine:
             self.prefill_seconds += dt
         self.generated_tokens += len(new_tokens)
         self.step_count += 1
-        self.metrics.record(out)
+        s = self.scheduler.stats()
+        self.metrics.record(self.stats(), s, self.kv.stats(s.running, s.next_waiting), out.num_tokens,
+                            sum(len(c.spec_token_ids) for c in out.chunks))
         return outputs
-
-    def _output(self, req: Request, tok: int) -> RequestOutput:
-        """Text for a new token, and the stop strings (the scheduler has handled stop tokens and lengths)."""
-        text = ""
-        if self.tokenizer is not None and req.finish_reason != "stop":
-            text = self._detok[req.req_id].push(tok)
-            stop = req.params.stop
-            if stop:
-                joined = req.output_text + text
-                hits = [joined.find(s, max(0, len(req.output_text) - len(s))) for s in stop]
-                hits = [h for h in hits if h >= 0]
-                if hits:
-                    cut = min(hits)
-                    text = joined[len(req.output_text):cut] if cut >= len(req.output_text) else ""
-                    req.output_text = joined[:cut]
-                    self.scheduler.finish(req, "stop")
-                    return RequestOutput(req.req_id, (tok,), text, True, "stop")
-            req.output_text += text
-        return RequestOutput(req.req_id, (tok,), text, req.finished, req.finish_reason)
 
     # --- teacher forcing -------------------------------------------------------------------------------
     def score(self, token_ids: list[int], first_scored: int = 1,
@@ -337,19 +322,18 @@ class LLMEngine:
         if len(token_ids) > self.max_model_len:
             raise ConfigError(f"{len(token_ids)} tokens do not fit the {self.max_model_len}-token context")
         req = f"score{next(self._ids)}"
-        if not self.kv.admit(req, min(len(token_ids), self.options.max_num_batched_tokens), 0, len(token_ids)):
+        sched = self.scheduler
+        if not sched.admit_scoring(req, len(token_ids)):
             raise ConfigError(f"--kv-budget: the KV pool cannot hold {len(token_ids)} tokens")
         targets = torch.tensor(token_ids[1:], dtype=torch.int64)
         nll = []
         pos = 0
         try:
             while pos < len(token_ids):
-                n = min(self.options.max_num_batched_tokens, len(token_ids) - pos)
-                if not self.kv.allocate(req, pos + n, pos):
+                step = sched.schedule_scoring(req, token_ids, pos)
+                if step is None:
                     raise ConfigError(f"--kv-budget: the KV pool cannot hold {len(token_ids)} tokens")
-                step = SchedulerOutput([ScheduledChunk(req, token_ids[pos:pos + n], pos, self.kv.block_table(req),
-                                                       True)], new_blocks=self.kv.take_new_blocks(),
-                                       block_copies=self.kv.take_copies())
+                n = len(step.chunks[0].token_ids)
                 t0 = time.perf_counter()
                 logits = self.runner.execute(step, all_logits=True).logits
                 rows = slice(max(pos, first_scored - 1) - pos, min(n, len(token_ids) - 1 - pos))
@@ -363,7 +347,7 @@ class LLMEngine:
                 if on_progress is not None:
                     on_progress(n)
         finally:
-            self.kv.free(req)
+            sched.finish_scoring(req)
         return torch.cat(nll)
 
     # --- results and statistics ----------------------------------------------------------------------
@@ -374,8 +358,12 @@ class LLMEngine:
         forks = []
         while r.parent_id is None and f"{req_id}.{len(forks) + 1}" in self.scheduler.requests:
             forks.append(self.completion(f"{req_id}.{len(forks) + 1}"))
-        return CompletionOutput(r.req_id, r.prompt_token_ids, list(r.output_token_ids), r.output_text,
+        return CompletionOutput(r.req_id, r.prompt_token_ids, list(r.output_token_ids), self.output.text(req_id),
                                 r.finish_reason, ttft, r.num_preemptions, tuple(forks))
+
+    def output_text(self, req_id: str) -> str:
+        """A request's text so far (cut before a stop string); "" without a tokenizer."""
+        return self.output.text(req_id)
 
     def weight_bytes(self) -> dict[str, int]:
         return self.model.weight_bytes() if self.model is not None else {}
@@ -392,4 +380,33 @@ class LLMEngine:
 
     def snapshot(self, memory: MemorySnapshot | None = None, *, block_map: bool = False) -> Snapshot:
         """The one record views read; the block map and a memory probe only when asked for."""
-        return self.metrics.snapshot(memory, block_map=block_map)
+        sched = self.scheduler
+        s = sched.stats()
+        kv = self.kv.stats(s.running, s.next_waiting)
+        whatif = None
+        if kv.layout == "paged":
+            whatif = contiguous_whatif(s.running, kv.num_blocks, kv.block_size, self.max_model_len,
+                                       self.metrics.bytes_per_slot)
+        return self.metrics.snapshot(self.stats(), s, kv, sched.spec_stats(), sched.request_timings(), whatif=whatif,
+                                     blocks=self.kv.block_map(s.running) if block_map else None, memory=memory)
+
+    def spec_summary(self) -> SpecSummary:
+        """Speculative decoding so far, as the views show it."""
+        return self.metrics.spec_summary(self.scheduler.spec_stats())
+
+
+def contiguous_whatif(running: Sequence[RequestExtent], num_blocks: int, block_size: int, max_model_len: int,
+                      bytes_per_slot: int) -> tuple[KVBreakdown, int]:
+    """The given live requests under max-length contiguous preallocation in a pool of the same size,
+    and how many max-length regions that pool holds at once."""
+    region = blocks_for(max_model_len, block_size) * block_size
+    tokens = reserved = internal = 0
+    for r in running:
+        res, inter = reservation_split(region, r.num_tokens, r.final_tokens)
+        tokens += r.num_tokens
+        reserved += res
+        internal += inter
+    pool = num_blocks * block_size
+    used = tokens + reserved + internal
+    return KVBreakdown(tokens * bytes_per_slot, reserved * bytes_per_slot, internal * bytes_per_slot, 0,
+                       max(0, pool - used) * bytes_per_slot), pool // region

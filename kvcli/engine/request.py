@@ -30,7 +30,6 @@ class Request:
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"
-    output_text: str = ""
     num_preemptions: int = 0
     swapped_blocks: int = 0  # host blocks held while swapped out
     parent_id: str | None = None  # set on the samples forked from one prompt (n > 1)

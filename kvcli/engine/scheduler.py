@@ -3,7 +3,11 @@
 `schedule()` decides how many tokens of each request to compute this step; `update_from_output()`
 applies what the runner returned: it advances `num_computed_tokens`, indexes blocks that are full of
 final tokens for the prefix cache, forks samples of one prompt, appends sampled tokens and ends
-requests on a stop token or a length limit. Nothing else changes a request's counters or status.
+requests on a stop token or a length limit. Nothing else changes a request's counters or status:
+requests that end on a stop string (found by output processing, engine/output_processor.py) are
+ended here too (`finish_requests`), and `release` forgets a finished one. Teacher forcing goes
+through here as well (`admit_scoring`, `schedule_scoring`, `finish_scoring`), so only the scheduler
+admits and allocates on the KV layout.
 
 Order per step: requests swapped out earlier come back first (when nothing was preempted), then
 running requests get their tokens (one for a decode, a chunk for an unfinished prompt, all under
@@ -31,6 +35,7 @@ from collections import deque
 
 from kvcli.engine.request import Request, RequestStatus
 from kvcli.kvcache.interface import KVLayout
+from kvcli.metrics.snapshot import RequestTiming
 from kvcli.metrics.stats import RequestExtent, SchedulerStats, SpecStats
 from kvcli.spec_decode.backoff import AdaptiveBackoff
 from kvcli.spec_decode.prompt_lookup import PromptLookupProposer
@@ -306,10 +311,43 @@ class Scheduler:
         if self.backoff is not None:
             self.backoff.release(req.req_id)
 
+    def finish_requests(self, req_ids: list[str], reason: str) -> None:
+        """End requests that something outside ended (output processing: a stop string)."""
+        for rid in req_ids:
+            self.finish(self.requests[rid], reason)
+
     def abort(self, req_id: str) -> None:
         """End a request (and samples of it not forked yet) wherever it is."""
         for req in [self.requests[req_id], *self._forks.pop(req_id, [])]:
             self.finish(req, "abort")
+
+    def release(self, req_id: str) -> bool:
+        """Forget a finished request (its blocks are already free); False when there is no finished
+        request of that id (unknown, already released, or still live)."""
+        req = self.requests.get(req_id)
+        if req is None or not req.finished:
+            return False
+        del self.requests[req_id]
+        return True
+
+    # --- teacher forcing -------------------------------------------------------------------------------
+    # A scored sequence is not a request: it has no sampling, no output and no runner state, and the
+    # scheduler must be idle. It is prefilled in chunks of the step budget, through the KV layout.
+    def admit_scoring(self, req_id: str, num_tokens: int) -> bool:
+        """Take KV space for a sequence of num_tokens to score (False: the pool cannot hold it)."""
+        return self.kv.admit(req_id, min(num_tokens, self.max_num_batched_tokens), 0, num_tokens)
+
+    def schedule_scoring(self, req_id: str, token_ids: list[int], pos: int) -> SchedulerOutput | None:
+        """The step that computes token_ids[pos:pos + budget] (each position's logits wanted), or None
+        when the pool has no slots for it."""
+        n = min(self.max_num_batched_tokens, len(token_ids) - pos)
+        if not self.kv.allocate(req_id, pos + n, pos):
+            return None
+        return SchedulerOutput([ScheduledChunk(req_id, token_ids[pos:pos + n], pos, self.kv.block_table(req_id), True)],
+                               new_blocks=self.kv.take_new_blocks(), block_copies=self.kv.take_copies())
+
+    def finish_scoring(self, req_id: str) -> None:
+        self.kv.free(req_id)
 
     # --- statistics ------------------------------------------------------------------------------------
     def extent(self, req: Request) -> RequestExtent:
@@ -320,6 +358,17 @@ class Scheduler:
             num_running=len(self.running), num_waiting=len(self.waiting), num_swapped=len(self.swapped),
             num_preemptions=self.num_preemptions, running=tuple(self.extent(r) for r in self.running),
             next_waiting=self.final_tokens(self.waiting[0]) if self.waiting else None)
+
+    def request_timings(self) -> tuple[RequestTiming, ...]:
+        """When each request that has produced a token got its tokens (requests not released yet)."""
+        out = []
+        for r in self.requests.values():
+            if r.first_token_time is None:
+                continue
+            t = r.token_times
+            out.append(RequestTiming(r.req_id, r.num_prompt_tokens, len(r.output_token_ids),
+                                     r.first_token_time - r.arrival_time, tuple(b - a for a, b in zip(t, t[1:]))))
+        return tuple(out)
 
     def spec_stats(self) -> SpecStats:
         return SpecStats(

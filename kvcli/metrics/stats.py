@@ -5,6 +5,7 @@ into a Snapshot. Plain frozen dataclasses: nothing here points back at a live ob
   KVLayoutStats   blocks, sharing, prefix-cache counters and the slot breakdown (the KV layout)
   SpecStats       speculative decoding: guesses proposed and accepted (scheduler)
   RunStats        step count, token counters and time spent in prefill and decode (engine)
+  EngineFacts     what does not change while an engine runs: KV geometry, dtype, weights (engine)
 """
 
 from __future__ import annotations
@@ -72,3 +73,17 @@ class SpecStats:
     request_steps: int = 0
     request_step_tokens: int = 0  # tokens appended in those request-steps
     paused: int = 0  # running requests whose guessing is paused (low recent acceptance)
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """An engine's fixed figures, given to the collector once (it holds no engine)."""
+
+    block_size: int
+    bytes_per_block: int
+    kv_pool_bytes: int  # the usable blocks and the null block
+    kv_dtype: str  # e.g. "float16", "fp8"
+    max_model_len: int
+    weight_bytes: tuple[tuple[str, int], ...] = ()  # (part, resident bytes), e.g. ("layers", ...)
+    speculate: str = "none"  # the speculation method
+    num_speculative_tokens: int = 0

@@ -319,7 +319,7 @@ class ChatRepl:
         if not interrupted and not failed:
             # Ctrl-C during the step that finished the reply anyway: show the rest, so the screen
             # matches what the conversation keeps.
-            rest = req.output_text.lstrip()[len("".join(shown)):]
+            rest = e.output_text(req.req_id).lstrip()[len("".join(shown)):]
             if rest:
                 view.write(rest)
                 shown.append(rest)
@@ -332,7 +332,7 @@ class ChatRepl:
             self.note(f"cannot run this turn: {failed}", style="red")
             return False
         # An interrupted reply keeps what was on the screen; a finished one the model's exact text.
-        reply = "".join(shown) if interrupted else req.output_text
+        reply = "".join(shown) if interrupted else e.output_text(req.req_id)
         if interrupted and not reply.strip():
             self.note("interrupted before the reply started; the message was not kept", style="yellow")
             return True
