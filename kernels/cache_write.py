@@ -30,7 +30,7 @@ from kvcli_kernels import kv_formats
 __all__ = ["write_kv_cache"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# Quantized cache element type -> (QUANT id in the kernels, qmax): kv_formats.py, the one table.
+# Quantized cache element type -> (QUANT id in the kernels, qmax), from kvcli.kvcache.kv_dtype.KV_DTYPES.
 QUANT_FORMATS = kv_formats.QUANT_FORMATS
 # Adding 1.5 * 2^23 to an fp32 |y| < 2^22 leaves no fraction bits: the add rounds y half to even
 # (the FPU's default mode), the subtraction is exact. Same result as torch.round, in every backend.

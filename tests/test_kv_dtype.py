@@ -145,8 +145,8 @@ def test_resolve_kv_dtype_is_a_function_of_plain_facts():
 
 
 def test_kv_dtype_carries_its_range_and_kernel_codes():
-    """qmax and the kernels' codes live in one table (kvcli_kernels/kv_formats.py) that KVDtype and the
-    kernel launchers read; the numbers themselves are what the C and Triton kernels were written for."""
+    """qmax and the kernels' codes live in one table (KV_DTYPES) that the kernel launchers read (through
+    kvcli_kernels/kv_formats.py); the numbers themselves are what the C and Triton kernels were written for."""
     from kvcli.kvcache.kv_dtype import KV_DTYPES
     from kvcli_kernels import cpu_attention, cpu_rope_kv
 

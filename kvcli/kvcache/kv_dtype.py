@@ -1,11 +1,10 @@
 """KV cache formats: how one token's K and V are stored, and the one place their bytes are counted.
 
 Float formats (fp32, fp16, bf16) store K/V as is. int8 and fp8 (e4m3fn) store codes plus one fp32
-scale per token and KV head (symmetric absmax / qmax, qmax = KVDtype.qmax: 127 or 448, read like the
-kernel codes from the kernels' one table, kvcli_kernels/kv_formats.py): a token's scale is final the
-moment it is written, so a streaming write never re-quantizes its neighbours, blocks copy and swap as
-plain tensors, and a partly filled block needs no special case. Per-channel key scales
-(KIVI) would need the scale of a whole block of tokens before any of them could be stored; a
+scale per token and KV head (symmetric absmax / qmax, qmax = KVDtype.qmax: 127 or 448, in KV_DTYPES with
+the codes the kernels know each format by): a token's scale is final the moment it is written, so a
+streaming write never re-quantizes its neighbours, blocks copy and swap as plain tensors, and a partly
+filled block needs no special case. Per-channel key scales (KIVI) would need the scale of a whole block of tokens before any of them could be stored; a
 per-tensor fp8 scale (vLLM's default) needs calibration data kvcli does not have, and one outlier
 token would coarsen every other token's codes. At head_dim 64 the scales add 4 B to 64 B of codes
 per head: 68 / 128 = 0.53x of fp16.
@@ -22,33 +21,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from kvcli_kernels.kv_formats import FORMATS
 
 
 @dataclass(frozen=True)
 class KVDtype:
     name: str  # fp32 | fp16 | bf16 | int8 | fp8
     storage: torch.dtype  # element type of the K/V tensors
+    kernel_code: int  # the storage's dtype code in kvcli's C kernels (DT_* of cpu_attention.c, cpu_rope_kv.c)
     scale_dtype: torch.dtype | None = None  # None: stored unscaled
+    qmax: float = 0.0  # quantized formats: the code a vector's absmax maps to
+    quant_code: int = 0  # QUANT id of the Triton cache-write kernel: 0 float, 1 int8 codes, 2 e4m3 codes
 
     @property
     def quantized(self) -> bool:
         return self.scale_dtype is not None
-
-    @property
-    def qmax(self) -> float:
-        """Quantized formats: the code a vector's absmax maps to (127 int8, 448 e4m3); 0 for floats."""
-        return FORMATS[self.storage].qmax
-
-    @property
-    def kernel_code(self) -> int:
-        """The storage's dtype code in kvcli's C kernels (cpu_attention.c, cpu_rope_kv.c)."""
-        return FORMATS[self.storage].code
-
-    @property
-    def quant_code(self) -> int:
-        """The Triton cache-write kernel's QUANT id: 0 float, 1 int8, 2 fp8 (e4m3)."""
-        return FORMATS[self.storage].quant
 
     def bytes_per_token(self, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
         """K and V of every layer for one token, scales included."""
@@ -63,15 +49,19 @@ def _size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+# THE table of KV formats: their ranges and the codes kvcli's kernels know them by (kvcli_kernels/
+# kv_formats.py derives the launchers' tables from it; kernels/ reads kvcli here, as reference.py does).
 KV_DTYPES: dict[str, KVDtype] = {
-    "fp32": KVDtype("fp32", torch.float32),
-    "fp16": KVDtype("fp16", torch.float16),
-    "bf16": KVDtype("bf16", torch.bfloat16),
-    "int8": KVDtype("int8", torch.int8, torch.float32),
-    "fp8": KVDtype("fp8", torch.float8_e4m3fn, torch.float32),
+    "fp32": KVDtype("fp32", torch.float32, kernel_code=0),
+    "fp16": KVDtype("fp16", torch.float16, kernel_code=1),
+    "bf16": KVDtype("bf16", torch.bfloat16, kernel_code=2),
+    "int8": KVDtype("int8", torch.int8, kernel_code=3, scale_dtype=torch.float32, qmax=127.0, quant_code=1),
+    # 448: the largest finite float8_e4m3fn
+    "fp8": KVDtype("fp8", torch.float8_e4m3fn, kernel_code=4, scale_dtype=torch.float32, qmax=448.0, quant_code=2),
 }
-INT8_QMAX = KV_DTYPES["int8"].qmax  # 127
-FP8_QMAX = KV_DTYPES["fp8"].qmax  # 448, the largest finite float8_e4m3fn
+BY_STORAGE: dict[torch.dtype, KVDtype] = {d.storage: d for d in KV_DTYPES.values()}
+INT8_QMAX = KV_DTYPES["int8"].qmax
+FP8_QMAX = KV_DTYPES["fp8"].qmax
 ALIASES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "fp8_e4m3": "fp8", "fp8-e4m3": "fp8"}
 KV_DTYPE_CHOICES = ("auto", "fp32", "fp16", "bf16", "int8", "fp8")
 
@@ -121,7 +111,7 @@ def quantize(x: torch.Tensor, storage: torch.dtype) -> tuple[torch.Tensor, torch
     symmetric per vector. An all-zero vector gets scale 0 and codes 0, and dequantizes back to zeros."""
     if storage not in (torch.int8, torch.float8_e4m3fn):
         raise ValueError(f"no quantized KV format stores {storage}")
-    qmax = FORMATS[storage].qmax
+    qmax = BY_STORAGE[storage].qmax
     x = x.float()
     scale = x.abs().amax(-1) / qmax
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
