@@ -174,3 +174,14 @@ def test_every_internal_a_benchmark_uses_still_resolves() -> None:
               if re.match(r"\s*from kvcli\.(model|attention|kvcache|runner)\b", line)
               and p.name != "machine.py" and "kvcli.model.loader" not in line]
     assert not others, f"go through kvcli/bench/internals.py: {others}"
+
+
+def test_caller_arguments_join_the_figures_own_on_each_side_of_the_separator() -> None:
+    from kvcli.bench.__main__ import merge_args
+
+    assert merge_args(("--repeats", "2"), ["--repeats", "1"]) == ["--repeats", "2", "--repeats", "1"]
+    own = FIGURES["ab-throughput"].args
+    got = merge_args(own, ["--rounds", "1", "--", "--num-requests", "4"])
+    i = got.index("--")
+    assert got[:i][-2:] == ["--rounds", "1"] and got[i + 1:][-2:] == ["--num-requests", "4"]
+    assert got.count("--") == 1

@@ -30,9 +30,21 @@ def _list() -> None:
         print(f"{f.name:<{width}}  {f.results:<40}  {f.about}{extra}" + (f"  [{env.strip()}]" if env else ""))
 
 
+def merge_args(own: tuple[str, ...], argv: list[str]) -> list[str]:
+    """The figure's arguments, then the caller's; where either has a `--` (the A/B figures: what follows goes
+    to both sides), the parts before it and after it are joined separately."""
+    def split(a):
+        a = list(a)
+        return (a[:a.index("--")], a[a.index("--") + 1:]) if "--" in a else (a, None)
+    (o1, o2), (u1, u2) = split(own), split(argv)
+    if o2 is None and u2 is None:
+        return o1 + u1
+    return o1 + u1 + ["--"] + (o2 or []) + (u2 or [])
+
+
 def run_figure(fig: Figure, argv: list[str]) -> int:
     """Print the header, then run the figure in this process (the environment is already the figure's)."""
-    args = [*fig.args, *argv]
+    args = merge_args(fig.args, argv)
     header(fig.name, args)
     if fig.entry.startswith("script:"):
         cmd = shlex.split(fig.entry[len("script:"):]) + argv

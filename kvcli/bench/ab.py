@@ -77,6 +77,8 @@ AB: dict[str, ABSpec] = {
     }, "kvcli INT4 decode tok/s"),
     "throughput": ABSpec("scripts/bench_throughput.py", {
         "kvcli output tok/s": _row("kvcli, whole trace at once", 2),
+        "kvcli vs one at a time": _row("transformers `generate`, one request at a time", 3),
+        "kvcli vs static batches": _row("transformers `generate`, static batches", 3),
         "kvcli vs generate_batch": _row("transformers continuous batching", 3),
         "kvcli vs llama.cpp": _row("llama.cpp", 3),
     }, "kvcli output tok/s"),

@@ -77,6 +77,13 @@ FIGURES: dict[str, Figure] = {f.name: f for f in [
            in_make_figures=False),
     Figure("int8dot-ops-avx2", "int8dot:main", "the int8dot-ops figure held to AVX2", env=AVX2_ENV,
            in_make_figures=False),
+    # Before and after the benchmark package (issue #26): 112af1f is the tree before it. Not measured yet
+    # where the results file says so; `python -m kvcli.bench ab-decode --save` (an idle machine) writes it.
+    Figure("ab-decode", "ab:main", "before/after: the decode figure at 112af1f and in this tree, interleaved",
+           ("--before", "112af1f", "decode", "--rounds", "3"), in_make_figures=False),
+    Figure("ab-throughput", "ab:main", "before/after: the throughput trace at 112af1f and in this tree, interleaved",
+           ("--before", "112af1f", "throughput", "--rounds", "3", "--", "--modes", "static,generate_batch"),
+           in_make_figures=False),
     Figure("triton-matrix", "script:bash scripts/triton_matrix.sh", "kernel tests under older Triton releases",
            in_make_figures=False),
     Figure("gpu-check-dry-run", "script:python3 scripts/gpu_check.py --dry-run",
