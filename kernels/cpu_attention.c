@@ -66,6 +66,9 @@ typedef struct { /* per layer: the pool's K/V (and scales) */
     int32_t dtype;
 } kva_cache;
 
+/* sizeof each struct mirrored by the launcher (_Step, _Cache), for cpu_build.check_structs. */
+int64_t kva_struct_size(int which) { return which == 0 ? (int64_t)sizeof(kva_step) : which == 1 ? (int64_t)sizeof(kva_cache) : -1; }
+
 typedef struct {
     const kva_step *s;
     const kva_cache *c;

@@ -15,7 +15,7 @@ import ctypes
 import torch
 
 from kvcli_kernels import kv_formats
-from kvcli_kernels.cpu_build import build, build_error
+from kvcli_kernels.cpu_build import build, build_error, check_structs
 
 _SOURCE = "cpu_attention.c"
 MAX_HEAD_DIM = 256  # cpu_attention.c MAX_D
@@ -48,6 +48,8 @@ def load(isa: str, cache_dir: str) -> ctypes.CDLL | None:
     """The built library with its function signature declared, or None (see load_error)."""
     lib = build(_SOURCE, isa, cache_dir)
     if lib is not None and not hasattr(lib, "_kva_declared"):
+        if check_structs(lib, _SOURCE, isa, "kva_struct_size", [_Step, _Cache]) is None:
+            return None
         lib.kva_decode.argtypes = [ctypes.POINTER(_Step), ctypes.POINTER(_Cache), _ptr, _i64, _ptr, _i64, _i32]
         lib.kva_decode.restype = ctypes.c_int
         lib._kva_declared = True

@@ -89,6 +89,21 @@ def _build_missing(isa: str, cache_dir: str) -> dict[str, str]:
     return errors
 
 
+def check_structs(lib: ctypes.CDLL, source: str, isa: str, size_fn: str, mirrors: list[type]) -> ctypes.CDLL | None:
+    """The library, or None (with the reason in build_error) when a C struct's size differs from its ctypes
+    mirror's: a field added on one side only would otherwise pass garbage pointers. `size_fn(i)` returns
+    sizeof the i-th struct mirrored by mirrors[i]."""
+    fn = getattr(lib, size_fn)
+    fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int64
+    for i, mirror in enumerate(mirrors):
+        got = fn(i)
+        if got != ctypes.sizeof(mirror):
+            _errors[(source, isa)] = (f"{source}: struct {i} is {got} bytes in C, {ctypes.sizeof(mirror)} in its "
+                                      f"ctypes mirror {mirror.__name__}")
+            return None
+    return lib
+
+
 @functools.lru_cache(maxsize=None)
 def build(source: str, isa: str, cache_dir: str) -> ctypes.CDLL | None:
     import torch  # noqa: F401  (first: the library's libgomp.so.1 must resolve to torch's)

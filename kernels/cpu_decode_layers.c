@@ -67,6 +67,17 @@ typedef struct {
     int64_t kv_dtype, block_size, num_slots, k_sb, k_st, k_sh, v_sb, v_st, v_sh;
 } kvd_model;
 
+/* sizeof each struct above, for the launcher's check against its ctypes mirror (cpu_build.check_structs). */
+int64_t kvd_struct_size(int which) {
+    switch (which) {
+    case 0: return (int64_t)sizeof(kvd_part);
+    case 1: return (int64_t)sizeof(kvd_linear);
+    case 2: return (int64_t)sizeof(kvd_layer);
+    case 3: return (int64_t)sizeof(kvd_model);
+    default: return -1;
+    }
+}
+
 static int linear(const kvd_model *m, const kvd_linear *w, const float *x, int64_t T, int64_t K, float *y, int nt) {
     float *col = y;
     for (int64_t p = 0; p < w->nparts; p++) {

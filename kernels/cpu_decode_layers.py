@@ -8,7 +8,7 @@ import ctypes
 
 import torch
 
-from kvcli_kernels.cpu_build import build
+from kvcli_kernels.cpu_build import build, check_structs
 
 _SOURCE = "cpu_decode_layers.c"
 _ptr, _i64, _f32, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
@@ -49,6 +49,8 @@ class Model(ctypes.Structure):
 def load(isa: str, cache_dir: str) -> ctypes.CDLL | None:
     lib = build(_SOURCE, isa, cache_dir)
     if lib is not None and not hasattr(lib, "_kvd_declared"):
+        if check_structs(lib, _SOURCE, isa, "kvd_struct_size", [Part, Linear, Layer, Model]) is None:
+            return None
         lib.kvd_decode_layers.argtypes = [_ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _int]
         lib.kvd_decode_layers.restype = _int
         lib._kvd_declared = True

@@ -6,31 +6,25 @@ from __future__ import annotations
 def cpu_mode(torch_path: str) -> str:
     """kvcli's own kernel (int8dot-cpu) where it builds and is not turned off (KVCLI_NATIVE=0); otherwise
     `torch_path`, the torch kernel the linear would take (int4-cpu or int4x2-cpu)."""
-    from kvcli.model.int8dot_cpu import native_library
+    from kvcli.native import registry
 
-    return "int8dot-cpu" if native_library() is not None else torch_path
+    return "int8dot-cpu" if registry.library("int8dot") is not None else torch_path
 
 
 def runnable_isas() -> list[str]:
     """The builds of kvcli's C kernels this machine can run (kvcli_kernels/cpu_build.py): plain C always."""
-    from kvcli.bench.machine import cpu_flags
+    from kvcli.native.capabilities import runnable_isas as isas
 
-    flags = cpu_flags()
-    isas = ["generic"]
-    if {"avx2", "fma", "f16c"} <= flags:
-        isas.append("avx2")
-    if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
-        isas.append("avx512vnni")
-    return isas
+    return isas()
 
 
 def built(load, isa: str):
     """A kernel library from its launcher's load(isa, cache_dir), or the test skipped (no build for isa here)."""
     import pytest
 
-    from kvcli.model import native
+    from kvcli.native import registry
 
-    lib = load(isa, native.build_dir())
+    lib = load(isa, registry.build_dir())
     if lib is None:
         pytest.skip(f"no {isa} build here")
     return lib

@@ -23,7 +23,7 @@ def kernel(request):
     """The build native_attention() picks, and the plain C one (what CPUs without AVX2 run)."""
     if request.param == "native":
         return lib
-    from kvcli.model.tokenizer import cache_dir
+    from kvcli.paths import cache_dir
     from kvcli_kernels.cpu_attention import load, load_error
 
     generic = load("generic", str(cache_dir() / "native"))

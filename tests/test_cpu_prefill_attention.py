@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from cpu_paths import built, runnable_isas
-from kvcli.model import native
+from kvcli.native import registry
 
 ISAS = [i for i in runnable_isas() if i != "generic"]
-pytestmark = pytest.mark.skipif(not native.native_enabled(), reason="KVCLI_NATIVE=0")
+pytestmark = pytest.mark.skipif(not registry.enabled(), reason="KVCLI_NATIVE=0")
 
 
 def _lib(isa: str):

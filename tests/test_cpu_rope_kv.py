@@ -15,10 +15,10 @@ from cpu_paths import built, runnable_isas
 from kvcli.attention.base import AttentionMetadata
 from kvcli.attention.torch_backend import TorchAttentionBackend
 from kvcli.kvcache.kv_cache import LayerKV
-from kvcli.model import native
+from kvcli.native import registry
 from kvcli.model.layers import Rotary
 
-pytestmark = pytest.mark.skipif(not native.native_enabled(), reason="KVCLI_NATIVE=0")
+pytestmark = pytest.mark.skipif(not registry.enabled(), reason="KVCLI_NATIVE=0")
 
 
 def _lib(isa: str):
@@ -106,7 +106,7 @@ def test_out_of_range_positions_and_slots_raise_and_write_nothing(isa):
 def test_backend_offers_it_only_where_it_applies(monkeypatch):
     from kvcli_kernels.cpu_rope_kv import load
 
-    if load(native.native_isa(), native.build_dir()) is None:
+    if registry.library("rope_kv") is None:
         pytest.skip("no C compiler")
     rot = Rotary(64, 128, 10000.0, None, torch.device("cpu"))
     meta = _meta(torch.tensor([3]))

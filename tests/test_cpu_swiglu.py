@@ -9,8 +9,11 @@ import torch
 import torch.nn.functional as F
 
 from cpu_paths import built, runnable_isas
-from kvcli.model import native
 from kvcli.model.layers import SwiGLU
+from kvcli.model.weight_plan import Native
+from kvcli.native.capabilities import build_isa
+
+CPU = torch.device("cpu")
 
 ISAS = [i for i in runnable_isas() if i != "generic"]
 
@@ -58,11 +61,11 @@ def test_non_finite_inputs_follow_torch(isa):
 def test_layer_takes_the_kernel_unless_turned_off(monkeypatch):
     gu = torch.randn(4, 64)
     want = F.silu(gu[:, :32]) * gu[:, 32:]
-    layer = SwiGLU(torch.device("cpu"), torch.float32)
-    if ISAS and _lib(native.native_isa()) is not None and native.native_isa() != "generic":
+    layer = SwiGLU(Native.here(CPU, torch.float32).swiglu)
+    if ISAS and build_isa() != "generic" and _lib(build_isa()) is not None:
         assert layer.native is not None
     torch.testing.assert_close(layer(gu), want, rtol=3e-7, atol=1e-30)
-    assert SwiGLU(torch.device("cpu"), torch.bfloat16).native is None  # fp32 rows only
+    assert SwiGLU(Native.here(CPU, torch.bfloat16).swiglu).native is None  # fp32 rows only
     monkeypatch.setenv("KVCLI_NATIVE", "0")
-    off = SwiGLU(torch.device("cpu"), torch.float32)
+    off = SwiGLU(Native.here(CPU, torch.float32).swiglu)
     assert off.native is None and torch.equal(off(gu), want)

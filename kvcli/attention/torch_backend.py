@@ -32,7 +32,6 @@ The GEMMs and scratch conversions remain for prefill chunks, non-fp32 queries an
 from __future__ import annotations
 
 import ctypes
-import functools
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -43,6 +42,8 @@ import torch.nn.functional as F
 from kvcli.attention.base import AttentionMetadata
 from kvcli.kvcache.kv_cache import LayerKV
 from kvcli.kvcache.kv_dtype import dequantize, quantize
+from kvcli.native import registry
+from kvcli.native.scratch import scratch
 
 if TYPE_CHECKING:
     from kvcli_kernels.cpu_attention import CacheView, DecodeStep
@@ -52,49 +53,19 @@ _flash_cpu = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cp
 
 
 def native_attention() -> ctypes.CDLL | None:
-    """The decode-attention kernel (built at first use), or None: KVCLI_NATIVE=0, no compiler, a failed
-    build (the reason: kvcli_kernels.cpu_attention.load_error)."""
-    from kvcli.model import native
-
-    return _attention_library(native.native_isa(), native.build_dir()) if native.native_enabled() else None
-
-
-@functools.lru_cache(maxsize=None)
-def _attention_library(isa: str, build_dir: str) -> ctypes.CDLL | None:
-    from kvcli_kernels.cpu_attention import load
-
-    return load(isa, build_dir)
+    """The decode-attention kernel (built at first use), or None: see kvcli.native.registry.unavailable."""
+    return registry.library("attention")
 
 
 def native_prefill_attention() -> ctypes.CDLL | None:
     """The prefill-chunk attention kernel (kernels/cpu_prefill_attention.c; AVX2 + FMA builds), or None
     (KVCLI_NATIVE=0, no compiler, a plain C build: torch's flash attention instead)."""
-    from kvcli.model import native
-
-    if not native.native_enabled() or native.native_isa() == "generic":
-        return None
-    return _prefill_library(native.native_isa(), native.build_dir())
-
-
-@functools.lru_cache(maxsize=None)
-def _prefill_library(isa: str, build_dir: str) -> ctypes.CDLL | None:
-    from kvcli_kernels.cpu_prefill_attention import load
-
-    return load(isa, build_dir)
+    return registry.library("prefill_attention")
 
 
 def native_rope_kv() -> ctypes.CDLL | None:
     """The rotary + KV-store kernel (kernels/cpu_rope_kv.c), or None (KVCLI_NATIVE=0, no compiler)."""
-    from kvcli.model import native
-
-    return _rope_kv_library(native.native_isa(), native.build_dir()) if native.native_enabled() else None
-
-
-@functools.lru_cache(maxsize=None)
-def _rope_kv_library(isa: str, build_dir: str) -> ctypes.CDLL | None:
-    from kvcli_kernels.cpu_rope_kv import load
-
-    return load(isa, build_dir)
+    return registry.library("rope_kv")
 
 
 class TorchAttentionBackend:
@@ -118,20 +89,12 @@ class TorchAttentionBackend:
         self._reads: dict[int, slice | torch.Tensor] = {}
         self._batch_meta: AttentionMetadata | None = None
         self._batches: list[tuple] = []
-        self._scratch: dict[str, torch.Tensor] = {}
 
     def _scratch_buf(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A scratch tensor of `shape`, reused by every layer and step (contents valid until the next
-        call with the same name); kept when at most SCRATCH_KEEP_BYTES."""
-        n = 1
-        for x in shape:
-            n *= x
-        buf = self._scratch.get(name)
-        if buf is None or buf.numel() < n or buf.dtype != dtype or buf.device != device:
-            buf = torch.empty(n + n // 4, dtype=dtype, device=device)
-            if buf.numel() * buf.element_size() <= self.SCRATCH_KEEP_BYTES:
-                self._scratch[name] = buf
-        return buf[:n].view(shape)
+        """A scratch tensor of `shape` from the shared pool (kvcli/native/scratch.py), reused by every layer
+        and step (contents valid until the next call with the same name); kept when at most
+        SCRATCH_KEEP_BYTES."""
+        return scratch("attention:" + name, shape, dtype, device, keep_bytes=self.SCRATCH_KEEP_BYTES)
 
     def _heads_f32(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """x [..., kvh, L, D] (any storage dtype, head-major) as fp32, contiguous, in a scratch buffer:

@@ -10,6 +10,8 @@ import shutil
 from pathlib import Path
 from typing import Any, Protocol
 
+from kvcli.paths import cache_dir
+
 # Never contact a model hub: kvcli only reads local files.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -98,12 +100,6 @@ class ByteTokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
         return self.encode(text + ("<assistant>" if add_generation_prompt else ""))
-
-
-def cache_dir() -> Path:
-    base = os.environ.get("KVCLI_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME") or
-                                                         os.path.expanduser("~/.cache"), "kvcli")
-    return Path(base)
 
 
 def load_gguf_tokenizer(path: Path, eos_token_ids: tuple[int, ...],
