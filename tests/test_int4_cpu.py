@@ -18,10 +18,12 @@ CHECK = """
 import torch
 from kvcli.model.int4_cpu import Int4Cpu, packed_block_n
 from kvcli.model.quant import random_q4
+from kvcli.model.weight_plan import int4_route
+from kvcli.native.capabilities import capabilities
 g = torch.Generator().manual_seed(1)
 for n, k, gs in ((192, 128, 32), (64, 256, 64), (320, 96, 32)):  # ragged block counts, two group sizes
     q = random_q4(n, k, 0.05, g, group_size=gs)
-    w = Int4Cpu(q.unpack_codes(), q.group_scales(), q.group_mins(), gs)
+    w = Int4Cpu(q.unpack_codes(), q.group_scales(), q.group_mins(), gs, route=int4_route(capabilities()))
     s, z = w.scale_zero.float().unbind(-1)  # [K / G, N]: the kernel's bf16 scale and zero
     codes = q.unpack_codes().float().t()  # [K, N]
     want = (codes - 8).view(k // gs, gs, n) * s.unsqueeze(1) + z.unsqueeze(1)
@@ -76,7 +78,7 @@ def test_a_wrong_layout_guess_is_caught():
 
 @pytest.mark.parametrize("rows", [1, 300])
 def test_linear_output_close_to_the_exact_matmul(rows):
-    from kvcli.model.layers import Linear
+    from kvcli.model.layers import planned_linear as Linear
     q = random_q4(256, 128, 0.05, torch.Generator().manual_seed(3))
     lin = Linear(q, None, "int4-cpu", torch.float32)
     x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(4))

@@ -15,7 +15,7 @@ import torch
 
 from kvcli.model.gguf_loader import _DECODERS
 from kvcli.model.kquant_encode import random_blocks
-from kvcli.model.layers import Linear
+from kvcli.model.layers import planned_linear as Linear
 from kvcli.model.quant import QuantTensor
 
 # Each 5/6/8-bit type against the 4-bit type whose int4-cpu error is the yardstick.
@@ -81,9 +81,9 @@ def test_int4x2_falls_back_to_the_exact_path():
     """Rows not a multiple of 16, or a non-CPU mode: dequantized per call, the dense result exactly."""
     q = _blocks("Q6_K", 3, n=24, k=256)
     x = torch.randn(2, 256, generator=torch.Generator().manual_seed(0))
-    for mode in ("int4-cpu", "int4-torch"):
+    for mode in ("int4-cpu", "exact"):
         lin = Linear(q, None, mode, torch.float32)
-        assert lin.mode == "lowbit-torch"
+        assert lin.mode == "dequant-torch"
         assert torch.equal(lin(x), x @ q.dequantize().T)
     q16 = _blocks("Q6_K", 3, n=32, k=256)
-    assert Linear(q16, None, "int4-torch", torch.float32).mode == "lowbit-torch"
+    assert Linear(q16, None, "exact", torch.float32).mode == "dequant-torch"

@@ -18,16 +18,17 @@ from cpu_paths import runnable_isas
 from kvcli.model import int8dot_cpu
 from kvcli.model.int8dot_cpu import Int8DotCpu
 from kvcli.model.quant import QuantTensor, pack_nibbles
+from kvcli.native import registry
 
 pytestmark = pytest.mark.skipif(int8dot_cpu.native_library() is None,
-                                reason=f"native kernel: {int8dot_cpu.native_status()}")
+                                reason=f"native kernel: {registry.status()}")
 
 REL_BOUND = 2e-4  # of the largest |y| per row; measured 2e-5 .. 5e-5 on these shapes
 
 
 @pytest.fixture(params=runnable_isas())
 def isa(request, monkeypatch):
-    monkeypatch.setattr(int8dot_cpu, "native_isa", lambda: request.param)
+    monkeypatch.setattr(registry, "build_isa", lambda: request.param)
     return request.param
 
 
@@ -234,7 +235,7 @@ def test_without_a_compiler_torch_kernels_run(tmp_path):
     import subprocess
     import sys
 
-    code = ("import json; from kvcli.llm import LLM; from kvcli.model.int8dot_cpu import native_status; "
+    code = ("import json; from kvcli.llm import LLM; from kvcli.native.registry import status as native_status; "
             "from kvcli.config import SamplingParams; llm = LLM(kv_budget='16MiB'); "
             "out = llm.generate(['The keeper'], SamplingParams(max_tokens=3, ignore_eos=True))[0]; "
             "print(json.dumps([native_status(), llm.engine.linear_mode, llm.engine.kv_dtype.name, len(out.token_ids)]))")
@@ -296,28 +297,31 @@ def test_fp32_gemm_rows_and_threads_do_not_change_a_row(isa):
         torch.set_num_threads(threads)
 
 
-def test_many_rows_take_the_fp32_gemm_where_it_is_chosen(isa, monkeypatch):
+def test_many_rows_take_the_fp32_gemm_where_it_is_chosen(isa):
     """Where the fused GEMM is chosen (AVX2 build, torch on AVX2), calls from GEMM_F32_MIN_ROWS rows take
     it (fp32-exact), fewer rows the integer kernel; the vocabulary projection too, and a row-invariant
-    model turns it off (one path at every row count)."""
-    from kvcli.model import vocab_head
+    model turns it off (one path at every row count). The plan is made for an AVX2 machine, whatever
+    this one is."""
     from kvcli.model.vocab_head import VocabHead
+    from kvcli.model.weight_plan import GEMM_F32_MIN_ROWS, HeadPlan, int8dot_route
+    from kvcli.native.capabilities import CpuCapabilities
 
     if isa == "generic":
         pytest.skip("the plain C build has no fp32 GEMM")
-    monkeypatch.setattr(int8dot_cpu, "fp32_gemm_here", lambda: True)
-    monkeypatch.setattr(vocab_head, "cpu_has_native_bf16", lambda: False)
+    avx2 = CpuCapabilities("an AVX2 CPU", "x86_64", frozenset({"avx2", "fma", "f16c"}), "AVX2", "avx2", False)
+    route = int8dot_route(avx2)
     gen = torch.Generator().manual_seed(13)
     q, w = _gemm_problem("q8 fp16", gen)
-    lin = Int8DotCpu(q)
-    assert lin.gemm_f32 and lin.dense_min_rows == int8dot_cpu.GEMM_F32_MIN_ROWS
+    lin = Int8DotCpu(q, route=route)
+    assert lin.gemm_f32 and lin.dense_min_rows == GEMM_F32_MIN_ROWS
     n = lin.dense_min_rows
     x = torch.randn(n, w.shape[1], generator=gen)
     assert _check(lin, w, x) < 1e-5  # the integer kernel's two levels alone give ~5e-5
     few = lin(x[:n - 1])
     lin.dense_min_rows = None
     assert torch.equal(lin(x[:n - 1]), few)  # below the threshold: the integer kernel
-    head = VocabHead.int8dot(Int8DotCpu(q))
+    head = VocabHead(HeadPlan("int8dot-cpu", torch.float32, True, route), table=Int8DotCpu(q, route=route))
     assert head.int8dot.dense_min_rows == n and "fp32 GEMM" in head.path
-    head.make_row_invariant()
+    still = int8dot_route(avx2, row_invariant=True)
+    head = VocabHead(HeadPlan("int8dot-cpu", torch.float32, True, still), table=Int8DotCpu(q, route=still))
     assert head.int8dot.dense_min_rows is None and "fp32 GEMM" not in head.path

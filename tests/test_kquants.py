@@ -13,7 +13,7 @@ import torch
 
 from kvcli.model.gguf_loader import _DECODERS
 from kvcli.model.kquant_encode import quantize_q4_k, quantize_q6_k, random_blocks
-from kvcli.model.layers import Linear
+from kvcli.model.layers import planned_linear as Linear
 from kvcli.model.quant import QuantTensor
 
 TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
@@ -78,12 +78,12 @@ def test_linear_picks_a_packed_path_per_kind(type_name, mode, rows):
     q = _decode(type_name, random_blocks(type_name, rows, 512, rng, scale=0.02), rows, 512)
     lin = Linear(q, None, "int4-cpu", torch.float32)
     if rows % 16:  # torch's int4 kernel wants rows in multiples of 16: the exact per-call paths instead
-        mode = "int4-torch" if mode == "int4-cpu" else "lowbit-torch"
+        mode = "dequant-torch"
     assert lin.mode == mode
     x = torch.randn(3, 512, generator=torch.Generator().manual_seed(0))
     ref = x @ q.dequantize().T
     y = lin(x)
-    if mode in ("lowbit-torch", "int4-torch"):  # dequantized per call in fp32: the dense result exactly
+    if mode == "dequant-torch":  # dequantized per call in fp32: the dense result exactly
         assert torch.equal(y, ref)
         assert lin.nbytes == q.nbytes
     else:  # bf16 activations and scales: close, not exact (tests/test_int4x2.py measures how close)

@@ -123,7 +123,10 @@ def test_linear_groups_of_mixed_forms_equal_the_layer_by_layer_path_bitwise(kqua
 def test_steps_it_leaves_to_the_layers(shared, monkeypatch):
     rec, _ = _run(shared, monkeypatch, True, kv_dtype="int8")  # quantized on write: the torch path's job
     assert rec.native_steps == 0 and rec.native_declined > 0
-    rec, _ = _run(shared, monkeypatch, True, backend="invariant")  # its own row-invariant attention
+    # its own row-invariant attention, over a model planned for it (a shared model keeps its plan)
+    loaded = load_weights(None)
+    planned = LLMEngine(loaded, EngineOptions(kv_budget="32MiB", max_model_len=512, attention_backend="invariant"))
+    rec, _ = _run((loaded, planned.model), monkeypatch, True, backend="invariant")
     assert rec.native_steps == 0 and rec.native_declined > 0
 
 

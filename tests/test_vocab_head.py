@@ -11,8 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvcli.bench.machine import cpu_flags
-from kvcli.model.vocab_head import MIN_ROWS_FOR_FP32_SLICES, SLICE_ROWS, VocabHead, cpu_has_native_bf16
+from kvcli.model.vocab_head import MIN_ROWS_FOR_FP32_SLICES, SLICE_ROWS, VocabHead
+from kvcli.model.weight_plan import HeadPlan
+from kvcli.native.capabilities import cpu_flags, native_bf16
 
 
 @pytest.mark.parametrize("rows", [1, MIN_ROWS_FOR_FP32_SLICES - 1, MIN_ROWS_FOR_FP32_SLICES, 33])
@@ -21,8 +22,7 @@ def test_fp32_slices_equal_the_table_in_fp32(rows: int) -> None:
     vocab = 2 * SLICE_ROWS + 77  # a last slice that is not full
     w = torch.randn(vocab, 96, generator=g) * 0.05
     h = torch.randn(rows, 96, generator=g) * 3
-    head = VocabHead(w, torch.bfloat16)
-    head.fp32_slices = True  # the AVX2 path, whatever this machine is
+    head = VocabHead(HeadPlan("dense", torch.bfloat16, tied=False, fp32_slices=True), w)  # the AVX2 path, anywhere
     wb = head.weight.double()  # the stored (bf16) table, exactly
     out = head(h)
     assert out.dtype == torch.float32 and out.shape == (rows, vocab)
@@ -36,8 +36,8 @@ def test_fp32_slices_equal_the_table_in_fp32(rows: int) -> None:
 
 def test_avx2_environment_disables_native_bf16() -> None:
     env = dict(os.environ, ATEN_CPU_CAPABILITY="avx2", ONEDNN_MAX_CPU_ISA="AVX2")
-    code = "from kvcli.model.vocab_head import cpu_has_native_bf16 as f; print(f())"
+    code = "from kvcli.native.capabilities import native_bf16 as f; print(f())"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
     if not ({"avx512_bf16", "amx_bf16"} & cpu_flags()):
-        assert not cpu_has_native_bf16()
+        assert not native_bf16()

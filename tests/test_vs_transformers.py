@@ -88,7 +88,7 @@ def test_int4_path_agrees_with_fp32_reference(path, int4_llm, hf_model, sample_t
     fp32 reference (0.97 for int4-cpu on this machine over 2,048 positions), and kvcli's choice inside
     the reference's top-2 nearly always."""
     from kvcli.llm import LLM
-    from kvcli.model.int8dot_cpu import native_library
+    from kvcli.model.int8dot_cpu import native_library  # noqa: F401  (registry.library("int8dot"))
 
     if path == "default":
         engine = int4_llm.engine

@@ -15,6 +15,7 @@ query at position p sees keys [p - w + 1, p] only.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -64,3 +65,26 @@ class AttentionBackend(Protocol):
         scale: float,
     ) -> torch.Tensor:
         """Causal attention of q over each request's cached KV; returns [num_tokens, q_heads, head_dim]."""
+
+    # -- optional features: a backend that lacks one returns None, and the model takes its plain path --
+    def rope_kv_writer(self, cos: torch.Tensor, sin_signed: torch.Tensor, positions: torch.Tensor,
+                       meta: AttentionMetadata, first: "LayerKV", heads: int,
+                       kv_heads: int) -> Callable[[torch.Tensor, "LayerKV"], torch.Tensor] | None:
+        """Rotary + KV store in one kernel call per layer: a function (qkv [T, (H + 2 KVH) D], cache) -> the
+        rotated q [T, H, D], having stored k and v; None where the backend has no such kernel for this step."""
+
+    def native_decode_plan(self, meta: AttentionMetadata, caches: list["LayerKV"], heads: int,
+                           scale: float) -> tuple[object, list] | None:
+        """For a decode step (one query row per request): the attention kernel's per-step arguments and one
+        view per layer's cache, for the one-call C decode (model/native_decode.py); None where it cannot
+        take this step."""
+
+
+class PlainFeatures:
+    """The optional features absent: what a backend without native CPU kernels inherits."""
+
+    def rope_kv_writer(self, *args: object) -> None:
+        return None
+
+    def native_decode_plan(self, *args: object) -> None:
+        return None

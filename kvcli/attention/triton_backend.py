@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import torch
 
-from kvcli.attention.base import AttentionMetadata
+from kvcli.attention.base import AttentionMetadata, PlainFeatures
 from kvcli.kvcache.kv_cache import LayerKV
 
 
-class TritonAttentionBackend:
+class TritonAttentionBackend(PlainFeatures):
     """AttentionBackend (kvcli.attention.base) backed by one Triton launch per call.
 
     num_splits: None = split-K chosen per step from the batch shape and SM count,

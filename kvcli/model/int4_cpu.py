@@ -27,10 +27,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvcli.model.row_route import ONE_ROUTE, RowRoute
+from kvcli.native.scratch import scratch
+
 if TYPE_CHECKING:
     from kvcli.model.quant import QuantTensor
-
-DENSE_MIN_ROWS = 256  # from about here on a read-back + GEMM beats the int4 kernel (both ISAs)
 
 
 @functools.lru_cache(maxsize=None)
@@ -60,29 +61,23 @@ def _scale_zero(scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
     return torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
 
 
-def read_back_dtype() -> torch.dtype | None:
-    """The dtype calls with many rows read the weight back in: bf16 where the CPU has native bf16 dot
-    products, fp32 where bf16 is emulated; None when torch's packed layout is not recognised."""
-    from kvcli.model.vocab_head import cpu_has_native_bf16
-
-    if packed_block_n() is None:
-        return None
-    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
-
-
 class Int4Cpu:
     """A weight [N, K] in torch's packed int4 CPU form with per-group bf16 scale/zero."""
 
-    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor | None, group_size: int) -> None:
-        """codes uint8 [N, K] (0..15), scale / mins [N, K / group_size] (w = scale * q + min)."""
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor | None, group_size: int,
+                 route: RowRoute | None = None) -> None:
+        """codes uint8 [N, K] (0..15), scale / mins [N, K / group_size] (w = scale * q + min); route: from how
+        many rows a read-back + GEMM runs instead, and in which dtype (the weight plan's,
+        kvcli/model/weight_plan.py int4_route; default: the int4 kernel at every row count)."""
         self.out_features, self.in_features = codes.shape
         self.group_size = group_size
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 2)
         # The kernel computes (q - 8) * scale + zero, so zero = min + 8 * scale.
         zero = (mins if mins is not None else torch.zeros_like(scale)) + 8.0 * scale
         self.scale_zero = _scale_zero(scale, zero)
-        self.dense_dtype = read_back_dtype()
-        self.dense_min_rows = DENSE_MIN_ROWS if self.dense_dtype is not None else None
+        route = route or ONE_ROUTE
+        self.dense_dtype = route.dense_dtype
+        self.dense_min_rows = route.dense_min_rows
 
     @property
     def nbytes(self) -> int:
@@ -112,18 +107,12 @@ class Int4Cpu:
 
 
 SCRATCH_KEEP_BYTES = 64 << 20  # read-back buffers up to this size are kept between calls (page faults)
-_SCRATCH_BUFS: dict[tuple, torch.Tensor] = {}
 
 
 def _scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A reused buffer per (name, shape, dtype): fresh multi-MB tensors per call cost page faults."""
-    key = (name, shape, dtype)
-    buf = _SCRATCH_BUFS.get(key)
-    if buf is None:
-        buf = torch.empty(shape, dtype=dtype)
-        if buf.numel() * buf.element_size() <= SCRATCH_KEEP_BYTES:
-            _SCRATCH_BUFS[key] = buf
-    return buf
+    """A reused buffer from the shared pool (kvcli/native/scratch.py): fresh multi-MB tensors per call cost
+    page faults."""
+    return scratch("int4-cpu:" + name, shape, dtype, keep_bytes=SCRATCH_KEEP_BYTES)
 
 
 # -- 5/6/8-bit codes through the same kernel ("int4x2-cpu") --------------------------------------------

@@ -26,74 +26,24 @@ KVCLI_NATIVE=0, linears take torch's int4 kernel (int4-cpu / int4x2-cpu) instead
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from kvcli.model.int4_cpu import _scratch
-from kvcli.model.native import build_dir, native_enabled, native_isa  # noqa: F401  (native_isa: tests patch it here)
+from kvcli.native import registry
+from kvcli.native.scratch import scratch
 from kvcli_kernels.cpu_int8dot import (F16, F32, NEG_SUB, NONE, SUB, SUB_I8, ZERO, Groups, groups_x8, int8dot_dequant,
                                        int8dot_gemm_f32, int8dot_linear, pack_x8_native, weight_args)
 
 if TYPE_CHECKING:
-    import ctypes
-
     from kvcli.model.quant import QuantTensor
-
-# From this many rows a read-back + GEMM is about as fast as the integer kernel or faster
-# (scripts/bench_int8dot.py, 2 threads, AMD EPYC, 2026-12-01 10:53 UTC, docs/results/int8dot-ops-*.txt):
-# with native bf16, 0.64 vs 0.81 ms at 128 rows of 960 x 576 and 1.25 vs 1.13 at 256 (3072 x 576: 1.96
-# vs 2.38, 3.93 vs 3.40); with bf16 emulated (fp32 read-back), 1.77 vs 1.85 ms at 256 rows of 960 x 576
-# and 3.51 vs 3.41 at 512 (576 x 1536: 2.77 vs 2.86, 5.59 vs 5.36).
-DENSE_MIN_ROWS = {torch.bfloat16: 256, torch.float32: 256}
-# The fused fp32 GEMM beats the integer kernel from 16-64 rows on the AVX2 build (scripts/bench_int8dot.py,
-# 2 threads, AMD EPYC held to AVX2, docs/results/int8dot-ops-avx2-2026-12-01b.txt): at 16 rows 0.97-1.13x
-# its time, at 64 rows 0.60-0.94x, at 512 rows 0.59-0.69x (and 0.65-0.9x a read-back + torch's GEMM).
-GEMM_F32_MIN_ROWS = 32
+    from kvcli.model.row_route import RowRoute
 
 
-def fp32_gemm_here() -> bool:
-    """Whether many-row calls take kvcli's fused fp32 GEMM: the AVX2 build under torch's AVX2 kernels. With
-    AVX-512 in torch (native bf16, or fp32 at twice the AVX2 width) its own GEMM after a read-back is faster."""
-    from kvcli.bench.machine import torch_isa
-
-    return native_isa() == "avx2" and not torch_isa().upper().startswith("AVX512")
-
-
-def native_library() -> "ctypes.CDLL | None":
-    """The compiled kernel, or None (KVCLI_NATIVE=0 when the model is built, no compiler, a failed
-    build: see native_status)."""
-    if not native_enabled():
-        return None
-    return _library(native_isa())
-
-
-@functools.lru_cache(maxsize=None)
-def _library(isa: str) -> "ctypes.CDLL | None":
-    from kvcli_kernels.cpu_int8dot import load
-
-    return load(isa, build_dir())
-
-
-def native_status() -> str:
-    """One line for `kvcli inspect` and the benchmarks: which build runs, or why none does."""
-    if not native_enabled():
-        return "off (KVCLI_NATIVE=0)"
-    from kvcli_kernels.cpu_int8dot import load_error
-
-    if native_library() is None:
-        return f"unavailable: {load_error(native_isa())}"
-    return f"{native_isa()} build"
-
-
-def supports(weight: "QuantTensor") -> bool:
-    n, k = weight.shape
-    g = weight.group_size
-    # Groups of 16 (Q6_K) for 5/6/8-bit codes without mins: the kernel splits each block of 32 in two.
-    groups_ok = g % 32 == 0 or (g == 16 and weight.kind != "q4" and weight.group_mins() is None)
-    return n % 8 == 0 and k % 32 == 0 and k % g == 0 and groups_ok and native_library() is not None
+def native_library():
+    """The compiled kernel, or None (KVCLI_NATIVE=0, no compiler, a failed build: registry.unavailable)."""
+    return registry.library("int8dot")
 
 
 def _plain(t: torch.Tensor) -> Groups:
@@ -131,9 +81,11 @@ class Int8DotCpu:
     off by the kernel; 6-bit ones in Q6_K's layout of scales, else as int8); int8 (Q8_0). codes="i8" holds
     5/6-bit codes minus their offset as int8: the same products in more bytes, for tests and A/B runs."""
 
-    def __init__(self, weight: "QuantTensor", codes: str = "packed") -> None:
+    def __init__(self, weight: "QuantTensor", codes: str = "packed", route: "RowRoute | None" = None) -> None:
+        """route: from how many rows a float GEMM runs instead, and which (the weight plan's,
+        kvcli/model/weight_plan.py; default: its choice for this machine)."""
         lib = native_library()
-        assert lib is not None, "int8dot-cpu needs the native library (see native_status)"
+        assert lib is not None, f"int8dot-cpu needs the native library ({registry.unavailable('int8dot')})"
         self.lib = lib
         n, k = weight.shape
         self.out_features, self.in_features, self.group_size = n, k, weight.group_size
@@ -152,14 +104,16 @@ class Int8DotCpu:
             q = weight.int8_codes()
         self.codes = pack_x8_native(lib, q, self.bits)
         self.args = weight_args(self.codes, self.bits, self.scale, self.mins, self.group_size, offset)
-        from kvcli.model.vocab_head import cpu_has_native_bf16
+        if route is None:
+            from kvcli.model.weight_plan import int8dot_route
+            from kvcli.native.capabilities import capabilities
 
-        native_bf16 = cpu_has_native_bf16()
-        self.dense_dtype = torch.bfloat16 if native_bf16 else torch.float32
+            route = int8dot_route(capabilities())
+        self.dense_dtype = route.dense_dtype
         # From dense_min_rows rows a float GEMM (None: the integer kernel at every row count): the fused
         # fp32 one where it is faster, else a read-back + torch's.
-        self.gemm_f32 = not native_bf16 and fp32_gemm_here()
-        self.dense_min_rows: int | None = GEMM_F32_MIN_ROWS if self.gemm_f32 else DENSE_MIN_ROWS[self.dense_dtype]
+        self.gemm_f32 = route.gemm == "fp32-gemm"
+        self.dense_min_rows: int | None = route.dense_min_rows
 
     @property
     def nbytes(self) -> int:
@@ -174,7 +128,7 @@ class Int8DotCpu:
         """Rows first_row .. + rows of the weight [N, K] as `dtype` (fp32 or bf16) in a reused buffer:
         valid until the next read-back of the same shape."""
         rows = self.out_features - first_row if rows is None else rows
-        out = _scratch("int8dot-dense", (rows, self.in_features), dtype)
+        out = scratch("int8dot-cpu:dense", (rows, self.in_features), dtype, keep_bytes=64 << 20)
         return int8dot_dequant(self.lib, self.args, out, first_row)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,48 +1,36 @@
-"""Model building blocks: linears over INT4 / dense weights, embedding, RMSNorm, rotary embedding.
+"""Model building blocks: linears over INT4 / dense weights, embedding, RMSNorm, SwiGLU, rotary embedding.
 
-A quantized linear is built from a canonical QuantTensor and keeps only the form its matmul path needs:
-  "int8dot-cpu" kvcli's own CPU kernel (model/int8dot_cpu.py, kvcli_kernels/cpu_int8dot.c): activations
-                quantized to int8 per block of 32, integer dot products against the file's 4-bit codes
-                (Q4_0, Q4_1, Q4_K, AWQ/GPTQ) or 5/6/8-bit codes held as int8; what mode "cpu" picks
-                wherever the kernel builds and N is a multiple of 8. Not bit-exact (int8 activations).
-  "int4-cpu"    torch's packed int4 CPU kernel (bf16 activations, bf16 scale/zero): 4-bit resident,
-                not bit-exact (activations and scales rounded to bf16). 4-bit codes only (Q4_0,
-                Q4_1, Q4_K: K-quant group scales are multiplied out to per-32 scale/zero first).
-                Calls with many rows (prefill chunks) read the codes back as a transient dense
-                weight and run a plain GEMM instead: bf16 where native, fp32 on AVX2 (model/int4_cpu.py).
-  "triton"      kvcli_kernels.int4_matmul on the canonical layout (CUDA; plain float group scale/min:
-                fp16 from GGUF Q4_0/Q4_1; float32 where multiplied out once: a min = -zero * scale from
-                AWQ / GPTQ / compressed-tensors, Q4_K's two-level scales and mins per group of 32).
-  "triton-int8" 5/6/8-bit codes (Q5_0, Q5_1, Q5_K, Q6_K, Q8_0) through the same Triton kernels as int8
-                codes [N, K] (q - offset) with a float32 scale (and min) per group of the file
-                (16 for Q6_K): exact, one byte per weight (CUDA; K-quant two-level scales multiplied out).
-  "int4-torch"  4-bit codes dequantized per call in plain torch: exact, slow (fallback).
-  "int4x2-cpu"  5/6/8-bit codes (Q5_0, Q5_1, Q5_K, Q6_K, Q8_0) through the same int4 kernel: each code
-                split into two nibbles, q = lo + 16 * hi, both in one kernel group of twice the
-                file's group (model/int4_cpu.py, Int4x2Cpu); activations rearranged per call to [x_g, 16 x_g]
-                per group. 8 bits per code + bf16 scale/zero per group resident (Q8_0 1.06x the
-                file, Q5_* 1.5-1.64x, Q6_K 1.52x); about twice a Q4 matmul; not bit-exact (as int4-cpu).
-  "lowbit-torch" 5/6/8-bit codes dequantized per call in plain torch: resident as in the file, exact,
-                slow. The fallback where int4x2-cpu does not apply (rows not a multiple of 16, a
-                group size the kernel refuses, non-CPU devices).
-  "half-torch"  an fp16/bf16 weight from the file kept half precision, upcast per call.
-  "dense"       weights dequantized once to the compute dtype (`--dequantize`): exact, 8x the bytes.
-  "nf4"         a dense checkpoint weight quantized by bitsandbytes to NF4 (blocksize 64), or a
-                bitsandbytes 4-bit checkpoint's NF4/FP4 weight as saved; bitsandbytes' matmul_4bit.
+A Linear builds the one form its plan names (kvcli/model/weight_plan.py decides the form and the row-count
+route of every weight; FORMS there lists them) and keeps only what that form's matmul needs:
+  "int8dot-cpu"   Int8DotCpu (model/int8dot_cpu.py): the file's codes, int8 activations
+  "int4-cpu"      Int4Cpu (model/int4_cpu.py): torch's packed int4 form, bf16 scale/zero
+  "int4x2-cpu"    Int4x2Cpu: 5/6/8-bit codes as two nibbles each in the same form
+  "triton"        the canonical 4-bit layout with float mins, for kvcli_kernels.int4_matmul (CUDA)
+  "triton-int8"   5/6/8-bit codes as int8 [N, K] (q - offset) with float32 group scale (and min)
+  "dequant-torch" the QuantTensor as loaded, dequantized per call (exact, slow)
+  "half-torch"    an fp16/bf16 weight from the file, upcast per call
+  "dense"         the weight in the compute dtype
+  "nf4"           bitsandbytes NF4 (a dense weight quantized at load, or a 4-bit checkpoint's as saved)
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from kvcli.model.bnb_4bit import Bnb4bitWeight
-from kvcli.model import int8dot_cpu, native
-from kvcli.model.int4_cpu import KERNEL_GROUPS, Int4Cpu, Int4x2Cpu
+from kvcli.model.int4_cpu import Int4Cpu, Int4x2Cpu
 from kvcli.model.quant import QuantTensor
+from kvcli.native import registry
+
+if TYPE_CHECKING:
+    from kvcli.model.weight_plan import LinearPlan
+    from kvcli.native.capabilities import CpuCapabilities
 
 
-CPU_KERNEL_MODES = ("int8dot-cpu", "int4-cpu", "int4x2-cpu")  # the weight lives in self.int4
+CPU_KERNEL_FORMS = ("int8dot-cpu", "int4-cpu", "int4x2-cpu")  # the weight lives in self.kernel
 
 
 def _nbytes(*tensors: torch.Tensor | None) -> int:
@@ -50,69 +38,57 @@ def _nbytes(*tensors: torch.Tensor | None) -> int:
 
 
 class Linear:
-    """y = x @ W^T (+ b). Holds exactly one resident form of W."""
+    """y = x @ W^T (+ b). Holds exactly one resident form of W: the one `plan` names."""
 
-    def __init__(self, weight: QuantTensor | Bnb4bitWeight | torch.Tensor, bias: torch.Tensor | None, mode: str,
-                 dtype: torch.dtype) -> None:
-        self.mode = mode
+    def __init__(self, weight: QuantTensor | Bnb4bitWeight | torch.Tensor, bias: torch.Tensor | None,
+                 plan: "LinearPlan", dtype: torch.dtype) -> None:
+        self.plan = plan
+        self.mode = form = plan.form
         self.bias = None if bias is None else bias.to(dtype)
-        if isinstance(weight, Bnb4bitWeight):  # a bitsandbytes 4-bit checkpoint: its own bytes, as saved
-            self.quantized = True
-            if mode == "dense":
-                self.weight = weight.dequantize(dtype).contiguous()
-                return
-            self.mode = "nf4"
+        self.quantized = isinstance(weight, (QuantTensor, Bnb4bitWeight))
+        if form != "dense":
             self.out_features, self.in_features = weight.shape
-            self.nf4, self.nf4_state = weight.packed, weight.state
-            return
-        self.quantized = isinstance(weight, QuantTensor)
-        if mode == "nf4" and not self.quantized:
-            try:
-                import bitsandbytes.functional as bnbf
-            except ImportError:
-                raise ValueError("--quant nf4 needs bitsandbytes (pip install bitsandbytes), or use --quant int4|none") from None
-            self.out_features, self.in_features = weight.shape
-            self.nf4, self.nf4_state = bnbf.quantize_4bit(weight.to(dtype), blocksize=64, quant_type="nf4")
-            return
-        half = (not self.quantized and weight.dtype in (torch.float16, torch.bfloat16)
-                and weight.dtype != dtype and weight.dim() == 2)
-        if mode == "dense" or (not self.quantized and not half):
-            w = weight.dequantize(dtype) if isinstance(weight, QuantTensor) else weight.to(dtype)
-            self.mode, self.weight = "dense", w.contiguous()
-            return
-        self.out_features, self.in_features = weight.shape
-        if half:
-            self.mode, self.weight = "half-torch", weight.contiguous()
-            return
-        self.group_size = weight.group_size
-        if mode not in ("triton", "int4-torch", "int4-cpu", "cpu"):
-            raise ValueError(f"unknown linear mode {mode!r}")
-        if mode == "cpu":  # the best CPU path: kvcli's kernel where it builds, else torch's int4 kernel
-            if int8dot_cpu.supports(weight):
-                self.mode, self.int4 = "int8dot-cpu", int8dot_cpu.Int8DotCpu(weight)
-                return
-            mode = self.mode = "int4-cpu"
-        if weight.kind != "q4":
-            if mode == "int4-cpu" and self.out_features % 16 == 0 and 2 * weight.group_size in KERNEL_GROUPS:
-                self.mode, self.int4 = "int4x2-cpu", Int4x2Cpu(weight)
-            elif mode == "triton" and weight.group_size in (16, 32, 64, 128):
-                self.mode = "triton-int8"
-                self.q8 = (weight.int8_codes().contiguous(), weight.group_scales(), weight.group_mins())
+        if form == "dense":
+            w = weight.dequantize(dtype) if isinstance(weight, (QuantTensor, Bnb4bitWeight)) else weight.to(dtype)
+            self.weight = w.contiguous()
+        elif form == "nf4":
+            if isinstance(weight, Bnb4bitWeight):
+                self.nf4, self.nf4_state = weight.packed, weight.state
             else:
-                self.mode, self.q = "lowbit-torch", weight
-        elif mode == "int4-cpu" and self.out_features % 16 == 0 and weight.offset == 0:
-            self.int4 = Int4Cpu(weight.unpack_codes(), weight.group_scales(), weight.group_mins(), weight.group_size)
-        elif mode == "triton" and weight.with_float_min().plain_groups:
+                try:
+                    import bitsandbytes.functional as bnbf
+                except ImportError:
+                    raise ValueError("--quant nf4 needs bitsandbytes (pip install bitsandbytes), "
+                                     "or use --quant int4|none") from None
+                self.nf4, self.nf4_state = bnbf.quantize_4bit(weight.to(dtype), blocksize=64, quant_type="nf4")
+        elif form == "half-torch":
+            self.weight = weight.contiguous()
+        elif form == "int8dot-cpu":
+            from kvcli.model.int8dot_cpu import Int8DotCpu
+
+            self.kernel = Int8DotCpu(weight, route=plan.route)
+        elif form == "int4-cpu":
+            self.kernel = Int4Cpu(weight.unpack_codes(), weight.group_scales(), weight.group_mins(), weight.group_size,
+                                  route=plan.route)
+        elif form == "int4x2-cpu":
+            self.kernel = Int4x2Cpu(weight)
+        elif form == "triton":
             self.q = weight.with_float_min()  # zero points, Q4_K's two levels, offsets: float32, once
-        else:  # CPU rows not a multiple of 16, or a layout the Triton GEMM does not read
-            self.mode, self.q = "int4-torch", weight
+        elif form == "triton-int8":
+            self.q8 = (weight.int8_codes().contiguous(), weight.group_scales(), weight.group_mins())
+        elif form == "dequant-torch":
+            self.q = weight
+        else:
+            raise ValueError(f"unknown linear form {form!r}")
+        if isinstance(weight, QuantTensor):
+            self.group_size = weight.group_size
 
     @property
     def nbytes(self) -> int:
         if self.mode in ("dense", "half-torch"):
             return _nbytes(self.weight, self.bias)
-        if self.mode in CPU_KERNEL_MODES:
-            return self.int4.nbytes + _nbytes(self.bias)
+        if self.mode in CPU_KERNEL_FORMS:
+            return self.kernel.nbytes + _nbytes(self.bias)
         if self.mode == "nf4":
             return _nbytes(self.nf4, self.nf4_state.absmax, self.bias)
         if self.mode == "triton-int8":
@@ -122,8 +98,8 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.mode == "dense":
             return F.linear(x, self.weight, self.bias)
-        if self.mode in CPU_KERNEL_MODES:
-            y = self.int4(x)
+        if self.mode in CPU_KERNEL_FORMS:
+            y = self.kernel(x)
         elif self.mode == "nf4":
             import bitsandbytes as bnb
 
@@ -141,6 +117,20 @@ class Linear:
         else:
             y = F.linear(x, self.q.dequantize(x.dtype))
         return y if self.bias is None else y + self.bias
+
+
+def planned_linear(weight: QuantTensor | Bnb4bitWeight | torch.Tensor, bias: torch.Tensor | None, tier: str,
+                   dtype: torch.dtype, caps: "CpuCapabilities | None" = None, row_invariant: bool = False) -> Linear:
+    """One Linear planned for this machine under `tier` (tests, benchmarks and one-off tools; a model plans
+    all its weights at once, kvcli/model/weight_plan.py)."""
+    from kvcli.model.weight_plan import Native, plan_linear
+    from kvcli.native.capabilities import capabilities
+
+    device = (weight.codes if isinstance(weight, QuantTensor) else weight).device \
+        if isinstance(weight, (QuantTensor, torch.Tensor)) else torch.device("cpu")
+    plan = plan_linear(weight, tier, dtype, caps or capabilities(), Native.here(device, torch.float32),
+                       row_invariant=row_invariant, bias=bias is not None)
+    return Linear(weight, bias, plan, dtype)
 
 
 class LinearGroup:
@@ -194,16 +184,13 @@ class Embedding:
 
 
 class RMSNorm:
-    def __init__(self, weight: torch.Tensor, eps: float, dtype: torch.dtype) -> None:
+    def __init__(self, weight: torch.Tensor, eps: float, dtype: torch.dtype, native: bool = False) -> None:
+        """native: kvcli's one-pass C kernel for fp32 rows on CPU (kernels/cpu_rmsnorm.c; the weight plan
+        says whether it loaded): torch's rms_norm is ~20 us of small ops per decode row, 60 per SmolLM2
+        step."""
         self.weight = weight.to(dtype).contiguous()
         self.eps = eps
-        # kvcli's one-pass C kernel for fp32 rows on CPU (kernels/cpu_rmsnorm.c): torch's rms_norm is
-        # ~20 us of small ops per decode row, 60 per SmolLM2 step. None: torch's.
-        self.native = None
-        if self.weight.device.type == "cpu" and dtype == torch.float32 and native.native_enabled():
-            from kvcli_kernels.cpu_rmsnorm import load
-
-            self.native = load(native.native_isa(), native.build_dir())
+        self.native = registry.library("rmsnorm") if native and self.weight.device.type == "cpu" else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.native is not None and x.dtype == torch.float32 and x.is_contiguous():
@@ -218,13 +205,9 @@ class SwiGLU:
     kernel for fp32 rows on AVX2 builds (kernels/cpu_swiglu.c: torch's chunk + silu + mul_ are ~10 us of
     per-op overhead per decode row and layer), else torch's ops."""
 
-    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
-        self.native = None
-        if device.type == "cpu" and dtype == torch.float32 and native.native_enabled() \
-                and native.native_isa() != "generic":
-            from kvcli_kernels.cpu_swiglu import load
-
-            self.native = load(native.native_isa(), native.build_dir())
+    def __init__(self, native: bool = False) -> None:
+        """native: the weight plan found the C kernel (fp32 compute on the CPU, a SIMD build)."""
+        self.native = registry.library("swiglu") if native else None
 
     def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.native is not None and gate_up.dtype == torch.float32 and gate_up.stride(-1) == 1 \

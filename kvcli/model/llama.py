@@ -16,69 +16,56 @@ import torch
 from kvcli.attention.base import AttentionBackend, AttentionMetadata
 from kvcli.config import ModelConfig
 from kvcli.kvcache.kv_cache import KVCache
-from kvcli.model import int8dot_cpu
-from kvcli.model.native_decode import NativeDecode
 from kvcli.model.layers import Embedding, Linear, LinearGroup, RMSNorm, Rotary, SwiGLU
+from kvcli.model.native_decode import DecodeLayer as NativeLayer
+from kvcli.model.native_decode import DecodeModel, NativeDecode
 from kvcli.model.quant import QuantTensor
 from kvcli.model.vocab_head import VocabHead
+from kvcli.model.weight_plan import PROJECTIONS, LinearPlan, ProjectionPlan, WeightPlan
 
 Weights = dict[str, "QuantTensor | torch.Tensor"]
 
 
-def _fuse(parts: list[QuantTensor | torch.Tensor]) -> QuantTensor | torch.Tensor | list[QuantTensor | torch.Tensor]:
-    """One weight for a fused matmul when the parts share a layout; else the parts, kept as they are
-    (a LinearGroup), so a mixed Q4_K/Q6_K q/k/v never falls back to a dense copy. Neighbours that
-    share a layout are still fused (Q4_K_M: q+k, then v), one kernel call fewer per layer."""
-    fused = [r[0] if len(r) == 1 else (QuantTensor.cat(r) if isinstance(r[0], QuantTensor) else torch.cat(r))
-             for r in _runs(parts)]
-    return fused[0] if len(fused) == 1 else fused
+def _fused(parts: list, dtype: torch.dtype):
+    """One weight for a fused matmul: parts of one layout concatenated as they are (the plan groups only
+    such neighbours), or, where a "dense" plan joined parts of several layouts, all expanded to `dtype`."""
+    if len(parts) == 1:
+        return parts[0]
+    first = parts[0]
+    if isinstance(first, QuantTensor) and all(isinstance(p, QuantTensor) and p.layout() == first.layout() for p in parts):
+        return QuantTensor.cat(parts)
+    if all(isinstance(p, torch.Tensor) and p.dtype == first.dtype for p in parts):
+        return torch.cat(parts)
+    return torch.cat([p.to(dtype) if isinstance(p, torch.Tensor) else p.dequantize(dtype) for p in parts])
 
 
-def _runs(parts: list) -> list[list]:
-    """Neighbouring parts that can be concatenated (quantized of one layout, or tensors of one dtype)."""
-    def key(p) -> object:
-        if isinstance(p, QuantTensor):
-            return ("quant", p.layout())
-        if isinstance(p, torch.Tensor):
-            return ("tensor", p.dtype)
-        return object()  # e.g. a bitsandbytes weight: never concatenated
+def _build(proj: ProjectionPlan, take, bias: torch.Tensor | None, dtype: torch.dtype) -> Linear | LinearGroup:
+    """The Linear (or LinearGroup of parts side by side) that `proj` plans."""
+    def one(p: LinearPlan, b: torch.Tensor | None) -> Linear:
+        return Linear(_fused([take(n) for n in p.names], dtype), b, p, dtype)
 
-    runs: list[list] = []
-    last = None
-    for p in parts:
-        k = key(p)
-        if runs and k == last:
-            runs[-1].append(p)
-        else:
-            runs.append([p])
-        last = k
-    return runs
-
-
-def _linear(w: QuantTensor | torch.Tensor | list, bias: torch.Tensor | None, mode: str,
-            dtype: torch.dtype) -> Linear | LinearGroup:
-    if isinstance(w, list) and mode == "dense":  # one dense matmul after all
-        w = torch.cat([p.to(dtype) if isinstance(p, torch.Tensor) else p.dequantize(dtype) for p in w])
-    if isinstance(w, list):
-        return LinearGroup([Linear(p, None, mode, dtype) for p in w], None if bias is None else bias.to(dtype))
-    return Linear(w, bias, mode, dtype)
+    if not proj.grouped:
+        return one(proj.parts[0], bias)
+    return LinearGroup([one(p, None) for p in proj.parts], None if bias is None else bias.to(dtype))
 
 
 @dataclass
 class DecoderLayer:
     attn_norm: RMSNorm
     qkv: Linear | LinearGroup
-    o: Linear
+    o: Linear | LinearGroup
     ffn_norm: RMSNorm
     gate_up: Linear | LinearGroup
-    down: Linear
+    down: Linear | LinearGroup
 
 
 class LlamaModel:
-    def __init__(self, config: ModelConfig, weights: Weights, *, linear_mode: str, dtype: torch.dtype,
-                 device: torch.device, lm_head_dtype: torch.dtype | None = None) -> None:
+    """Built exactly as `plan` says (kvcli/model/weight_plan.py decides how every weight runs)."""
+
+    def __init__(self, config: ModelConfig, weights: Weights, *, plan: WeightPlan, device: torch.device) -> None:
         self.config = config
-        self.dtype = dtype
+        self.plan = plan
+        self.dtype = dtype = plan.dtype
         self.device = device
         c = config
         self.q_size = c.num_heads * c.head_dim
@@ -91,84 +78,75 @@ class LlamaModel:
 
         self.embed = Embedding(take("model.embed_tokens.weight"), dtype)
         self.layers: list[DecoderLayer] = []
-        # projection name -> {matmul path: layers}, e.g. down_proj {"int4x2-cpu": 30}: what inspect shows.
-        self.projection_paths: dict[str, dict[str, int]] = {}
-        for i in range(c.num_layers):
+        for i, projs in enumerate(plan.layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
-            qkv_parts = [take(a + "q_proj.weight"), take(a + "k_proj.weight"), take(a + "v_proj.weight")]
-            qkv = _fuse(qkv_parts)
             bias = None
             if c.attention_bias:
                 bias = torch.cat([take(a + "q_proj.bias"), take(a + "k_proj.bias"), take(a + "v_proj.bias")])
-            gate_up_parts = [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]
-            gate_up = _fuse(gate_up_parts)
+            built = {proj.name: _build(proj, take, bias if proj.name == "qkv" else None, dtype) for proj in projs}
             self.layers.append(DecoderLayer(
-                attn_norm=RMSNorm(take(p + "input_layernorm.weight"), c.rms_norm_eps, dtype),
-                qkv=_linear(qkv, bias, linear_mode, dtype),
-                o=Linear(take(a + "o_proj.weight"), None, linear_mode, dtype),
-                ffn_norm=RMSNorm(take(p + "post_attention_layernorm.weight"), c.rms_norm_eps, dtype),
-                gate_up=_linear(gate_up, None, linear_mode, dtype),
-                down=Linear(take(p + "mlp.down_proj.weight"), None, linear_mode, dtype),
-            ))
-            layer = self.layers[-1]
-            self._count_paths(("q_proj", "k_proj", "v_proj"), qkv_parts, layer.qkv)
-            self._count_paths(("o_proj",), [], layer.o)
-            self._count_paths(("gate_proj", "up_proj"), gate_up_parts, layer.gate_up)
-            self._count_paths(("down_proj",), [], layer.down)
-        self.norm = RMSNorm(take("model.norm.weight"), c.rms_norm_eps, dtype)
-        # The output projection over the whole vocabulary. With tied weights it reads the embedding table:
-        # on the "cpu" path a quantized table (Q8_0 in most GGUF files) is multiplied as it is by kvcli's
-        # int8 kernel; otherwise it is expanded once into lm_head_dtype.
-        head_dtype = lm_head_dtype or dtype
-        tied = c.tie_word_embeddings or "lm_head.weight" not in weights
-        w = self.embed.q if tied else take("lm_head.weight")
-        if linear_mode == "cpu" and isinstance(w, QuantTensor) and int8dot_cpu.supports(w):
-            self.lm_head = VocabHead.int8dot(int8dot_cpu.Int8DotCpu(w))
+                attn_norm=RMSNorm(take(p + "input_layernorm.weight"), c.rms_norm_eps, dtype, plan.native_norms),
+                qkv=built["qkv"], o=built["o"],
+                ffn_norm=RMSNorm(take(p + "post_attention_layernorm.weight"), c.rms_norm_eps, dtype, plan.native_norms),
+                gate_up=built["gate_up"], down=built["down"]))
+        self.norm = RMSNorm(take("model.norm.weight"), c.rms_norm_eps, dtype, plan.native_norms)
+        # The output projection over the whole vocabulary; with tied weights it reads the embedding table.
+        head = plan.head
+        w = self.embed.q if head.tied else take("lm_head.weight")
+        if head.form == "int8dot-cpu":
+            from kvcli.model.int8dot_cpu import Int8DotCpu
+
+            self.lm_head = VocabHead(head, table=Int8DotCpu(w, route=head.route))
+        elif head.tied:
+            self.lm_head = VocabHead(head, self.embed.dense(head.dtype))
         else:
-            if tied:
-                head = self.embed.dense(head_dtype)
-            else:
-                head = w.to(head_dtype) if isinstance(w, torch.Tensor) else w.dequantize(head_dtype)
-            self.lm_head = VocabHead(head, head_dtype)
+            self.lm_head = VocabHead(head, w.to(head.dtype) if isinstance(w, torch.Tensor) else w.dequantize(head.dtype))
         weights.pop("lm_head.weight", None)
         self.rotary = Rotary(c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling, device)
-        self.swiglu = SwiGLU(device, dtype)
-        self.native_decode = NativeDecode.build(self)
-        self.row_invariant = False
+        self.swiglu = SwiGLU(plan.native_swiglu)
+        self.native_decode = NativeDecode.build(self.decode_description()) if plan.native_decode else None
 
     # ---------------------------------------------------------------------------------------------
-    def _count_paths(self, names: tuple[str, ...], parts: list, lin: Linear | LinearGroup) -> None:
-        """projection_paths[name][mode] += 1 for each projection of one fused linear: a LinearGroup's
-        parts are _fuse's runs of neighbours, in order; a single Linear covers them all."""
-        if isinstance(lin, LinearGroup):
-            modes = [part.mode for part, run in zip(lin.parts, _runs(parts)) for _ in run]
-        else:
-            modes = [lin.mode] * len(names)
-        for name, mode in zip(names, modes):
-            counts = self.projection_paths.setdefault(name, {})
-            counts[mode] = counts.get(mode, 0) + 1
+    @property
+    def row_invariant(self) -> bool:
+        return self.plan.row_invariant
 
-    def make_row_invariant(self) -> None:
-        """Make each row's logits independent of how many rows share a call (what the invariant attention
-        backend needs for speculation's token identity): turn off the matmul paths picked by row count,
-        the quantized linears' float GEMM from dense_min_rows rows (a read-back, or the fused fp32 GEMM
-        on AVX2 builds) and the vocabulary projection's fp32 slices or fused GEMM."""
-        for lin in self._linears():
-            if lin.mode in ("int4-cpu", "int8dot-cpu"):
-                lin.int4.dense_min_rows = None
-        self.lm_head.make_row_invariant()
-        self.row_invariant = True  # and every row through every layer (no last-layer cut)
+    @property
+    def linear_mode(self) -> str:
+        """What the layers run: "dense" or "nf4" as the tier, else the forms, e.g. "int4-cpu+int4x2-cpu"."""
+        return self.plan.tier if self.plan.tier in ("dense", "nf4") else self.plan.forms()
 
-    def _linears(self) -> Iterator[Linear]:
+    @property
+    def projection_paths(self) -> dict[str, dict[str, int]]:
+        """Projection name -> {form: layers}, e.g. down_proj {"int4x2-cpu": 30}: what inspect shows."""
+        return self.plan.by_projection()
+
+    def linears(self) -> Iterator[Linear]:
         """Every layer Linear, the parts of a LinearGroup one by one."""
         for l in self.layers:
             for lin in (l.qkv, l.o, l.gate_up, l.down):
                 yield from (lin.parts if isinstance(lin, LinearGroup) else [lin])
 
     def linear_modes(self) -> str:
-        """The matmul paths the layer linears took, e.g. "int4-cpu" or "int4-cpu+int4x2-cpu"."""
-        return "+".join(dict.fromkeys(lin.mode for lin in self._linears()))
+        """The forms the layer linears took, e.g. "int4-cpu" or "int4-cpu+int4x2-cpu"."""
+        return self.plan.forms()
+
+    def decode_description(self) -> DecodeModel:
+        """The plain per-layer description the one-call C decode builds from (model/native_decode.py): norm
+        weights, each projection's int8dot-cpu parts (kernel arguments and output features, in output
+        order), the rotary tables. Only for a model whose plan has native_decode."""
+        c = self.config
+
+        def parts(lin: Linear | LinearGroup) -> tuple[tuple[tuple, int], ...]:
+            return tuple((p.kernel.args, p.out_features) for p in (lin.parts if isinstance(lin, LinearGroup) else [lin]))
+
+        layers = tuple(NativeLayer(l.attn_norm.weight, l.ffn_norm.weight, parts(l.qkv), parts(l.o), parts(l.gate_up),
+                                   parts(l.down)) for l in self.layers)
+        return DecodeModel(heads=c.num_heads, kv_heads=c.num_kv_heads, head_dim=c.head_dim, hidden=c.hidden_size,
+                           ffn=c.intermediate_size, eps=self.layers[0].attn_norm.eps, cos=self.rotary.cos,
+                           sin_signed=self.rotary.sin_signed, scale=self.scale, layers=layers,
+                           max_rows=self.plan.native_decode_max_rows)
 
     def weight_bytes(self) -> dict[str, int]:
         layers = sum(l.qkv.nbytes + l.o.nbytes + l.gate_up.nbytes + l.down.nbytes
@@ -212,7 +190,7 @@ class LlamaModel:
         prefill-only step), with at least one multi-row request: (those rows, a metadata of one query row
         per such request, None when there are none). None: compute every row (decode-only steps, a
         speculative verify's several rows per request, the row-invariant model, non-CPU backends)."""
-        if wanted is None or self.row_invariant or device.type != "cpu" or getattr(backend, "name", "") != "torch" \
+        if wanted is None or self.row_invariant or device.type != "cpu" or backend.name != "torch" \
                 or all(n == 1 for n in meta.query_lens_list):
             return None
         rows = wanted.tolist()
@@ -241,8 +219,7 @@ class LlamaModel:
         t = h.shape[0]
         last = kv_cache.layers[-1]
         # Rotary + KV store as one C call per layer where the backend offers it (fp32 compute on the CPU).
-        writer = getattr(backend, "rope_kv_writer", None)
-        rope_kv = None if writer is None or h.dtype != torch.float32 else writer(
+        rope_kv = None if h.dtype != torch.float32 else backend.rope_kv_writer(
             self.rotary.cos, self.rotary.sin_signed, positions, meta, kv_cache.layers[0], c.num_heads, c.num_kv_heads)
         cos_sin = self.rotary.at(positions, h.dtype) if rope_kv is None else None
         qk_size = self.q_size + self.kv_size

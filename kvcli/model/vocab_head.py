@@ -12,12 +12,11 @@ scripts/bench_cpu_ops.py (docs/results/cpu-ops-*.txt):
     the table is converted to fp32 one 1024-row slice at a time (the slice stays in cache) and each
     slice is an fp32 GEMM: several times faster than the emulated bf16 GEMM at 16 and 64 rows (the
     "fp32 slices" rows of the op benchmark), no extra resident bytes, and more exact.
-The table is stored once, in `dtype`; which path ran is visible as `path`.
+The table is stored once; which path it takes is the weight plan's (kvcli/model/weight_plan.py), visible
+as `path`.
 """
 
 from __future__ import annotations
-
-import os
 
 from typing import TYPE_CHECKING
 
@@ -26,58 +25,22 @@ import torch.nn.functional as F
 
 if TYPE_CHECKING:
     from kvcli.model.int8dot_cpu import Int8DotCpu
+    from kvcli.model.weight_plan import HeadPlan
 
 SLICE_ROWS = 1024
 MIN_ROWS_FOR_FP32_SLICES = 4
 
 
-def cpu_has_native_bf16() -> bool:
-    """True when torch's CPU kernels may use bf16 dot-product instructions here: the CPU has them and
-    neither ATEN_CPU_CAPABILITY nor ONEDNN_MAX_CPU_ISA holds torch below AVX-512."""
-    from kvcli.bench.machine import cpu_flags, torch_isa
-
-    flags = cpu_flags()
-    if not ({"avx512_bf16", "amx_bf16"} & flags):
-        return False
-    onednn = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
-    if onednn and "512" not in onednn and "AMX" not in onednn and onednn != "ALL":
-        return False
-    return torch_isa().upper().startswith("AVX512")
-
-
 class VocabHead:
-    def __init__(self, weight: torch.Tensor, dtype: torch.dtype) -> None:
-        self.int8dot: Int8DotCpu | None = None
-        self.weight = weight.to(dtype).contiguous()
-        cpu_bf16 = self.weight.device.type == "cpu" and dtype == torch.bfloat16
-        # Slicing to fp32 only pays where bf16 arithmetic is emulated.
-        self.fp32_slices = cpu_bf16 and not cpu_has_native_bf16()
-        self.path = "bf16 GEMV, fp32 slices from 4 rows" if self.fp32_slices else f"{str(dtype)[6:]} GEMM"
+    """Built from the weight plan's HeadPlan (kvcli/model/weight_plan.py): a dense table in plan.dtype, or a
+    quantized one through kvcli's int8 kernel (`table`)."""
 
-    @classmethod
-    def int8dot(cls, table: "Int8DotCpu") -> "VocabHead":
-        """The quantized table through kvcli's int8 kernel, or from GEMM_F32_MIN_ROWS rows its fused fp32
-        GEMM where that is faster (AVX2 builds): never a read-back, which for the whole vocabulary would be
-        a 57-113 MB transient (the fused GEMM dequantizes 16-row panels)."""
-        from kvcli.model.int8dot_cpu import GEMM_F32_MIN_ROWS
-
-        head = cls.__new__(cls)
-        if not table.gemm_f32:
-            table.dense_min_rows = None
-        head.int8dot, head.weight, head.fp32_slices = table, None, False
-        head.path = f"int8dot-cpu ({table.form})"
-        if table.gemm_f32:
-            head.path += f", fp32 GEMM from {GEMM_F32_MIN_ROWS} rows"
-        return head
-
-    def make_row_invariant(self) -> None:
-        """One path whatever the row count (a row's logits then do not depend on its batch)."""
-        self.fp32_slices = False
-        if self.int8dot is None:
-            self.path = f"{str(self.weight.dtype)[6:]} GEMM"
-        elif self.int8dot.dense_min_rows is not None:
-            self.int8dot.dense_min_rows = None
-            self.path = f"int8dot-cpu ({self.int8dot.form})"
+    def __init__(self, plan: "HeadPlan", weight: torch.Tensor | None = None, table: "Int8DotCpu | None" = None) -> None:
+        self.plan = plan
+        self.int8dot = table
+        self.fp32_slices = plan.fp32_slices
+        self.weight = None if weight is None else weight.to(plan.dtype).contiguous()
+        self.path = plan.describe()
 
     @property
     def nbytes(self) -> int:

@@ -291,7 +291,7 @@ def int4_case(ig: ModuleType, m: int, g: int, dtype: torch.dtype) -> list[dict[s
 def linear_case(ig: ModuleType, preset: str, dtype: torch.dtype, m: int) -> list[dict[str, Any]]:
     """Every INT4 linear of one decoder layer, built and called as the engine does (mode "triton")."""
     from kvcli.config import PRESETS
-    from kvcli.model.layers import Linear
+    from kvcli.model.layers import planned_linear as Linear
     from kvcli.model.quant import QuantTensor
 
     c = PRESETS[preset]

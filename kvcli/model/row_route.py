@@ -1,0 +1,28 @@
+"""Which matmul a call of a given row count takes: below `dense_min_rows` (or always, when None) the form's own
+kernel; from it a float GEMM. The weight plan (model/weight_plan.py) chooses a route per weight; the kernels'
+wrappers (int8dot_cpu.py, int4_cpu.py) follow it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class RowRoute:
+    """`gemm` = "fp32-gemm" (kvcli's fused GEMM over panels dequantized on the fly) or "read-back" (the weight
+    read back into a reused buffer in `dense_dtype`, then torch's GEMM)."""
+
+    dense_min_rows: int | None = None
+    gemm: str = "read-back"
+    dense_dtype: torch.dtype = torch.float32
+
+    def describe(self) -> str:
+        if self.dense_min_rows is None:
+            return "one kernel at every row count"
+        what = "kvcli's fp32 GEMM" if self.gemm == "fp32-gemm" else f"{str(self.dense_dtype)[6:]} read-back + GEMM"
+        return f"{what} from {self.dense_min_rows} rows"
+
+
+ONE_ROUTE = RowRoute()

@@ -1,0 +1,402 @@
+"""How every weight runs, decided once at load: the one place that chooses.
+
+From the weights' forms (QuantTensor kinds, plain dtypes, bitsandbytes 4-bit), the device, the compute
+dtype, the CPU's capabilities (kvcli/native/capabilities.py) and which C kernels loaded
+(kvcli/native/registry.py), `plan_model` returns a WeightPlan: for every layer linear its form and its
+row-count route, the vocabulary projection's form, the embedding's, and whether a decode step runs every
+layer in one C call. The model (llama.py) builds exactly what the plan says and never decides again;
+`kvcli inspect` prints the plan.
+
+The engine asks for a tier, from the file and the flags:
+  "dense"  `--dequantize`, or nothing packed in the file: every weight in the compute dtype (exact)
+  "nf4"    a dense checkpoint quantized by bitsandbytes at load (`--quant nf4`)
+  "cpu"    the best CPU forms: kvcli's int8 kernel where it builds, else torch's int4 kernel
+  "int4-cpu"  torch's int4 kernel even where kvcli's builds (tests and A/B runs)
+  "triton" the Triton GEMMs (CUDA, or Triton's interpreter)
+  "exact"  anything else (CUDA without Triton): codes dequantized per call, exact and slow
+Each linear then takes one form (FORMS). Where a tier's kernel does not take a weight (a shape, a group
+size, a code width it has no loop for), the weight takes the next form down the same tier, ending at
+"dequant-torch": codes dequantized per call in plain torch, exact, resident as in the file.
+
+The torch int4 tier ("int4-cpu" / "int4x2-cpu") runs only where kvcli's C kernels do not: no C compiler
+(slim containers ship none), `KVCLI_NATIVE=0`, or non-x86 CPUs whose plain C build fails. It is kept:
+without it such machines would decode through "dequant-torch", which expands every weight per call
+(docs/architecture.md, "How a weight runs", has the measured gap).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from kvcli.model.bnb_4bit import Bnb4bitWeight
+from kvcli.model.int4_cpu import KERNEL_GROUPS
+from kvcli.model.quant import QuantTensor
+from kvcli.model.row_route import ONE_ROUTE, RowRoute
+from kvcli.native.capabilities import CpuCapabilities
+
+FORMS = {
+    "int8dot-cpu": "kvcli's CPU kernel: int8 activations x the file's 4/5/6/8-bit codes (model/int8dot_cpu.py)",
+    "int4-cpu": "torch's packed int4 CPU kernel, bf16 activations (model/int4_cpu.py)",
+    "int4x2-cpu": "5/6/8-bit codes as two nibbles through torch's int4 kernel (model/int4_cpu.py)",
+    "triton": "kvcli_kernels.int4_matmul on 4-bit codes (CUDA)",
+    "triton-int8": "kvcli_kernels.int4_matmul on 5/6/8-bit codes held as int8 (CUDA)",
+    "dequant-torch": "codes dequantized per call in plain torch: exact, slow, resident as in the file",
+    "half-torch": "an fp16/bf16 weight kept half precision, upcast per call",
+    "dense": "the weight in the compute dtype",
+    "nf4": "bitsandbytes NF4/FP4 (matmul_4bit)",
+}
+TIERS = ("dense", "nf4", "cpu", "int4-cpu", "triton", "exact")
+
+# int8dot-cpu from this many rows runs a float GEMM instead (scripts' op benchmarks,
+# docs/results/int8dot-ops*.txt, 2 threads, AMD EPYC, 2026-12-01): with native bf16 a read-back + torch's
+# GEMM is as fast as the integer kernel from ~256 rows; with bf16 emulated (fp32 read-back) likewise.
+INT8DOT_DENSE_MIN_ROWS = 256
+# On the AVX2 build under torch's AVX2 kernels, kvcli's fused fp32 GEMM beats the integer kernel from 16-64
+# rows (docs/results/int8dot-ops-avx2*.txt): at 16 rows 0.97-1.13x its time, at 64 rows 0.60-0.94x.
+GEMM_F32_MIN_ROWS = 32
+INT4_DENSE_MIN_ROWS = 256  # torch's int4 kernel: from about here on a read-back + GEMM beats it (both ISAs)
+TRITON_INT8_GROUPS = (16, 32, 64, 128)
+NATIVE_DECODE_MAX_PARTS = 3  # kernels/cpu_decode_layers.c KVD_PARTS
+
+
+
+
+@dataclass(frozen=True)
+class Native:
+    """Which of kvcli's C kernels loaded (kvcli/native/registry.py), for the planner's choices."""
+
+    int8dot: bool = False
+    rmsnorm: bool = False
+    swiglu: bool = False
+    decode_layers: bool = False
+    build_isa: str = "generic"
+
+    @staticmethod
+    def here(device: torch.device, dtype: torch.dtype) -> "Native":
+        """What loads on this machine for a model on `device` computing in `dtype` (C kernels read fp32 rows
+        on the CPU only)."""
+        from kvcli.native import registry
+        from kvcli.native.capabilities import build_isa
+
+        if device.type != "cpu" or not registry.enabled():
+            return Native()
+        fp32 = dtype == torch.float32
+        return Native(int8dot=registry.library("int8dot") is not None,
+                      rmsnorm=fp32 and registry.library("rmsnorm") is not None,
+                      swiglu=fp32 and registry.library("swiglu") is not None,
+                      decode_layers=fp32 and registry.library("decode_layers") is not None, build_isa=build_isa())
+
+
+@dataclass(frozen=True)
+class LinearPlan:
+    """One matmul of the model: the weights it is made of (in output order), its form and its route."""
+
+    names: tuple[str, ...]
+    form: str
+    route: RowRoute = ONE_ROUTE
+    bias: bool = False
+
+    def describe(self) -> str:
+        return self.form if self.route.dense_min_rows is None else f"{self.form} ({self.route.describe()})"
+
+
+@dataclass(frozen=True)
+class ProjectionPlan:
+    """A fused projection of one layer (qkv, o, gate_up, down): one LinearPlan, or several side by side
+    (a LinearGroup: parts whose layouts cannot be concatenated, e.g. Q4_K_M's q/k in Q4_K and v in Q6_K)."""
+
+    name: str
+    parts: tuple[LinearPlan, ...]
+    bias: bool = False  # one bias over the whole output (held by the group when there are several parts)
+
+    @property
+    def grouped(self) -> bool:
+        return len(self.parts) > 1
+
+
+@dataclass(frozen=True)
+class HeadPlan:
+    """The vocabulary projection: "int8dot-cpu" (the quantized table multiplied as stored) or "dense" (the
+    table expanded once into `dtype`); `fp32_slices`: from 4 rows a dense bf16 table is multiplied in fp32
+    1024-row slices (CPUs where bf16 is emulated)."""
+
+    form: str
+    dtype: torch.dtype
+    tied: bool
+    route: RowRoute = ONE_ROUTE
+    fp32_slices: bool = False
+
+    def describe(self) -> str:
+        src = "the embedding table" if self.tied else "lm_head"
+        if self.form == "int8dot-cpu":
+            extra = "" if self.route.dense_min_rows is None else f", {self.route.describe()}"
+            return f"int8dot-cpu ({src} as stored{extra})"
+        slices = ", fp32 slices from 4 rows" if self.fp32_slices else ""
+        return f"{str(self.dtype)[6:]} GEMM ({src}{slices})"
+
+
+@dataclass(frozen=True)
+class WeightPlan:
+    tier: str
+    device: str
+    dtype: torch.dtype
+    layers: tuple[tuple[ProjectionPlan, ...], ...]  # per layer: qkv, o, gate_up, down
+    head: HeadPlan
+    embedding: str
+    native_norms: bool  # RMSNorm through kvcli's C kernel
+    native_swiglu: bool
+    native_decode: bool  # a decode step's layers in one C call (model/native_decode.py)
+    native_decode_why: str  # why not, or what it covers
+    native_decode_max_rows: int | None  # steps of fewer rows only (the linears' float-GEMM threshold)
+    row_invariant: bool
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def kvcli_quantized(self) -> bool:
+        """Whether layer linears take kvcli's own quantized forms (not dense, half or bitsandbytes' nf4): what
+        the KV dtype's auto rule asks."""
+        return any(p.form not in ("dense", "half-torch", "nf4") for p in self.linears())
+
+    @property
+    def has_row_routes(self) -> bool:
+        """Whether some matmul takes another path from some row count on (what row invariance turns off)."""
+        return self.head.fp32_slices or self.head.route.dense_min_rows is not None or any(
+            p.route.dense_min_rows is not None for p in self.linears())
+
+    def linears(self) -> Iterable[LinearPlan]:
+        for layer in self.layers:
+            for proj in layer:
+                yield from proj.parts
+
+    def forms(self) -> str:
+        """The forms the layer linears take, e.g. "int8dot-cpu" or "int4-cpu+int4x2-cpu"."""
+        return "+".join(dict.fromkeys(p.form for p in self.linears()))
+
+    def by_projection(self) -> dict[str, dict[str, int]]:
+        """Projection name (q_proj, ...) -> {form: layers}: what inspect shows."""
+        out: dict[str, dict[str, int]] = {}
+        for p in self.linears():
+            for name in p.names:
+                proj = name.rsplit(".", 2)[-2]
+                counts = out.setdefault(proj, {})
+                counts[p.form] = counts.get(p.form, 0) + 1
+        return out
+
+    def describe(self) -> list[tuple[str, str]]:
+        """(what, how) rows for `kvcli inspect`."""
+        rows = []
+        routes: dict[str, set[str]] = {}
+        for p in self.linears():
+            routes.setdefault(p.form, set()).add(p.route.describe())
+        for form, rs in routes.items():
+            rows.append((f"linears {form}", f"{FORMS[form]}; {', '.join(sorted(rs))}"))
+        rows.append(("vocabulary projection", self.head.describe()))
+        rows.append(("embedding", self.embedding))
+        rows.append(("one-call decode", ("yes: " if self.native_decode else "no: ") + self.native_decode_why))
+        if self.row_invariant:
+            rows.append(("row-invariant", "one matmul path at every row count (--attention-backend invariant)"))
+        rows.extend(("note", n) for n in self.notes)
+        return rows
+
+
+# --- one weight -------------------------------------------------------------------------------------------
+
+def int8dot_takes(weight: QuantTensor, rows: int | None = None) -> bool:
+    """Whether kvcli's int8 kernel has a loop for this weight's shape and groups."""
+    n, k = weight.shape
+    n = rows or n
+    g = weight.group_size
+    # Groups of 16 (Q6_K) for 5/6/8-bit codes without mins: the kernel splits each block of 32 in two.
+    groups_ok = g % 32 == 0 or (g == 16 and weight.kind != "q4" and weight.group_mins() is None)
+    return n % 8 == 0 and k % 32 == 0 and k % g == 0 and groups_ok
+
+
+def int8dot_route(caps: CpuCapabilities, row_invariant: bool = False) -> RowRoute:
+    if row_invariant:
+        return ONE_ROUTE
+    dense_dtype = torch.bfloat16 if caps.native_bf16 else torch.float32
+    if caps.fp32_gemm_preferred:
+        return RowRoute(GEMM_F32_MIN_ROWS, "fp32-gemm", dense_dtype)
+    return RowRoute(INT8DOT_DENSE_MIN_ROWS, "read-back", dense_dtype)
+
+
+def int4_route(caps: CpuCapabilities, row_invariant: bool = False) -> RowRoute:
+    """torch's int4 kernel; from INT4_DENSE_MIN_ROWS a read-back (None where torch's packed layout is not
+    recognised: model/int4_cpu.py probes it)."""
+    from kvcli.model.int4_cpu import packed_block_n
+
+    if row_invariant or packed_block_n() is None:
+        return ONE_ROUTE
+    return RowRoute(INT4_DENSE_MIN_ROWS, "read-back", torch.bfloat16 if caps.native_bf16 else torch.float32)
+
+
+def plan_linear(weight: QuantTensor | Bnb4bitWeight | torch.Tensor, tier: str, dtype: torch.dtype,
+                caps: CpuCapabilities, native: Native, *, row_invariant: bool = False,
+                names: tuple[str, ...] = (), bias: bool = False, rows: int | None = None) -> LinearPlan:
+    """The form and route of one weight under `tier`; `rows`: its output features once fused with its
+    neighbours of the same layout (the decision reads only the layout and the shape)."""
+    if tier not in TIERS:
+        raise ValueError(f"unknown weight tier {tier!r} (one of {', '.join(TIERS)})")
+    mk = lambda form, route=ONE_ROUTE: LinearPlan(names, form, route, bias)  # noqa: E731
+    if isinstance(weight, Bnb4bitWeight):  # a bitsandbytes 4-bit checkpoint: its own bytes, as saved
+        return mk("dense" if tier == "dense" else "nf4")
+    if not isinstance(weight, QuantTensor):
+        if tier == "nf4":
+            return mk("nf4")
+        half = weight.dtype in (torch.float16, torch.bfloat16) and weight.dtype != dtype and weight.dim() == 2
+        return mk("half-torch" if half and tier != "dense" else "dense")
+    if tier in ("dense", "nf4"):
+        return mk("dense")
+    n = rows or weight.shape[0]
+    if tier == "cpu":
+        if native.int8dot and int8dot_takes(weight, n):
+            return mk("int8dot-cpu", int8dot_route(caps, row_invariant))
+        tier = "int4-cpu"
+    if tier == "int4-cpu":
+        if weight.kind != "q4":
+            if n % 16 == 0 and 2 * weight.group_size in KERNEL_GROUPS:
+                return mk("int4x2-cpu")
+        elif n % 16 == 0 and weight.offset == 0:
+            return mk("int4-cpu", int4_route(caps, row_invariant))
+    if tier == "triton":
+        if weight.kind != "q4":
+            if weight.group_size in TRITON_INT8_GROUPS:
+                return mk("triton-int8")
+        elif weight.with_float_min().plain_groups:
+            return mk("triton")
+    return mk("dequant-torch")  # CPU rows not a multiple of 16, a layout the kernel does not read, "exact"
+
+
+# --- the model ----------------------------------------------------------------------------------------------
+
+def fuse_runs(parts: list) -> list[list[int]]:
+    """Indices of neighbouring parts that can be concatenated into one matmul (quantized of one layout, or
+    tensors of one dtype; a bitsandbytes weight never is)."""
+    def key(p) -> object:
+        if isinstance(p, QuantTensor):
+            return ("quant", p.layout())
+        if isinstance(p, torch.Tensor):
+            return ("tensor", p.dtype)
+        return object()
+
+    runs: list[list[int]] = []
+    last = None
+    for i, p in enumerate(parts):
+        k = key(p)
+        if runs and k == last:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+        last = k
+    return runs
+
+
+PROJECTIONS = (("qkv", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")), ("o", ("self_attn.o_proj",)),
+               ("gate_up", ("mlp.gate_proj", "mlp.up_proj")), ("down", ("mlp.down_proj",)))
+
+
+def plan_model(config, weights: dict, *, tier: str, dtype: torch.dtype, device: torch.device,
+               head_dtype: torch.dtype, caps: CpuCapabilities, native: Native,
+               row_invariant: bool = False) -> WeightPlan:
+    """The plan for a llama-family model's weights (HF names), read without being changed."""
+    layers = []
+    for i in range(config.num_layers):
+        projs = []
+        for proj, names in PROJECTIONS:
+            full = [f"model.layers.{i}.{n}.weight" for n in names]
+            parts = [weights[n] for n in full]
+            bias = proj == "qkv" and bool(config.attention_bias)
+            if tier == "dense" and len(fuse_runs(parts)) > 1:  # one dense matmul after all
+                runs = [list(range(len(parts)))]
+            else:
+                runs = fuse_runs(parts)
+            plans = tuple(plan_linear(parts[run[0]], tier, dtype, caps, native, row_invariant=row_invariant,
+                                      names=tuple(full[j] for j in run), bias=bias and len(runs) == 1,
+                                      rows=sum(parts[j].shape[0] for j in run)) for run in runs)
+            projs.append(ProjectionPlan(proj, plans, bias))
+        layers.append(tuple(projs))
+
+    tied = config.tie_word_embeddings or "lm_head.weight" not in weights
+    table = weights["model.embed_tokens.weight"] if tied else weights["lm_head.weight"]
+    if tier == "cpu" and isinstance(table, QuantTensor) and native.int8dot and int8dot_takes(table):
+        route = int8dot_route(caps, row_invariant)
+        # Never a read-back for the whole vocabulary (a 57-113 MB transient): the fused GEMM, or one kernel.
+        head = HeadPlan("int8dot-cpu", torch.float32, tied, route if route.gemm == "fp32-gemm" else ONE_ROUTE)
+    else:
+        slices = (device.type == "cpu" and head_dtype == torch.bfloat16 and not caps.native_bf16
+                  and not row_invariant)
+        head = HeadPlan("dense", head_dtype, tied, fp32_slices=slices)
+
+    emb = weights["model.embed_tokens.weight"]
+    if isinstance(emb, QuantTensor):
+        embedding = f"{emb.kind} table as stored, rows dequantized per lookup"
+    else:
+        embedding = f"{str(emb.dtype if emb.dtype in (torch.float16, torch.bfloat16) else dtype)[6:]} table"
+
+    plan = WeightPlan(tier=tier, device=str(device), dtype=dtype, layers=tuple(layers), head=head, embedding=embedding,
+                      native_norms=native.rmsnorm, native_swiglu=native.swiglu and native.build_isa != "generic",
+                      native_decode=False, native_decode_why="", native_decode_max_rows=None,
+                      row_invariant=row_invariant)
+    ok, why, max_rows = _native_decode(plan, native)
+    return replace(plan, native_decode=ok, native_decode_why=why, native_decode_max_rows=max_rows)
+
+
+def _native_decode(plan: WeightPlan, native: Native) -> tuple[bool, str, int | None]:
+    """Whether every layer runs on kvcli's C kernels, so a decode step can take them all in one C call."""
+    if not native.decode_layers or native.build_isa == "generic":
+        return False, "the one-call decode library is not available (kvcli C kernels off, not built, or plain C)", None
+    if plan.dtype != torch.float32 or not plan.device.startswith("cpu"):
+        return False, "fp32 compute on the CPU only", None
+    if not (plan.native_norms and plan.native_swiglu):
+        return False, "RMSNorm / SwiGLU kernels not available", None
+    for layer in plan.layers:
+        for proj in layer:
+            if proj.bias:
+                return False, f"{proj.name} has a bias", None
+            if len(proj.parts) > NATIVE_DECODE_MAX_PARTS:
+                return False, f"{proj.name} has {len(proj.parts)} parts (the C loop holds {NATIVE_DECODE_MAX_PARTS})", None
+            for p in proj.parts:
+                if p.form != "int8dot-cpu":
+                    return False, f"{proj.name} runs {p.form}", None
+    rows = [p.route.dense_min_rows for p in plan.linears() if p.route.dense_min_rows is not None]
+    max_rows = min(rows) if rows else None
+    return True, f"every layer, steps of one token per request{f' and under {max_rows} rows' if max_rows else ''}", \
+        max_rows
+
+
+def choose_tier(weights: dict, *, gguf_file: bool, dense_linears: str | None, dequantize: bool,
+                device: torch.device, backend: str, dtype: torch.dtype) -> tuple[str, torch.dtype]:
+    """The tier the engine asks for, and the vocabulary projection's dtype where it is a dense table.
+
+    Packed: any quantized linear, or (GGUF only) fp16/bf16 linears, which stay half precision. On the CPU a
+    file with quantized linears takes a bf16 dense vocabulary table (half of fp32's bytes) where its table
+    is not multiplied as stored; without quantized linears (e.g. an F16 file) everything stays in the
+    compute dtype."""
+    projs = [w for name, w in weights.items() if name.endswith("proj.weight")]
+    codes = any(isinstance(w, QuantTensor) for w in projs)
+    has_packed = codes or (gguf_file and any(isinstance(w, torch.Tensor) and w.dim() == 2 and w.dtype in (
+        torch.float16, torch.bfloat16) for w in projs))
+    if dequantize or not (has_packed or dense_linears == "nf4"):
+        return "dense", dtype
+    if dense_linears == "nf4":
+        return "nf4", dtype
+    if device.type == "cpu":
+        return "cpu", (torch.bfloat16 if codes else dtype)
+    return ("triton" if backend == "triton" else "exact"), dtype
+
+
+def plan_loaded(loaded, *, dequantize: bool, device: torch.device, dtype: torch.dtype, backend: str,
+                caps: CpuCapabilities | None = None, native: Native | None = None) -> WeightPlan:
+    """The plan for loaded weights (kvcli/model/loader.py LoadedWeights) on this machine; KeyError names a
+    missing weight."""
+    from kvcli.native.capabilities import capabilities
+
+    tier, head_dtype = choose_tier(loaded.weights, gguf_file=any(k.startswith("gguf:") for k in loaded.formats),
+                                   dense_linears=loaded.dense_linears, dequantize=dequantize, device=device,
+                                   backend=backend, dtype=dtype)
+    return plan_model(loaded.config, loaded.weights, tier=tier, dtype=dtype, device=device, head_dtype=head_dtype,
+                      caps=caps or capabilities(), native=native or Native.here(device, dtype),
+                      row_invariant=backend == "invariant")
