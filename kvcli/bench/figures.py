@@ -77,12 +77,14 @@ FIGURES: dict[str, Figure] = {f.name: f for f in [
            in_make_figures=False),
     Figure("int8dot-ops-avx2", "int8dot:main", "the int8dot-ops figure held to AVX2", env=AVX2_ENV,
            in_make_figures=False),
-    # Before and after the benchmark package (issue #26): 112af1f is the tree before it. Not measured yet
+    Figure("weight-tiers", "weight_tiers:main", "decode per weight tier: kvcli's kernel, torch's int4 (no C compiler), "
+           "codes dequantized per call", in_make_figures=False),
+    # Before and after the benchmark package (issue #26): efe4681 is the tree before the house redesign (weight plan, kvcli/native, step types, engine flags, this package). Not measured yet
     # where the results file says so; `python -m kvcli.bench ab-decode --save` (an idle machine) writes it.
-    Figure("ab-decode", "ab:main", "before/after: the decode figure at 112af1f and in this tree, interleaved",
-           ("--before", "112af1f", "decode", "--rounds", "3"), in_make_figures=False),
-    Figure("ab-throughput", "ab:main", "before/after: the throughput trace at 112af1f and in this tree, interleaved",
-           ("--before", "112af1f", "throughput", "--rounds", "3", "--", "--modes", "static,generate_batch"),
+    Figure("ab-decode", "ab:main", "before/after: the decode figure at efe4681 and in this tree, interleaved",
+           ("--before", "efe4681", "decode", "--rounds", "3"), in_make_figures=False),
+    Figure("ab-throughput", "ab:main", "before/after: the throughput trace at efe4681 and in this tree, interleaved",
+           ("--before", "efe4681", "throughput", "--rounds", "3", "--", "--modes", "static,generate_batch"),
            in_make_figures=False),
     Figure("triton-matrix", "script:bash scripts/triton_matrix.sh", "kernel tests under older Triton releases",
            in_make_figures=False),

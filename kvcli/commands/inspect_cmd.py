@@ -50,6 +50,7 @@ class InspectReport:
     cpu_kernels: str | None = None  # kvcli's C kernels here: which build, or why none (model/int8dot_cpu.py)
     # projection -> {path: layers}, e.g. {"v_proj": {"int4x2-cpu": 30}}: which linears take which path
     projection_paths: dict[str, dict[str, int]] | None = None
+    weight_plan: list[tuple[str, str]] | None = None  # how each weight runs (kvcli/model/weight_plan.py)
     device: str = "cpu"
     memory_available: int = 0
     kv_budget: int = 0  # what is left for KV: USABLE x available memory minus the weights
@@ -166,7 +167,8 @@ def inspect_model(spec: str | None, options: EngineOptions, load: bool, context:
             from kvcli.native import registry
 
             rep.cpu_kernels = registry.status()
-        rep.projection_paths = getattr(engine.model, "projection_paths", None)
+        rep.projection_paths = engine.model.projection_paths  # type: ignore[union-attr]
+        rep.weight_plan = engine.model.plan.describe()  # type: ignore[union-attr]
         weights = sum(rep.resident.values())
         del engine, loaded
     rep.memory_available = available_memory(device)
@@ -211,6 +213,8 @@ def render(rep: InspectReport, context: int) -> None:
             t.add_row("kvcli C kernels", rep.cpu_kernels)
         if rep.projection_paths:
             t.add_row("  by projection", _by_projection(rep.projection_paths))
+        for what, how in rep.weight_plan or ():
+            t.add_row(f"  {what}", how)
     else:
         t.add_row("resident after load", "not loaded (--no-load): the file's bytes are used below")
     t.add_row("memory", f"{human_bytes(rep.memory_available)} available on {rep.device}; KV budget "

@@ -26,6 +26,8 @@ from kvcli.model.llama import LlamaModel
 from kvcli.model.loader import LoadedWeights
 from kvcli.model.quant import QuantTensor
 from kvcli.model.tokenizer import Tokenizer
+from kvcli.model.weight_plan import plan_loaded
+from kvcli.native import registry
 from kvcli.options import ConfigError, EngineOptions, parse_kv_budget
 from kvcli.runner.model_runner import ModelRunner
 from kvcli.runner.simulated_runner import SimulatedRunner
@@ -73,6 +75,19 @@ def pick_backend(name: str, device: torch.device) -> AttentionBackend:
     raise ConfigError(f"unknown attention backend {name!r} (choose auto, torch, triton or invariant)")
 
 
+def native_attention_available() -> bool:
+    """Whether kvcli's C decode-attention kernel runs here, a fact the auto KV dtype reads (the engine, plan
+    and inspect ask it here). The first ask builds the kernel."""
+    return registry.library("attention") is not None
+
+
+def kvcli_quantized(loaded: LoadedWeights) -> bool:
+    """Whether loaded weights would take kvcli's own quantized forms (QuantTensor linears; not bitsandbytes'
+    nf4), for a command that sizes a KV pool before building the engine (inspect); a built model answers
+    from its weight plan (WeightPlan.kvcli_quantized)."""
+    return any(isinstance(w, QuantTensor) for name, w in loaded.weights.items() if name.endswith("proj.weight"))
+
+
 def _triton_available() -> bool:
     try:
         import triton  # noqa: F401
@@ -100,20 +115,13 @@ class LLMEngine:
         self.load_seconds = 0.0 if loaded is None else loaded.load_seconds
         self.device = torch.device("cpu") if loaded is None else options.resolve_device()
         dtype = options.compute_dtype(self.device)
-        # kvcli's own quantized forms (QuantTensor linears; not bitsandbytes' nf4) pick fp16 KV on CPU.
-        if model is not None:  # a second engine over a built model (profile --compare): its weights are taken
-            quantized = any(lin.quantized and lin.mode not in ("dense", "nf4") for lin in model._linears())
-        else:
-            quantized = loaded is not None and any(
-                isinstance(w, QuantTensor) for name, w in loaded.weights.items() if name.endswith("proj.weight"))
-        self.kv_dtype = options.cache_dtype(self.device, quantized_weights=quantized)
         self.max_model_len = min(options.max_model_len or c.max_position_embeddings, c.max_position_embeddings)
         self.model: LlamaModel | None = None
         self.linear_mode = "none"
         self.formats: dict[str, int] = {}
         if loaded is not None:
             self.backend = pick_backend(options.attention_backend, self.device)
-            if self.kv_dtype.name == "fp8" and self.device.type == "cuda" and self.backend.name == "triton":
+            if options.kv_dtype == "fp8" and self.device.type == "cuda" and self.backend.name == "triton":
                 cap = torch.cuda.get_device_capability(self.device)
                 if cap < (8, 9):
                     raise ConfigError(f"--kv-dtype fp8 needs a GPU of compute capability >= 8.9 (Ada, Hopper) for "
@@ -121,9 +129,16 @@ class LLMEngine:
             if model is None:
                 self._build_model(loaded, dtype)
             else:  # a second engine over the same weights (profile --compare), no second load
+                if model.row_invariant != (self.backend.name == "invariant") and model.plan.has_row_routes:
+                    raise ConfigError("a model shared by engines is planned for one attention backend: build each "
+                                      "engine's own model to mix --attention-backend invariant with another")
                 self.model, self.linear_mode = model, model.linear_mode
-            if self.backend.name == "invariant":  # (a shared model then stays row-invariant: slower, same values)
-                self.model.make_row_invariant()
+        # The KV format, once the backend and the weight plan are known: kvcli.kvcache.kv_dtype.resolve_kv_dtype
+        # decides auto.
+        self.kv_dtype = options.resolve_kv_dtype(
+            self.device, backend=self.backend.name if loaded is not None else None,
+            quantized_weights=self.model is not None and self.model.plan.kvcli_quantized,
+            native_attention=native_attention_available)
 
         bs = options.block_size
         self.bytes_per_block = bytes_per_block(c, bs, self.kv_dtype)
@@ -182,35 +197,16 @@ class LLMEngine:
                 "backoff": AdaptiveBackoff()}
 
     def _build_model(self, loaded: LoadedWeights, dtype: torch.dtype) -> None:
-        # Packed: any quantized linear, or (GGUF only) fp16/bf16 linears, which stay half precision.
-        gguf_file = any(k.startswith("gguf:") for k in loaded.formats)
-        has_packed = any(
-            isinstance(w, QuantTensor) or (gguf_file and w.dim() == 2 and w.dtype in (torch.float16, torch.bfloat16))
-            for name, w in loaded.weights.items() if name.endswith("proj.weight"))
-        if self.options.dequantize or not (has_packed or loaded.dense_linears == "nf4"):
-            mode, head_dtype = "dense", dtype
-        elif loaded.dense_linears == "nf4":
-            mode, head_dtype = "nf4", dtype
-        elif self.device.type == "cpu":
-            # kvcli's int8 kernel where it builds (int8dot-cpu, a quantized vocabulary table too), else
-            # torch's int4 kernel in bf16 (4-bit codes as int4-cpu, 5/6/8-bit as int4x2-cpu) with a bf16
-            # vocabulary projection (half of fp32's bytes). Without quantized linears (e.g. an F16
-            # file) everything stays in the compute dtype.
-            has_packed_codes = any(isinstance(w, QuantTensor)
-                                   for name, w in loaded.weights.items() if name.endswith("proj.weight"))
-            mode, head_dtype = "cpu", (torch.bfloat16 if has_packed_codes else dtype)
-        else:
-            mode, head_dtype = ("triton" if self.backend.name == "triton" else "int4-torch"), dtype
-        self.linear_mode = mode
+        """The model as the weight plan says (kvcli/model/weight_plan.py: how every weight runs, decided once)."""
         self.formats = dict(loaded.formats)
         try:
-            self.model = LlamaModel(loaded.config, loaded.weights, linear_mode=mode, dtype=dtype,
-                                    device=self.device, lm_head_dtype=head_dtype)
+            plan = plan_loaded(loaded, dequantize=self.options.dequantize, device=self.device, dtype=dtype,
+                               backend=self.backend.name)
+            self.model = LlamaModel(loaded.config, loaded.weights, plan=plan, device=self.device)
         except KeyError as e:
             raise ConfigError(f"{loaded.source}: missing weight {e.args[0]}") from None
         # What the layers really run: e.g. "int4-cpu+int4x2-cpu" for a Q4_K_M file (Q6_K parts).
-        self.linear_mode = mode if mode in ("dense", "nf4") else self.model.linear_modes()
-        self.model.linear_mode = self.linear_mode
+        self.linear_mode = self.model.linear_mode
 
     def _kv_budget_bytes(self) -> int:
         spec = self.options.kv_budget
