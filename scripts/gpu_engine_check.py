@@ -75,7 +75,7 @@ def check_engine_correctness(record: Record, smoke: bool) -> None:
 
     _import_kvcli()
     from kvcli.config import SamplingParams
-    from kvcli.engine.scheduler import ScheduledChunk, SchedulerOutput
+    from kvcli.step import ScheduledChunk, SchedulerOutput
     from kvcli.llm import LLM
 
     with tempfile.TemporaryDirectory() as tmp:

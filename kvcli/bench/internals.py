@@ -25,6 +25,11 @@ WHERE: dict[str, str] = {  # name -> "module:attribute", or "module" for a modul
     "quantize": "kvcli.kvcache.kv_dtype:quantize",
     # kv-dtype, kv-int4: teacher-forced perplexity through the engine
     "perplexity": "kvcli.engine.perplexity:perplexity",
+    # weight-tiers: a model built under another weight tier than the engine would pick
+    "LlamaModel": "kvcli.model.llama:LlamaModel",
+    "Native": "kvcli.model.weight_plan:Native",
+    "plan_loaded": "kvcli.model.weight_plan:plan_loaded",
+    "plan_model": "kvcli.model.weight_plan:plan_model",
     # kquants, hf-quant: kvcli's own encoders of the files they measure
     "kquant_encode": "kvcli.model.kquant_encode",
     "hf_quant_encode": "kvcli.model.hf_quant_encode",

@@ -25,11 +25,10 @@ def _child(tier: str, context: int, new_tokens: int) -> None:
     import torch
 
     from kvcli.engine.llm_engine import EngineOptions, LLMEngine
-    from kvcli.model.llama import LlamaModel
     from kvcli.model.loader import load_weights
     from kvcli.bench.engines import KvcliEngine
+    from kvcli.bench.internals import LlamaModel, Native, plan_loaded, plan_model
     from kvcli.llm import LLM
-    from kvcli.model.weight_plan import Native, plan_loaded, plan_model
     from kvcli.native.capabilities import capabilities
 
     opts = EngineOptions(kv_budget="256MiB", max_model_len=2048, prefix_caching=False)

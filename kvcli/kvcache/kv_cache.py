@@ -19,12 +19,21 @@ copy-on-write copies and swaps carry a block's scales with its codes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from kvcli.config import ModelConfig
 from kvcli.kvcache.interface import NULL_BLOCK
 from kvcli.kvcache.kv_dtype import KVDtype, kv_dtype_of
+
+
+class KVShape(Protocol):
+    """What the KV pool needs of a model's config (kvcli.config.ModelConfig has it): kvcache/ does not
+    import config.py, which reads the KV formats from here."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
 
 
 @dataclass
@@ -74,7 +83,7 @@ class HostBlocks:
 
 
 class KVCache:
-    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int,
+    def __init__(self, config: KVShape, num_blocks: int, block_size: int,
                  kv_dtype: "KVDtype | torch.dtype | str", device: torch.device) -> None:
         self.num_blocks = num_blocks  # usable blocks; one more (the null block) is allocated
         self.kv_dtype = kv_dtype_of(kv_dtype)
@@ -138,11 +147,11 @@ class KVCache:
                 LayerKV.heads(t).index_copy_(1, idx, LayerKV.heads(h.to(self.device)))  # fp8 as bytes
 
 
-def bytes_per_block(config: ModelConfig, block_size: int, dtype: "KVDtype | torch.dtype | str") -> int:
-    return config.kv_bytes_per_token(dtype) * block_size
+def bytes_per_block(config: KVShape, block_size: int, dtype: "KVDtype | torch.dtype | str") -> int:
+    return kv_dtype_of(dtype).bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim) * block_size
 
 
-def usable_blocks_for_budget(config: ModelConfig, block_size: int, dtype: "KVDtype | torch.dtype | str",
+def usable_blocks_for_budget(config: KVShape, block_size: int, dtype: "KVDtype | torch.dtype | str",
                              budget_bytes: int) -> int:
     """Blocks requests can get from a budget: the null block comes out of the same budget."""
     return budget_bytes // bytes_per_block(config, block_size, dtype) - 1
