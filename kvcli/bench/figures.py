@@ -79,8 +79,8 @@ FIGURES: dict[str, Figure] = {f.name: f for f in [
            in_make_figures=False),
     Figure("weight-tiers", "weight_tiers:main", "decode per weight tier: kvcli's kernel, torch's int4 (no C compiler), "
            "codes dequantized per call", in_make_figures=False),
-    # Before and after the benchmark package (issue #26): efe4681 is the tree before the house redesign (weight plan, kvcli/native, step types, engine flags, this package). Not measured yet
-    # where the results file says so; `python -m kvcli.bench ab-decode --save` (an idle machine) writes it.
+    # Before and after the house redesign (issue #26: weight plan, kvcli/native, step types, engine flags, this
+    # package): efe4681 is the tree before it. `python -m kvcli.bench ab-decode --save` (an idle machine).
     Figure("ab-decode", "ab:main", "before/after: the decode figure at efe4681 and in this tree, interleaved",
            ("--before", "efe4681", "decode", "--rounds", "3"), in_make_figures=False),
     Figure("ab-throughput", "ab:main", "before/after: the throughput trace at efe4681 and in this tree, interleaved",

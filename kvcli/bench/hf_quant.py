@@ -21,7 +21,6 @@ import os
 import subprocess
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 from kvcli.bench.harness import REPO
@@ -133,11 +132,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--force", action="store_true", help="rewrite the folders")
     args = ap.parse_args(argv)
-    from kvcli.bench.machine import machine_line
     from kvcli.model.loader import bundled_gguf_path
 
-    print(f"# python -m kvcli.bench hf-quant {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC")
-    print(machine_line())
     folders = write_folders(args.force)
     models = {"bundled Q4_1 GGUF (g32)": bundled_gguf_path(), **folders}
     print(f"{'model':<28} {'file MiB':>8} {'resident MiB':>12} {'path':>9} {'load s':>7} {'peak RSS MiB':>12} "

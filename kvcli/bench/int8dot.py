@@ -14,7 +14,6 @@ depend on the values.
 from __future__ import annotations
 
 import argparse
-from datetime import datetime, timezone
 
 import torch
 import torch.nn.functional as F
@@ -35,13 +34,11 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=int, default=20)
     a = ap.parse_args(argv)
-    from kvcli.bench.machine import machine_line
     from kvcli.bench.internals import Int4Cpu
     from kvcli.bench.internals import Int8DotCpu, native_library
     from kvcli_kernels.cpu_int8dot import int8dot_gemm_f32
     from kvcli.bench.internals import QuantTensor, quantize_q4
 
-    print(f"# bench_int8dot {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC\n# {machine_line()}")
     if native_library() is None:
         print("kvcli's C kernel is not available here: nothing to compare")
         return

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from datetime import datetime, timezone
 
 import torch
 
@@ -27,15 +26,12 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
 
-    from kvcli.bench.machine import machine_line
     from kvcli.config import SamplingParams
     from kvcli.engine.llm_engine import EngineOptions, LLMEngine
     from kvcli.llm import LLM
     from kvcli.model.loader import load_weights
 
-    print(f"# bench_invariant {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC · rounds {a.rounds} · "
-          f"process CPU time, 1 thread")
-    print(f"# {machine_line()}")
+    print(f"# rounds {a.rounds} · process CPU time, 1 thread")
     loaded = load_weights(None)
     base = LLMEngine(loaded, EngineOptions(kv_budget="512MiB", max_model_len=4096, prefix_caching=False))
     llms = {"torch": LLM.from_engine(base)}

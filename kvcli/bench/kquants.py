@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 from kvcli.bench.harness import REPO
@@ -146,10 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--force", action="store_true", help="re-encode the files in .cache/")
     a = ap.parse_args(argv)
 
-    from kvcli.bench.machine import machine_line
 
-    print(f"# bench_kquants {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC")
-    print(f"# {machine_line()}")
     sample = (REPO / "samples" / "keepers-log.txt").read_text(encoding="utf-8")
     for label, (base, kq) in ensure_files(a.force, not a.no_aligned).items():
         print(f"\n## {label}: {base.name} vs {kq.name}")

@@ -32,7 +32,6 @@ def main(argv: list[str] | None = None) -> None:
     from kvcli.bench.internals import AttentionMetadata
 
     from kvcli.bench.internals import TorchAttentionBackend
-    from kvcli.bench.machine import machine_line
     from kvcli.bench.internals import LayerKV
     from kvcli.bench.internals import kv_dtype_of, quantize
 
@@ -80,8 +79,7 @@ def main(argv: list[str] | None = None) -> None:
             fn(layers)
             times[label].append((time.thread_time() - t) * 1e3)
     print(f"# decode attention, {a.layers} layers x {nb} row(s) at context {a.context}, {kvh} KV heads x {d}, "
-          f"GQA {hq // kvh}; {a.rounds} interleaved rounds, thread CPU time, {a.threads} torch thread(s), {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
-    print(f"# {machine_line()}")
+          f"GQA {hq // kvh}; {a.rounds} interleaved rounds, thread CPU time, {a.threads} torch thread(s)")
     base = times.get("fp16 head-major")
     # Per-round ratios: a round's load hits every format alike, so their median is the robust figure.
     print("| KV dtype, path | CPU ms per step (all layers), median | min | median per-round ratio vs fp16 head-major |")

@@ -16,11 +16,9 @@ import argparse
 import json
 import math
 import os
-import platform
 import subprocess
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -33,16 +31,10 @@ ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_b
 
 
 def cpu_isa() -> tuple[str, list[str]]:
-    name, flags = platform.processor() or platform.machine(), set()
-    try:
-        for line in open("/proc/cpuinfo", encoding="utf-8"):
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return name, [f for f in ISA_FLAGS if f in flags]
+    """The CPU's name and which of ISA_FLAGS it has (kvcli.native.capabilities reads them), for the JSON."""
+    from kvcli.native.capabilities import cpu_flags, cpu_name
+
+    return cpu_name(), [f for f in ISA_FLAGS if f in cpu_flags()]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -60,15 +52,9 @@ def main(argv: list[str] | None = None) -> None:
     from kvcli.model.loader import load_weights
     from kvcli.options import EngineOptions
 
-    cpu, isa = cpu_isa()
     commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
-    print(f"# kvcli KV formats · {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC} · commit {commit}")
-    print(f"# {cpu} · {os.cpu_count()} cores · torch {torch.__version__} · {torch.get_num_threads()} threads · "
-          f"ISA: {' '.join(isa) or 'none of ' + ' '.join(ISA_FLAGS)}")
-    from kvcli.bench.machine import machine_line
-
-    print(f"# {machine_line()} · load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(f"# kvcli KV formats · commit {commit}")
     loaded = load_weights(None)
     ids = loaded.tokenizer.encode(a.text.read_text(encoding="utf-8"))
     if len(ids) < a.context:
@@ -116,6 +102,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| {r['kv_dtype']} | {r['perplexity']:.4f} | {r['delta_vs_first']:+.3%} | {r['bytes_per_token']:,} | "
               f"{rel} | {r['tokens_per_gib']:,} | {r['decode_tok_s']:.2f} | {r['greedy_agreement']:.2f} |")
     print()
+    cpu, isa = cpu_isa()
     print(json.dumps({"context": a.context, "new_tokens": a.new_tokens, "text": a.text.name,
                       "tokens_scored": rows[0]["tokens_scored"], "cpu": cpu, "isa": isa, "rows": rows},
                      indent=1, default=lambda x: None if isinstance(x, float) and math.isnan(x) else x))
@@ -145,10 +132,8 @@ def decode(argv: list[str] | None = None) -> None:
     from kvcli.model.loader import load_weights
     from kvcli.options import EngineOptions
 
-    cpu, isa = cpu_isa()
-    print(f"# decode per KV dtype at {a.context} context · {cpu} · {os.cpu_count()} cores · torch "
-          f"{torch.__version__} · ISA: {' '.join(isa)} · {a.rounds} rounds x {a.steps} steps, interleaved, "
-          f"thread CPU time, {a.threads} torch thread(s) · {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    print(f"# decode per KV dtype at {a.context} context · {a.rounds} rounds x {a.steps} steps, interleaved, "
+          f"thread CPU time, {a.threads} torch thread(s)")
     loaded = load_weights(None)
     ids = loaded.tokenizer.encode(a.text.read_text(encoding="utf-8"))[:a.context - a.steps * a.rounds - 8]
     engines, model = {}, None

@@ -47,14 +47,11 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
 
     from kvcli.bench.internals import TorchAttentionBackend
-    from kvcli.bench.machine import machine_line
     from kvcli.engine.llm_engine import LLMEngine
     from kvcli.bench.internals import perplexity
     from kvcli.model.loader import load_weights
     from kvcli.options import EngineOptions
 
-    print(f"# int4 KV probe · {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
-    print(f"# {machine_line()}")
     loaded = load_weights(None)
     ids = loaded.tokenizer.encode(a.text.read_text(encoding="utf-8"))[:a.context]
     write = TorchAttentionBackend.write_kv

@@ -10,13 +10,11 @@ from __future__ import annotations
 import argparse
 import io
 import time
-from datetime import datetime, timezone
 
 from rich.console import Console
 
 from kvcli.config import SamplingParams
 from kvcli.llm import LLM
-from kvcli.bench.machine import machine_line
 from kvcli.metrics.memory import MemoryProbe
 from kvcli.view.dashboard import LiveDashboard
 from kvcli.workloads import SAMPLE_TEXT
@@ -66,8 +64,6 @@ def main(argv: list[str] | None = None) -> None:
         base.append(run(False))
         live.append(run(True))
     b, l_ = max(base), max(live)
-    print(f"# live dashboard overhead — {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC")
-    print(machine_line())
     print(f"command: python -m kvcli.bench live "
           f"--prompt-tokens {a.prompt_tokens} --new-tokens {a.new_tokens} --rounds {a.rounds}")
     print(f"decode tok/s without dashboard: {', '.join(f'{x:.1f}' for x in base)} (best {b:.1f})")

@@ -28,9 +28,7 @@ def load_seconds(cache: str) -> tuple[float, float]:
 
 def main(argv: list[str] | None = None) -> None:
     argparse.ArgumentParser(description=__doc__).parse_args(argv)
-    from kvcli.bench.machine import machine_line
 
-    print(machine_line())
     with tempfile.TemporaryDirectory() as cache:
         first = load_seconds(cache)
         later = [load_seconds(cache) for _ in range(2)]

@@ -29,9 +29,10 @@ from kvcli.bench.harness import REPO, best_warm
 
 
 def cpu_isa() -> str:
-    try:
-        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
-    except (OSError, StopIteration):
+    from kvcli.native.capabilities import cpu_flags
+
+    flags = cpu_flags()
+    if not flags:
         return "unknown"
     return " ".join(f"{f}={'yes' if f in flags else 'no'}" for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile"))
 

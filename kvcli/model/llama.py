@@ -21,7 +21,7 @@ from kvcli.model.native_decode import DecodeLayer as NativeLayer
 from kvcli.model.native_decode import DecodeModel, NativeDecode
 from kvcli.model.quant import QuantTensor
 from kvcli.model.vocab_head import VocabHead
-from kvcli.model.weight_plan import PROJECTIONS, LinearPlan, ProjectionPlan, WeightPlan
+from kvcli.model.weight_plan import LinearPlan, ProjectionPlan, WeightPlan
 
 Weights = dict[str, "QuantTensor | torch.Tensor"]
 
