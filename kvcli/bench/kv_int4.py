@@ -67,6 +67,11 @@ def main(argv: list[str] | None = None) -> None:
         for blk in full:  # [bs tokens, kvh, D]: per channel over the block's tokens
             cache.k[blk] = fake_int4(cache.k[blk], 0)
 
+    # Every K/V must go through write_kv to be fake-quantized: the fused rotary + KV-store C call (the
+    # backend's optional rope_kv_writer) writes the cache itself, so it is declined here, for every row of
+    # the table alike (scoring is prefill only: the one-call decode, which also writes K/V, does not run).
+    rope_kv_writer = TorchAttentionBackend.rope_kv_writer
+    TorchAttentionBackend.rope_kv_writer = lambda self, *args: None
     rows, model, base = [], None, None
     for name, hook in (("fp32", None), ("int4 token-g32", token_g32), ("int4 kivi-g32", kivi_g32)):
         TorchAttentionBackend.write_kv = hook or write
@@ -80,6 +85,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"# {name}: {ppl:.4f} ({time.perf_counter() - t:.0f} s)", flush=True)
         del e
     TorchAttentionBackend.write_kv = write
+    TorchAttentionBackend.rope_kv_writer = rope_kv_writer
     print(f"\ntext {a.text.name}, first {len(ids)} tokens, one window, {len(ids) - 1} scored; INT4 weights")
     print("| KV | perplexity | delta vs fp32 KV |")
     print("|---|---:|---:|")
