@@ -59,6 +59,7 @@ class ModelConfig:
             )
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
+        theta, scaling = _hf_rope(cfg)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         return ModelConfig(
@@ -71,12 +72,12 @@ class ModelConfig:
             num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(cfg.get("head_dim") or hidden // heads),
-            rope_theta=float(cfg.get("rope_theta", 10000.0)),
+            rope_theta=theta,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
-            rope_scaling=cfg.get("rope_scaling"),
+            rope_scaling=scaling,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             sliding_window=_hf_sliding_window(cfg, arch, int(cfg["num_hidden_layers"])),
@@ -111,6 +112,33 @@ class ModelConfig:
         if self.architecture == "qwen2":  # qwen2 slides only when asked, from max_window_layers on
             d.update(use_sliding_window=self.sliding_window is not None, max_window_layers=0)
         return d
+
+
+ROPE_TYPES = ("default", "linear", "llama3")  # what model/layers.py's Rotary computes
+
+
+def _hf_rope(cfg: dict) -> tuple[float, dict | None]:
+    """rope_theta and the scaling, from transformers 4's top-level `rope_theta` / `rope_scaling` or
+    transformers 5's `rope_parameters` (theta and scaling in one dict; per layer type for models whose
+    layers differ, refused here). A scaling type kvcli does not compute is refused, never dropped."""
+    params = cfg.get("rope_parameters")
+    if params is not None:
+        if not isinstance(params, dict) or "rope_theta" not in params:
+            raise ValueError(f"rope_parameters must be one dict with rope_theta (got {params!r}); per-layer-type "
+                             f"rotary parameters are not read by kvcli")
+        theta, scaling = params["rope_theta"], dict(params)
+    else:
+        theta, scaling = cfg.get("rope_theta", 10000.0), cfg.get("rope_scaling")
+    if scaling is not None:
+        kind = scaling.get("rope_type") or scaling.get("type") if isinstance(scaling, dict) else scaling
+        if kind not in ROPE_TYPES:
+            raise ValueError(f"rope scaling {kind!r} is not computed by kvcli (supported: {', '.join(ROPE_TYPES)})")
+        if kind == "default":
+            scaling = None
+    partial = cfg.get("partial_rotary_factor")
+    if partial is not None and float(partial) != 1.0:
+        raise ValueError(f"partial_rotary_factor {partial} (rotary on part of each head) is not computed by kvcli")
+    return float(theta), scaling
 
 
 def _hf_sliding_window(cfg: dict, arch: str, num_layers: int) -> int | None:

@@ -51,6 +51,24 @@ class GGUFError(ValueError):
     pass
 
 
+# Metadata under "<arch>." that kvcli reads (read_config). Any other key under that prefix may change
+# what the model computes (a rotary scaling, soft-capping, partial rotary, experts, ...): the file is
+# refused, naming it, rather than loaded into a different model.
+ARCH_KEYS_READ = frozenset({
+    "block_count", "context_length", "embedding_length", "feed_forward_length", "vocab_size",
+    "attention.head_count", "attention.head_count_kv", "attention.layer_norm_rms_epsilon",
+    "attention.key_length", "attention.value_length", "attention.sliding_window",
+    "rope.freq_base", "rope.dimension_count", "rope.scaling.type", "rope.scaling.factor",
+})
+# Under "<arch>.", known not to change the computation where the rotary scaling is none or linear
+# (llama.cpp reads the original context only for YaRN; "finetuned" is a note).
+ARCH_KEYS_INERT = frozenset({"rope.scaling.original_context_length", "rope.scaling.finetuned"})
+# Other namespaces: file description (general.*), the tokenizer (tokenizer.*: read by the tokenizer
+# builder), quantization notes (quantize.*: the importance matrix used), split files (checked below).
+INERT_NAMESPACES = ("general.", "tokenizer.", "quantize.")
+ROPE_SCALINGS = ("none", "linear")
+
+
 def _field(reader: GGUFFile, key: str, default=None):
     return reader.get(key, default)
 
@@ -62,22 +80,66 @@ def _required(reader: GGUFFile, key: str, path: Path):
     return v
 
 
+def _check_keys(reader: GGUFFile, arch: str, path: Path) -> None:
+    """Every metadata key is read, known inert, or the file is refused in one line naming it."""
+    prefix = arch + "."
+    for key in reader.metadata:
+        if key.startswith(INERT_NAMESPACES):
+            continue
+        if key.startswith("split."):
+            count = _field(reader, "split.count", 1)
+            if key == "split.count" and int(count) > 1:
+                raise GGUFError(f"{path.name}: one part of a split GGUF ({count} parts): merge the parts first "
+                                f"(llama.cpp's llama-gguf-split --merge)")
+            continue
+        rest = key[len(prefix):] if key.startswith(prefix) else None
+        if rest in ARCH_KEYS_READ or rest in ARCH_KEYS_INERT:
+            continue
+        value = _field(reader, key)
+        shown = value if not isinstance(value, (list, tuple)) or len(value) <= 4 else f"[{len(value)} values]"
+        raise GGUFError(f"{path.name}: metadata {key} = {shown!r} is not read by kvcli and may change what the "
+                        f"model computes; refusing the file rather than computing a different model")
+
+
+def _rope_scaling(reader: GGUFFile, a: str, path: Path) -> dict | None:
+    """<arch>.rope.scaling.type: none, or linear (positions divided by the factor, as llama.cpp's freq_scale);
+    the others (yarn, longrope, ...) are refused."""
+    kind = _field(reader, f"{a}.rope.scaling.type")
+    if kind is None or kind == "none":
+        return None
+    if kind not in ROPE_SCALINGS:
+        raise GGUFError(f"{path.name}: {a}.rope.scaling.type = {kind!r}: a rotary scaling kvcli does not compute "
+                        f"(supported: {', '.join(ROPE_SCALINGS)})")
+    factor = _field(reader, f"{a}.rope.scaling.factor")
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+        raise GGUFError(f"{path.name}: {a}.rope.scaling.type = linear needs a positive {a}.rope.scaling.factor "
+                        f"(got {factor!r})")
+    return {"rope_type": "linear", "factor": float(factor)}
+
+
 def read_config(reader: GGUFFile, path: Path) -> ModelConfig:
     arch = _field(reader, "general.architecture")
     if arch not in ("llama", "qwen2"):
         raise GGUFError(f"{path.name}: unsupported architecture {arch!r} (kvcli runs llama-family GGUFs: llama, qwen2)")
     a = arch
+    _check_keys(reader, arch, path)
     heads = int(_required(reader, f"{a}.attention.head_count", path))
     hidden = int(_required(reader, f"{a}.embedding_length", path))
     n_vocab = _field(reader, f"{a}.vocab_size")
     if n_vocab is None:
         n_vocab = len(_required(reader, "tokenizer.ggml.tokens", path))
     names = {t.name for t in reader.tensors}
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
     head_dim = _field(reader, f"{a}.attention.key_length") or hidden // heads
     window = _field(reader, f"{a}.attention.sliding_window")
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
         raise GGUFError(f"{path.name}: {a}.attention.sliding_window must be a non-negative integer (got {window!r})")
+    for key in (f"{a}.rope.dimension_count", f"{a}.attention.value_length"):
+        got = _field(reader, key)
+        if got is not None and int(got) != int(head_dim):  # partial rotary, or V heads of another width
+            raise GGUFError(f"{path.name}: {key} = {got} differs from the head dimension {head_dim}: kvcli "
+                            f"computes full-width rotary and equal K/V heads only")
+    # Generation ends on llama.cpp's end-of-generation set: eos, end of turn, end of message.
+    eog = [v for v in (_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")) if v is not None]
     return ModelConfig(
         name=str(_field(reader, "general.name", path.stem)),
         architecture=arch,
@@ -94,7 +156,8 @@ def read_config(reader: GGUFFile, path: Path) -> ModelConfig:
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_ids=() if eos is None else (int(eos),),
+        eos_token_ids=tuple(dict.fromkeys(int(v) for v in eog)),
+        rope_scaling=_rope_scaling(reader, a, path),
         sliding_window=int(window) if window else None,  # 0 = none, as llama.cpp writes it
     )
 
@@ -149,6 +212,15 @@ def open_gguf(path: Path) -> GGUFFile:
         raise GGUFError(f"{path}: not a readable GGUF file ({e})") from None
 
 
+def _unknown_tensor(name: str, arch: str, path: Path) -> str:
+    if name == "rope_freqs.weight":
+        return (f"{path.name}: tensor rope_freqs.weight (per-dimension rotary frequency factors, as Llama 3.1+ "
+                f"files carry) is not applied by kvcli yet; refusing the file rather than computing a different "
+                f"rotary embedding")
+    return (f"{path.name}: tensor {name} is not part of the {arch} model kvcli computes; refusing the file "
+            f"rather than ignoring it")
+
+
 def load_gguf(path: Path, reader: GGUFFile | None = None
               ) -> tuple[ModelConfig, dict[str, QuantTensor | torch.Tensor], dict[str, int]]:
     """Returns (config, weights by Hugging Face name, count of tensors per GGML type). `reader`: the
@@ -164,10 +236,10 @@ def load_gguf(path: Path, reader: GGUFFile | None = None
         elif name.startswith("blk."):
             _, idx, rest = name.split(".", 2)
             if rest not in _LAYER_NAMES:
-                continue  # e.g. rope_freqs: not used by these architectures
+                raise GGUFError(_unknown_tensor(name, config.architecture, path))
             hf = f"model.layers.{idx}.{_LAYER_NAMES[rest]}"
         else:
-            continue
+            raise GGUFError(_unknown_tensor(name, config.architecture, path))
         types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
         w = _tensor(t, path)
         if config.architecture == "llama" and (".q_proj." in hf or ".k_proj." in hf):
