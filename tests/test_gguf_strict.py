@@ -153,3 +153,19 @@ def test_transformers_5_rope_parameters_are_read():
                 {"partial_rotary_factor": 0.5}):
         with pytest.raises(ValueError, match="not computed by kvcli"):
             ModelConfig.from_hf_dict({**HF, **bad})
+
+
+def test_generation_config_eos_list_ends_generation(tmp_path):
+    """transformers' generate() stops on generation_config.json's eos_token_id (Llama 3: a list); so does
+    kvcli; without that file config.json's id stands."""
+    import json
+
+    from kvcli.model.loader import ModelLoadError, load_config
+
+    (tmp_path / "config.json").write_text(json.dumps({**HF, "eos_token_id": 2}))
+    assert load_config(str(tmp_path)).eos_token_ids == (2,)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7, 9]}))
+    assert load_config(str(tmp_path)).eos_token_ids == (2, 7, 9)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": "seven"}))
+    with pytest.raises(ModelLoadError, match="eos_token_id must be a token id"):
+        load_config(str(tmp_path))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -132,13 +132,29 @@ def dummy_weights(config: ModelConfig, seed: int = 0) -> dict[str, QuantTensor |
     return w
 
 
+def _with_generation_eos(config: ModelConfig, path: Path) -> ModelConfig:
+    """Where generation ends, as transformers' generate() reads it: generation_config.json's eos_token_id
+    (an id or a list: Llama 3 lists <|eot_id|> beside <|end_of_text|>) when the folder has one, else
+    config.json's. ValueError (one line) for an unreadable file or ids that are not integers."""
+    gen = path / "generation_config.json"
+    if not gen.is_file():
+        return config
+    eos = json.loads(gen.read_text()).get("eos_token_id")
+    if eos is None:
+        return config
+    ids = eos if isinstance(eos, list) else [eos]
+    if not ids or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ValueError(f"generation_config.json: eos_token_id must be a token id or a list of them (got {eos!r})")
+    return replace(config, eos_token_ids=tuple(dict.fromkeys(ids)))
+
+
 def _load_hf_dir(path: Path, quant: str) -> LoadedWeights:
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise ModelLoadError(f"{path}: no config.json (expected a Hugging Face checkpoint folder)")
     try:
         cfg = json.loads(cfg_file.read_text())
-        config = ModelConfig.from_hf_dict(cfg, name=path.name)
+        config = _with_generation_eos(ModelConfig.from_hf_dict(cfg, name=path.name), path)
     except (json.JSONDecodeError, KeyError) as e:
         raise ModelLoadError(f"{cfg_file}: unreadable config ({e})") from None
     except ValueError as e:
@@ -258,7 +274,8 @@ def load_config(spec: str | None) -> ModelConfig:
             raise ModelLoadError(f"model not found: {spec}")
     if path.is_dir():
         try:
-            return ModelConfig.from_hf_dict(json.loads((path / "config.json").read_text()), name=path.name)
+            return _with_generation_eos(ModelConfig.from_hf_dict(json.loads((path / "config.json").read_text()),
+                                                                 name=path.name), path)
         except FileNotFoundError:
             raise ModelLoadError(f"{path}: no config.json") from None
         except (ValueError, KeyError) as e:
