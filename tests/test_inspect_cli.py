@@ -130,7 +130,7 @@ def test_inspect_shows_the_sliding_window_and_keeps_the_kv_fit(tmp_path):
 
 
 def test_inspect_sizes_its_pool_in_the_kv_dtype_the_engine_picks():
-    """The KV format inspect reports (and sizes its two-block pool in) is the one an engine built with the
+    """The KV format inspect reports is the one an engine built with the
     same flags stores: fp16 on CPU for the bundled Q4_1 where kvcli's C attention kernel builds."""
     from kvcli.attention.torch_backend import native_attention
     from kvcli.engine.llm_engine import LLMEngine

@@ -149,18 +149,15 @@ def inspect_model(spec: str | None, options: EngineOptions, load: bool, context:
         file_tensor_bytes=sum(g.bytes for g in groups), device=str(device))
     weights = rep.file_tensor_bytes
     if load:
-        from kvcli.engine.llm_engine import LLMEngine, kvcli_quantized, native_attention_available, pick_backend
+        from kvcli.engine.llm_engine import LLMEngine
         from kvcli.model.loader import load_weights
 
-        # The smallest pool the engine accepts: two blocks (one pads block tables), in the KV format the
-        # engine will pick (the same rule, over the same facts: backend, quantized linears, C kernel).
+        # A pool of two blocks (one pads block tables) in the widest KV format, so that it holds at least
+        # that much whichever format the engine picks; the engine's pick is what inspect reports.
+        pool = 2 * options.block_size * config.kv_bytes_per_token("fp32")
         loaded = load_weights(spec)
-        kv_dtype = options.resolve_kv_dtype(device, backend=pick_backend(options.attention_backend, device).name,
-                                            quantized_weights=kvcli_quantized(loaded),
-                                            native_attention=native_attention_available)
-        pool = 2 * options.block_size * config.kv_bytes_per_token(kv_dtype)
         engine = LLMEngine(loaded, replace(options, kv_budget=str(pool)))
-        rep.kv_dtype = kv_dtype.name
+        rep.kv_dtype = engine.kv_dtype.name
         rep.resident = engine.model.weight_bytes()  # type: ignore[union-attr]
         rep.linear_paths = engine.linear_mode
         if device.type == "cpu":

@@ -24,11 +24,10 @@ from kvcli.metrics.snapshot import KVBreakdown, MemorySnapshot, Snapshot, SpecSu
 from kvcli.metrics.stats import EngineFacts, RequestExtent, RunStats
 from kvcli.model.llama import LlamaModel
 from kvcli.model.loader import LoadedWeights
-from kvcli.model.quant import QuantTensor
 from kvcli.model.tokenizer import Tokenizer
 from kvcli.model.weight_plan import plan_loaded
 from kvcli.native import registry
-from kvcli.options import ConfigError, EngineOptions, parse_kv_budget
+from kvcli.options import ConfigError, EngineOptions, parse_kv_budget, parse_kv_dtype
 from kvcli.runner.model_runner import ModelRunner
 from kvcli.runner.simulated_runner import SimulatedRunner
 from kvcli.spec_decode.backoff import AdaptiveBackoff
@@ -81,13 +80,6 @@ def native_attention_available() -> bool:
     return registry.library("attention") is not None
 
 
-def kvcli_quantized(loaded: LoadedWeights) -> bool:
-    """Whether loaded weights would take kvcli's own quantized forms (QuantTensor linears; not bitsandbytes'
-    nf4), for a command that sizes a KV pool before building the engine (inspect); a built model answers
-    from its weight plan (WeightPlan.kvcli_quantized)."""
-    return any(isinstance(w, QuantTensor) for name, w in loaded.weights.items() if name.endswith("proj.weight"))
-
-
 def _triton_available() -> bool:
     try:
         import triton  # noqa: F401
@@ -121,7 +113,9 @@ class LLMEngine:
         self.formats: dict[str, int] = {}
         if loaded is not None:
             self.backend = pick_backend(options.attention_backend, self.device)
-            if options.kv_dtype == "fp8" and self.device.type == "cuda" and self.backend.name == "triton":
+            requested = parse_kv_dtype(options.kv_dtype)  # fp8 is never auto: checked before the model build
+            if requested is not None and requested.name == "fp8" and self.device.type == "cuda" \
+                    and self.backend.name == "triton":
                 cap = torch.cuda.get_device_capability(self.device)
                 if cap < (8, 9):
                     raise ConfigError(f"--kv-dtype fp8 needs a GPU of compute capability >= 8.9 (Ada, Hopper) for "

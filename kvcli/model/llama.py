@@ -128,10 +128,6 @@ class LlamaModel:
             for lin in (l.qkv, l.o, l.gate_up, l.down):
                 yield from (lin.parts if isinstance(lin, LinearGroup) else [lin])
 
-    def linear_modes(self) -> str:
-        """The forms the layer linears took, e.g. "int4-cpu" or "int4-cpu+int4x2-cpu"."""
-        return self.plan.forms()
-
     def decode_description(self) -> DecodeModel:
         """The plain per-layer description the one-call C decode builds from (model/native_decode.py): norm
         weights, each projection's int8dot-cpu parts (kernel arguments and output features, in output

@@ -32,10 +32,11 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from kvcli.model.bnb_4bit import Bnb4bitWeight
-from kvcli.model.int4_cpu import KERNEL_GROUPS
+from kvcli.model.int4_cpu import KERNEL_GROUPS, packed_block_n
 from kvcli.model.quant import QuantTensor
 from kvcli.model.row_route import ONE_ROUTE, RowRoute
 from kvcli.native.capabilities import CpuCapabilities
+from kvcli_kernels.cpu_decode_layers import MAX_PARTS as NATIVE_DECODE_MAX_PARTS  # parts the C loop holds
 
 FORMS = {
     "int8dot-cpu": "kvcli's CPU kernel: int8 activations x the file's 4/5/6/8-bit codes (model/int8dot_cpu.py)",
@@ -59,7 +60,6 @@ INT8DOT_DENSE_MIN_ROWS = 256
 GEMM_F32_MIN_ROWS = 32
 INT4_DENSE_MIN_ROWS = 256  # torch's int4 kernel: from about here on a read-back + GEMM beats it (both ISAs)
 TRITON_INT8_GROUPS = (16, 32, 64, 128)
-NATIVE_DECODE_MAX_PARTS = 3  # kernels/cpu_decode_layers.c KVD_PARTS
 
 
 
@@ -226,8 +226,6 @@ def int8dot_route(caps: CpuCapabilities, row_invariant: bool = False) -> RowRout
 def int4_route(caps: CpuCapabilities, row_invariant: bool = False) -> RowRoute:
     """torch's int4 kernel; from INT4_DENSE_MIN_ROWS a read-back (None where torch's packed layout is not
     recognised: model/int4_cpu.py probes it)."""
-    from kvcli.model.int4_cpu import packed_block_n
-
     if row_invariant or packed_block_n() is None:
         return ONE_ROUTE
     return RowRoute(INT4_DENSE_MIN_ROWS, "read-back", torch.bfloat16 if caps.native_bf16 else torch.float32)
