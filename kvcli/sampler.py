@@ -2,9 +2,44 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 
 from kvcli.config import SamplingParams
+
+
+@dataclass(frozen=True)
+class Penalties:
+    """Repetition penalties, as vLLM and OpenAI define them: `presence` and `frequency` subtract
+    presence + frequency x count from the logit of each token already generated (OpenAI's, -2..2);
+    `repetition` divides a positive logit (multiplies a negative one) of each token in the prompt or
+    the output by it (transformers' and vLLM's, > 0; 1 = off)."""
+
+    presence: float = 0.0
+    frequency: float = 0.0
+    repetition: float = 1.0
+    prompt_ids: tuple[int, ...] = ()
+
+    @property
+    def active(self) -> bool:
+        return bool(self.presence or self.frequency or self.repetition != 1.0)
+
+
+def apply_penalties(logits: torch.Tensor, pen: Penalties, output_ids: Sequence[int]) -> torch.Tensor:
+    """logits: [vocab]; a penalized copy."""
+    x = logits.clone()
+    if pen.repetition != 1.0:
+        seen = torch.tensor(sorted({*pen.prompt_ids, *output_ids}), dtype=torch.int64, device=x.device)
+        if seen.numel():
+            v = x[seen]
+            x[seen] = torch.where(v > 0, v / pen.repetition, v * pen.repetition)
+    if output_ids and (pen.presence or pen.frequency):
+        ids, counts = torch.unique(torch.tensor(list(output_ids), dtype=torch.int64), return_counts=True)
+        ids = ids.to(x.device)
+        x[ids] -= (pen.frequency * counts.to(x.device, x.dtype) + pen.presence)
+    return x
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
@@ -36,3 +71,11 @@ def probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         drop = p.cumsum(-1) - p >= params.top_p
         x = x.scatter(-1, order, sorted_x.masked_fill(drop, float("-inf")))
     return torch.softmax(x, dim=-1)
+
+
+def penalize_verification_rows(rows: torch.Tensor, pen: Penalties, output_ids: Sequence[int],
+                               guesses: Sequence[int]) -> torch.Tensor:
+    """rows: [len(guesses) + 1, vocab], the logits a speculative step verifies: row j comes after
+    guesses[:j], so it is penalized as if they were already output (it matters only if they are
+    accepted, and then they are)."""
+    return torch.stack([apply_penalties(rows[j], pen, [*output_ids, *guesses[:j]]) for j in range(len(guesses) + 1)])

@@ -48,6 +48,9 @@ class SchedulerOutput:
     new_blocks: list[int] = field(default_factory=list)  # first use: zero before anything is written
     new_requests: list[NewRequest] = field(default_factory=list)
     released: list[str] = field(default_factory=list)  # finished since the last step: drop runner state
+    # Bounded caches (kvcache/retention.py): kept window keys to re-rotate after blocks were dropped,
+    # performed after the copies and before the step's writes (KeyShift: req_id, blocks, delta).
+    key_shifts: list = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -60,3 +63,13 @@ class RunnerOutput:
 
     sampled: dict[str, list[int]]
     logits: "torch.Tensor | None" = None  # [tokens, vocab] float32 when all logits were asked for
+    # For requests that asked for them (ModelRunner.want_logprobs): per sampled token, its log
+    # probability under the model's distribution (raw logits, before temperature / top-k / top-p, as
+    # vLLM and OpenAI report them) and the top entries as (token id, log probability).
+    logprobs: "dict[str, list[TokenLogprob]] | None" = None
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()

@@ -147,7 +147,7 @@ def test_chat_uses_the_template(server):
     ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature"),
     ("/v1/completions", {"prompt": ""}, 400, "prompt is empty"),
     ("/v1/completions", {"prompt": [1, 2, 10**9]}, 400, "outside the vocabulary"),
-    ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n:"),
+    ("/v1/completions", {"prompt": "hi", "n": 17}, 400, "at most 16 sequences"),
     ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "does not exist"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "role"),
@@ -173,7 +173,7 @@ def test_disconnect_aborts_and_frees_blocks(server):
     host, port = server.removeprefix("http://").split(":")
     body = json.dumps({"prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True}).encode()
     with socket.create_connection((host, int(port))) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                   b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
         end = time.monotonic() + 20
         while metrics(server).running == 0 and time.monotonic() < end:
@@ -194,6 +194,9 @@ def test_metrics_have_vllm_names_and_kvcli_breakdown(server):
                  "kvcli:kv_token_bytes", "kvcli:kv_internal_fragmentation_bytes",
                  "kvcli:whatif_contiguous_internal_fragmentation_bytes", "kvcli:whatif_contiguous_max_requests"):
         assert f"\n{name}" in text, name
+    # promptool's rule: a gauge's name does not end in _total (that suffix is a counter's)
+    gauges = [line.split()[2] for line in text.splitlines() if line.startswith("# TYPE") and line.endswith(" gauge")]
+    assert "kvcli:kv_blocks_usable" in gauges and not [g for g in gauges if g.endswith("_total")], gauges
     m = parse(text)
     assert m.flavor == "kvcli" and m.ttft.count >= 1 and m.itl.count >= 1
     assert m.cache_info["block_size"] == "16" and int(m.cache_info["num_gpu_blocks"]) == m.blocks_total

@@ -29,6 +29,14 @@ class ServeArgs:
     port: int
     served_model_name: str | None
     log_level: str
+    api_key: str | None = None
+    metrics_need_key: bool = False
+    allowed_hosts: tuple[str, ...] = ()
+    allowed_origins: tuple[str, ...] = ()
+    max_request_bytes: int = 8 * 2**20
+    max_tokens_default: int | None = None
+    max_waiting_requests: int = 256
+    request_timeout: float | None = None
 
 
 def bind(host: str, port: int, fail: Fail) -> socket.socket:
@@ -92,10 +100,20 @@ def _server_class():
     return Server
 
 
+def _window_note(engine) -> str:
+    """The bounded cache on the start line: each request keeps its sinks and its last W tokens."""
+    r = engine.retention
+    if r is None:
+        return ""
+    return (f" · bounded KV: {r.sink_slots:,} sink + {r.window:,} window tokens per request (dropped tokens in "
+            f"/metrics: kvcli:kv_tokens_dropped_total)")
+
+
 def run_serve(a: ServeArgs, fail: Fail) -> int:
     import uvicorn
 
-    from kvcli.server.app import ServerInfo, create_app
+    from kvcli.server.app import Security, ServeLimits, ServerInfo, build_app
+    from kvcli.server.guard import LOOPBACK_NAMES
     from kvcli.server.metrics import ServerMetrics
     from kvcli.server.worker import EngineWorker
 
@@ -111,15 +129,24 @@ def run_serve(a: ServeArgs, fail: Fail) -> int:
     metrics = ServerMetrics(name, engine.max_model_len, lambda: worker_ref[0].latest(), cache_info)
     worker = EngineWorker(engine, metrics)
     worker_ref.append(worker)
-    info = ServerInfo(name, engine.max_model_len, int(time.time()), engine.config.vocab_size)
-    app = create_app(worker, engine.tokenizer, info, metrics)
+    info = ServerInfo(name, engine.max_model_len, int(time.time()), engine.config.vocab_size,
+                      engine.options.block_size, bool(engine.options.prefix_caching and engine.kv.supports_sharing))
     host, port = sock.getsockname()[:2]
+    loopback = is_loopback(host)
+    hosts = ((*LOOPBACK_NAMES, *a.allowed_hosts) if loopback else (a.allowed_hosts or None))
+    limits = ServeLimits(max_request_bytes=a.max_request_bytes, max_tokens_default=a.max_tokens_default,
+                         max_waiting_requests=a.max_waiting_requests, max_num_seqs=engine.options.max_num_seqs,
+                         request_timeout_s=a.request_timeout)
+    security = Security(api_key=a.api_key, metrics_need_key=a.metrics_need_key, allowed_hosts=hosts,
+                        allowed_origins=a.allowed_origins)
+    app = build_app(worker, engine.tokenizer, info, metrics, limits, security)
     shown = f"[{host}]" if ":" in host else host
     print(f"kvcli serve: {name} · {engine.num_blocks:,} KV blocks x {engine.options.block_size} tokens "
           f"({engine.kv_pool_bytes / 2**20:,.1f} MiB, {str(engine.kv_dtype).removeprefix('torch.')}) · "
-          f"max_model_len {engine.max_model_len:,}", file=sys.stderr)
-    if not is_loopback(host):
-        print("kvcli: note: listening beyond loopback; the API has no authentication", file=sys.stderr)
+          f"max_model_len {engine.max_model_len:,}" + _window_note(engine), file=sys.stderr)
+    if not loopback and not a.api_key:
+        print("kvcli: note: listening beyond loopback without --api-key: anyone who reaches this port can use "
+              "the API", file=sys.stderr)
     print(f"kvcli serve: listening on http://{shown}:{port} (Ctrl-C stops)", file=sys.stderr, flush=True)
     config = uvicorn.Config(app, log_level=a.log_level, access_log=a.log_level == "debug",
                             timeout_graceful_shutdown=3, lifespan="off")

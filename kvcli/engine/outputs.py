@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvcli.step import TokenLogprob
+
 
 @dataclass(frozen=True)
 class RequestOutput:
@@ -12,6 +14,7 @@ class RequestOutput:
     new_text: str
     finished: bool
     finish_reason: str | None = None
+    logprobs: TokenLogprob | None = None  # the token's, when the request asked for them
 
 
 @dataclass(frozen=True)

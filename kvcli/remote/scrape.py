@@ -67,7 +67,7 @@ def parse(text: str, t: float = 0.0) -> ServerSample:
     if not any(k.startswith(("vllm:", "kvcli:")) for k in (*values, *hists)):
         raise ScrapeError("no vLLM, kvcli or llama.cpp metrics in the response")
     flavor = "kvcli" if any(k.startswith("kvcli:") for k in values) else "vllm"
-    total = values.get("kvcli:kv_blocks_total")
+    total = _first(values, "kvcli:kv_blocks_usable", "kvcli:kv_blocks_total")  # the latter: kvcli before 2026-12-02
     if total is None and info.get("num_gpu_blocks", "").isdigit():
         total = float(info["num_gpu_blocks"])
     usage = _first(values, "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")

@@ -126,7 +126,7 @@ class _SnapshotCollector(Collector):
         yield counter("vllm:generation_tokens", "Number of generation tokens processed.", s.generated_tokens)
         # kvcli's own: the pool in bytes and blocks, and the vLLM paper's Fig. 2 categories.
         yield gauge("kvcli:kv_pool_bytes", "Bytes of the KV pool (usable blocks and the null block).", s.kv_pool_bytes)
-        yield gauge("kvcli:kv_blocks_total", "Usable KV blocks in the pool.", s.num_blocks)
+        yield gauge("kvcli:kv_blocks_usable", "Usable KV blocks in the pool.", s.num_blocks)
         yield gauge("kvcli:kv_blocks_used", "KV blocks held by requests now.", s.blocks_used)
         yield gauge("kvcli:kv_block_size_tokens", "Tokens per KV block.", s.block_size)
         yield gauge("kvcli:kv_bytes_per_token", "KV bytes per token over all layers (scales included).",
@@ -134,6 +134,17 @@ class _SnapshotCollector(Collector):
         yield gauge("kvcli:max_model_len", "Context length limit of a request.", s.max_model_len)
         yield gauge("kvcli:num_requests_swapped", "Requests whose blocks are swapped out to host memory.",
                     s.num_swapped)
+        # A bounded cache (--kv-window): what each request keeps, and what the rule has given back so far.
+        w = s.window
+        yield counter("kvcli:kv_tokens_dropped", "Tokens whose KV a bounded cache (--kv-window) dropped, over all "
+                      "requests.", w.dropped_tokens if w else 0)
+        yield counter("kvcli:kv_blocks_recycled", "KV blocks a bounded cache (--kv-window) gave back to the pool.",
+                      w.recycled_blocks if w else 0)
+        if w is not None:
+            yield gauge("kvcli:kv_window_tokens", "W of --kv-window: the recent tokens each request keeps.", w.window)
+            yield gauge("kvcli:kv_sink_tokens", "Tokens each request keeps from its start (--sink-tokens in whole "
+                        "blocks).", w.sink_slots)
+            yield gauge("kvcli:kv_request_tokens_peak", "The most KV tokens one request has held.", w.peak_tokens)
         yield from _breakdown("kvcli:kv", "the live KV layout", s.kv, m)
         if s.contiguous_whatif is not None:
             yield from _breakdown("kvcli:whatif_contiguous", "the running requests under max-length contiguous "

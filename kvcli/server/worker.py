@@ -21,6 +21,7 @@ from kvcli.engine.llm_engine import LLMEngine
 from kvcli.engine.outputs import RequestOutput
 from kvcli.engine.scheduler import KVBudgetTooSmall
 from kvcli.metrics.snapshot import Snapshot
+from kvcli.metrics.window import with_window
 from kvcli.options import ConfigError
 from kvcli.server.metrics import ServerMetrics
 
@@ -47,6 +48,7 @@ class RequestStream:
 
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cached_tokens: int = 0  # prompt tokens the prefix cache supplied (set before its first output is sent)
 
     def push(self, item: Accepted | Rejected | RequestOutput) -> None:
         deliver([(self, item)])
@@ -77,6 +79,8 @@ class _Add:
     params: SamplingParams
     arrival: float
     stream: RequestStream
+    logprobs: int | None = None
+    penalties: object | None = None  # kvcli.sampler.Penalties
 
 
 @dataclass(frozen=True)
@@ -125,12 +129,12 @@ class EngineWorker:
         return self._latest  # one attribute read: the snapshot itself is immutable
 
     def submit(self, req_id: str, prompt_ids: list[int], params: SamplingParams, stream: RequestStream,
-               arrival: float | None = None) -> None:
+               arrival: float | None = None, logprobs: int | None = None, penalties=None) -> None:
         if not self.alive:
             stream.push(Rejected(f"engine is not running ({self.error or 'shut down'})", 503))
             return
         self._cmds.put(_Add(req_id, prompt_ids, params, time.perf_counter() if arrival is None else arrival,
-                            stream))
+                            stream, logprobs, penalties))
 
     def abort(self, req_id: str) -> None:
         self._cmds.put(_Abort(req_id))
@@ -183,21 +187,29 @@ class EngineWorker:
     def _apply(self, cmd: _Add | _Abort) -> bool:
         e = self.engine
         if isinstance(cmd, _Abort):
-            live = self._live.pop(cmd.req_id, None)
-            req = e.requests.get(cmd.req_id)
-            if req is not None and not req.finished:
-                e.abort(cmd.req_id)
-                if self.metrics is not None and live is not None:
-                    self.metrics.finished("abort", time.perf_counter() - live.arrival, req.num_prompt_tokens,
-                                          len(req.output_token_ids))
-            e.release(cmd.req_id)
+            # The request and its samples (n > 1: `{id}.1`, ...); the engine's abort of the first also
+            # ends the samples not forked from it yet.
+            prefix = cmd.req_id + "."
+            for rid in [cmd.req_id, *(k for k in self._live if k.startswith(prefix))]:
+                live = self._live.pop(rid, None)
+                req = e.requests.get(rid)
+                if req is not None and not req.finished:
+                    e.abort(rid)
+                    if self.metrics is not None and live is not None:
+                        self.metrics.finished("abort", time.perf_counter() - live.arrival, req.num_prompt_tokens,
+                                              len(req.output_token_ids))
+                e.release(rid)
             return True
         try:
-            e.add_request(cmd.prompt_ids, cmd.params, req_id=cmd.req_id, arrival_time=cmd.arrival)
+            extra = {} if cmd.logprobs is None else {"logprobs": cmd.logprobs}
+            if cmd.penalties is not None:
+                extra["penalties"] = cmd.penalties
+            e.add_request(cmd.prompt_ids, cmd.params, req_id=cmd.req_id, arrival_time=cmd.arrival, **extra)
         except (ConfigError, KVBudgetTooSmall, ValueError) as exc:
             cmd.stream.push(Rejected(str(exc)))
             return False
-        self._live[cmd.req_id] = _Live(cmd.stream, cmd.arrival)
+        for i in range(cmd.params.n):  # the engine names further samples `{id}.{i}`
+            self._live[cmd.req_id if i == 0 else f"{cmd.req_id}.{i}"] = _Live(cmd.stream, cmd.arrival)
         cmd.stream.push(Accepted())
         return True
 
@@ -219,6 +231,8 @@ class EngineWorker:
                     else:
                         m.itl.observe(times[i] - times[i - 1])
                 live.tokens_seen = len(times)
+            if getattr(req, "parent_id", None) is None:  # (a sample forked from it holds the whole prompt)
+                live.stream.cached_tokens = getattr(req, "num_cached_tokens", None) or 0
             batch.append((live.stream, out))
             if out.finished:
                 if m is not None:
@@ -239,5 +253,5 @@ class EngineWorker:
         deliver(batch)
 
     def _publish(self) -> None:
-        self._latest = self.engine.snapshot()
+        self._latest = with_window(self.engine.snapshot(), self.engine)  # + a bounded cache's drops (--kv-window)
         self._last_snap = time.perf_counter()
