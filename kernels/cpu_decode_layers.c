@@ -52,6 +52,10 @@ typedef struct {
     kvd_linear qkv, o, gate_up, down;
     void *k, *v;        /* the layer's cache storage (strides are the model's) */
     const void *cache;  /* its kva_cache (cpu_attention.c) */
+    const float *q_norm, *k_norm; /* per-head RMSNorm weights [head_dim] before the rotary (Qwen3), or NULL */
+    const float *attn_post_norm, *ffn_post_norm; /* on the attention / MLP output before the add (Gemma 3), or NULL */
+    const float *cos, *sin_signed; /* this layer's rotary tables (Gemma 3's local layers), or NULL: the model's */
+    const void *step;              /* this layer's attention step (its window), or NULL: the call's */
 } kvd_layer;
 
 typedef struct {
@@ -103,17 +107,26 @@ int kvd_decode_layers(const kvd_model *m, const kvd_layer *layers, int64_t n_lay
         const int64_t fail = (l + 1) * 16;
         m->rmsnorm(h, L->attn_norm, x, T, hid, m->eps, nthreads);
         if (linear(m, &L->qkv, x, T, hid, qkv, nthreads)) return fail + 1;
-        if (m->rope_kv(qkv, T, nqkv, m->heads, m->kv_heads, m->head_dim, m->cos, m->sin_signed, m->table_rows,
-                       positions, slots, q, L->k, L->v, (int)m->kv_dtype, m->block_size, m->num_slots, m->k_sb,
-                       m->k_st, m->k_sh, m->v_sb, m->v_st, m->v_sh, nthreads))
+        if (L->q_norm) /* in place, every q head then every k head of each row (kvq_rmsnorm reads a row first) */
+            for (int64_t t = 0; t < T; t++) {
+                float *r = qkv + t * nqkv;
+                m->rmsnorm(r, L->q_norm, r, m->heads, m->head_dim, m->eps, 1);
+                m->rmsnorm(r + qd, L->k_norm, r + qd, m->kv_heads, m->head_dim, m->eps, 1);
+            }
+        if (m->rope_kv(qkv, T, nqkv, m->heads, m->kv_heads, m->head_dim, L->cos ? L->cos : m->cos,
+                       L->cos ? L->sin_signed : m->sin_signed, m->table_rows, positions, slots, q, L->k, L->v,
+                       (int)m->kv_dtype, m->block_size, m->num_slots, m->k_sb, m->k_st, m->k_sh, m->v_sb, m->v_st,
+                       m->v_sh, nthreads))
             return fail + 2;
-        if (m->attention(step, L->cache, q, qd, att, qd, nthreads)) return fail + 3;
+        if (m->attention(L->step ? L->step : step, L->cache, q, qd, att, qd, nthreads)) return fail + 3;
         if (linear(m, &L->o, att, T, qd, y, nthreads)) return fail + 1;
+        if (L->attn_post_norm) m->rmsnorm(y, L->attn_post_norm, y, T, hid, m->eps, nthreads);
         for (int64_t i = 0; i < T * hid; i++) h[i] += y[i];
         m->rmsnorm(h, L->ffn_norm, x, T, hid, m->eps, nthreads);
         if (linear(m, &L->gate_up, x, T, hid, gu, nthreads)) return fail + 1;
-        m->swiglu(gu, T, m->ffn, 2 * m->ffn, act, nthreads);
+        m->swiglu(gu, T, m->ffn, 2 * m->ffn, act, nthreads); /* kvs_swiglu, or kvs_geglu (the same signature) */
         if (linear(m, &L->down, act, T, m->ffn, y, nthreads)) return fail + 1;
+        if (L->ffn_post_norm) m->rmsnorm(y, L->ffn_post_norm, y, T, hid, m->eps, nthreads);
         for (int64_t i = 0; i < T * hid; i++) h[i] += y[i];
     }
     return 0;

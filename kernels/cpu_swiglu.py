@@ -16,17 +16,19 @@ def load(isa: str, cache_dir: str) -> ctypes.CDLL | None:
     lib = build(_SOURCE, isa, cache_dir)
     if lib is not None and not hasattr(lib, "_kvs_declared"):
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        lib.kvs_swiglu.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_int]
-        lib.kvs_swiglu.restype = ctypes.c_int
+        for fn in (lib.kvs_swiglu, lib.kvs_geglu):
+            fn.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_int]
+            fn.restype = ctypes.c_int
         lib._kvs_declared = True
     return lib
 
 
-def swiglu(lib: ctypes.CDLL, gu: torch.Tensor) -> torch.Tensor | None:
-    """gu fp32 [M, 2F] with unit-stride rows -> silu(gu[:, :F]) * gu[:, F:], a new [M, F] tensor; None where
-    this build has no such kernel (plain C)."""
+def swiglu(lib: ctypes.CDLL, gu: torch.Tensor, act: str = "silu") -> torch.Tensor | None:
+    """gu fp32 [M, 2F] with unit-stride rows -> act(gu[:, :F]) * gu[:, F:], a new [M, F] tensor (act: "silu",
+    or "gelu_tanh" for GeGLU); None where this build has no such kernel (plain C)."""
     m, f2 = gu.shape
     out = torch.empty(m, f2 // 2, dtype=torch.float32)
-    if lib.kvs_swiglu(gu.data_ptr(), m, f2 // 2, gu.stride(0), out.data_ptr(), torch.get_num_threads()) != 0:
+    fn = lib.kvs_swiglu if act == "silu" else lib.kvs_geglu
+    if fn(gu.data_ptr(), m, f2 // 2, gu.stride(0), out.data_ptr(), torch.get_num_threads()) != 0:
         return None
     return out

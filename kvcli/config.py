@@ -11,13 +11,15 @@ import torch
 
 from kvcli.kvcache.kv_dtype import KVDtype, kv_dtype_of
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3")
+# config.json model_type -> kvcli architecture
+HF_MODEL_TYPES = {**{a: a for a in SUPPORTED_ARCHITECTURES}, "gemma3_text": "gemma3"}
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     name: str
-    architecture: str  # llama | mistral | qwen2
+    architecture: str  # llama | mistral | qwen2 | qwen3 | phi3 | gemma3
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -37,10 +39,42 @@ class ModelConfig:
     # layer (Mistral); None = full causal attention. Every token's K/V is still stored (the KV
     # arithmetic of plan/inspect is unchanged).
     sliding_window: int | None = None
+    # Qwen3, Gemma 3: an RMSNorm over each q and k head (weight [head_dim], shared by the heads) before the rotary.
+    qk_norm: bool = False
+    # Gemma 3's parts. layer_types: "sliding" or "full" per layer, the sliding ones attending over
+    # local_window tokens with their own rotary (local_rope_theta / local_rope_scaling), the full ones over
+    # the whole context with rope_theta / rope_scaling; None: every layer as sliding_window says.
+    layer_types: tuple[str, ...] | None = None
+    local_window: int | None = None
+    local_rope_theta: float | None = None
+    local_rope_scaling: dict | None = None
+    embed_scale: float = 1.0  # embeddings multiplied by it (Gemma: sqrt(hidden))
+    hidden_act: str = "silu"  # the MLP's gate: silu (SwiGLU) or gelu_tanh (GeGLU)
+    sandwich_norms: bool = False  # RMSNorms after attention and after the MLP too, before each residual add
+    query_scale: float | None = None  # attention's scale on q.k; None: head_dim ** -0.5
+    final_logit_softcap: float | None = None  # logits = c * tanh(logits / c)
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of this layer (None: full attention)."""
+        if self.layer_types is None:
+            return self.sliding_window
+        return self.local_window if self.layer_types[layer] == "sliding" else None
+
+    @property
+    def attention_scale(self) -> float:
+        return self.query_scale if self.query_scale is not None else self.head_dim ** -0.5
 
     def kv_bytes_per_token(self, kv_dtype: "torch.dtype | str | KVDtype") -> int:
         """K and V of every layer for one token, quantization scales included."""
         return kv_dtype_of(kv_dtype).bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim)
+
+    def kv_bytes_of_request(self, kv_dtype: "torch.dtype | str | KVDtype", tokens: int,
+                            windowed: bool = True) -> int:
+        """K and V of a request of `tokens` tokens: every layer holds them all, or (windowed) each sliding
+        layer only its window's (Gemma 3's local layers, Mistral's window)."""
+        per_layer = kv_dtype_of(kv_dtype).bytes_per_token(1, self.num_kv_heads, self.head_dim)
+        return sum(per_layer * (min(tokens, self.layer_window(i) or tokens) if windowed else tokens)
+                   for i in range(self.num_layers))
 
     def num_params(self) -> int:
         h, i, L = self.hidden_size, self.intermediate_size, self.num_layers
@@ -52,11 +86,15 @@ class ModelConfig:
     @staticmethod
     def from_hf_dict(cfg: dict, name: str = "model") -> "ModelConfig":
         """From a Hugging Face config.json dictionary."""
-        arch = (cfg.get("model_type") or "").lower()
-        if arch not in SUPPORTED_ARCHITECTURES:
+        model_type = (cfg.get("model_type") or "").lower()
+        arch = HF_MODEL_TYPES.get(model_type)
+        if arch is None:
             raise ValueError(
-                f"unsupported architecture {arch!r} (kvcli runs {', '.join(SUPPORTED_ARCHITECTURES)})"
+                f"unsupported architecture {model_type!r} (kvcli runs {', '.join(HF_MODEL_TYPES)})"
             )
+        _check_hf_keys(cfg, arch)
+        if arch == "gemma3":
+            return _gemma3_from_hf(cfg, name)
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         theta, scaling = _hf_rope(cfg)
@@ -77,6 +115,7 @@ class ModelConfig:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
+            qk_norm=arch == "qwen3",
             rope_scaling=scaling,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
@@ -85,7 +124,8 @@ class ModelConfig:
 
     def to_hf_dict(self) -> dict:
         """A transformers config.json equivalent (used to build the reference model in tests)."""
-        arch_cls = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+        arch_cls = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                    "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
         d = {
             "architectures": [arch_cls[self.architecture]],
             "model_type": self.architecture,
@@ -105,16 +145,117 @@ class ModelConfig:
             "bos_token_id": self.bos_token_id,
             "eos_token_id": list(self.eos_token_ids) or None,
         }
-        if self.architecture == "llama":
+        if self.architecture in ("llama", "qwen3"):
             d["attention_bias"] = self.attention_bias
         if self.architecture != "llama":
             d["sliding_window"] = self.sliding_window
-        if self.architecture == "qwen2":  # qwen2 slides only when asked, from max_window_layers on
+        if self.architecture in ("qwen2", "qwen3"):  # they slide only when asked, from max_window_layers on
             d.update(use_sliding_window=self.sliding_window is not None, max_window_layers=0)
         return d
 
 
-ROPE_TYPES = ("default", "linear", "llama3")  # what model/layers.py's Rotary computes
+# config.json fields, as transformers reads them for kvcli's architectures. Every field is read (below or by
+# the loader), known not to change the computation, or the folder is refused naming it (issue #29).
+HF_KEYS_READ = frozenset({
+    "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor",
+    "rms_norm_eps", "max_position_embeddings", "original_max_position_embeddings", "tie_word_embeddings",
+    "attention_bias", "bos_token_id", "eos_token_id", "sliding_window", "use_sliding_window", "max_window_layers",
+    "layer_types", "hidden_act", "mlp_bias", "quantization_config",
+})
+HF_KEYS_READ_BY = {"gemma3": frozenset({"query_pre_attn_scalar", "final_logit_softcapping", "attn_logit_softcapping",
+                                        "hidden_activation", "sliding_window_pattern", "_sliding_window_pattern",
+                                        "rope_local_base_freq", "use_bidirectional_attention"})}
+# Bookkeeping, training-only (dropout, initialisation) and generation defaults that transformers keeps on
+# every config; pretraining_tp splits Llama's matmuls into slices of the same sums.
+HF_KEYS_INERT = frozenset({
+    "_name_or_path", "architectures", "auto_map", "chunk_size_feed_forward", "dtype", "torch_dtype", "id2label",
+    "label2id", "is_encoder_decoder", "is_decoder", "output_attentions", "output_hidden_states", "problem_type",
+    "return_dict", "transformers_version", "use_cache", "initializer_range", "attention_dropout", "embd_pdrop",
+    "resid_pdrop", "hidden_dropout", "pad_token_id", "sep_token_id", "decoder_start_token_id", "pretraining_tp",
+    "torchscript", "pruned_heads", "tie_encoder_decoder", "cross_attention_hidden_size", "add_cross_attention",
+    "finetuning_task", "tokenizer_class", "prefix", "task_specific_params", "use_bfloat16", "tf_legacy_loss",
+    "max_length", "min_length", "do_sample", "early_stopping", "num_beams", "num_beam_groups", "diversity_penalty",
+    "temperature", "top_k", "top_p", "typical_p", "repetition_penalty", "length_penalty", "no_repeat_ngram_size",
+    "encoder_no_repeat_ngram_size", "bad_words_ids", "num_return_sequences", "output_scores",
+    "return_dict_in_generate", "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values",
+    "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens",
+})
+
+
+def _check_hf_keys(cfg: dict, arch: str) -> None:
+    """One line naming the first config.json field kvcli neither reads nor knows to be inert, or a read
+    field whose value kvcli does not compute."""
+    for key, value in cfg.items():
+        if key in HF_KEYS_READ or key in HF_KEYS_INERT or key in HF_KEYS_READ_BY.get(arch, ()):
+            continue
+        shown = value if not isinstance(value, (list, dict)) or len(value) <= 4 else f"[{len(value)} values]"
+        raise ValueError(f"config.json field {key} = {shown!r} is not read by kvcli and may change what the model "
+                         f"computes; refusing the folder rather than computing a different model")
+    act = cfg.get("hidden_act")
+    if arch != "gemma3" and act not in (None, "silu", "swish"):
+        raise ValueError(f"hidden_act {act!r}: kvcli computes the {arch} MLP with silu (SwiGLU)")
+    if cfg.get("mlp_bias"):
+        raise ValueError("mlp_bias = true (biases on the MLP projections) is not computed by kvcli")
+
+
+def _in_checkpoint_dtype(x: float, cfg: dict) -> float:
+    """x rounded to the checkpoint's dtype, as transformers casts Gemma's embedding scale to the weights'."""
+    name = str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32").replace("torch.", "")
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(name, torch.float32)
+    return float(torch.tensor(x, dtype=dtype))
+
+
+def _gemma3_from_hf(cfg: dict, name: str) -> "ModelConfig":
+    """Gemma 3's text model (model_type gemma3_text), as transformers' Gemma3TextConfig reads config.json:
+    layer_types (else every sliding_window_pattern-th layer full, the rest sliding), rotary per layer type
+    (rope_parameters {full_attention, sliding_attention}, or transformers 4's rope_theta + rope_scaling for
+    the full layers and rope_local_base_freq for the sliding ones), query_pre_attn_scalar, GeGLU, sandwich
+    norms (their weights get the +1 of Gemma3RMSNorm at load), embeddings times sqrt(hidden)."""
+    for key, why in (("attn_logit_softcapping", "attention logit soft-capping"),
+                     ("use_bidirectional_attention", "bidirectional attention")):
+        if cfg.get(key):
+            raise ValueError(f"{key} = {cfg[key]!r}: {why} is not computed by kvcli")
+    layers = int(cfg["num_hidden_layers"])
+    types = cfg.get("layer_types")
+    if types is None:
+        pattern = int(cfg.get("sliding_window_pattern", 6))
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    if not isinstance(types, list) or len(types) != layers or set(types) - {"sliding_attention", "full_attention"}:
+        raise ValueError(f"layer_types must list sliding_attention / full_attention for each of the {layers} layers")
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params:
+        full, local = _hf_rope({"rope_parameters": params["full_attention"]}), \
+            _hf_rope({"rope_parameters": params.get("sliding_attention") or {"rope_theta": 10000.0}})
+    else:
+        full = _hf_rope({**cfg, "rope_theta": cfg.get("rope_theta", 1_000_000.0)})
+        local = (float(cfg.get("rope_local_base_freq", 10000.0)), None)
+    window = cfg.get("sliding_window")
+    if "sliding_attention" in types and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"sliding_window must be a positive integer for the sliding layers (got {window!r})")
+    heads, hidden = int(cfg["num_attention_heads"]), int(cfg["hidden_size"])
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ValueError(f"hidden_activation {act!r} is not computed by kvcli for gemma3 (gelu_pytorch_tanh)")
+    eos = cfg.get("eos_token_id", 1)
+    softcap = cfg.get("final_logit_softcapping")
+    return ModelConfig(
+        name=name, architecture="gemma3", vocab_size=int(cfg["vocab_size"]), hidden_size=hidden,
+        intermediate_size=int(cfg["intermediate_size"]), num_layers=layers, num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads), head_dim=int(cfg.get("head_dim") or 256),
+        rope_theta=full[0], rope_scaling=full[1], rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 131072)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        attention_bias=bool(cfg.get("attention_bias", False)), bos_token_id=cfg.get("bos_token_id", 2),
+        eos_token_ids=tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ()),
+        qk_norm=True, layer_types=tuple("sliding" if t == "sliding_attention" else "full" for t in types),
+        local_window=int(window) if "sliding_attention" in types else None, local_rope_theta=local[0],
+        local_rope_scaling=local[1], embed_scale=_in_checkpoint_dtype(hidden ** 0.5, cfg), hidden_act="gelu_tanh", sandwich_norms=True,
+        query_scale=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5,
+        final_logit_softcap=float(softcap) if softcap else None)
+
+
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")  # what kvcli/model/rope.py computes
 
 
 def _hf_rope(cfg: dict) -> tuple[float, dict | None]:
@@ -135,6 +276,9 @@ def _hf_rope(cfg: dict) -> tuple[float, dict | None]:
             raise ValueError(f"rope scaling {kind!r} is not computed by kvcli (supported: {', '.join(ROPE_TYPES)})")
         if kind == "default":
             scaling = None
+        elif kind in ("longrope", "yarn") and "original_max_position_embeddings" not in scaling \
+                and cfg.get("original_max_position_embeddings"):  # Phi-3 keeps it at the top level
+            scaling = {**scaling, "original_max_position_embeddings": cfg["original_max_position_embeddings"]}
     partial = cfg.get("partial_rotary_factor")
     if partial is not None and float(partial) != 1.0:
         raise ValueError(f"partial_rotary_factor {partial} (rotary on part of each head) is not computed by kvcli")
@@ -151,12 +295,12 @@ def _hf_sliding_window(cfg: dict, arch: str, num_layers: int) -> int | None:
         return None
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ValueError(f"sliding_window must be a positive integer or null (got {window!r})")
-    if arch == "qwen2" and not cfg.get("use_sliding_window", False):  # transformers drops the window then
+    if arch in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):  # transformers drops it then
         return None
     types = cfg.get("layer_types")
     if isinstance(types, list):
         sliding = [t == "sliding_attention" for t in types]
-    elif arch == "qwen2":
+    elif arch in ("qwen2", "qwen3"):
         first = int(cfg.get("max_window_layers", 28))
         sliding = [i >= first for i in range(num_layers)]
     else:
@@ -187,6 +331,11 @@ PRESETS: dict[str, dict] = {
     "mistral-7b": dict(model_type="mistral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
                        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                        rope_theta=1000000.0, rms_norm_eps=1e-5, max_position_embeddings=32768),
+    "gemma-3-4b": dict(model_type="gemma3_text", vocab_size=262208, hidden_size=2560, intermediate_size=10240,
+                       num_hidden_layers=34, num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+                       sliding_window=1024, max_position_embeddings=131072, query_pre_attn_scalar=256,
+                       rope_scaling={"rope_type": "linear", "factor": 8.0}, rope_theta=1000000.0,
+                       rope_local_base_freq=10000.0),
     "qwen2-0.5b": dict(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
                        num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                        rope_theta=1000000.0, rms_norm_eps=1e-6, max_position_embeddings=32768,
@@ -220,9 +369,10 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     seed: int | None = None
-    stop: tuple[str, ...] = ()
+    stop: tuple[str, ...] = ()  # the output ends before the first of these (kvcli/engine/output_processor.py)
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False  # as vLLM: the output ends after the stop string instead
     n: int = 1  # samples per prompt; they share the prompt's KV blocks (copy-on-write)
 
     def __post_init__(self) -> None:
@@ -238,7 +388,9 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (got {self.top_k})")
         if self.seed is not None and not 0 <= self.seed <= MAX_SEED:  # torch takes seeds below 2**63
             raise ValueError(f"seed must be in [0, {MAX_SEED}] (got {self.seed})")
-        self.stop = tuple(self.stop)
+        self.stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop strings must be non-empty strings (got {self.stop!r})")
         self.stop_token_ids = tuple(self.stop_token_ids)
 
     @property

@@ -59,7 +59,9 @@ def kernel_bytes(type_name: str, n: int, k: int, path: str | None = None) -> int
     return code_bytes + 4 * n * k // group
 
 
-def write_tiny_kquant_gguf(path: Path, seed: int = 0) -> Path:
+def write_tiny_kquant_gguf(path: Path, seed: int = 0, arch: str = "llama") -> Path:
+    """arch "qwen3" adds per-head q/k norm weights (attn_q_norm / attn_k_norm) to the same layers; "gemma3" also
+    norms after attention and MLP, and layer 0 sliding over 8 tokens with layer 1 global."""
     import gguf
 
     from kvcli.model.kquant_encode import add_tensor, copy_fields, encode, finish, random_blocks
@@ -68,7 +70,7 @@ def write_tiny_kquant_gguf(path: Path, seed: int = 0) -> Path:
     rng = np.random.default_rng(seed)
     src = gguf.GGUFReader(str(bundled_gguf_path()), "r")
     vocab = len(src.fields["tokenizer.ggml.tokens"].data)
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_name("tiny-kquant")
     w.add_block_count(LAYERS)
     w.add_context_length(512)
@@ -81,6 +83,10 @@ def write_tiny_kquant_gguf(path: Path, seed: int = 0) -> Path:
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(vocab)
     copy_fields(src, w, keep=lambda key: key.startswith("tokenizer."))
+    if arch == "gemma3":
+        w.add_sliding_window(8)
+        w.add_uint32("gemma3.attention.sliding_window_pattern", 2)
+        w.add_float32("gemma3.rope.freq_base_swa", 500.0)
 
     def normal(*shape: int, std: float) -> np.ndarray:
         return (rng.standard_normal(shape) * std).astype(np.float32)
@@ -91,6 +97,12 @@ def write_tiny_kquant_gguf(path: Path, seed: int = 0) -> Path:
     for i, types in enumerate(LAYER_TYPES):
         add_tensor(w, f"blk.{i}.attn_norm.weight", 1 + normal(HIDDEN, std=0.1), "F32")
         add_tensor(w, f"blk.{i}.ffn_norm.weight", 1 + normal(HIDDEN, std=0.1), "F32")
+        if arch in ("qwen3", "gemma3"):
+            add_tensor(w, f"blk.{i}.attn_q_norm.weight", 1 + normal(HEAD_DIM, std=0.3), "F32")
+            add_tensor(w, f"blk.{i}.attn_k_norm.weight", 1 + normal(HEAD_DIM, std=0.3), "F32")
+        if arch == "gemma3":
+            add_tensor(w, f"blk.{i}.post_attention_norm.weight", 1 + normal(HIDDEN, std=0.1), "F32")
+            add_tensor(w, f"blk.{i}.post_ffw_norm.weight", 1 + normal(HIDDEN, std=0.1), "F32")
         for name, (n, k) in shapes.items():
             t = types[name]
             std = 1.0 / np.sqrt(k)

@@ -69,3 +69,24 @@ def test_layer_takes_the_kernel_unless_turned_off(monkeypatch):
     monkeypatch.setenv("KVCLI_NATIVE", "0")
     off = SwiGLU(Native.here(CPU, torch.float32).swiglu)
     assert off.native is None and torch.equal(off(gu), want)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize(("rows", "width"), [(1, 1536), (3, 13), (7, 8), (200, 1000)])
+def test_geglu_matches_gelu_tanh_times_up(isa, rows, width):
+    """GeGLU (Gemma): gelu_tanh(gate) * up against float64 transformers-style gelu_pytorch_tanh, ragged widths,
+    strided rows, the tanh's saturation (large |x|) and zeros."""
+    from kvcli_kernels.cpu_swiglu import swiglu
+
+    lib = _lib(isa)
+    gen = torch.Generator().manual_seed(rows * 11 + width)
+    wide = torch.randn(rows, 2 * width + 3, generator=gen) * 4
+    wide[0, :4] = torch.tensor([30.0, -30.0, 0.0, -0.0])
+    gu = wide[:, :2 * width]
+    out = swiglu(lib, gu, "gelu_tanh")
+    g, u = gu.double().chunk(2, dim=-1)
+    want = F.gelu(g, approximate="tanh") * u
+    torch.testing.assert_close(out.double(), want, rtol=2e-6, atol=2e-6 * float(want.abs().max()))
+    layer = SwiGLU(True, "gelu_tanh")
+    if layer.native is not None:
+        assert torch.equal(layer(gu.contiguous()), swiglu(layer.native, gu.contiguous(), "gelu_tanh"))

@@ -1,6 +1,6 @@
 """Nothing in a GGUF is silently skipped (issue #29, item 2, the GGUF side): every metadata key is read, known
 inert, or the file is refused in one line naming it; every tensor is used or the file is refused; a rotary
-scaling kvcli does not compute is refused, linear scaling is read; generation stops on llama.cpp's
+scaling is read as llama.cpp reads it (or refused when llama.cpp knows no such type); generation stops on llama.cpp's
 end-of-generation set. Variants of the tiny K-quant GGUF (tests/kquant_model.py) differ in one piece each.
 The transformers-5 config layout (`rope_parameters`) is read, and unknown rotary types refused."""
 
@@ -62,23 +62,75 @@ def test_the_plain_file_loads_and_an_unknown_key_is_refused_naming_it(base, tmp_
             config_of(path)
 
 
-def test_rotary_scalings_linear_is_read_the_others_refused(base, tmp_path):
+def test_rotary_scalings_are_read_as_llama_cpp_reads_them(base, tmp_path):
+    """Every type llama.cpp knows is read into one scaling dictionary; a type it does not know is refused."""
     import gguf
 
     V = gguf.GGUFValueType
+    n_ctx = config_of(base).max_position_embeddings
     linear = variant(base, tmp_path / "linear.gguf", {"llama.rope.scaling.type": ("linear", V.STRING),
                                                       "llama.rope.scaling.factor": (4.0, V.FLOAT32),
                                                       "llama.rope.scaling.original_context_length": (128, V.UINT32)})
     assert config_of(linear).rope_scaling == {"rope_type": "linear", "factor": 4.0}
-    none = variant(base, tmp_path / "none.gguf", {"llama.rope.scaling.type": ("none", V.STRING)})
-    assert config_of(none).rope_scaling is None
-    yarn = variant(base, tmp_path / "yarn.gguf", {"llama.rope.scaling.type": ("yarn", V.STRING),
+    # llama.cpp's default type is linear: a factor without a type scales; "none" ignores the factor.
+    untyped = variant(base, tmp_path / "untyped.gguf", {"llama.rope.scaling.factor": (2.0, V.FLOAT32)})
+    assert config_of(untyped).rope_scaling == {"rope_type": "linear", "factor": 2.0}
+    none = variant(base, tmp_path / "none.gguf", {"llama.rope.scaling.type": ("none", V.STRING),
                                                   "llama.rope.scaling.factor": (4.0, V.FLOAT32)})
-    with pytest.raises(GGUFError, match="rope.scaling.type = 'yarn'"):
-        config_of(yarn)
+    assert config_of(none).rope_scaling is None
     no_factor = variant(base, tmp_path / "nofactor.gguf", {"llama.rope.scaling.type": ("linear", V.STRING)})
-    with pytest.raises(GGUFError, match="positive llama.rope.scaling.factor"):
-        config_of(no_factor)
+    assert config_of(no_factor).rope_scaling is None
+    yarn = variant(base, tmp_path / "yarn.gguf", {"llama.rope.scaling.type": ("yarn", V.STRING),
+                                                  "llama.rope.scaling.factor": (4.0, V.FLOAT32),
+                                                  "llama.rope.scaling.attn_factor": (0.5, V.FLOAT32)})
+    got = config_of(yarn).rope_scaling
+    assert got["rope_type"] == "yarn" and got["factor"] == 4.0 and got["original_max_position_embeddings"] == n_ctx
+    assert got["attention_factor"] == pytest.approx((0.1 * np.log(4.0) + 1) * 0.5)
+    unknown = variant(base, tmp_path / "dyn.gguf", {"llama.rope.scaling.type": ("dynamic", V.STRING)})
+    with pytest.raises(GGUFError, match="rope.scaling.type = 'dynamic'"):
+        config_of(unknown)
+    beta = variant(base, tmp_path / "beta.gguf", {"llama.rope.scaling.yarn_beta_fast": (16.0, V.FLOAT32)})
+    with pytest.raises(GGUFError, match="metadata llama.rope.scaling.yarn_beta_fast = 16.0"):
+        config_of(beta)  # llama.cpp's llama graph does not read it: refused, not guessed
+
+
+def test_rotary_tensors_are_read_and_checked(base, tmp_path):
+    """rope_freqs.weight divides the frequencies (Llama 3.1+); longrope's factors need their type; a tensor of the
+    wrong length or with non-positive values is one line."""
+    import gguf
+    import torch
+
+    from kvcli.model.layers import Rotary
+
+    V = gguf.GGUFValueType
+    plain = config_of(base)
+    half = plain.head_dim // 2
+    ff = np.linspace(1.0, 8.0, half).astype(np.float32)
+    path = variant(base, tmp_path / "freqs.gguf", tensor=("rope_freqs.weight", ff))
+    config, weights, _ = load_gguf(path)
+    assert config.rope_scaling == {"rope_type": "default", "freq_factors": pytest.approx(ff.tolist())}
+    assert not any("rope" in k for k in weights)
+    r = Rotary(config.head_dim, 16, config.rope_theta, config.rope_scaling, torch.device("cpu"))
+    inv = 1.0 / (plain.rope_theta ** (torch.arange(0, plain.head_dim, 2).float() / plain.head_dim))
+    torch.testing.assert_close(r.cos[9, :half], torch.cos(9 * (inv / torch.from_numpy(ff))))
+    bad = variant(base, tmp_path / "short.gguf", tensor=("rope_freqs.weight", np.ones(half - 1, dtype=np.float32)))
+    with pytest.raises(GGUFError, match=f"rope_freqs.weight must be F32 with {half} values"):
+        config_of(bad)
+    zero = variant(base, tmp_path / "zero.gguf", tensor=("rope_freqs.weight", np.zeros(half, dtype=np.float32)))
+    with pytest.raises(GGUFError, match="not positive finite"):
+        config_of(zero)
+    stray = variant(base, tmp_path / "stray.gguf", tensor=("rope_factors_long.weight", ff))
+    with pytest.raises(GGUFError, match="belong to llama.rope.scaling.type = longrope"):
+        config_of(stray)
+    lr = tmp_path / "lr-src.gguf"
+    variant(base, lr, {"llama.rope.scaling.type": ("longrope", V.STRING),
+                       "llama.rope.scaling.original_context_length": (plain.max_position_embeddings // 2, V.UINT32)},
+            tensor=("rope_factors_long.weight", ff))
+    longrope = variant(lr, tmp_path / "lr.gguf", tensor=("rope_factors_short.weight", ff[::-1].copy()))
+    got = config_of(longrope).rope_scaling
+    assert got["rope_type"] == "longrope" and got["long_factor"] == pytest.approx(ff.tolist())
+    with pytest.raises(GGUFError, match="needs tensors rope_factors_long.weight and rope_factors_short.weight"):
+        config_of(lr)
 
 
 def test_linear_scaling_divides_the_positions(base, tmp_path):
@@ -107,9 +159,6 @@ def test_partial_rotary_and_unknown_tensors_are_refused(base, tmp_path):
     partial = variant(base, tmp_path / "partial.gguf", {"llama.rope.dimension_count": (32, V.UINT32)})
     with pytest.raises(GGUFError, match="rope.dimension_count = 32 differs from the head dimension 64"):
         config_of(partial)
-    freqs = variant(base, tmp_path / "freqs.gguf", tensor=("rope_freqs.weight", np.ones(32, dtype=np.float32)))
-    with pytest.raises(GGUFError, match="tensor rope_freqs.weight .* not applied by kvcli"):
-        load_gguf(freqs)
     extra = variant(base, tmp_path / "extra.gguf", tensor=("blk.0.attn_q_norm.weight", np.ones(64, dtype=np.float32)))
     with pytest.raises(GGUFError, match="tensor blk.0.attn_q_norm.weight is not part of the llama model"):
         load_gguf(extra)
@@ -121,10 +170,18 @@ def test_generation_stops_on_the_end_of_generation_set(base, tmp_path):
     import gguf
 
     V = gguf.GGUFValueType
+    reader = open_gguf(base)
+    tokens = [str(t) for t in reader.get("tokenizer.ggml.tokens")]
     eos = config_of(base).eos_token_ids
+    # eos first, then every token llama.cpp ends on by its text (SmolLM2: <|im_end|> is eos, <|endoftext|> too)
+    assert eos[0] == reader.get("tokenizer.ggml.eos_token_id")
+    assert set(eos) == {reader.get("tokenizer.ggml.eos_token_id"), tokens.index("<|endoftext|>"),
+                        tokens.index("<|im_end|>")}
     path = variant(base, tmp_path / "eot.gguf", {"tokenizer.ggml.eot_token_id": (7, V.UINT32),
-                                                 "tokenizer.ggml.eom_token_id": (9, V.UINT32)})
-    assert config_of(path).eos_token_ids == (*eos, 7, 9)
+                                                 "tokenizer.ggml.eom_token_id": (9, V.UINT32),
+                                                 "tokenizer.ggml.fim_pad_token_id": (11, V.UINT32)})
+    got = config_of(path).eos_token_ids
+    assert got[:3] == (eos[0], 7, 9) and set(got) == {*eos, 7, 9, 11}
 
 
 def test_the_cli_refuses_in_one_line(base, tmp_path):
@@ -148,7 +205,7 @@ def test_transformers_5_rope_parameters_are_read():
     c = ModelConfig.from_hf_dict({**HF, "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5}})
     assert c.rope_theta == 5e5 and c.rope_scaling["factor"] == 2.0
     assert ModelConfig.from_hf_dict({**HF, "rope_theta": 1e6}).rope_theta == 1e6  # transformers 4's layout
-    for bad in ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+    for bad in ({"rope_scaling": {"rope_type": "proportional", "factor": 4.0}},
                 {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
                 {"partial_rotary_factor": 0.5}):
         with pytest.raises(ValueError, match="not computed by kvcli"):
@@ -169,3 +226,20 @@ def test_generation_config_eos_list_ends_generation(tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": "seven"}))
     with pytest.raises(ModelLoadError, match="eos_token_id must be a token id"):
         load_config(str(tmp_path))
+
+
+def test_config_json_fields_are_read_inert_or_refused():
+    """config.json: a field kvcli does not read and does not know to be inert refuses the folder, naming it;
+    transformers' own bookkeeping of every architecture kvcli runs is accepted as transformers writes it."""
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
+
+    for cls in (LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Phi3Config, Gemma3TextConfig):
+        ModelConfig.from_hf_dict(cls().to_dict())  # every field transformers 5 writes
+    for bad, needle in (({"attn_logit_softcapping": 50.0}, "field attn_logit_softcapping = 50.0"),
+                        ({"query_pre_attn_scalar": 144}, "field query_pre_attn_scalar = 144"),
+                        ({"embedding_multiplier": 12.0}, "field embedding_multiplier"),
+                        ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+                        ({"mlp_bias": True}, "mlp_bias")):
+        with pytest.raises(ValueError, match=needle):
+            ModelConfig.from_hf_dict({**HF, **bad})
+    ModelConfig.from_hf_dict({**HF, "hidden_act": "silu", "mlp_bias": False, "pretraining_tp": 1})

@@ -39,6 +39,23 @@ def kquant(tiny_kquant):
     return _load(str(tiny_kquant))
 
 
+@pytest.fixture(scope="module")
+def kquant_qwen3(tmp_path_factory):
+    """The same K-quant layers as a Qwen3: per-head q/k RMSNorms before the rotary."""
+    from kquant_model import write_tiny_kquant_gguf
+
+    return _load(str(write_tiny_kquant_gguf(tmp_path_factory.mktemp("kq3") / "tiny-qwen3.gguf", arch="qwen3")))
+
+
+@pytest.fixture(scope="module")
+def kquant_gemma3(tmp_path_factory):
+    """The same K-quant layers as a Gemma 3: q/k norms, norms after attention and MLP, GeGLU, scaled
+    embeddings, layer 0 sliding over 8 tokens with its own rotary base, layer 1 global."""
+    from kquant_model import write_tiny_kquant_gguf
+
+    return _load(str(write_tiny_kquant_gguf(tmp_path_factory.mktemp("kg3") / "tiny-gemma3.gguf", arch="gemma3")))
+
+
 class Head:
     """The model's vocabulary projection, recording every output."""
 
@@ -113,6 +130,48 @@ def test_linear_groups_of_mixed_forms_equal_the_layer_by_layer_path_bitwise(kqua
     assert sizes == [2, 3]
     native, eng_a = _run(kquant, monkeypatch, True)
     layers, eng_b = _run(kquant, monkeypatch, False)
+    assert native.native_steps >= 10 and len(native.logits) == len(layers.logits)
+    for a, b in zip(native.logits, layers.logits):
+        assert torch.equal(a, b)
+    for la, lb in zip(eng_a.kv_cache.layers, eng_b.kv_cache.layers):
+        assert torch.equal(la.k, lb.k) and torch.equal(la.v, lb.v)
+
+
+def test_qwen3_qk_norms_in_the_c_loop_equal_the_layer_path_bitwise(kquant_qwen3, monkeypatch):
+    """The C loop norms every q and k head in place before the rotary, as LlamaModel._qk_norm does; with the
+    norms skipped in C the logits differ (the check has teeth)."""
+    model = kquant_qwen3[1]
+    assert model.config.qk_norm and model.native_decode is not None
+    native, eng_a = _run(kquant_qwen3, monkeypatch, True)
+    layers, eng_b = _run(kquant_qwen3, monkeypatch, False)
+    assert native.native_steps >= 10 and len(native.logits) == len(layers.logits)
+    for a, b in zip(native.logits, layers.logits):
+        assert torch.equal(a, b)
+    for la, lb in zip(eng_a.kv_cache.layers, eng_b.kv_cache.layers):
+        assert torch.equal(la.k, lb.k) and torch.equal(la.v, lb.v)
+    desc = model.native_decode.desc
+    import dataclasses
+
+    model.native_decode.desc = dataclasses.replace(
+        desc, layers=tuple(dataclasses.replace(l, q_norm=None, k_norm=None) for l in desc.layers))
+    model.native_decode._plans.clear()
+    try:
+        skipped, _ = _run(kquant_qwen3, monkeypatch, True)
+    finally:
+        model.native_decode.desc = desc
+        model.native_decode._plans.clear()
+    assert skipped.native_steps >= 10
+    assert not all(torch.equal(a, b) for a, b in zip(skipped.logits, layers.logits))
+
+
+def test_gemma3_layers_in_the_c_loop_equal_the_layer_path_bitwise(kquant_gemma3, monkeypatch):
+    """Per-layer windows (an attention step per window), per-layer rotary tables, the sandwich norms and GeGLU
+    in the C loop: logits and KV cache the layer path's bit for bit, on prompts longer than the window."""
+    model = kquant_gemma3[1]
+    c = model.config
+    assert c.layer_types == ("sliding", "full") and c.local_window == 8 and model.native_decode is not None
+    native, eng_a = _run(kquant_gemma3, monkeypatch, True)
+    layers, eng_b = _run(kquant_gemma3, monkeypatch, False)
     assert native.native_steps >= 10 and len(native.logits) == len(layers.logits)
     for a, b in zip(native.logits, layers.logits):
         assert torch.equal(a, b)

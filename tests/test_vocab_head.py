@@ -41,3 +41,31 @@ def test_avx2_environment_disables_native_bf16() -> None:
     assert out.stdout.strip() == "False"
     if not ({"avx512_bf16", "amx_bf16"} & cpu_flags()):
         assert not native_bf16()
+
+
+def test_a_tied_q8_0_table_is_held_once_and_looks_up_the_same_rows(monkeypatch):
+    """The bundled model's tied Q8_0 embedding: the vocabulary projection's packed copy serves the lookups
+    (issue #30, one copy of each weight), rows bit for bit d * q as before, the same greedy tokens; inspect's
+    resident figure counts it once."""
+    import torch
+
+    from kvcli.config import SamplingParams
+    from kvcli.llm import LLM
+    from kvcli.model import layers
+    from kvcli.model.loader import load_weights
+
+    shared = LLM(None)
+    m = shared.engine.model
+    if m.plan.head.form != "int8dot-cpu":
+        pytest.skip("kvcli's C kernels are not built here: the table is not packed")
+    assert m.embed.packed is not None and m.weight_bytes()["embedding"] == 0
+    q = load_weights(None).weights["model.embed_tokens.weight"]
+    ids = torch.tensor([0, 7, q.shape[0] - 1, 300, 300])
+    want = (q.codes[ids].float().reshape(len(ids), -1, q.group_size) * q.scale[ids].float().unsqueeze(-1)).reshape(
+        len(ids), -1)
+    assert torch.equal(m.embed(ids), want)
+    monkeypatch.setattr(layers.Embedding, "share", lambda self, packed: False)
+    two = LLM(None)
+    assert two.engine.model.weight_bytes()["embedding"] == q.nbytes
+    p = SamplingParams(max_tokens=12)
+    assert shared.generate(["The lighthouse keeper"], p)[0].token_ids == two.generate(["The lighthouse keeper"], p)[0].token_ids

@@ -84,6 +84,7 @@ class TorchAttentionBackend:
         self._native_heads = 0
         self._native_ids: set[int] = set()
         self._native_step: DecodeStep | None = None
+        self._native_recent: list[tuple] = []  # the last few steps' arguments (see _native_decode_step)
         self._native_views: dict[int, tuple[weakref.ref[LayerKV], tuple[torch.Tensor, ...], CacheView | None]] = {}
         self._meta: AttentionMetadata | None = None
         self._reads: dict[int, slice | torch.Tensor] = {}
@@ -296,6 +297,13 @@ class TorchAttentionBackend:
         if self._lib is None:
             return None
         if meta is not self._native_meta or scale != self._native_scale or heads != self._native_heads:
+            # A few recent steps' arguments, found by their metadata's identity: Gemma 3's sliding and global
+            # layers alternate between two metadata of one step, which are not rebuilt at every switch.
+            for entry in self._native_recent:
+                if entry[0] is meta and entry[1] == scale and entry[2] == heads:
+                    (self._native_meta, self._native_scale, self._native_heads, self._native_ids,
+                     self._native_step) = entry
+                    return self._native_step
             from kvcli_kernels.cpu_attention import DecodeStep
 
             starts = [0]
@@ -309,6 +317,7 @@ class TorchAttentionBackend:
                 self._native_step = DecodeStep(meta.block_tables, meta.seq_lens.contiguous(), heads, scale,
                                                meta.sliding_window, torch.tensor(ids, dtype=torch.int64),
                                                torch.tensor([starts[b] for b in ids], dtype=torch.int64))
+            self._native_recent = [*self._native_recent[-3:], (meta, scale, heads, self._native_ids, self._native_step)]
         return self._native_step
 
     def native_decode_plan(self, meta: AttentionMetadata, caches: list[LayerKV], heads: int,

@@ -15,6 +15,7 @@ import torch
 
 from kvcli.config import ModelConfig
 from kvcli.model import kquants
+from kvcli.model.fused import split_fused
 from kvcli.model.gguf_file import GGUFFile, GGUFTensor, read_gguf
 from kvcli.model.quant import QuantTensor, from_gguf_q4_0, from_gguf_q4_1, from_gguf_q8_0
 
@@ -40,6 +41,26 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Per-architecture layer tensors beyond the llama set.
+_ARCH_LAYER_NAMES = {
+    "qwen3": {"attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"},
+    # Gemma 3: norms after attention and the MLP (weights already + 1, as llama.cpp's converter writes them).
+    "gemma3": {"attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
+               "post_attention_norm.weight": "post_attention_layernorm.weight",
+               "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+               "post_ffw_norm.weight": "post_feedforward_layernorm.weight"},
+    # Phi-3: q/k/v fused (or apart), gate and up fused into ffn_up of twice the width (kvcli.model.fused).
+    "phi3": {"attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"},
+}
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma3")
+# Keys an architecture's llama.cpp graph ignores: attention.sliding_window everywhere but Gemma 3 (llama.cpp's
+# llama, qwen2 and qwen3 graphs attend to the whole context whatever it says, and it disables Phi-3's window),
+# so those GGUFs attend to the whole context here too (tests/conformance: a window-key variant of each).
+_WINDOW_IGNORED = frozenset({"attention.sliding_window"})
+ARCH_KEYS_IGNORED = {arch: _WINDOW_IGNORED for arch in ("llama", "qwen2", "qwen3", "phi3")}
+# Keys one architecture's graph reads beyond ARCH_KEYS_READ (read_config's _gemma3 part).
+ARCH_KEYS_EXTRA = {"gemma3": frozenset({"attention.sliding_window_pattern", "rope.freq_base_swa",
+                                        "final_logit_softcapping"})}
 _TOP_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -51,22 +72,25 @@ class GGUFError(ValueError):
     pass
 
 
-# Metadata under "<arch>." that kvcli reads (read_config). Any other key under that prefix may change
-# what the model computes (a rotary scaling, soft-capping, partial rotary, experts, ...): the file is
-# refused, naming it, rather than loaded into a different model.
+# Metadata under "<arch>." that kvcli reads (read_config, _rope_scaling). Any other key under that prefix
+# may change what the model computes (soft-capping, experts, per-layer patterns, ...): the file is refused,
+# naming it, rather than loaded into a different model.
 ARCH_KEYS_READ = frozenset({
     "block_count", "context_length", "embedding_length", "feed_forward_length", "vocab_size",
     "attention.head_count", "attention.head_count_kv", "attention.layer_norm_rms_epsilon",
     "attention.key_length", "attention.value_length", "attention.sliding_window",
-    "rope.freq_base", "rope.dimension_count", "rope.scaling.type", "rope.scaling.factor",
+    "rope.freq_base", "rope.dimension_count", "rope.scaling.type", "rope.scaling.factor", "rope.scale_linear",
+    "rope.scaling.attn_factor", "rope.scaling.original_context_length",
 })
-# Under "<arch>.", known not to change the computation where the rotary scaling is none or linear
-# (llama.cpp reads the original context only for YaRN; "finetuned" is a note).
-ARCH_KEYS_INERT = frozenset({"rope.scaling.original_context_length", "rope.scaling.finetuned"})
+# Under "<arch>.", known not to change the computation ("finetuned" is a note).
+ARCH_KEYS_INERT = frozenset({"rope.scaling.finetuned"})
 # Other namespaces: file description (general.*), the tokenizer (tokenizer.*: read by the tokenizer
 # builder), quantization notes (quantize.*: the importance matrix used), split files (checked below).
 INERT_NAMESPACES = ("general.", "tokenizer.", "quantize.")
-ROPE_SCALINGS = ("none", "linear")
+ROPE_SCALINGS = ("none", "linear", "yarn", "longrope")  # llama.cpp's LLAMA_ROPE_SCALING_TYPES
+# Rotary tensors: per-pair frequency divisors, read into the config (never weights of a layer).
+ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+ROPE_FREQS_ARCHS = ("llama",)  # the architectures whose llama.cpp graph creates rope_freqs.weight (Llama 3.1+)
 
 
 def _field(reader: GGUFFile, key: str, default=None):
@@ -93,7 +117,8 @@ def _check_keys(reader: GGUFFile, arch: str, path: Path) -> None:
                                 f"(llama.cpp's llama-gguf-split --merge)")
             continue
         rest = key[len(prefix):] if key.startswith(prefix) else None
-        if rest in ARCH_KEYS_READ or rest in ARCH_KEYS_INERT:
+        if rest in ARCH_KEYS_READ or rest in ARCH_KEYS_INERT or rest in ARCH_KEYS_IGNORED.get(arch, ()) \
+                or rest in ARCH_KEYS_EXTRA.get(arch, ()):
             continue
         value = _field(reader, key)
         shown = value if not isinstance(value, (list, tuple)) or len(value) <= 4 else f"[{len(value)} values]"
@@ -101,26 +126,85 @@ def _check_keys(reader: GGUFFile, arch: str, path: Path) -> None:
                         f"model computes; refusing the file rather than computing a different model")
 
 
-def _rope_scaling(reader: GGUFFile, a: str, path: Path) -> dict | None:
-    """<arch>.rope.scaling.type: none, or linear (positions divided by the factor, as llama.cpp's freq_scale);
-    the others (yarn, longrope, ...) are refused."""
-    kind = _field(reader, f"{a}.rope.scaling.type")
-    if kind is None or kind == "none":
+def _positive(value, key: str, path: Path) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise GGUFError(f"{path.name}: {key} must be a positive number (got {value!r})")
+    return float(value)
+
+
+def _rope_tensor(reader: GGUFFile, name: str, half: int, path: Path) -> list[float] | None:
+    t = next((t for t in reader.tensors if t.name == name), None)
+    if t is None:
         return None
+    if getattr(t.tensor_type, "name", "") != "F32" or int(np.prod([int(x) for x in t.shape])) != half:
+        raise GGUFError(f"{path.name}: tensor {name} must be F32 with {half} values (one per rotary pair; got "
+                        f"{t.tensor_type.name} {list(t.shape)})")
+    values = np.asarray(t.data, dtype=np.float32).reshape(-1)
+    if not np.all(np.isfinite(values) & (values > 0)):
+        raise GGUFError(f"{path.name}: tensor {name} holds values that are not positive finite numbers")
+    return [float(v) for v in values]
+
+
+def _rope_scaling(reader: GGUFFile, a: str, path: Path, head_dim: int, n_ctx: int) -> dict | None:
+    """llama.cpp's rotary hyperparameters as a scaling dictionary in transformers' vocabulary (read by
+    kvcli.model.rope). As llama.cpp (llama_model::load_hparams, llama_context): the type defaults to
+    linear; rope.scaling.factor (or the old rope.scale_linear) gives freq_scale = 1 / factor, ignored
+    when the type is none; yarn mixes interpolated and trained frequencies between the correction dims
+    of beta_fast 32 / beta_slow 1 (the llama-family graphs read no other beta) over
+    rope.scaling.original_context_length (default: the context length), with attention factor
+    (0.1 ln(factor) + 1) x rope.scaling.attn_factor; longrope divides by rope_factors_long when the context
+    exceeds the original one, else rope_factors_short; rope_freqs.weight divides the frequencies of
+    every other type; rope.scaling.attn_factor scales cos and sin in every type."""
+    kind = _field(reader, f"{a}.rope.scaling.type", "linear")
     if kind not in ROPE_SCALINGS:
         raise GGUFError(f"{path.name}: {a}.rope.scaling.type = {kind!r}: a rotary scaling kvcli does not compute "
-                        f"(supported: {', '.join(ROPE_SCALINGS)})")
-    factor = _field(reader, f"{a}.rope.scaling.factor")
-    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
-        raise GGUFError(f"{path.name}: {a}.rope.scaling.type = linear needs a positive {a}.rope.scaling.factor "
-                        f"(got {factor!r})")
-    return {"rope_type": "linear", "factor": float(factor)}
+                        f"(llama.cpp's: {', '.join(ROPE_SCALINGS)})")
+    factor_key = next((k for k in (f"{a}.rope.scaling.factor", f"{a}.rope.scale_linear")
+                       if _field(reader, k) not in (None, 0, 0.0)), None)
+    factor = 1.0 if factor_key is None or kind == "none" else _positive(_field(reader, factor_key), factor_key, path)
+    attn_key = f"{a}.rope.scaling.attn_factor"
+    attn = _positive(_field(reader, attn_key, 1.0), attn_key, path)
+    orig_key = f"{a}.rope.scaling.original_context_length"
+    original = int(_positive(_field(reader, orig_key, n_ctx), orig_key, path))
+    half = head_dim // 2
+    freqs = _rope_tensor(reader, "rope_freqs.weight", half, path)
+    if freqs is not None and a not in ROPE_FREQS_ARCHS:  # llama.cpp refuses such a file (one tensor too many)
+        raise GGUFError(f"{path.name}: tensor rope_freqs.weight in a {a} file: llama.cpp's {a} graph has no such "
+                        f"tensor (only {', '.join(ROPE_FREQS_ARCHS)} reads it), so the file's meaning is undefined")
+    long, short = (_rope_tensor(reader, f"rope_factors_{w}.weight", half, path) for w in ("long", "short"))
+    if kind != "longrope" and (long or short):
+        raise GGUFError(f"{path.name}: tensors rope_factors_long/short belong to {a}.rope.scaling.type = "
+                        f"longrope (the file says {kind!r})")
+    out: dict = {}
+    if kind == "yarn" and factor != 1.0:  # factor 1: both frequency sets agree, the attention factor is 1
+        out = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original,
+               "beta_fast": 32.0, "beta_slow": 1.0, "attention_factor": (0.1 * float(np.log(factor)) + 1.0) * attn}
+    elif kind == "longrope":
+        if freqs is not None:  # llama.cpp's longrope graphs create no rope_freqs tensor
+            raise GGUFError(f"{path.name}: tensor rope_freqs.weight in a longrope file is not read by llama.cpp")
+        if long is None or short is None:
+            raise GGUFError(f"{path.name}: {a}.rope.scaling.type = longrope needs tensors rope_factors_long.weight "
+                            f"and rope_factors_short.weight")
+        if factor != 1.0:
+            raise GGUFError(f"{path.name}: {factor_key} = {factor} with longrope (positions scaled as well as "
+                            f"the factors) is not computed by kvcli")
+        out = {"rope_type": "longrope", "long_factor": long, "short_factor": short,
+               "original_max_position_embeddings": original, "attention_factor": attn}
+    elif factor != 1.0:
+        out = {"rope_type": "linear", "factor": factor}
+    if freqs is not None:
+        out.setdefault("rope_type", "default")
+        out["freq_factors"] = freqs
+    if attn != 1.0 and "attention_factor" not in out:
+        out.setdefault("rope_type", "default")
+        out["attention_factor"] = attn
+    return out or None
 
 
 def read_config(reader: GGUFFile, path: Path) -> ModelConfig:
     arch = _field(reader, "general.architecture")
-    if arch not in ("llama", "qwen2"):
-        raise GGUFError(f"{path.name}: unsupported architecture {arch!r} (kvcli runs llama-family GGUFs: llama, qwen2)")
+    if arch not in ARCHITECTURES:
+        raise GGUFError(f"{path.name}: unsupported architecture {arch!r} (kvcli runs {', '.join(ARCHITECTURES)})")
     a = arch
     _check_keys(reader, arch, path)
     heads = int(_required(reader, f"{a}.attention.head_count", path))
@@ -130,7 +214,8 @@ def read_config(reader: GGUFFile, path: Path) -> ModelConfig:
         n_vocab = len(_required(reader, "tokenizer.ggml.tokens", path))
     names = {t.name for t in reader.tensors}
     head_dim = _field(reader, f"{a}.attention.key_length") or hidden // heads
-    window = _field(reader, f"{a}.attention.sliding_window")
+    window = None if "attention.sliding_window" in ARCH_KEYS_IGNORED.get(a, ()) else \
+        _field(reader, f"{a}.attention.sliding_window")
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
         raise GGUFError(f"{path.name}: {a}.attention.sliding_window must be a non-negative integer (got {window!r})")
     for key in (f"{a}.rope.dimension_count", f"{a}.attention.value_length"):
@@ -138,9 +223,13 @@ def read_config(reader: GGUFFile, path: Path) -> ModelConfig:
         if got is not None and int(got) != int(head_dim):  # partial rotary, or V heads of another width
             raise GGUFError(f"{path.name}: {key} = {got} differs from the head dimension {head_dim}: kvcli "
                             f"computes full-width rotary and equal K/V heads only")
-    # Generation ends on llama.cpp's end-of-generation set: eos, end of turn, end of message.
-    eog = [v for v in (_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")) if v is not None]
+    n_ctx = int(_field(reader, f"{a}.context_length", 4096))
+    eog = _end_of_generation(reader)
+    extra = _gemma3(reader, a, path, hidden, heads, int(head_dim), int(window or 0)) if arch == "gemma3" else {}
+    if extra:
+        window = None  # per layer: layer_types + local_window
     return ModelConfig(
+        **extra,
         name=str(_field(reader, "general.name", path.stem)),
         architecture=arch,
         vocab_size=int(n_vocab),
@@ -152,14 +241,70 @@ def read_config(reader: GGUFFile, path: Path) -> ModelConfig:
         head_dim=int(head_dim),
         rope_theta=float(_field(reader, f"{a}.rope.freq_base", 10000.0)),
         rms_norm_eps=float(_field(reader, f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
-        max_position_embeddings=int(_field(reader, f"{a}.context_length", 4096)),
+        max_position_embeddings=n_ctx,
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
+        qk_norm=arch in ("qwen3", "gemma3"),
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_ids=tuple(dict.fromkeys(int(v) for v in eog)),
-        rope_scaling=_rope_scaling(reader, a, path),
+        eos_token_ids=tuple(eog),
+        rope_scaling=_rope_scaling(reader, a, path, int(head_dim), n_ctx),
         sliding_window=int(window) if window else None,  # 0 = none, as llama.cpp writes it
     )
+
+
+# Token texts that end generation, as llama.cpp's llama_vocab::load lists them (o200k's <|end|> aside, below).
+EOG_TEXTS = frozenset({
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>", "<end_of_turn>",
+    "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>",
+    "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>", "<｜end▁of▁sentence｜>", "[e~[",
+})
+
+
+def _end_of_generation(reader: GGUFFile) -> list[int]:
+    """llama.cpp's end-of-generation set: the FIM pad/rep/sep ids, every token whose text is one of EOG_TEXTS
+    (Gemma's <end_of_turn>, ChatML's <|im_end|>, Llama 3's <|eot_id|>, ...), eos, eot and eom; where the
+    vocabulary has <|return|> and <|call|> (or <|flush|> and <|calls|>), <|end|> is not one."""
+    tokens = _field(reader, "tokenizer.ggml.tokens") or []
+    by_text = {str(t): i for i, t in enumerate(tokens) if str(t) in EOG_TEXTS}
+    ids = [_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]  # eos first: the eos
+    ids += [_field(reader, f"tokenizer.ggml.fim_{k}_token_id") for k in ("pad", "rep", "sep")]
+    ids += sorted(by_text.values())
+    if ("<|return|>" in by_text and "<|call|>" in by_text) or ("<|flush|>" in by_text and "<|calls|>" in by_text):
+        ids = [i for i in ids if i != by_text.get("<|end|>")]
+    return list(dict.fromkeys(int(i) for i in ids if i is not None))
+
+
+def _gemma3(reader: GGUFFile, a: str, path: Path, hidden: int, heads: int, head_dim: int, window: int) -> dict:
+    """Gemma 3 as llama.cpp's llama_model_gemma3 reads it: with a sliding window, layers slide except every
+    sliding_window_pattern-th (default 6; or a per-layer array of bools), the sliding ones with rotary base
+    rope.freq_base_swa (default 10,000) and no frequency scaling; embeddings x sqrt(hidden) in fp32; q scaled
+    by 1/sqrt(head_dim) (1/sqrt(hidden/heads) for the 62-layer 27B, as llama.cpp decides by layer count);
+    final_logit_softcapping when given."""
+    layers = int(_required(reader, f"{a}.block_count", path))
+    if window > 0:
+        pattern = _field(reader, f"{a}.attention.sliding_window_pattern", 6)
+        if isinstance(pattern, (list, tuple)):
+            if len(pattern) != layers:
+                raise GGUFError(f"{path.name}: {a}.attention.sliding_window_pattern lists {len(pattern)} layers "
+                                f"of {layers}")
+            sliding = [bool(x) for x in pattern]
+        else:
+            n = int(pattern)
+            sliding = [n == 0 or i % n < n - 1 for i in range(layers)]
+        types = tuple("sliding" if s else "full" for s in sliding)
+    else:
+        types = ("full",) * layers
+    softcap = _field(reader, f"{a}.final_logit_softcapping")
+    scale = (hidden // heads) ** -0.5 if layers == 62 else head_dim ** -0.5
+    # The sliding layers rotate with freq_scale 1 but llama.cpp hands them the same attn_factor as the global
+    # ones: rope.scaling.attn_factor scales their cos and sin too (yarn's 0.1 ln(1 / freq_scale) term is 0).
+    attn = float(_field(reader, f"{a}.rope.scaling.attn_factor", 1.0) or 1.0)
+    local_scaling = {"rope_type": "default", "attention_factor": attn} if attn != 1.0 else None
+    return dict(layer_types=types, local_window=window or None,
+                local_rope_theta=float(_field(reader, f"{a}.rope.freq_base_swa", 10000.0)),
+                local_rope_scaling=local_scaling,
+                embed_scale=float(np.float32(np.sqrt(np.float32(hidden)))), hidden_act="gelu_tanh",
+                sandwich_norms=True, query_scale=float(scale), final_logit_softcap=float(softcap) if softcap else None)
 
 
 def _unpermute_index(rows: int, n_head: int) -> torch.Tensor:
@@ -213,10 +358,6 @@ def open_gguf(path: Path) -> GGUFFile:
 
 
 def _unknown_tensor(name: str, arch: str, path: Path) -> str:
-    if name == "rope_freqs.weight":
-        return (f"{path.name}: tensor rope_freqs.weight (per-dimension rotary frequency factors, as Llama 3.1+ "
-                f"files carry) is not applied by kvcli yet; refusing the file rather than computing a different "
-                f"rotary embedding")
     return (f"{path.name}: tensor {name} is not part of the {arch} model kvcli computes; refusing the file "
             f"rather than ignoring it")
 
@@ -227,17 +368,20 @@ def load_gguf(path: Path, reader: GGUFFile | None = None
     file's header when the caller already parsed it (the tokenizer reads the same metadata)."""
     reader = reader or open_gguf(path)
     config = read_config(reader, path)
+    layer_names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(config.architecture, {})}
     weights: dict[str, QuantTensor | torch.Tensor] = {}
     types: dict[str, int] = {}
     for t in reader.tensors:
         name = t.name
+        if name in ROPE_TENSORS:  # read into config.rope_scaling by read_config
+            continue
         if name in _TOP_NAMES:
             hf = _TOP_NAMES[name]
         elif name.startswith("blk."):
             _, idx, rest = name.split(".", 2)
-            if rest not in _LAYER_NAMES:
+            if rest not in layer_names:
                 raise GGUFError(_unknown_tensor(name, config.architecture, path))
-            hf = f"model.layers.{idx}.{_LAYER_NAMES[rest]}"
+            hf = f"model.layers.{idx}.{layer_names[rest]}"
         else:
             raise GGUFError(_unknown_tensor(name, config.architecture, path))
         types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
@@ -248,8 +392,17 @@ def load_gguf(path: Path, reader: GGUFFile | None = None
             idx = _unpermute_index(rows, n_head)
             w = w.rows(idx) if isinstance(w, QuantTensor) else w[idx].contiguous()
         weights[hf] = w
-    missing = [f"model.layers.{i}.self_attn.q_proj.weight" for i in range(config.num_layers)
-               if f"model.layers.{i}.self_attn.q_proj.weight" not in weights]
+    try:
+        split_fused(config, weights, path.name)
+    except ValueError as e:
+        raise GGUFError(str(e)) from None
+    required = ["self_attn.q_proj.weight"] + (["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+                                              if config.qk_norm else []) \
+        + (["post_attention_layernorm.weight", "pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"]
+           if config.sandwich_norms else [])
+    missing = [f"model.layers.{i}.{r}" for i in range(config.num_layers) for r in required
+               if f"model.layers.{i}.{r}" not in weights]
     if "model.embed_tokens.weight" not in weights or missing:
-        raise GGUFError(f"{path.name}: incomplete model (missing tensors)")
+        raise GGUFError(f"{path.name}: incomplete model (missing tensors"
+                        f"{', e.g. ' + missing[0] if missing else ': model.embed_tokens.weight'})")
     return config, weights, types

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from kvcli.model.bnb_4bit import Bnb4bitWeight
+from kvcli.model import rope
 from kvcli.model.int4_cpu import Int4Cpu, Int4x2Cpu
 from kvcli.model.quant import QuantTensor
 from kvcli.native import registry
@@ -157,6 +158,7 @@ class Embedding:
 
     def __init__(self, weight: QuantTensor | torch.Tensor, dtype: torch.dtype) -> None:
         self.dtype = dtype
+        self.packed = None  # the vocabulary projection's kernel copy of this (tied, Q8_0) table, when shared
         if isinstance(weight, QuantTensor):
             self.q: QuantTensor | None = weight
             self.weight = None
@@ -165,14 +167,37 @@ class Embedding:
             half = weight.dtype in (torch.float16, torch.bfloat16)
             self.weight = weight if half else weight.to(dtype)
 
+    def share(self, packed) -> bool:
+        """Look rows up from `packed` (the vocabulary projection's Int8DotCpu of this same tied table) and drop
+        this copy: one copy of the weight held. Only for a Q8_0 table, whose rows the kernel's read-back gives
+        bit for bit as d * q (the lookup below). False (nothing changed) otherwise."""
+        q = self.q
+        if q is None or q.kind != "q8" or q.sub_scale is not None or q.min is not None or q.zero is not None \
+                or packed.bits != 8 or tuple(q.shape) != (packed.out_features, packed.in_features):
+            return False
+        self.packed, self.q = packed, None
+        return True
+
     @property
     def nbytes(self) -> int:
+        if self.packed is not None:
+            return 0  # held once, by the vocabulary projection
         return self.q.nbytes if self.q is not None else _nbytes(self.weight)
 
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
+        if self.packed is not None:
+            return self.packed.dense(torch.float32).clone().to(dtype)
         return self.q.dequantize(dtype) if self.q is not None else self.weight.to(dtype)  # type: ignore[union-attr]
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            from kvcli_kernels.cpu_int8dot import int8dot_dequant
+
+            p = self.packed
+            out = torch.empty(ids.shape[0], p.in_features, dtype=torch.float32)
+            for i, row in enumerate(ids.tolist()):
+                int8dot_dequant(p.lib, p.args, out[i:i + 1], row)
+            return out if self.dtype == torch.float32 else out.to(self.dtype)
         if self.q is None:
             return F.embedding(ids, self.weight).to(self.dtype)  # type: ignore[arg-type]
         q = self.q
@@ -201,24 +226,28 @@ class RMSNorm:
 
 
 class SwiGLU:
-    """silu(gate) * up over the fused gate/up projection's output [T, 2F] (gate first): kvcli's one-pass C
-    kernel for fp32 rows on AVX2 builds (kernels/cpu_swiglu.c: torch's chunk + silu + mul_ are ~10 us of
-    per-op overhead per decode row and layer), else torch's ops."""
+    """act(gate) * up over the fused gate/up projection's output [T, 2F] (gate first), act silu (SwiGLU) or
+    gelu_tanh (GeGLU: Gemma; transformers' gelu_pytorch_tanh, ggml's gelu): kvcli's one-pass C kernel for
+    fp32 rows on AVX2 builds (kernels/cpu_swiglu.c: torch's chunk + act + mul_ are ~10 us of per-op overhead
+    per decode row and layer), else torch's ops."""
 
-    def __init__(self, native: bool = False) -> None:
+    def __init__(self, native: bool = False, act: str = "silu") -> None:
         """native: the weight plan found the C kernel (fp32 compute on the CPU, a SIMD build)."""
         self.native = registry.library("swiglu") if native else None
+        self.act = act
 
     def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.native is not None and gate_up.dtype == torch.float32 and gate_up.stride(-1) == 1 \
                 and gate_up.dim() == 2:
             from kvcli_kernels.cpu_swiglu import swiglu
 
-            out = swiglu(self.native, gate_up)
+            out = swiglu(self.native, gate_up, self.act)
             if out is not None:
                 return out
         gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate).mul_(up)
+        if self.act == "silu":
+            return F.silu(gate).mul_(up)
+        return F.gelu(gate, approximate="tanh").mul_(up)
 
 
 class Rotary:
@@ -226,18 +255,23 @@ class Rotary:
 
     out = x * cos + rotate_half(x) * sin, with rotate_half(x) = [-x2, x1]. The sign is folded into the
     table (sin_signed = [-sin, sin]: (-a) * b and a * (-b) are the same float), so rotate_half becomes a
-    roll by half a head, and a forward gathers the rows of its positions once (`at`) for all layers."""
+    roll by half a head, and a forward gathers the rows of its positions once (`at`) for all layers.
+    Frequencies and the attention factor (folded into both tables, as llama.cpp's mscale) come from
+    kvcli.model.rope: every backend reads these tables, so every rotary scaling reaches all of them."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None,
                  device: torch.device) -> None:
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        inv_freq = _apply_rope_scaling(inv_freq, scaling)
+        inv_freq, self.attention_factor = rope.frequencies(head_dim, theta, scaling, max_positions)
+        self.inv_freq = inv_freq
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
         self.half = head_dim // 2
-        self.cos = emb.cos().to(device)
-        self.sin = emb.sin().to(device)
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        self.cos = cos.to(device)
+        self.sin = sin.to(device)
         self.sin_signed = torch.cat([-self.sin[:, :self.half], self.sin[:, self.half:]], dim=-1)
 
     def at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -252,25 +286,14 @@ class Rotary:
         out += rolled.mul_(sin)  # the same two roundings as x * cos + rotate_half(x) * sin
         return out
 
-
-def _apply_rope_scaling(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Tensor:
-    if not scaling:
-        return inv_freq
-    kind = scaling.get("rope_type") or scaling.get("type")
-    if kind in (None, "default"):
-        return inv_freq
-    if kind == "linear":
-        return inv_freq / float(scaling["factor"])
-    if kind == "llama3":  # Llama 3.1: smooth interpolation between low and high frequency bands
-        import math
-
-        factor = float(scaling["factor"])
-        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-        old_len = float(scaling["original_max_position_embeddings"])
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        mid = (1 - smooth) * scaled / factor + smooth * scaled
-        is_mid = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-        return torch.where(is_mid, mid, scaled)
-    raise ValueError(f"unsupported rope scaling {kind!r}")
+    def shift_keys(self, k: torch.Tensor, delta: int) -> torch.Tensor:
+        """Keys already rotated at positions p, [N, kv_heads, D] (rotate-half layout), rotated to p - delta:
+        R(p - delta) = R(-delta) R(p), the pure rotation (no attention factor: the stored keys carry it
+        once already). Computed in fp32, returned in k's dtype; llama.cpp's context shift (K-shift)."""
+        angle = -float(delta) * self.inv_freq.to(k.device, torch.float64)
+        cos = torch.cat([angle.cos(), angle.cos()]).to(torch.float32)
+        sin = angle.sin().to(torch.float32)
+        sin_signed = torch.cat([-sin, sin])
+        x = k.to(torch.float32)
+        out = x * cos + torch.roll(x, self.half, dims=-1) * sin_signed
+        return out.to(k.dtype)

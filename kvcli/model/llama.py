@@ -1,4 +1,4 @@
-"""kvcli's Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) over a paged KV cache.
+"""kvcli's Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3) over a paged KV cache.
 
 The model sees a flat batch: every scheduled token of every request packed into one [T] tensor, with
 absolute positions and an AttentionMetadata that tells attention where each request's KV lives.
@@ -57,6 +57,12 @@ class DecoderLayer:
     ffn_norm: RMSNorm
     gate_up: Linear | LinearGroup
     down: Linear | LinearGroup
+    q_norm: RMSNorm | None = None  # Qwen3, Gemma 3: per-head RMSNorm of q and k before the rotary
+    k_norm: RMSNorm | None = None
+    attn_post_norm: RMSNorm | None = None  # Gemma 3: on the attention output, before the residual add
+    ffn_post_norm: RMSNorm | None = None  # Gemma 3: on the MLP output, before the residual add
+    window: int = 0  # this layer's sliding window (0: full attention)
+    rotary: "Rotary | None" = None  # this layer's rotary (set by LlamaModel: the local or the global one)
 
 
 class LlamaModel:
@@ -70,7 +76,7 @@ class LlamaModel:
         c = config
         self.q_size = c.num_heads * c.head_dim
         self.kv_size = c.num_kv_heads * c.head_dim
-        self.scale = c.head_dim ** -0.5
+        self.scale = c.attention_scale
 
         def take(name: str) -> QuantTensor | torch.Tensor:
             t = weights.pop(name)
@@ -85,11 +91,19 @@ class LlamaModel:
             if c.attention_bias:
                 bias = torch.cat([take(a + "q_proj.bias"), take(a + "k_proj.bias"), take(a + "v_proj.bias")])
             built = {proj.name: _build(proj, take, bias if proj.name == "qkv" else None, dtype) for proj in projs}
+
+            def norm(name: str, on: bool = True) -> RMSNorm | None:
+                return RMSNorm(take(name), c.rms_norm_eps, dtype, plan.native_norms) if on else None
+
+            sandwich = c.sandwich_norms  # Gemma: post_attention_layernorm is after attention, not before the MLP
             self.layers.append(DecoderLayer(
-                attn_norm=RMSNorm(take(p + "input_layernorm.weight"), c.rms_norm_eps, dtype, plan.native_norms),
-                qkv=built["qkv"], o=built["o"],
-                ffn_norm=RMSNorm(take(p + "post_attention_layernorm.weight"), c.rms_norm_eps, dtype, plan.native_norms),
-                gate_up=built["gate_up"], down=built["down"]))
+                attn_norm=norm(p + "input_layernorm.weight"), qkv=built["qkv"], o=built["o"],
+                ffn_norm=norm(p + ("pre_feedforward_layernorm.weight" if sandwich else "post_attention_layernorm.weight")),
+                gate_up=built["gate_up"], down=built["down"],
+                q_norm=norm(a + "q_norm.weight", c.qk_norm), k_norm=norm(a + "k_norm.weight", c.qk_norm),
+                attn_post_norm=norm(p + "post_attention_layernorm.weight", sandwich),
+                ffn_post_norm=norm(p + "post_feedforward_layernorm.weight", sandwich),
+                window=c.layer_window(i) or 0))
         self.norm = RMSNorm(take("model.norm.weight"), c.rms_norm_eps, dtype, plan.native_norms)
         # The output projection over the whole vocabulary; with tied weights it reads the embedding table.
         head = plan.head
@@ -97,14 +111,21 @@ class LlamaModel:
         if head.form == "int8dot-cpu":
             from kvcli.model.int8dot_cpu import Int8DotCpu
 
-            self.lm_head = VocabHead(head, table=Int8DotCpu(w, route=head.route))
+            table = Int8DotCpu(w, route=head.route)
+            self.lm_head = VocabHead(head, table=table)
+            if head.tied:  # one copy: rows looked up from the kernel's packed table (Q8_0, bit for bit)
+                self.embed.share(table)
         elif head.tied:
             self.lm_head = VocabHead(head, self.embed.dense(head.dtype))
         else:
             self.lm_head = VocabHead(head, w.to(head.dtype) if isinstance(w, torch.Tensor) else w.dequantize(head.dtype))
         weights.pop("lm_head.weight", None)
         self.rotary = Rotary(c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling, device)
-        self.swiglu = SwiGLU(plan.native_swiglu)
+        self.local_rotary = self.rotary if c.local_rope_theta is None else Rotary(
+            c.head_dim, c.max_position_embeddings, c.local_rope_theta, c.local_rope_scaling, device)
+        for i, layer in enumerate(self.layers):
+            layer.rotary = self.local_rotary if c.layer_types and c.layer_types[i] == "sliding" else self.rotary
+        self.swiglu = SwiGLU(plan.native_swiglu, c.hidden_act)
         self.native_decode = NativeDecode.build(self.decode_description()) if plan.native_decode else None
 
     # ---------------------------------------------------------------------------------------------
@@ -137,12 +158,18 @@ class LlamaModel:
         def parts(lin: Linear | LinearGroup) -> tuple[tuple[tuple, int], ...]:
             return tuple((p.kernel.args, p.out_features) for p in (lin.parts if isinstance(lin, LinearGroup) else [lin]))
 
+        def weight(norm: RMSNorm | None) -> torch.Tensor | None:
+            return None if norm is None else norm.weight
+
         layers = tuple(NativeLayer(l.attn_norm.weight, l.ffn_norm.weight, parts(l.qkv), parts(l.o), parts(l.gate_up),
-                                   parts(l.down)) for l in self.layers)
+                                   parts(l.down), weight(l.q_norm), weight(l.k_norm), weight(l.attn_post_norm),
+                                   weight(l.ffn_post_norm), None if l.rotary is self.rotary else l.rotary.cos,
+                                   None if l.rotary is self.rotary else l.rotary.sin_signed, l.window)
+                       for l in self.layers)
         return DecodeModel(heads=c.num_heads, kv_heads=c.num_kv_heads, head_dim=c.head_dim, hidden=c.hidden_size,
                            ffn=c.intermediate_size, eps=self.layers[0].attn_norm.eps, cos=self.rotary.cos,
                            sin_signed=self.rotary.sin_signed, scale=self.scale, layers=layers,
-                           max_rows=self.plan.native_decode_max_rows)
+                           max_rows=self.plan.native_decode_max_rows, act=c.hidden_act)
 
     def weight_bytes(self) -> dict[str, int]:
         layers = sum(l.qkv.nbytes + l.o.nbytes + l.gate_up.nbytes + l.down.nbytes
@@ -168,6 +195,8 @@ class LlamaModel:
         if meta.sliding_window != window:  # the model's window, whoever built the step's metadata
             meta = replace(meta, sliding_window=window)
         h = self.embed(input_ids)
+        if c.embed_scale != 1.0:  # Gemma: sqrt(hidden) (rounded by the reader as its reference rounds it)
+            h.mul_(c.embed_scale)
         # A decode step through every layer in one C call where everything runs on kvcli's C kernels.
         cut = None
         if self.native_decode is None or not self.native_decode(h, positions, kv_cache, meta, backend):
@@ -176,7 +205,11 @@ class LlamaModel:
         if cut is None and logits_indices is not None:  # a cut already kept only these rows
             h = h[logits_indices]
         h = self.norm(h)
-        return self.lm_head(h)
+        logits = self.lm_head(h)
+        if c.final_logit_softcap is not None:
+            cap = c.final_logit_softcap
+            logits = torch.tanh(logits / cap).mul_(cap)
+        return logits
 
     def _last_layer_rows(self, meta: AttentionMetadata, wanted: torch.Tensor | None, backend: AttentionBackend,
                          device: torch.device) -> tuple[torch.Tensor, AttentionMetadata | None] | None:
@@ -207,6 +240,15 @@ class LlamaModel:
             max_seq_len=max(lens), seq_lens_list=lens, query_lens_list=(1,) * len(sel),
             sliding_window=meta.sliding_window)
 
+    def _qk_norm(self, qkv: torch.Tensor, layer: DecoderLayer) -> None:
+        """Qwen3's RMSNorm over every q head and every k head of the fused qkv output, in place (so the
+        rotary + KV-store kernel reads the normed heads)."""
+        c, d = self.config, self.config.head_dim
+        q = qkv[:, :self.q_size].reshape(-1, d)
+        k = qkv[:, self.q_size:self.q_size + self.kv_size].reshape(-1, d)
+        qkv[:, :self.q_size] = layer.q_norm(q).view(-1, self.q_size)
+        qkv[:, self.q_size:self.q_size + self.kv_size] = layer.k_norm(k).view(-1, self.kv_size)
+
     def _layers(self, h: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
                 backend: AttentionBackend, cut: tuple[torch.Tensor, AttentionMetadata | None] | None) -> torch.Tensor:
         """Every decoder layer on h [T, hidden], in place, one kernel call at a time; returns h, or with a
@@ -214,32 +256,57 @@ class LlamaModel:
         c = self.config
         t = h.shape[0]
         last = kv_cache.layers[-1]
-        # Rotary + KV store as one C call per layer where the backend offers it (fp32 compute on the CPU).
-        rope_kv = None if h.dtype != torch.float32 else backend.rope_kv_writer(
-            self.rotary.cos, self.rotary.sin_signed, positions, meta, kv_cache.layers[0], c.num_heads, c.num_kv_heads)
-        cos_sin = self.rotary.at(positions, h.dtype) if rope_kv is None else None
+        # Rotary + KV store as one C call per layer where the backend offers it (fp32 compute on the CPU); one
+        # writer and one table gather per rotary (Gemma 3's local and global layers rotate differently).
+        rope_kv: dict[int, object] = {}
+        cos_sin: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for rot in {id(l.rotary): l.rotary for l in self.layers}.values():
+            writer = None if h.dtype != torch.float32 else backend.rope_kv_writer(
+                rot.cos, rot.sin_signed, positions, meta, kv_cache.layers[0], c.num_heads, c.num_kv_heads)
+            if writer is not None:
+                rope_kv[id(rot)] = writer
+            else:
+                cos_sin[id(rot)] = rot.at(positions, h.dtype)
+        windows: dict[int, AttentionMetadata] = {}  # this step's metadata per window (layers of several kinds)
+
+        def with_window(m: AttentionMetadata, w: int) -> AttentionMetadata:
+            if m.sliding_window == w:
+                return m
+            if w not in windows:
+                windows[w] = replace(m, sliding_window=w)
+            return windows[w]
+
         qk_size = self.q_size + self.kv_size
         for layer, cache in zip(self.layers, kv_cache.layers):
+            lmeta = with_window(meta, layer.window)
             x = layer.attn_norm(h)
             qkv = layer.qkv(x)
-            if rope_kv is not None:
-                q = rope_kv(qkv, cache)
+            if layer.q_norm is not None:
+                self._qk_norm(qkv, layer)
+            writer = rope_kv.get(id(layer.rotary))
+            if writer is not None:
+                q = writer(qkv, cache)
             else:
                 # q and k heads are adjacent in the fused output: rotated in one go.
-                qk = self.rotary.apply(qkv[:, :qk_size].view(t, c.num_heads + c.num_kv_heads, c.head_dim), cos_sin)
+                qk = layer.rotary.apply(qkv[:, :qk_size].view(t, c.num_heads + c.num_kv_heads, c.head_dim),
+                                        cos_sin[id(layer.rotary)])
                 q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
                 v = qkv[:, qk_size:].view(t, c.num_kv_heads, c.head_dim)
-                backend.write_kv(k, v, cache, meta)
+                backend.write_kv(k, v, cache, lmeta)
             if cut is not None and cache is last:  # K/V of every row are stored; the rest only for these
                 rows, meta = cut
                 h = h[rows]
                 if meta is None:
                     return h
+                windows.clear()
+                lmeta = with_window(meta, layer.window)
                 q, t = q[rows], h.shape[0]
-            attn = backend.forward(q, cache, meta, self.scale)
+            attn = backend.forward(q, cache, lmeta, self.scale)
             # In place: h is this forward's own tensor (the embedding rows, then its own sums).
-            h.add_(layer.o(attn.reshape(t, self.q_size)))
+            out = layer.o(attn.reshape(t, self.q_size))
+            h.add_(out if layer.attn_post_norm is None else layer.attn_post_norm(out))
             x = layer.ffn_norm(h)
-            h.add_(layer.down(self.swiglu(layer.gate_up(x))))
+            out = layer.down(self.swiglu(layer.gate_up(x)))
+            h.add_(out if layer.ffn_post_norm is None else layer.ffn_post_norm(out))
         return h
 

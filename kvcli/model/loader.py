@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from kvcli.config import ModelConfig, preset_config
+from kvcli.model.fused import split_fused
 from kvcli.model.quant import QuantTensor, quantize_q4, random_q4
 from kvcli.model.tokenizer import ByteTokenizer, Tokenizer, load_dir_tokenizer, load_gguf_tokenizer
 
@@ -129,6 +130,12 @@ def dummy_weights(config: ModelConfig, seed: int = 0) -> dict[str, QuantTensor |
             w[p + "self_attn.v_proj.bias"] = torch.zeros(c.num_kv_heads * d)
         w[p + "input_layernorm.weight"] = torch.ones(h)
         w[p + "post_attention_layernorm.weight"] = torch.ones(h)
+        if c.sandwich_norms:
+            w[p + "pre_feedforward_layernorm.weight"] = torch.ones(h)
+            w[p + "post_feedforward_layernorm.weight"] = torch.ones(h)
+        if c.qk_norm:
+            w[p + "self_attn.q_norm.weight"] = torch.ones(d)
+            w[p + "self_attn.k_norm.weight"] = torch.ones(d)
     return w
 
 
@@ -170,6 +177,13 @@ def _load_hf_dir(path: Path, quant: str) -> LoadedWeights:
             raw.update(load_file(str(f)))
         except Exception as e:
             raise ModelLoadError(f"{f.name}: not a readable safetensors file ({e})") from None
+    try:
+        split_fused(config, raw, path.name)  # Phi-3's qkv_proj / gate_up_proj
+    except ValueError as e:
+        raise ModelLoadError(str(e)) from None
+    if config.architecture == "gemma3":  # Gemma3RMSNorm scales by (1 + weight): folded once, as llama.cpp's converter
+        for name in [n for n in raw if n.endswith("norm.weight")]:
+            raw[name] = raw[name].float() + 1.0
     notes: list[str] = []
     if quant not in ("auto", "nf4", "int4", "none"):
         raise ModelLoadError(f"unknown --quant {quant!r} (choose nf4, int4 or none)")

@@ -6,7 +6,9 @@ At batch 1 on 2 cores a SmolLM2 layer's arithmetic is ~0.2 ms, and the Python ar
 The C loop calls the same kernels with the same arguments in the same order, so logits are the per-op
 path's bit for bit (tests/test_native_decode.py compares them). It applies only where every piece
 already takes kvcli's C kernel: every layer's linears int8dot-cpu without bias (a Linear, or a LinearGroup
-of up to three such parts written side by side, as a Q4_K_M file's q/k/v), native RMSNorm and SwiGLU,
+of up to three such parts written side by side, as a Q4_K_M file's q/k/v), native RMSNorm (also Qwen3's
+and Gemma 3's per-head q/k norms and Gemma 3's norms after attention and MLP) and SwiGLU or GeGLU, per-layer
+rotary tables and windows (Gemma 3's local layers),
 fp32 compute; per step: every request decodes one token, fewer rows than the linears' float-GEMM
 threshold, a cache the rotary/KV-store and attention kernels read (fp32 / fp16 / bf16), the torch
 backend's native attention. Anything else goes layer by layer.
@@ -41,6 +43,13 @@ class DecodeLayer:
     o: Parts
     gate_up: Parts
     down: Parts
+    q_norm: torch.Tensor | None = None  # fp32 [head_dim]: Qwen3's / Gemma 3's per-head q/k RMSNorm, or None
+    k_norm: torch.Tensor | None = None
+    attn_post_norm: torch.Tensor | None = None  # Gemma 3: on the attention / MLP output before the add
+    ffn_post_norm: torch.Tensor | None = None
+    cos: torch.Tensor | None = None  # this layer's rotary tables (Gemma 3's local layers), None: the model's
+    sin_signed: torch.Tensor | None = None
+    window: int = 0  # this layer's sliding window (0: the whole context)
 
 
 @dataclass(frozen=True)
@@ -58,6 +67,7 @@ class DecodeModel:
     scale: float  # softmax scale
     layers: tuple[DecodeLayer, ...]
     max_rows: int | None  # steps of at least this many rows go layer by layer (None: any)
+    act: str = "silu"  # the MLP's gate: silu (kvs_swiglu) or gelu_tanh (kvs_geglu)
 
 
 class NativeDecode:
@@ -65,6 +75,8 @@ class NativeDecode:
         self.desc = desc
         self.lib = lib
         self.max_rows = desc.max_rows or 1 << 30  # below the linears' float-GEMM threshold
+        self.windows = sorted({l.window for l in desc.layers} - {0})  # windows of layers that slide
+        self._keep: dict = {}
         self._plans: dict[int, tuple[weakref.ref, object, ctypes.Array, list]] = {}
 
     @staticmethod
@@ -91,6 +103,19 @@ class NativeDecode:
         from kvcli_kernels.cpu_decode_layers import decode_layers, scratch_floats
 
         model_args, layers = entry[1], entry[2]
+        others = [w for w in self.windows if w != meta.sliding_window]
+        if others:  # layers of another window than the step's (Gemma 3's local ones): their own attention step
+            from dataclasses import replace
+
+            steps = {}
+            for w in others:
+                other = backend.native_decode_plan(replace(meta, sliding_window=w), kv_cache.layers, d.heads, d.scale)
+                if other is None:
+                    return False
+                steps[w] = other[0]
+            for i, layer in enumerate(d.layers):
+                layers[i].step = ctypes.addressof(steps[layer.window].args) if layer.window in steps else None
+            self._keep = steps  # the steps' buffers live until the next call
         buf = scratch("native-decode", (scratch_floats(t, model_args),), torch.float32)
         pos = positions.to(torch.int64).contiguous()
         slots = meta.slot_mapping.to(torch.int64).contiguous()
@@ -125,20 +150,27 @@ class NativeDecode:
                 return None
             layers[i] = D.Layer(layer.attn_norm.data_ptr(), layer.ffn_norm.data_ptr(),
                                 *(D.linear_args(list(parts)) for parts in (layer.qkv, layer.o, layer.gate_up, layer.down)),
-                                cache.k.data_ptr(), cache.v.data_ptr(), ctypes.addressof(view.args))
+                                cache.k.data_ptr(), cache.v.data_ptr(), ctypes.addressof(view.args),
+                                *(_ptrs(layer.q_norm, layer.k_norm, layer.attn_post_norm, layer.ffn_post_norm,
+                                        layer.cos, layer.sin_signed)), None)
         # views hold the cache tensors and the kva_cache structs the layer array points into
         entry = (weakref.ref(kv_cache, lambda _, key=key: self._plans.pop(key, None)), model_args, layers, list(views))
         self._plans[key] = entry
         return entry
 
-    @staticmethod
-    def _libs() -> tuple[int, ...] | None:
-        """Addresses of kvq_linear, kvq_rmsnorm, kvr_rope_kv, kva_decode, kvs_swiglu."""
+    def _libs(self) -> tuple[int, ...] | None:
+        """Addresses of kvq_linear, kvq_rmsnorm, kvr_rope_kv, kva_decode, kvs_swiglu (or kvs_geglu)."""
         from kvcli_kernels.cpu_decode_layers import address
 
         libs = [registry.library(n) for n in ("int8dot", "rmsnorm", "rope_kv", "attention", "swiglu")]
         if any(lib is None for lib in libs):
             return None
         int8dot, norm, rope, attn, swiglu = libs
+        act = swiglu.kvs_swiglu if self.desc.act == "silu" else swiglu.kvs_geglu
         return (address(int8dot.kvq_linear), address(norm.kvq_rmsnorm), address(rope.kvr_rope_kv),
-                address(attn.kva_decode), address(swiglu.kvs_swiglu))
+                address(attn.kva_decode), address(act))
+
+
+def _ptrs(*tensors: torch.Tensor | None) -> tuple[int | None, ...]:
+    """Data pointers for the C structs, None (NULL) for what a layer does not have."""
+    return tuple(None if t is None else t.data_ptr() for t in tensors)

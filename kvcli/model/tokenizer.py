@@ -27,6 +27,14 @@ class Tokenizer(Protocol):
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]: ...
 
+    def core(self):
+        """The `tokenizers.Tokenizer` underneath (for batch calls that release the GIL), or None."""
+        ...
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str | None:
+        """The chat template rendered as text (None: the tokenizer has no template)."""
+        ...
+
 
 class HFTokenizer:
     def __init__(self, tok, eos_token_ids: tuple[int, ...]) -> None:
@@ -50,6 +58,15 @@ class HFTokenizer:
         if isinstance(out, dict) or hasattr(out, "input_ids"):
             out = out["input_ids"]
         return list(out)
+
+    def core(self):
+        tk = getattr(self.tok, "backend_tokenizer", None)
+        return tk if tk is not None and hasattr(tk, "encode_batch") else None
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str | None:
+        if not getattr(self.tok, "chat_template", None):
+            return None
+        return self.tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
 
 
 class BPETokenizer:
@@ -76,14 +93,23 @@ class BPETokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.tk.decode(ids, skip_special_tokens=True)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def _transformers(self) -> HFTokenizer:
         if self._hf is None:
             from transformers import PreTrainedTokenizerFast
 
             tok = PreTrainedTokenizerFast(tokenizer_object=self.tk, chat_template=self._chat_template,
                                           **{k: v for k, v in self._specials.items() if v is not None})
             self._hf = HFTokenizer(tok, self.eos_token_ids)
-        return self._hf.apply_chat_template(messages, add_generation_prompt)
+        return self._hf
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        return self._transformers().apply_chat_template(messages, add_generation_prompt)
+
+    def core(self):
+        return self.tk
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str | None:
+        return self._transformers().render_chat(messages, add_generation_prompt) if self._chat_template else None
 
 
 class ByteTokenizer:
@@ -100,6 +126,12 @@ class ByteTokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
         return self.encode(text + ("<assistant>" if add_generation_prompt else ""))
+
+    def core(self):
+        return None
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str | None:
+        return None
 
 
 def load_gguf_tokenizer(path: Path, eos_token_ids: tuple[int, ...],

@@ -1,0 +1,190 @@
+"""Architectures beyond Llama (issue #29, item 4), each a tiny random-weight Hugging Face folder saved by
+transformers and run through kvcli's paged engine against the same transformers model: teacher-forced
+logits in chunks that end mid-block, then decode steps. The GGUF forms are compared with llama.cpp in
+tests/conformance."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcli.llm import LLM
+from kvcli.step import ScheduledChunk, SchedulerOutput
+
+pytestmark = pytest.mark.slow
+
+BASE = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
+            initializer_range=0.2)
+
+
+def save_folder(out, gguf_path, model) -> None:
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name).save_pretrained(str(out))
+    model.save_pretrained(str(out))
+
+
+def teacher_forced(engine, ids: list[int], prefill: int, chunk: int) -> torch.Tensor:
+    rows, pos, seen = [], 0, set()
+    while pos < len(ids):
+        n = min(chunk, prefill - pos) if pos < prefill else 1
+        assert engine.kv.allocate("tf", pos + n, pos)
+        table = engine.kv.block_table("tf")
+        engine.kv_cache.zero_blocks([b for b in table if b not in seen])
+        seen.update(table)
+        step = SchedulerOutput([ScheduledChunk("tf", ids[pos:pos + n], pos, table, True)])
+        rows.append(engine.runner.execute(step, all_logits=True).logits)
+        pos += n
+    engine.kv.free("tf")
+    return torch.cat(rows)
+
+
+def compare(path, ref, backend: str, n: int = 40) -> float:
+    llm = LLM(str(path), quant="none", attention_backend=backend, block_size=8, kv_budget="4MiB",
+              max_num_batched_tokens=7)
+    ids = list(range(300, 300 + n))
+    with torch.no_grad():
+        want = ref(torch.tensor([ids])).logits[0].float()
+    got = teacher_forced(llm.engine, ids, prefill=n - 15, chunk=7)
+    return (got - want).abs().max().item() / want.abs().max().item()
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory, gguf_path):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    out = tmp_path_factory.mktemp("qwen3")
+    torch.manual_seed(0)
+    # head_dim 32 with 4 heads over hidden 64: q/k/v widths differ from the hidden size, as in Qwen3.
+    model = Qwen3ForCausalLM(Qwen3Config(**BASE, head_dim=32, rope_theta=1e6, attn_implementation="eager")).eval()
+    with torch.no_grad():  # norms away from 1, so a skipped q/k norm shows
+        for layer in model.model.layers:
+            layer.self_attn.q_norm.weight.uniform_(0.5, 2.0)
+            layer.self_attn.k_norm.weight.uniform_(0.5, 2.0)
+    save_folder(out, gguf_path, model)
+    return out, model
+
+
+@pytest.mark.parametrize("backend", ["torch", "invariant"])
+def test_qwen3_matches_transformers(qwen3, backend):
+    path, ref = qwen3
+    assert compare(path, ref, backend) < 1e-4
+
+
+def test_qwen3_without_its_qk_norms_is_caught(qwen3):
+    """The comparison has teeth: the same engine with the q/k norms dropped is far off."""
+    from kvcli.model import llama
+
+    path, ref = qwen3
+    saved = llama.LlamaModel._qk_norm
+    llama.LlamaModel._qk_norm = lambda self, qkv, layer: None
+    try:
+        assert compare(path, ref, "torch") > 1e-2
+    finally:
+        llama.LlamaModel._qk_norm = saved
+
+
+def phi3_folder(out, gguf_path, max_positions: int):
+    """A tiny random Phi-3 (fused qkv_proj and gate_up_proj) with longrope factors over an original context of
+    64 positions."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    half = 8  # head_dim 16
+    g = torch.Generator().manual_seed(3)
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
+            "long_factor": (1 + 8 * torch.rand(half, generator=g)).tolist(),
+            "short_factor": (1 + torch.rand(half, generator=g)).tolist()}
+    cfg = Phi3Config(**{**BASE, "max_position_embeddings": max_positions}, original_max_position_embeddings=64,
+                     rope_parameters=rope, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                     attn_implementation="eager")
+    torch.manual_seed(0)
+    model = Phi3ForCausalLM(cfg).eval()
+    save_folder(out, gguf_path, model)
+    return out, model
+
+
+@pytest.mark.parametrize("max_positions", [512, 64], ids=["long-factors", "short-factors"])
+def test_phi3_matches_transformers(tmp_path, gguf_path, max_positions):
+    """Past the original context (80 tokens over 64) transformers takes the long factors, as kvcli does for a
+    model whose context exceeds the original one; a model of the original context takes the short ones."""
+    path, ref = phi3_folder(tmp_path, gguf_path, max_positions)
+    llm_config = LLM(str(path), quant="none", kv_budget="4MiB").engine.config
+    assert llm_config.architecture == "phi3" and llm_config.rope_scaling["rope_type"] == "longrope"
+    n = 80 if max_positions > 64 else 60
+    assert compare(path, ref, "torch", n=n) < 1e-4
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory, gguf_path):
+    """A tiny random Gemma 3 text model: 6 layers, 5 sliding (window 8) per global one, local and global rotary
+    bases, linear scaling on the global layers, GeGLU, sandwich norms with weights away from 0 (transformers
+    adds 1), query_pre_attn_scalar unlike head_dim, tied embeddings scaled by sqrt(hidden)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    out = tmp_path_factory.mktemp("gemma3")
+    cfg = Gemma3TextConfig(**{**BASE, "num_hidden_layers": 6, "tie_word_embeddings": True}, head_dim=16,
+                           sliding_window=8, query_pre_attn_scalar=24, final_logit_softcapping=None,
+                           rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                               "rope_theta": 1e6},
+                                            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+                           pad_token_id=0, bos_token_id=1, eos_token_id=2, attn_implementation="eager")
+    torch.manual_seed(0)
+    model = Gemma3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(-0.5, 0.5)
+    save_folder(out, gguf_path, model)
+    return out, model
+
+
+@pytest.mark.parametrize("backend", ["torch", "invariant"])
+def test_gemma3_matches_transformers(gemma3, backend):
+    path, ref = gemma3
+    c = LLM(str(path), quant="none", kv_budget="4MiB").engine.config
+    assert c.architecture == "gemma3" and c.layer_types == ("sliding",) * 5 + ("full",)
+    assert c.local_window == 8 and c.sliding_window is None
+    assert compare(path, ref, backend) < 1e-4  # 40 tokens: the sliding layers drop keys from position 8 on
+
+
+def test_gemma3_with_every_layer_global_is_caught(gemma3):
+    """The comparison has teeth: the same engine with the windows ignored is far off past the window."""
+    from dataclasses import replace
+
+    from kvcli.model import llama
+
+    path, ref = gemma3
+    saved = llama.LlamaModel.__init__
+
+    def no_windows(self, config, *a, **kw):
+        saved(self, replace(config, layer_types=("full",) * config.num_layers), *a, **kw)
+
+    llama.LlamaModel.__init__ = no_windows
+    try:
+        assert compare(path, ref, "torch") > 1e-2
+    finally:
+        llama.LlamaModel.__init__ = saved
+
+
+def test_inspect_counts_what_gemma3_windows_would_hold(tmp_path):
+    """inspect: the layer kinds, and a request's KV held today (every layer, every token) against what the
+    sliding layers' windows alone would need; dummy: weights of the shape run through the engine."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from kvcli.cli import app
+
+    cfg = dict(model_type="gemma3_text", vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=6,
+               num_attention_heads=2, num_key_value_heads=1, head_dim=64, sliding_window=32,
+               max_position_embeddings=4096)
+    (tmp_path / "g3.json").write_text(json.dumps(cfg))
+    r = CliRunner().invoke(app, ["inspect", f"dummy:{tmp_path / 'g3.json'}", "--context", "1024", "--json"])
+    assert r.exit_code == 0, r.output
+    rep = json.loads(r.output)
+    per_layer_token = 2 * 1 * 64 * 2  # K and V, one KV head of 64, fp16
+    assert rep["layer_kinds"] == "5 sliding (window 32) and 1 global of 6 layers"
+    assert rep["kv_request_held"] == 6 * 1024 * per_layer_token
+    assert rep["kv_request_windowed"] == (5 * 32 + 1024) * per_layer_token
+    assert any(how.startswith("yes") for what, how in rep["weight_plan"] if what == "one-call decode")
