@@ -15,7 +15,7 @@ import typer
 
 from kvcli import __version__
 from kvcli.cli_errors import OneLineErrorGroup
-from kvcli.commands.engine_flags import FLAGS, NO_FLAGS, SPECULATION, EngineFlags, engine_flags
+from kvcli.commands.engine_flags import FLAGS, NO_FLAGS, RETENTION, SPECULATION, EngineFlags, engine_flags
 
 
 app = typer.Typer(
@@ -63,7 +63,13 @@ def fail(message: str, code: int = 1) -> None:
 
 @app.command("continue")
 @engine_flags("model", "block_size", "kv_budget", "quant", "dequantize", "device", "attention_backend",
-              "max_model_len", "max_batch_tokens", "kv_dtype", "prefix_cache", *SPECULATION)
+              "max_model_len", "max_batch_tokens", "kv_dtype", "prefix_cache", *SPECULATION, *RETENTION,
+              kv_window=FLAGS["kv_window"].but(help="Bound the KV: keep the first --sink-tokens tokens and the last "
+              "W, so a text longer than the context streams through (kept keys re-rotated as blocks drop; the "
+              "model sees only positions inside its context) and generation is bounded only by --max-tokens. "
+              "Default auto: W = the context less the sink blocks and a margin of --max-tokens for the "
+              "generation (at least one block); not yet on a sliding-window model, where auto keeps every token. "
+              "none: a text longer than the context is an error (or --truncate head)."))
 def continue_(
     file: Annotated[Path, typer.Argument(help="UTF-8 text to continue.", show_default=False)],
     max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", help="Tokens to generate.")] = 256,
@@ -72,8 +78,9 @@ def continue_(
     top_k: Annotated[int, typer.Option("--top-k", help="Keep the k most likely tokens; 0 = off.")] = 0,
     seed: Annotated[Optional[int], typer.Option("--seed", help="Sampling seed.", show_default=False)] = None,
     truncate: Annotated[Truncate, typer.Option(
-        "--truncate", help="When the text does not fit the context: none = error, head = drop the start, "
-        "keeping the last tokens that fit with room for --max-tokens.")] = Truncate.none,
+        "--truncate", help="When the text does not fit the context: none = stream it through the bounded KV "
+        "cache (--kv-window; with --kv-window none an error), head = drop the start, keeping the last tokens "
+        "that fit with room for --max-tokens.")] = Truncate.none,
     json_out: Annotated[bool, typer.Option("--json", help="Print only a JSON report on stdout "
                                            "(token ids, text, metrics).")] = False,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Also write the continuation to "
@@ -95,16 +102,26 @@ def continue_(
         file=file, params=sampling_params(fail, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                           top_k=top_k, seed=seed),
         truncate=truncate.value, json_out=json_out, output=output, model=engine.model, quant=engine.quant,
-        live=live, options=engine.options(fail),
+        live=live, options=engine.options(fail, **_continue_window(engine, truncate.value, max_tokens)),
     )
     code = run_continue(args, fail)
     if code:
         raise typer.Exit(code)
 
 
+def _continue_window(engine: EngineFlags, truncate: str, max_tokens: int) -> dict:
+    """continue's default bounded cache: --kv-window auto with --max-tokens of room, unless the window was
+    given or --truncate head keeps only the text's end."""
+    if truncate == "head":
+        return {"kv_window": None}
+    if engine.values.get("kv_window") is None:
+        return {"kv_window": "auto", "kv_window_margin": max(max_tokens, 0)}
+    return {"kv_window_margin": max(max_tokens, 0)}
+
+
 @app.command("chat")
 @engine_flags("model", "block_size", "kv_budget", "quant", "dequantize", "device", "attention_backend",
-              "max_model_len", "kv_dtype", "prefix_cache", *SPECULATION)
+              "max_model_len", "kv_dtype", "prefix_cache", *SPECULATION, *RETENTION)
 def chat(
     system: Annotated[Optional[str], typer.Option("--system", "-s", help="System prompt.",
                                                   show_default=False)] = None,
@@ -115,8 +132,9 @@ def chat(
     seed: Annotated[Optional[int], typer.Option("--seed", help="Sampling seed (turn i uses seed + i).",
                                                 show_default=False)] = None,
     truncate: Annotated[bool, typer.Option(
-        "--truncate", help="When the conversation outgrows the context, drop the oldest turns instead of "
-        "refusing the message.")] = False,
+        "--truncate", help="When the conversation outgrows the context, drop the oldest turns (instead of going "
+        "on through the bounded KV cache, --kv-window: the system prompt among the sinks, the latest tokens in "
+        "the window; with --kv-window none the message is refused).")] = False,
     live: Annotated[bool, typer.Option("--live/--no-live", help="While a reply streams on a terminal, show the "
                                        "full dashboard (memory, KV blocks, fragmentation, throughput) instead "
                                        "of only the status line after it; /live toggles it.")] = False,
@@ -134,7 +152,8 @@ def chat(
     args = ChatArgs(
         system=system, params=sampling_params(fail, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                               top_k=top_k, seed=seed),
-        truncate=truncate, model=engine.model, quant=engine.quant, options=engine.options(fail), live=live,
+        truncate=truncate, model=engine.model, quant=engine.quant, live=live,
+        options=engine.options(fail, **_continue_window(engine, "head" if truncate else "none", max_tokens)),
     )
     code = run_chat(args, fail)
     if code:
@@ -157,7 +176,7 @@ MaxLenProfile = FLAGS["max_model_len"].but(type=int, default=2048, show_default=
 @app.command("profile")
 @engine_flags("model", "block_size", "kv_budget", "max_model_len", "max_batch_tokens", "max_num_seqs",
               "kv_layout", "reserve", "preempt", "quant", "dequantize", "device", "attention_backend",
-              "prefix_cache", *SPECULATION, kv_layout=KVLayoutProfile, max_model_len=MaxLenProfile,
+              "prefix_cache", *SPECULATION, *RETENTION, kv_layout=KVLayoutProfile, max_model_len=MaxLenProfile,
               max_num_seqs=256)
 def profile(
     workload: Annotated[str, typer.Option("--workload", "-w", help="sharegpt (mean 161 prompt / 338 output "
@@ -218,10 +237,10 @@ def profile(
 @app.command("serve")
 @engine_flags("model", "block_size", "kv_budget", "kv_dtype", "max_model_len", "max_batch_tokens", "max_num_seqs",
               "kv_layout", "preempt", "quant", "dequantize", "device", "attention_backend", "prefix_cache",
-              *SPECULATION)
+              *SPECULATION, *RETENTION)
 def serve(
-    host: Annotated[str, typer.Option("--host", help="Address to listen on. Loopback by default: the API has "
-                                      "no authentication; 0.0.0.0 exposes it to the network.")] = "127.0.0.1",
+    host: Annotated[str, typer.Option("--host", help="Address to listen on. Loopback by default; 0.0.0.0 "
+                                      "exposes it to the network (set --api-key).")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", "-p", help="TCP port (0 = any free port, announced on "
                                       "stderr).")] = 8000,
     served_model_name: Annotated[Optional[str], typer.Option(
@@ -229,6 +248,28 @@ def serve(
         "file's name.", show_default=False)] = None,
     log_level: Annotated[str, typer.Option("--log-level", help="uvicorn's log level (debug logs each "
                                            "request).")] = "warning",
+    api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="KVCLI_API_KEY", help="Require "
+                       "'Authorization: Bearer KEY' on every /v1 route (401 without it); /health stays open.",
+                       show_default=False)] = None,
+    metrics_need_key: Annotated[bool, typer.Option("--metrics-need-key", help="Require the API key on /metrics "
+                                "too (watch and Prometheus then need it).")] = False,
+    allowed_hosts: Annotated[Optional[str], typer.Option("--allowed-hosts", help="Comma-separated Host names "
+                             "accepted besides localhost, 127.0.0.1 and [::1] ('*': any). Bound to loopback only "
+                             "those three are accepted by default (DNS rebinding); elsewhere any Host.",
+                             show_default=False)] = None,
+    allowed_origins: Annotated[Optional[str], typer.Option("--allowed-origins", help="Comma-separated origins "
+                               "allowed by CORS (https://app.example, or '*'). Default: no CORS headers.",
+                               show_default=False)] = None,
+    max_request_bytes: Annotated[str, typer.Option("--max-request-bytes", help="Largest request body "
+                                 "(413 above it, refused before it is read).")] = "8MiB",
+    max_tokens_default: Annotated[Optional[int], typer.Option("--max-tokens-default", help="Tokens to generate "
+                                  "when a request sets no max_tokens (or null). Default: 16 for completions "
+                                  "(OpenAI's), 1024 for chat; capped by the context left.", show_default=False)] = None,
+    max_waiting_requests: Annotated[int, typer.Option("--max-waiting-requests", help="Requests allowed to wait "
+                                    "beyond the running batch (--max-num-seqs); more get 429.")] = 256,
+    request_timeout: Annotated[Optional[float], typer.Option("--request-timeout", help="Seconds a request may "
+                               "run; then it ends with what it has (finish_reason length).",
+                               show_default=False)] = None,
     engine: EngineFlags = NO_FLAGS,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API, with Prometheus metrics.
@@ -242,9 +283,30 @@ def serve(
 
     if log_level not in ("critical", "error", "warning", "info", "debug"):
         fail(f"--log-level must be critical, error, warning, info or debug (got {log_level})")
+    from kvcli.options import ConfigError, parse_bytes
+
+    try:
+        body_limit = parse_bytes(max_request_bytes, "--max-request-bytes")
+    except ConfigError as e:
+        fail(str(e))
+    if max_tokens_default is not None and max_tokens_default < 1:
+        fail(f"--max-tokens-default must be >= 1 (got {max_tokens_default})")
+    if max_waiting_requests < 0:
+        fail(f"--max-waiting-requests must be >= 0 (got {max_waiting_requests})")
+    if request_timeout is not None and not request_timeout > 0:
+        fail(f"--request-timeout must be > 0 seconds (got {request_timeout})")
+    if body_limit < 1024:
+        fail(f"--max-request-bytes must be at least 1KiB (got {body_limit})")
+
+    def names(text: str | None) -> tuple[str, ...]:
+        return tuple(x.strip() for x in (text or "").split(",") if x.strip())
+
     args = ServeArgs(
         model=engine.model, quant=engine.quant, host=host, port=port, served_model_name=served_model_name,
-        log_level=log_level, options=engine.options(fail))
+        log_level=log_level, options=engine.options(fail), api_key=api_key or None,
+        metrics_need_key=metrics_need_key, allowed_hosts=names(allowed_hosts), allowed_origins=names(allowed_origins),
+        max_request_bytes=body_limit, max_tokens_default=max_tokens_default,
+        max_waiting_requests=max_waiting_requests, request_timeout=request_timeout)
     code = run_serve(args, fail)
     if code:
         raise typer.Exit(code)
@@ -335,7 +397,7 @@ def inspect(
 
 @app.command("perplexity")
 @engine_flags("model", "block_size", "kv_budget", "kv_dtype", "quant", "dequantize", "device", "attention_backend",
-              "max_model_len", "max_batch_tokens")
+              "max_model_len", "max_batch_tokens", *RETENTION)
 def perplexity(
     file: Annotated[Path, typer.Argument(help="UTF-8 text to score.", show_default=False)],
     window: Annotated[Optional[int], typer.Option("--window", help="Tokens per window. Default: the context "

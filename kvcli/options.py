@@ -85,6 +85,29 @@ def parse_kv_dtype(name: str | None) -> KVDtype | None:
         raise ConfigError(f"--kv-dtype must be one of {', '.join(KV_DTYPE_CHOICES)} (got {name!r})") from None
 
 
+def parse_kv_window(value: "int | str | None") -> "int | str | None":
+    """`--kv-window`: a number of tokens, `auto` (the context less the sinks and a margin, set by the engine),
+    or `none`/None (no bound: a text must fit the context)."""
+    if value is None or isinstance(value, bool):
+        return None if value is None else _bad_window(value)
+    if isinstance(value, int):
+        return value if value > 0 else _bad_window(value)
+    text = str(value).strip().lower()
+    if text in ("none", "off"):
+        return None
+    if text == "auto":
+        return "auto"
+    try:
+        n = int(text.replace(",", "").replace("_", ""))
+    except ValueError:
+        return _bad_window(value)
+    return n if n > 0 else _bad_window(value)
+
+
+def _bad_window(value: object):
+    raise ConfigError(f"--kv-window must be a positive number of tokens, auto or none (got {value!r})")
+
+
 def _one_of(value: str, allowed: tuple[str, ...], flag: str) -> None:
     if value not in allowed:
         raise ConfigError(f"{flag} must be one of {', '.join(allowed)} (got {value!r})")
@@ -121,6 +144,12 @@ class EngineOptions:
     num_speculative_tokens: int = 5
     ngram_min: int = 2
     ngram_max: int = 4
+    # A bounded cache (kvcache/retention.py): each request keeps the KV of its first sink_tokens tokens and
+    # of its last kv_window tokens; blocks wholly between go back to the pool. None: unbounded (a prompt
+    # must fit the context). "auto": the context less the sink blocks and max(kv_window_margin, one block).
+    kv_window: int | str | None = None
+    sink_tokens: int = 4
+    kv_window_margin: int = 0  # room kept for generation under kv_window="auto" (continue: --max-tokens)
 
     def __post_init__(self) -> None:
         if self.block_size not in SUPPORTED_BLOCK_SIZES:
@@ -147,6 +176,12 @@ class EngineOptions:
         _positive(self.ngram_max, "--ngram-max")
         if self.ngram_max < self.ngram_min:
             raise ConfigError(f"--ngram-max ({self.ngram_max}) must be at least --ngram-min ({self.ngram_min})")
+        object.__setattr__(self, "kv_window", parse_kv_window(self.kv_window))
+        if isinstance(self.sink_tokens, bool) or not isinstance(self.sink_tokens, int) or self.sink_tokens < 0:
+            raise ConfigError(f"--sink-tokens must be a whole number >= 0 (got {self.sink_tokens!r})")
+        if isinstance(self.kv_window_margin, bool) or not isinstance(self.kv_window_margin, int) \
+                or self.kv_window_margin < 0:
+            raise ConfigError(f"kv_window_margin must be a whole number >= 0 (got {self.kv_window_margin!r})")
         if not 0 <= self.watermark < 1:
             raise ConfigError(f"watermark must be in [0, 1) (got {self.watermark})")
         if self.device not in (None, "auto"):
@@ -182,6 +217,13 @@ class EngineOptions:
         return resolve_kv_dtype(self.kv_dtype, device_type=device.type, compute_dtype=self.compute_dtype(device),
                                 dequantize=self.dequantize, backend=backend, quantized_weights=quantized_weights,
                                 native_attention=native_attention)
+
+    def window_tokens(self, max_model_len: int) -> int | None:
+        """W for a context of max_model_len (resolving auto), or None when unbounded."""
+        if self.kv_window != "auto":
+            return self.kv_window  # type: ignore[return-value]
+        sink_slots = -(-self.sink_tokens // self.block_size) * self.block_size
+        return max_model_len - sink_slots - max(self.kv_window_margin, self.block_size)
 
     def swap_space_bytes(self) -> int:
         return parse_bytes(self.swap_space, "--swap-space")

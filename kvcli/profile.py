@@ -12,7 +12,8 @@ from pathlib import Path
 from kvcli.config import SamplingParams
 from kvcli.engine.llm_engine import LLMEngine
 from kvcli.metrics.collector import StepRecord
-from kvcli.metrics.snapshot import SpecSummary
+from kvcli.metrics.snapshot import SpecSummary, WindowSummary
+from kvcli.metrics.window import window_summary
 from kvcli.workloads import Trace
 
 CATEGORIES = ("token_bytes", "reserved_bytes", "internal_bytes", "external_bytes")
@@ -48,6 +49,7 @@ class ProfileResult:
     kv_dtype: str = ""
     kv_bytes_per_token: int = 0
     spec: SpecSummary = field(default_factory=SpecSummary)
+    window: WindowSummary | None = None  # the bounded cache (--kv-window) and what it dropped; None without
 
     def share(self, category: str) -> float:
         """A category as a share of the KV memory in use (token + reserved + internal + external)."""
@@ -78,6 +80,11 @@ class ProfileResult:
             "speculation": {"method": self.spec.method, "k": self.spec.k, "proposed": self.spec.proposed,
                             "accepted": self.spec.accepted, "acceptance_rate": round(self.spec.acceptance_rate, 4),
                             "tokens_per_request_step": round(self.spec.tokens_per_request_step, 4)},
+            "window": None if self.window is None else {
+                "kv_window": self.window.window, "sink_tokens": self.window.sink_tokens,
+                "sink_slots": self.window.sink_slots, "max_slots": self.window.max_slots,
+                "dropped_tokens": self.window.dropped_tokens, "recycled_blocks": self.window.recycled_blocks,
+                "kv_tokens_peak": self.window.peak_tokens},
         }
         if timeline:
             d["timeline"] = [
@@ -137,7 +144,7 @@ def run_trace(engine: LLMEngine, trace: Trace, prompts: list[list[int]], label: 
         kv_mean=kv_mean, ttft_s=ttft, itl_s=itl, pool_bytes=engine.kv_pool_bytes, records=list(recs),
         outputs={r.req_id: list(r.output_token_ids) for r in reqs}, simulated=engine.simulated,
         kv_dtype=str(engine.kv_dtype), kv_bytes_per_token=engine.config.kv_bytes_per_token(engine.kv_dtype),
-        spec=engine.spec_summary())
+        spec=engine.spec_summary(), window=window_summary(engine))
 
 
 def plot_timeline(results: list[ProfileResult], path: str) -> None:
@@ -192,6 +199,15 @@ def breakdown_rows(results: list[ProfileResult]) -> list[tuple[str, list[str]]]:
         ("preemptions", [str(r.preemptions) for r in results]),
         ("engine steps", [str(r.steps) for r in results]),
     ]
+    if any(r.window is not None for r in results):
+        rows += [
+            ("bounded KV (S + W)", [f"{r.window.sink_tokens} + {r.window.window:,}" if r.window else "off"
+                                    for r in results]),
+            ("tokens dropped", [f"{r.window.dropped_tokens:,}" if r.window else "0" for r in results]),
+            ("blocks recycled", [f"{r.window.recycled_blocks:,}" if r.window else "0" for r in results]),
+            ("KV tokens per request (peak)", [f"{r.window.peak_tokens:,} of <= {r.window.max_slots:,}" if r.window
+                                              else "n/a" for r in results]),
+        ]
     if any(r.spec.method != "none" for r in results):
         rows += [
             ("guesses accepted", [f"{pct(r.spec.acceptance_rate)} of {r.spec.proposed:,}" if r.spec.method != "none"

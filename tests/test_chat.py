@@ -153,8 +153,10 @@ SMALL_CTX = ["--temperature", "0", "--max-tokens", "16", "--max-model-len", "256
 
 @pytest.mark.slow
 def test_chat_context_overflow_notice_and_reset(tmp_path):
+    """With --kv-window none a conversation past the context is refused with a notice (the default goes on
+    through the bounded cache: tests/test_kv_window_cli.py)."""
     saved = tmp_path / "chat.json"
-    p = chat([SEA, MOON, "/reset", MOON, PASTE, f"/save {saved}"], *SMALL_CTX)
+    p = chat([SEA, MOON, "/reset", MOON, PASTE, f"/save {saved}"], *SMALL_CTX, "--kv-window", "none")
     assert p.returncode == 0, p.stderr
     assert_clean(p)
     full = [line for line in p.stderr.splitlines() if line.startswith("context full")]

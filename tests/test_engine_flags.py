@@ -38,9 +38,16 @@ FLAGS_BEFORE = {
     "serve": {'--attention-backend', '--block-size', '--dequantize', '--device', '--host', '--kv-budget', '--kv-dtype',
               '--kv-layout', '--log-level', '--max-batch-tokens', '--max-model-len', '--max-num-seqs', '--model',
               '--ngram-max', '--ngram-min', '--no-prefix-cache', '--num-speculative-tokens', '--port', '--preempt',
-              '--prefix-cache', '--quant', '--served-model-name', '--speculate', '-m', '-p'},
+              '--prefix-cache', '--quant', '--served-model-name', '--speculate', '-m', '-p',
+              # kvcli serve's own request limits and guards (issue #31)
+              '--api-key', '--metrics-need-key', '--allowed-hosts', '--allowed-origins', '--max-request-bytes',
+              '--max-tokens-default', '--max-waiting-requests', '--request-timeout'},
     "watch": {'--duration', '--interval', '--live', '--no-live', '--once', '--plot', '--record', '-i'},
 }
+
+# The bounded KV cache's flags (issue #27), added since (profile and serve: item 5).
+for _cmd in ("chat", "continue", "perplexity", "profile", "serve"):
+    FLAGS_BEFORE[_cmd] |= {'--kv-window', '--sink-tokens'}
 
 # The engine flags' defaults per command, as declared before (enums by value).
 DEFAULTS_BEFORE = {
@@ -106,7 +113,8 @@ def test_a_flag_is_declared_once_with_one_help_text():
     """A shared flag reads the same in every command but where a command gives it its own default or text."""
     from kvcli.commands.engine_flags import FLAGS
 
-    variants = {("profile", "kv_layout"), ("profile", "max_model_len"), ("plan", "kv_dtype"), ("profile", "kv_dtype")}
+    variants = {("profile", "kv_layout"), ("profile", "max_model_len"), ("plan", "kv_dtype"), ("profile", "kv_dtype"),
+                ("continue", "kv_window")}
     for name, command in _commands().items():
         for p in _options(command):
             if p.name in FLAGS and (name, p.name) not in variants:

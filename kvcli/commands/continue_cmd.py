@@ -19,6 +19,7 @@ from kvcli.engine.scheduler import KVBudgetTooSmall
 from kvcli.options import ConfigError, EngineOptions
 from kvcli.inputs import InputError, check_writable, read_text_file, write_text_file
 from kvcli.metrics.snapshot import Snapshot
+from kvcli.metrics.window import WindowTracker, with_window
 from kvcli.view.dashboard import LiveDashboard
 from kvcli.view.plain_log import human_bytes
 from kvcli.view.summary import snapshot_dict, summary_table
@@ -37,8 +38,13 @@ class ContinueArgs:
     live: bool = True
 
 
-def fit_prompt(ids: list[int], max_len: int, max_tokens: int, truncate: str) -> list[int]:
-    """The prompt must leave room for max_tokens inside the context."""
+def fit_prompt(ids: list[int], max_len: int, max_tokens: int, truncate: str, bounded: bool = False,
+               sliding: bool = False) -> list[int]:
+    """The prompt must leave room for max_tokens inside the context, unless the KV cache is bounded
+    (--kv-window): then any length streams through. `sliding`: the model has sliding-window layers, which a
+    bounded cache does not support yet (the error says so instead of suggesting --kv-window)."""
+    if bounded:
+        return ids
     room = max_len - max_tokens
     if len(ids) <= room:
         return ids
@@ -46,8 +52,23 @@ def fit_prompt(ids: list[int], max_len: int, max_tokens: int, truncate: str) -> 
         raise ConfigError(f"--max-tokens {max_tokens} leaves no room for the text in a {max_len}-token context")
     if truncate == "head":
         return ids[-room:]
+    keep = f"use --truncate head to keep the last {room:,}"
+    hint = (f"{keep}; a bounded cache, --kv-window, does not support sliding-window models yet" if sliding else
+            f"{keep}, or --kv-window auto to stream it through a bounded cache")
     raise ConfigError(f"the text has {len(ids):,} tokens; {room:,} fit in the {max_len:,}-token context with "
-                      f"room for --max-tokens {max_tokens} (use --truncate head to keep the last {room:,})")
+                      f"room for --max-tokens {max_tokens} ({hint})")
+
+
+def window_note(ids: int, max_tokens: int, retention, max_len: int) -> str | None:
+    """The one line saying what a bounded cache keeps of a text longer than the context (None otherwise)."""
+    if retention is None or ids + max_tokens <= max_len:
+        return None
+    kept = retention.sink_slots + retention.window
+    return (f"text of {ids:,} tokens > the {max_len:,}-token context: the KV keeps the first {retention.sink_slots:,} "
+            f"(--sink-tokens {retention.sink_tokens}, whole blocks) and the last {retention.window:,} to "
+            f"{retention.window + retention.block_size - 1:,} tokens (--kv-window), dropping about "
+            f"{max(0, ids + max_tokens - kept):,} as it streams; --kv-window none refuses the text, --truncate "
+            f"head keeps only its end")
 
 
 def run_continue(a: ContinueArgs, fail: Fail) -> int:
@@ -64,7 +85,9 @@ def run_continue(a: ContinueArgs, fail: Fail) -> int:
         engine = build_engine(a.model, a.quant, a.options, fail)
     ids = engine.tokenizer.encode(text)
     try:
-        prompt = fit_prompt(ids, engine.max_model_len, params.max_tokens, a.truncate)
+        c = engine.config
+        prompt = fit_prompt(ids, engine.max_model_len, params.max_tokens, a.truncate, engine.retention is not None,
+                            sliding=any(c.layer_window(i) for i in range(c.num_layers)))
         req = engine.add_request(prompt, params)
     except (ConfigError, KVBudgetTooSmall) as e:
         fail(str(e))
@@ -72,6 +95,9 @@ def run_continue(a: ContinueArgs, fail: Fail) -> int:
               f"KV {engine.kv_dtype} on {engine.device} · loaded in {engine.load_seconds:.1f} s[/dim]")
     if len(prompt) < len(ids):
         err.print(f"[yellow]truncated: kept the last {len(prompt):,} of {len(ids):,} tokens[/yellow]")
+    note = window_note(len(ids), params.max_tokens, engine.retention, engine.max_model_len)
+    if note and not a.json_out:
+        err.print(f"[yellow]{note}[/yellow]", highlight=False)
 
     interrupted = False
     # On a terminal: the dashboard with a prefill bar on top. Otherwise (a pipe, --no-live): plain
@@ -105,7 +131,7 @@ def run_continue(a: ContinueArgs, fail: Fail) -> int:
             write_text_file(a.output, continuation)
         except InputError as e:  # the continuation is already on stdout
             fail(str(e))
-    snap = engine.snapshot()
+    snap = with_window(engine.snapshot(), engine)
     if a.json_out:
         report = {
             "model": engine.source,
@@ -116,6 +142,9 @@ def run_continue(a: ContinueArgs, fail: Fail) -> int:
             "generated_token_ids": list(req.output_token_ids),
             "text": continuation,
             "finish_reason": "interrupted" if interrupted else req.finish_reason,
+            "kv_window": engine.retention.window if engine.retention else None,
+            "sink_tokens": engine.retention.sink_tokens if engine.retention else None,
+            "dropped_tokens": engine.scheduler.dropped_tokens(req),
             "wall_seconds": round(wall, 3),
             "load_seconds": round(engine.load_seconds, 3),
             "weights_format": engine.linear_mode,
@@ -124,7 +153,8 @@ def run_continue(a: ContinueArgs, fail: Fail) -> int:
         print(json.dumps(report, indent=2))
     else:
         table = summary_table(snap, title="kvcli continue" + (" (interrupted)" if interrupted else ""))
-        paged, contiguous = _layout_comparison(snap, req.num_computed_tokens)
+        dropped = engine.scheduler.dropped_tokens(req)  # the summary's "bounded KV" row: the run's (one request)
+        paged, contiguous = _layout_comparison(snap, req.num_computed_tokens - dropped)
         table.add_row("vs contiguous (max-len)",
                       f"paged held {human_bytes(paged)}; preallocating {snap.max_model_len:,} slots would "
                       f"reserve {human_bytes(contiguous)} ({contiguous / max(paged, 1):.1f}x)")
@@ -155,16 +185,19 @@ class _LiveView:
         self.dash = _PrefillDashboard(console, live=live, progress=self.progress)
         self.probe = MemoryProbe(str(engine.device))
         self.weights = sum(engine.weight_bytes().values())  # fixed for the run: summed once
+        self.window = WindowTracker(engine)  # the blocks a bounded cache recycles, marked on the map
         self.last = 0.0
 
     def update(self, computed: int) -> None:
+        """After every engine step."""
+        self.window.observe()
         now = time.perf_counter()
         if now - self.last >= 0.2:
             self.last = now
             e = self.engine
             self.progress.update(self.task, completed=min(computed, self.prompt_tokens))
             self.dash.prefilling = computed < self.prompt_tokens
-            self.dash.update(e.snapshot(self.probe.sample(e.kv_pool_bytes, self.weights), block_map=True))
+            self.dash.update(self.window.snapshot(self.probe.sample(e.kv_pool_bytes, self.weights), block_map=True))
 
 
 class _PrefillDashboard(LiveDashboard):

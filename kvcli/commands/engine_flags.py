@@ -163,10 +163,20 @@ FLAGS: Mapping[str, Flag] = MappingProxyType(_flags(
          "ngram_min"),
     Flag("ngram_max", int, typer.Option(
         "--ngram-max", help="Longest suffix matched by prompt lookup (longest match first)."), 4, "ngram_max"),
+    Flag("kv_window", Optional[str], typer.Option(
+        "--kv-window", help="Bound each request's KV: keep its first --sink-tokens tokens and its last W tokens, "
+        "giving the blocks between back to the pool, so a text longer than the context streams through (rotary "
+        "positions stay inside the context: kept keys are re-rotated as blocks drop). A number of tokens, auto "
+        "(the context less the sink blocks and a margin) or none (a text must fit the context).",
+        show_default=False), None, "kv_window"),
+    Flag("sink_tokens", int, typer.Option(
+        "--sink-tokens", help="With --kv-window: the first tokens always kept (attention sinks, StreamingLLM); "
+        "rounded up to whole KV blocks."), 4, "sink_tokens"),
 ))
 
 # Flag groups several commands take together.
 SPECULATION = ("speculate", "num_speculative_tokens", "ngram_min", "ngram_max")
+RETENTION = ("kv_window", "sink_tokens")
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,9 @@ from rich.console import Console
 from rich.table import Table
 
 from kvcli.commands.common import Fail
-from kvcli.commands.plan_cmd import USABLE, KVFit, kv_fits
+from kvcli.commands.plan_cmd import USABLE, KVFit, kv_fits, paged_tokens_held
 from kvcli.config import ModelConfig
+from kvcli.kvcache.block_manager import sliding_window_of
 from kvcli.model.loader import ModelLoadError, bundled_gguf_path, load_config
 from kvcli.options import ConfigError, EngineOptions
 from kvcli.view.plain_log import human_bytes
@@ -44,7 +45,8 @@ class InspectReport:
     context_length: int
     tensors: list[TensorGroup]
     file_tensor_bytes: int
-    sliding_window: int | None = None  # attention window (tokens); every token's KV is still kept
+    sliding_window: int | None = None  # attention window (tokens)
+    window_released: bool = False  # every layer slides: the paged layout gives back the blocks before it
     resident: dict[str, int] | None = None  # layers / embedding / lm_head, after load
     linear_paths: str | None = None
     cpu_kernels: str | None = None  # kvcli's C kernels here: which build, or why none (model/int8dot_cpu.py)
@@ -56,6 +58,13 @@ class InspectReport:
     kv_budget: int = 0  # what is left for KV: USABLE x available memory minus the weights
     fits: list[KVFit] = field(default_factory=list)  # per KV dtype, at `context_length`
     kv_dtype: str | None = None  # what the engine picks here for these flags (needs the load: --no-load, None)
+    layer_kinds: str | None = None  # per-layer attention (Gemma 3: "5 sliding of 512 per global layer")
+    # K and V of one request of context_length tokens (fp16): as the paged layout holds it (every layer's
+    # window when every layer slides, else every token), every layer every token, and if each sliding layer
+    # held only its window's blocks (what per-layer-group block tables would hold: Gemma 3).
+    kv_request_held: int | None = None
+    kv_request_every: int | None = None
+    kv_request_windowed: int | None = None
 
 
 def _resolve(spec: str | None) -> str | None:
@@ -147,6 +156,18 @@ def inspect_model(spec: str | None, options: EngineOptions, load: bool, context:
         hidden_size=config.hidden_size, intermediate_size=config.intermediate_size, vocab_size=config.vocab_size,
         context_length=config.max_position_embeddings, tensors=groups, sliding_window=config.sliding_window,
         file_tensor_bytes=sum(g.bytes for g in groups), device=str(device))
+    if config.layer_types is not None:
+        n_sliding = sum(t == "sliding" for t in config.layer_types)
+        n_full = config.num_layers - n_sliding
+        rep.layer_kinds = (f"{n_sliding} sliding (window {config.local_window:,}) and {n_full} global of "
+                           f"{config.num_layers} layers")
+    if config.layer_types is not None or config.sliding_window is not None:
+        ctx_kv = context or config.max_position_embeddings
+        held = paged_tokens_held(config, ctx_kv, options.block_size, options.max_num_batched_tokens)
+        rep.kv_request_held = config.kv_bytes_of_request("fp16", held, windowed=False)
+        rep.kv_request_every = config.kv_bytes_of_request("fp16", ctx_kv, windowed=False)
+        rep.kv_request_windowed = config.kv_bytes_of_request("fp16", ctx_kv)
+        rep.window_released = sliding_window_of(config) > 0
     weights = rep.file_tensor_bytes
     if load:
         from kvcli.engine.llm_engine import LLMEngine
@@ -196,9 +217,23 @@ def render(rep: InspectReport, context: int) -> None:
     t.add_row("name", rep.name)
     t.add_row("architecture", f"{rep.architecture} · {rep.layers} layers · hidden {rep.hidden_size} · "
                               f"ffn {rep.intermediate_size} · vocab {rep.vocab_size:,}")
-    window = "" if rep.sliding_window is None else f" · sliding window {rep.sliding_window:,} (all KV kept)"
+    kept = "blocks before it given back" if rep.window_released else "all KV kept"
+    window = "" if rep.sliding_window is None else f" · sliding window {rep.sliding_window:,} ({kept})"
     t.add_row("attention", f"{rep.heads} heads · {rep.kv_heads} KV heads · head dim {rep.head_dim}{window}")
+    if rep.layer_kinds:
+        t.add_row("layers", rep.layer_kinds)
     t.add_row("context length", f"{rep.context_length:,} tokens")
+    if rep.kv_request_held is not None and rep.kv_request_windowed is not None:
+        every = rep.kv_request_every or rep.kv_request_held
+        if rep.window_released:
+            t.add_row("KV of one request", f"{human_bytes(rep.kv_request_held)} held at {context:,} tokens (fp16; "
+                      f"the paged layout gives back the blocks before the window) · {human_bytes(every)} if every "
+                      f"token were kept ({rep.kv_request_held / every:.2f}x)")
+        else:
+            t.add_row("KV of one request", f"{human_bytes(rep.kv_request_held)} at {context:,} tokens (fp16, every "
+                      f"layer every token: what kvcli holds today) · {human_bytes(rep.kv_request_windowed)} if the "
+                      f"windowed layers kept only their window "
+                      f"({rep.kv_request_windowed / rep.kv_request_held:.2f}x)")
     for g in rep.tensors:
         t.add_row(f"tensors {g.type}", f"{g.count} · {human_bytes(g.bytes)}")
     t.add_row("file tensors", human_bytes(rep.file_tensor_bytes))

@@ -36,12 +36,15 @@ def run_perplexity(a: PerplexityArgs, fail: Fail) -> int:
     with err.status("loading model…", spinner="dots"):
         engine = build_engine(a.model, a.quant, a.options, fail)
     ids = engine.tokenizer.encode(text)
+    if engine.retention is not None and (a.window or a.stride):
+        fail("--window/--stride (windowed recomputation) and --kv-window (one stream through a bounded cache) "
+             "are two ways to score a long text: give one")
     window = a.window or engine.max_model_len
     if window > engine.max_model_len:
         fail(f"--window {window} is longer than the {engine.max_model_len}-token context")
     stride = a.stride or window
     try:
-        total = progress_total(len(ids), window, stride)
+        total = len(ids) if engine.retention is not None else progress_total(len(ids), window, stride)
         with Progress(TextColumn("scoring"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
                       TimeRemainingColumn(), console=err, transient=True,
                       disable=a.json_out or not err.is_terminal) as bar:
@@ -51,6 +54,14 @@ def run_perplexity(a: PerplexityArgs, fail: Fail) -> int:
         fail(str(e))
     if a.json_out:
         print(json.dumps(asdict(result) | {"model": engine.source, "file": str(a.file)}, indent=2))
+        return 0
+    if result.kv_window is not None:
+        print(f"perplexity {result.perplexity:.4f}  (mean NLL {result.mean_nll:.5f} nats/token)")
+        print(f"scored {result.tokens_scored:,} of {result.tokens_total:,} tokens as one stream through a bounded KV "
+              f"cache: {result.sink_tokens} sink tokens (whole blocks) + a {result.kv_window:,}-token window; at "
+              f"most {result.kv_tokens_peak:,} KV tokens held")
+        print(f"KV {result.kv_dtype}: {result.kv_bytes_per_token:,} B per token · weights {engine.linear_mode} · "
+              f"{Path(engine.source).name}")
         return 0
     per_window = ("the whole text in one window" if result.windows == 1 else
                   f"{result.windows} windows of {window:,} tokens, stride {stride:,}")

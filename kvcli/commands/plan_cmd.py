@@ -10,6 +10,7 @@ from rich.table import Table
 
 from kvcli.commands.common import Fail
 from kvcli.engine.llm_engine import native_attention_available, pick_backend
+from kvcli.kvcache.block_manager import sliding_window_blocks, sliding_window_of
 from kvcli.kvcache.interface import blocks_for
 from kvcli.model.loader import ModelLoadError, load_config
 from kvcli.options import ConfigError, EngineOptions, parse_bytes
@@ -63,6 +64,13 @@ def kv_fit(config, kv_dtype: str, kv_budget: int, context: int, mean: int, block
     return KVFit(str(kv_dtype), per_tok, budget // per_tok,
                  budget // (per_tok * blocks_for(context, block_size) * block_size),
                  budget // (per_tok * blocks_for(mean, block_size) * block_size))
+
+
+def paged_tokens_held(config, tokens: int, block_size: int, step_tokens: int) -> int:
+    """KV tokens the paged layout holds for one request of `tokens` tokens: all of them, unless every layer
+    slides (Mistral): then the blocks before the window go back as it advances (kvcache/block_manager.py)."""
+    w = sliding_window_of(config)
+    return min(tokens, block_size * sliding_window_blocks(w, step_tokens, block_size)) if w else tokens
 
 
 KV_DTYPE_NAMES = ("fp32", "fp16", "bf16", "int8", "fp8")
@@ -123,6 +131,15 @@ def run_plan(a: PlanArgs, fail: Fail) -> int:
     t.add_row("KV per token", human_bytes(per_tok),
               f"2 x {config.num_layers} layers x {config.num_kv_heads} KV heads x {config.head_dim}")
     t.add_row("KV per request", human_bytes(per_tok * context), f"at --context {context:,}")
+    held = paged_tokens_held(config, context, block_size, EngineOptions.max_num_batched_tokens)
+    if sliding_window_of(config):  # every layer slides: the paged layout gives back what is before the window
+        t.add_row("  held, paged", human_bytes(per_tok * held),
+                  f"{held:,} tokens at most: the blocks before the {sliding_window_of(config):,}-token window go back")
+        mean = min(mean, held)
+    elif config.layer_types is not None or config.sliding_window is not None:  # mixed layers keep every token
+        windowed = config.kv_bytes_of_request(dtype_name, context)
+        t.add_row("  if windows freed", human_bytes(windowed),
+                  f"{windowed / max(per_tok * context, 1):.2f}x: windowed layers holding only their window")
     if kv_budget <= 0:
         t.add_row("KV budget", "none", "the weights alone exceed 90% of memory")
         Console().print(t)

@@ -93,7 +93,7 @@ def run_profile(a: ProfileArgs, fail: Fail) -> int:
         tokenizer = loaded.tokenizer if loaded is not None else (
             load_tokenizer(a.model) if any(r.prompt_text is not None for r in trace.requests) else None)
         prompts = prompt_ids(trace, tokenizer, a.seed)
-        if any(len(p) >= max_model_len for p in prompts):
+        if options.kv_window is None and any(len(p) >= max_model_len for p in prompts):
             fail(f"a trace prompt has {max(map(len, prompts))} tokens; --max-model-len is {max_model_len}")
         model = None
         for base, dtype in [(base, d) for base in runs for d in a.kv_dtypes]:
@@ -148,15 +148,19 @@ def _run_one(engine: LLMEngine, trace, prompts, label: str, a: ProfileArgs, err:
     from kvcli.metrics.memory import MemoryProbe
     from kvcli.view.dashboard import LiveDashboard
 
+    from kvcli.metrics.window import WindowTracker
+
     probe = MemoryProbe(str(engine.device))
     weights = sum(engine.weight_bytes().values())
+    window = WindowTracker(engine)  # a bounded cache's recycled blocks, marked on the map
     last = [0.0]
     with LiveDashboard(err, live=use_live) as dash:
         def on_step(e: LLMEngine) -> None:
+            window.observe()
             now = time.perf_counter()
             if now - last[0] >= 0.2:  # snapshots cost a block-map walk: a few per second is plenty
                 last[0] = now
-                dash.update(e.snapshot(probe.sample(e.kv_pool_bytes, weights), block_map=True))
+                dash.update(window.snapshot(probe.sample(e.kv_pool_bytes, weights), block_map=True))
 
         return run_trace(engine, trace, prompts, label, on_step=on_step)
 

@@ -6,6 +6,7 @@ import itertools
 import os
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import torch
 
@@ -15,10 +16,11 @@ from kvcli.engine.output_processor import OutputProcessor
 from kvcli.engine.outputs import CompletionOutput, RequestOutput
 from kvcli.engine.request import Request
 from kvcli.engine.scheduler import Scheduler
-from kvcli.kvcache.block_manager import PagedKVManager
+from kvcli.kvcache.block_manager import PagedKVManager, sliding_window_of
 from kvcli.kvcache.contiguous import ContiguousArena, reservation_split
 from kvcli.kvcache.interface import KVLayout, blocks_for
 from kvcli.kvcache.kv_cache import KVCache, bytes_per_block, usable_blocks_for_budget
+from kvcli.kvcache.retention import Retention
 from kvcli.metrics.collector import MetricsCollector
 from kvcli.metrics.snapshot import KVBreakdown, MemorySnapshot, Snapshot, SpecSummary
 from kvcli.metrics.stats import EngineFacts, RequestExtent, RunStats
@@ -30,6 +32,7 @@ from kvcli.native import registry
 from kvcli.options import ConfigError, EngineOptions, parse_kv_budget, parse_kv_dtype
 from kvcli.runner.model_runner import ModelRunner
 from kvcli.runner.simulated_runner import SimulatedRunner
+from kvcli.sampler import Penalties
 from kvcli.spec_decode.backoff import AdaptiveBackoff
 from kvcli.spec_decode.prompt_lookup import PromptLookupProposer
 
@@ -153,12 +156,15 @@ class LLMEngine:
             self.runner: ModelRunner | SimulatedRunner = ModelRunner(self.model, self.kv_cache, self.backend)
         else:
             self.runner = SimulatedRunner()
+        self.retention = self._retention(options, c)
         self.kv: KVLayout
         if options.kv_layout == "paged":
             self.kv = PagedKVManager(num_blocks, bs, prefix_caching=options.prefix_caching,
-                                     watermark=options.watermark)
+                                     watermark=options.watermark, retention=self.retention,
+                                     sliding_window=sliding_window_of(c))
         else:
-            self.kv = ContiguousArena(num_blocks, bs, reserve=options.reserve, max_model_len=self.max_model_len)
+            self.kv = ContiguousArena(num_blocks, bs, reserve=options.reserve, max_model_len=self.max_model_len,
+                                      retention=self.retention)
         swap_blocks = options.swap_space_bytes() // self.bytes_per_block if options.preempt == "swap" else 0
         self.scheduler = Scheduler(
             self.kv, max_num_seqs=options.max_num_seqs, max_num_batched_tokens=options.max_num_batched_tokens,
@@ -182,6 +188,24 @@ class LLMEngine:
         # What a user waits for: reading the file and tokenizer, then the model build (weight packing)
         # and the KV pool allocation here.
         self.load_seconds += time.perf_counter() - t_build
+
+    def _retention(self, options: EngineOptions, c: ModelConfig) -> Retention | None:
+        """The bounded cache's rule (kvcache/retention.py), checked against this context."""
+        w = options.window_tokens(self.max_model_len)
+        if w is None:
+            return None
+        if any(c.layer_window(i) for i in range(c.num_layers)):
+            if options.kv_window == "auto":  # continue's and chat's default: the model's own window instead
+                return None
+            raise ConfigError("--kv-window on a sliding-window model is not supported yet (its sliding layers bound "
+                              "what they attend to already; --truncate head keeps a long text's end)")
+        r = Retention(options.sink_tokens, max(w, 1), options.block_size)
+        if w < 1 or r.max_slots > self.max_model_len:
+            raise ConfigError(f"--kv-window {options.kv_window}: {r.sink_slots} sink slots (--sink-tokens "
+                              f"{options.sink_tokens} in whole blocks) + the window + one block must fit the "
+                              f"{self.max_model_len:,}-token context: at most "
+                              f"{self.max_model_len - r.sink_slots - options.block_size + 1:,}")
+        return r
 
     @staticmethod
     def _speculation(options: EngineOptions) -> dict:
@@ -226,7 +250,11 @@ class LLMEngine:
 
     # --- requests -------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams, req_id: str | None = None,
-                    arrival_time: float | None = None) -> Request:
+                    arrival_time: float | None = None, logprobs: int | None = None,
+                    penalties: Penalties | None = None, skip_to_window: bool = False) -> Request:
+        """`logprobs`: report each sampled token's log probability and this many top alternatives
+        (RequestOutput.logprobs; 0 = the sampled token's only). `penalties`: presence / frequency /
+        repetition penalties on the logits before sampling (kvcli.sampler.Penalties)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ConfigError("a simulated engine takes token ids, not text")
@@ -235,12 +263,14 @@ class LLMEngine:
             ids = list(prompt)
         if not ids:
             raise ConfigError("empty prompt")
-        if len(ids) >= self.max_model_len:
+        if len(ids) >= self.max_model_len and self.retention is None:
             raise ConfigError(f"prompt has {len(ids)} tokens; the context holds {self.max_model_len}")
         if params.n > 1 and not self.kv.supports_sharing:
             raise ConfigError("n > 1 shares the prompt's blocks, which needs the paged layout")
         rid = req_id or f"r{next(self._ids)}"
-        req = Request(rid, ids, params.with_(n=1))
+        # skip_to_window (a bounded cache only): compute the sinks and the last W tokens of the prompt, not the
+        # tokens between (chat's turns past the window; kvcache/retention.py).
+        req = Request(rid, ids, params.with_(n=1), skip_to_window=skip_to_window and self.retention is not None)
         if arrival_time is not None:
             req.arrival_time = arrival_time
         # Further samples of the prompt get their own seeds (seed + i) and share its blocks once computed.
@@ -249,6 +279,11 @@ class LLMEngine:
         self.scheduler.add(req, forks)
         for r in (req, *forks):
             self.output.add(r.req_id)
+            if logprobs is not None and hasattr(self.runner, "want_logprobs"):
+                self.runner.want_logprobs[r.req_id] = logprobs
+            if penalties is not None and penalties.active and hasattr(self.runner, "penalties"):
+                self.runner.penalties[r.req_id] = replace(penalties, prompt_ids=tuple(ids))
+                self.runner.penalized_out[r.req_id] = []
         return req
 
     @property
@@ -275,11 +310,14 @@ class LLMEngine:
         decode_only = True
         for chunk in out.chunks:
             req = self.scheduler.requests[chunk.req_id]
-            if chunk.start_pos < req.num_prompt_tokens:
+            if req.num_cached_tokens is None:  # its first chunk starts after the prefix-cache hit
+                req.num_cached_tokens = min(chunk.start_pos, req.num_prompt_tokens)
+            start = req.num_computed_tokens  # in text tokens (start_pos is a cache position under --kv-window)
+            if start < req.num_prompt_tokens:
                 decode_only = False
-                self.prompt_tokens += min(req.num_prompt_tokens, chunk.start_pos + len(chunk.token_ids)) - chunk.start_pos
+                self.prompt_tokens += min(req.num_prompt_tokens, start + len(chunk.token_ids)) - start
         new_tokens = self.scheduler.update_from_output(out, result, time.perf_counter())
-        outputs, stopped = self.output.process(new_tokens)
+        outputs, stopped = self.output.process(new_tokens, result.logprobs)
         if stopped:
             self.scheduler.finish_requests(stopped, "stop")
         dt = time.perf_counter() - t0
@@ -309,8 +347,10 @@ class LLMEngine:
             raise RuntimeError("score() needs an idle engine")
         if not 1 <= first_scored < len(token_ids):
             raise ConfigError(f"nothing to score: {len(token_ids)} tokens, scoring from {first_scored}")
-        if len(token_ids) > self.max_model_len:
+        if len(token_ids) > self.max_model_len and self.retention is None:
             raise ConfigError(f"{len(token_ids)} tokens do not fit the {self.max_model_len}-token context")
+        if self.retention is not None:
+            self.kv.peak_slots = 0  # kv_tokens_peak of this sequence, measured by the layout at each step
         req = f"score{next(self._ids)}"
         sched = self.scheduler
         if not sched.admit_scoring(req, len(token_ids)):

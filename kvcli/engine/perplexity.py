@@ -5,6 +5,11 @@ Windows start every `stride` tokens and hold up to `window` tokens. The first wi
 its first token; a later window scores only the tokens past the end of the window before it (each
 token is scored once, with at least window - stride tokens of context). With stride == window
 (the default) the windows do not overlap and each scores all but its first token.
+
+Under a bounded cache (--kv-window W, --sink-tokens S: kvcache/retention.py) the whole text is one
+stream instead: every token but the first is scored with the cache as its context (the sinks and the last
+W to W + block - 1 tokens, chunks of at most W), and the result carries the most KV tokens any step held,
+as the KV layout measured it.
 """
 
 from __future__ import annotations
@@ -35,6 +40,9 @@ class PerplexityResult:
     stride: int
     kv_dtype: str
     kv_bytes_per_token: int
+    kv_window: int | None = None  # bounded cache only: W, S, and the most KV tokens a step held (measured)
+    sink_tokens: int | None = None
+    kv_tokens_peak: int | None = None
 
 
 def windows(num_tokens: int, window: int, stride: int) -> list[Window]:
@@ -59,6 +67,17 @@ def windows(num_tokens: int, window: int, stride: int) -> list[Window]:
 
 def perplexity(engine: LLMEngine, ids: list[int], window: int, stride: int,
                on_progress: Callable[[int], None] | None = None) -> PerplexityResult:
+    r = engine.retention
+    if r is not None:  # one stream through the bounded cache
+        if len(ids) < 2:
+            raise ConfigError(f"the text has {len(ids)} token(s); perplexity needs at least 2")
+        nll = engine.score(ids, 1, on_progress)
+        mean = float(nll.sum()) / nll.numel()
+        return PerplexityResult(perplexity=math.exp(mean), mean_nll=mean, tokens_scored=int(nll.numel()),
+                                tokens_total=len(ids), windows=1, window=len(ids), stride=len(ids),
+                                kv_dtype=str(engine.kv_dtype),
+                                kv_bytes_per_token=engine.config.kv_bytes_per_token(engine.kv_dtype),
+                                kv_window=r.window, sink_tokens=r.sink_tokens, kv_tokens_peak=engine.kv.peak_slots)
     ws = windows(len(ids), window, stride)
     total = 0.0
     count = 0

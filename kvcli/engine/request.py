@@ -32,9 +32,12 @@ class Request:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     num_preemptions: int = 0
     swapped_blocks: int = 0  # host blocks held while swapped out
+    dropped_tokens: int = 0  # set when it finishes: tokens its bounded cache dropped (Scheduler.dropped_tokens)
+    skip_to_window: bool = False  # bounded cache: rebuild only the sinks and the last W tokens (scheduler.py)
     parent_id: str | None = None  # set on the samples forked from one prompt (n > 1)
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache when first scheduled
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -26,6 +26,23 @@ the runner accepted (the guesses the model agreed with, then the model's own nex
 one through the stop checks, advances `num_computed_tokens` over the accepted guesses only (their
 K/V were written with a correct context; the model's own token has no K/V yet), gives the rejected
 guesses' slots back with `KVLayout.truncate`, and only then indexes full blocks for the prefix cache.
+
+A bounded cache (a KV layout with a `Retention`, kvcache/retention.py: --kv-window W, --sink-tokens S):
+the layout owns what is kept and drops blocks inside `allocate`; the scheduler keeps counting text tokens
+(num_computed_tokens: tokens of prompt + output computed or dropped) and asks the layout where they sit
+(`cache_position`): a chunk's start_pos is a cache position, so the runner and every attention backend see
+the compact cache. A windowed request is not capped by the context: its prompt may be longer and it ends
+on max_tokens (or a stop), never on max_model_len. Its chunk (with any guesses) is at most W tokens, so a
+drop never reaches a token not yet computed. A request marked `skip_to_window` (recompute preemption
+sets it; so may its submitter) rebuilds only its sinks and its last W tokens: once its sinks are
+computed, the layout counts the tokens between as dropped without computing them, positions compact.
+
+A sliding-window model (a paged layout with `sliding_window` W: every layer attends only to its last W
+keys) keeps true positions: the layout releases the blocks before a step's window inside `allocate` and
+points their table entries at the null block, so nothing changes here but the accounting: a request can
+run when ceil((W - 1 + step budget) / block_size) + 1 blocks fit (the layout's `step_tokens` is the step
+budget), and a swap-out copies only the blocks still held (`trim` first, then the held blocks; the
+readmission's held blocks, the same ones, take them back).
 """
 
 from __future__ import annotations
@@ -34,7 +51,7 @@ import time
 from collections import deque
 
 from kvcli.engine.request import Request, RequestStatus
-from kvcli.kvcache.interface import KVLayout
+from kvcli.kvcache.interface import NULL_BLOCK, KVLayout
 from kvcli.metrics.snapshot import RequestTiming
 from kvcli.metrics.stats import RequestExtent, SchedulerStats, SpecStats
 from kvcli.spec_decode.backoff import AdaptiveBackoff
@@ -76,10 +93,33 @@ class Scheduler:
         self.spec_steps = 0
         self.sample_steps = 0
         self.sample_tokens = 0
+        if getattr(kv, "sliding_window", 0):  # a windowed request holds its window and one step's tokens
+            kv.step_tokens = max_num_batched_tokens
 
     # --- queue -----------------------------------------------------------------------------------
+    @property
+    def retention(self):
+        return getattr(self.kv, "retention", None)
+
     def final_tokens(self, req: Request) -> int:
+        if self.retention is not None:  # bounded by the window, not the context
+            return req.num_prompt_tokens + req.params.max_tokens
         return min(req.num_prompt_tokens + req.params.max_tokens, self.max_model_len)
+
+    def _cap(self, req: Request, n: int) -> int:
+        """A windowed request's share of a step: at most W tokens, and for one rebuilding to its window,
+        its sinks first on their own (the skip happens between them and the window)."""
+        r = self.retention
+        if r is None:
+            return n
+        n = min(n, r.window)
+        if req.skip_to_window and req.num_computed_tokens < r.sink_slots:
+            n = min(n, r.sink_slots - req.num_computed_tokens)
+        return n
+
+    def _skip(self, req: Request) -> None:
+        if req.skip_to_window and self.retention is not None:
+            req.num_computed_tokens += self.kv.skip(req.req_id, req.num_computed_tokens, req.num_tokens)
 
     def add(self, req: Request, forks: list[Request] = ()) -> None:
         """Queue a request; `forks` are further samples of the same prompt, which share its blocks
@@ -103,7 +143,9 @@ class Scheduler:
 
     # --- preemption ----------------------------------------------------------------------------------
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
-        table = list(self.kv.block_table(req.req_id))
+        if self.preempt_mode == "swap" and getattr(self.kv, "sliding_window", 0):
+            self.kv.trim(req.req_id, req.num_computed_tokens)  # blocks before the window: not worth a copy
+        table = [b for b in self.kv.block_table(req.req_id) if b != NULL_BLOCK]
         req.num_preemptions += 1
         self.num_preemptions += 1
         out.preempted.append(req.req_id)
@@ -111,7 +153,7 @@ class Scheduler:
         if swapped_in is not None:
             # Swapped in and out within one step: its host copy is still current, so undo the swap-in.
             del out.swap_in[swapped_in]
-            self.kv.free(req.req_id)
+            self.kv.free(req.req_id, swapped=True)
             self.swap_blocks_free -= req.swapped_blocks
             req.status = RequestStatus.SWAPPED
             self.swapped.appendleft(req)
@@ -119,13 +161,14 @@ class Scheduler:
         if self.preempt_mode == "swap" and len(table) <= self.swap_blocks_free:
             self.swap_blocks_free -= len(table)
             out.swap_out.append((req.req_id, table))
-            self.kv.free(req.req_id)
+            self.kv.free(req.req_id, swapped=True)
             req.status = RequestStatus.SWAPPED
             req.swapped_blocks = len(table)
             self.swapped.append(req)
             return
         self.kv.free(req.req_id)
         req.num_computed_tokens = 0
+        req.skip_to_window = self.retention is not None  # rebuild the sinks and the window only
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
 
@@ -143,16 +186,19 @@ class Scheduler:
                 break
             self.swapped.popleft()
             self.swap_blocks_free += req.swapped_blocks
-            out.swap_in.append((req.req_id, list(self.kv.block_table(req.req_id))[:req.swapped_blocks]))
+            held = [b for b in self.kv.block_table(req.req_id) if b != NULL_BLOCK]
+            out.swap_in.append((req.req_id, held[:req.swapped_blocks]))
             req.status = RequestStatus.RUNNING
             self.running.append(req)
 
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            self._skip(req)
+            n = self._cap(req, min(req.num_tokens - req.num_computed_tokens, budget))
             if n == req.num_tokens - req.num_computed_tokens:
-                guesses = self._propose(req, budget - n)
+                room = budget - n if self.retention is None else min(budget, self.retention.window) - n
+                guesses = self._propose(req, room)
                 # Guess slots only when free, leaving a block for each request still to be scheduled:
                 # a guess never causes a preemption.
                 free = self.kv.num_free_blocks
@@ -185,7 +231,14 @@ class Scheduler:
             req = self.waiting[0]
             if req.num_computed_tokens == 0:  # reuse cached blocks of a shared prefix (paged only)
                 req.num_computed_tokens = self.kv.match_prefix(req.req_id, req.all_token_ids)
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+                r = self.retention
+                if (req.skip_to_window and r is not None and req.num_computed_tokens > r.sink_slots
+                        and req.num_tokens > r.sink_slots + r.window):
+                    # Rebuilding to the window: keep only the sink blocks of the hit, then skip.
+                    self.kv.truncate(req.req_id, r.sink_slots)
+                    req.num_computed_tokens = r.sink_slots
+            self._skip(req)
+            n = self._cap(req, min(req.num_tokens - req.num_computed_tokens, budget))
             if not self.kv.admit(req.req_id, req.num_computed_tokens + n, req.num_computed_tokens,
                                  self.final_tokens(req)):
                 # Not now. Prefix blocks taken above go back to the cache; the match is redone next time.
@@ -199,6 +252,8 @@ class Scheduler:
             out.chunks.append(self._chunk(req, n))
 
         out.block_copies.extend(self.kv.take_copies())
+        if self.retention is not None:
+            out.key_shifts.extend(self.kv.take_shifts())
         out.new_blocks.extend(self.kv.take_new_blocks())
         if not out.chunks and not self.running and (self.waiting or self.swapped):
             req = (self.waiting or self.swapped)[0]
@@ -221,7 +276,7 @@ class Scheduler:
         return ScheduledChunk(
             req_id=req.req_id,
             token_ids=req.token_slice(start, start + n) + list(guesses),
-            start_pos=start,
+            start_pos=start if self.retention is None else self.kv.cache_position(req.req_id, start),
             block_table=list(self.kv.block_table(req.req_id)),
             sample=sample,
             fork_ids=tuple(c.req_id for c in self._forks.get(req.req_id, ())) if sample else (),
@@ -289,12 +344,14 @@ class Scheduler:
         p = req.params
         if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
             self.finish(req, "stop")
-        elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+        elif len(req.output_token_ids) >= p.max_tokens or (req.num_tokens >= self.max_model_len
+                                                          and self.retention is None):
             self.finish(req, "length")
 
     def finish(self, req: Request, reason: str) -> None:
         if req.finished:
             return
+        req.dropped_tokens = self.dropped_tokens(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         if req in self.running:
@@ -310,6 +367,12 @@ class Scheduler:
             self.proposer.release(req.req_id)
         if self.backoff is not None:
             self.backoff.release(req.req_id)
+
+    def dropped_tokens(self, req: Request) -> int:
+        """Text tokens of a request its bounded cache holds no KV for (0 without a retention rule)."""
+        if self.retention is None or req.finished:
+            return req.dropped_tokens
+        return self.kv.dropped_tokens(req.req_id)
 
     def finish_requests(self, req_ids: list[str], reason: str) -> None:
         """End requests that something outside ended (output processing: a stop string)."""
@@ -333,25 +396,37 @@ class Scheduler:
     # --- teacher forcing -------------------------------------------------------------------------------
     # A scored sequence is not a request: it has no sampling, no output and no runner state, and the
     # scheduler must be idle. It is prefilled in chunks of the step budget, through the KV layout.
+    def scoring_chunk(self) -> int:
+        """Tokens per scoring step: the step budget, and under a retention rule at most W."""
+        r = self.retention
+        return self.max_num_batched_tokens if r is None else min(self.max_num_batched_tokens, r.window)
+
     def admit_scoring(self, req_id: str, num_tokens: int) -> bool:
         """Take KV space for a sequence of num_tokens to score (False: the pool cannot hold it)."""
-        return self.kv.admit(req_id, min(num_tokens, self.max_num_batched_tokens), 0, num_tokens)
+        return self.kv.admit(req_id, min(num_tokens, self.scoring_chunk()), 0, num_tokens)
 
     def schedule_scoring(self, req_id: str, token_ids: list[int], pos: int) -> SchedulerOutput | None:
         """The step that computes token_ids[pos:pos + budget] (each position's logits wanted), or None
-        when the pool has no slots for it."""
-        n = min(self.max_num_batched_tokens, len(token_ids) - pos)
+        when the pool has no slots for it. Under a retention rule the sequence streams through the window."""
+        n = min(self.scoring_chunk(), len(token_ids) - pos)
         if not self.kv.allocate(req_id, pos + n, pos):
             return None
-        return SchedulerOutput([ScheduledChunk(req_id, token_ids[pos:pos + n], pos, self.kv.block_table(req_id), True)],
-                               new_blocks=self.kv.take_new_blocks(), block_copies=self.kv.take_copies())
+        start = pos if self.retention is None else self.kv.cache_position(req_id, pos)
+        return SchedulerOutput([ScheduledChunk(req_id, token_ids[pos:pos + n], start, self.kv.block_table(req_id), True)],
+                               new_blocks=self.kv.take_new_blocks(), block_copies=self.kv.take_copies(),
+                               key_shifts=self.kv.take_shifts() if self.retention is not None else [])
 
     def finish_scoring(self, req_id: str) -> None:
         self.kv.free(req_id)
 
     # --- statistics ------------------------------------------------------------------------------------
     def extent(self, req: Request) -> RequestExtent:
-        return RequestExtent(req.req_id, req.num_computed_tokens, self.final_tokens(req))
+        """A request's extent in KV slots: under a retention rule its compact cache, not its text."""
+        r = self.retention
+        if r is None:
+            return RequestExtent(req.req_id, req.num_computed_tokens, self.final_tokens(req))
+        d = self.kv.dropped_tokens(req.req_id)
+        return RequestExtent(req.req_id, req.num_computed_tokens - d, min(self.final_tokens(req) - d, r.max_slots))
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(

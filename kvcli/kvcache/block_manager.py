@@ -9,6 +9,25 @@ those tokens are not computed again. Requests forked from one prompt (SamplingPa
 its blocks by reference count; the first write into a shared, partially filled block copies it
 (copy-on-write): the copy is queued as (src, dst) for the runner to perform before the step's
 forward pass.
+
+With a `Retention` (kvcache/retention.py: attention sinks + a recent window, the rule and the positions
+are written there) the manager also bounds each request: `allocate` drops the window's oldest whole
+blocks before a step would overflow it, keeps the table compact, counts the request's dropped tokens
+(`dropped_tokens`: text token t >= sink_slots sits at cache position t - D) and queues the re-rotation of
+the kept keys (`take_shifts`). All counts the scheduler passes stay in text tokens (tokens of the
+request's prompt + output covered); the manager converts them to cache slots.
+
+With a `sliding_window` W (a model whose every layer attends only to its last W keys: Mistral; the span
+of the widest window) positions stay true and nothing is re-rotated: a step that computes tokens from
+`num_computed` on reads keys from position num_computed - W + 1 on, so every block wholly before that goes
+back to the pool as the request advances, and its table entry points at the null block instead (the
+table's length stays ceil(tokens / block_size), so slot = table[p // block_size] still holds for every
+position; kernels skip or mask the null block's zeros, which are finite in every KV format: vLLM does the
+same). A request so holds at most ceil((W - 1 + chunk) / block_size) + 1 blocks, whatever its length.
+A released block keeps its prefix-index entry while it sits free: its keys are at true positions and were
+computed with their whole context, so a later request with the same prefix may take it back, as from any
+finished request (the chain stops at the first block handed out again since). Swap-outs copy only the
+held blocks (`trim` first); a readmission points the leading entries at the null block again.
 """
 
 from __future__ import annotations
@@ -16,9 +35,24 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from kvcli.kvcache.block_pool import BlockPool
-from kvcli.kvcache.interface import blocks_for
+from kvcli.kvcache.interface import NULL_BLOCK, blocks_for
+from kvcli.kvcache.retention import KeyShift, Retention
 from kvcli.metrics.snapshot import BlockMap
 from kvcli.metrics.stats import KVLayoutStats, RequestExtent
+
+
+def sliding_window_of(config) -> int:
+    """The span a paged layout may keep per request of a model whose every layer slides (its widest window),
+    or 0 when some layer attends to the whole context. `config`: a kvcli.config.ModelConfig (layer_window)."""
+    windows = [config.layer_window(i) for i in range(config.num_layers)]
+    return 0 if not windows or not all(windows) else max(windows)
+
+
+def sliding_window_blocks(window: int, chunk: int, block_size: int) -> int:
+    """The most blocks a request of a model that slides in every layer (window W) holds in the paged layout
+    when it computes up to `chunk` tokens a step: keys [c - W + 1, c + chunk) span at most
+    ceil((W - 1 + chunk) / block_size) + 1 blocks, whatever the request's length."""
+    return blocks_for(window - 1 + chunk, block_size) + 1
 
 
 class PagedKVManager:
@@ -26,7 +60,11 @@ class PagedKVManager:
     supports_sharing = True
 
     def __init__(self, num_blocks: int, block_size: int, *, prefix_caching: bool = True,
-                 watermark: float = 0.01) -> None:
+                 watermark: float = 0.01, retention: Retention | None = None, sliding_window: int = 0) -> None:
+        if sliding_window and retention is not None:
+            raise ValueError("a bounded cache (retention) and a model's sliding window do not combine")
+        if sliding_window < 0:
+            raise ValueError(f"sliding_window must be >= 0 (got {sliding_window})")
         self.pool = BlockPool(num_blocks)
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -37,6 +75,15 @@ class PagedKVManager:
         self.pending_copies: list[tuple[int, int]] = []
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
+        self.retention = retention
+        self.dropped: dict[str, int] = {}  # per windowed request: text tokens dropped (cache pos = text - D)
+        self.pending_shifts: list[KeyShift] = []
+        self.dropped_total = 0  # tokens dropped over the run (all requests), for the views
+        self.recycled_blocks = 0  # blocks handed back by drops
+        self.peak_slots = 0  # the most cache slots one request has held (measured at allocate)
+        self.sliding_window = sliding_window  # W > 0: blocks wholly before every layer's window go back
+        self.step_tokens: int | None = None  # the most tokens one request computes in a step (the scheduler's)
+        self.peak_held_blocks = 0  # the most blocks one request has held at once (measured at allocate)
 
     @property
     def num_free_blocks(self) -> int:
@@ -45,20 +92,136 @@ class PagedKVManager:
     def block_table(self, req_id: str) -> list[int]:
         return self.tables.get(req_id, [])
 
-    def _needed(self, req_id: str, num_tokens: int) -> int:
-        return max(0, blocks_for(num_tokens, self.block_size) - len(self.tables.get(req_id, ())))
+    def _needed(self, req_id: str, num_tokens: int, num_computed: int = 0) -> int:
+        """New blocks a step to `num_tokens` takes (table entries before the window are the null block)."""
+        have = max(len(self.tables.get(req_id, ())), self._window_start(num_computed))
+        return max(0, blocks_for(num_tokens, self.block_size) - have)
 
     def blocks_to_admit(self, num_tokens: int, final_tokens: int) -> int:
-        return blocks_for(num_tokens, self.block_size)
+        if self.retention is not None:
+            num_tokens = min(num_tokens, self.retention.max_slots)
+        n = blocks_for(num_tokens, self.block_size)
+        if self.sliding_window:
+            return min(n, self.window_blocks(num_tokens if self.step_tokens is None else self.step_tokens))
+        return n
+
+    # --- a model's sliding window (true positions, blocks before the window released) --------------------
+    def window_blocks(self, chunk: int) -> int:
+        """The most blocks a request holds under the sliding window at up to `chunk` tokens a step."""
+        return sliding_window_blocks(self.sliding_window, chunk, self.block_size)
+
+    def _window_start(self, num_computed: int) -> int:
+        """Index of the first block a step from `num_computed` reads (0 without a window)."""
+        if not self.sliding_window:
+            return 0
+        return max(0, num_computed - self.sliding_window + 1) // self.block_size
+
+    def _release_before(self, table: list[int], start: int) -> None:
+        gone = [b for b in table[:start] if b != NULL_BLOCK]
+        if gone:
+            for i in range(min(start, len(table))):
+                table[i] = NULL_BLOCK
+            self.pool.free(gone)
+            self.recycled_blocks += len(gone)
+
+    def trim(self, req_id: str, num_computed: int) -> None:
+        """Release the blocks a step from `num_computed` no longer reads (a swap-out copies only the rest)."""
+        table = self.tables.get(req_id)
+        if table:
+            self._release_before(table, self._window_start(num_computed))
+
+    def held_blocks(self, req_id: str) -> list[int]:
+        """The request's blocks that hold KV (its table without the null entries)."""
+        return [b for b in self.tables.get(req_id, ()) if b != NULL_BLOCK]
+
+    # --- retention (bounded cache) -----------------------------------------------------------------
+    def dropped_tokens(self, req_id: str) -> int:
+        return self.dropped.get(req_id, 0)
+
+    def cache_position(self, req_id: str, text_index: int) -> int:
+        """Where text token `text_index` (one not dropped) sits in the request's compact cache."""
+        d = self.dropped.get(req_id, 0)
+        return text_index if d == 0 or text_index < self.retention.sink_slots else text_index - d
+
+    def skip(self, req_id: str, num_computed: int, num_tokens: int) -> int:
+        """Rebuild (after a recompute preemption, or a prompt to be kept, not streamed): with exactly the
+        sinks cached and nothing dropped yet, count the tokens between the sinks and the last W as dropped
+        without computing them; returns how many (0: nothing to skip). Positions stay compact."""
+        r = self.retention
+        if r is None or self.dropped.get(req_id, 0) or num_computed != r.sink_slots:
+            return 0
+        n = num_tokens - num_computed - r.window
+        if n <= 0:
+            return 0
+        self.dropped[req_id] = n
+        self.dropped_total += n
+        hashes = self.hashes.get(req_id)
+        if hashes:
+            del hashes[r.sink_blocks:]
+        return n
+
+    def take_shifts(self) -> list[KeyShift]:
+        out, self.pending_shifts = self.pending_shifts, []
+        return out
+
+    def _drop(self, req_id: str, table: list[int], k: int, cached_computed: int, grow: int) -> bool:
+        """Drop the k oldest window blocks, copy shared kept blocks, queue the kept keys' re-rotation, when
+        that and `grow` more blocks (plus one for a copy-on-write of the first written block) fit in the
+        pool; else change nothing and return False."""
+        r = self.retention
+        ns = r.sink_blocks
+        gone, kept = table[ns:ns + k], table[ns + k:]
+        # Kept blocks that hold computed keys move; shared ones are copied first (never rotate another's keys).
+        moving = kept[:max(0, blocks_for(cached_computed - r.sink_slots, self.block_size) - k)]
+        shared = [i for i, b in enumerate(moving) if self.pool.blocks[b].ref_cnt > 1]
+        freed = sum(1 for b in gone if self.pool.blocks[b].ref_cnt == 1)
+        cow = 1 if cached_computed % self.block_size else 0
+        if len(shared) + grow + cow > self.pool.num_free + freed:
+            return False
+        self.pool.free(gone)
+        for i in shared:
+            src = moving[i]
+            dst = self.pool.allocate(1)[0]
+            self.pool.free([src])
+            self.pending_copies.append((src, dst))
+            moving[i] = kept[i] = dst
+        for b in moving:
+            self.pool.unregister(b)
+        table[ns:] = kept
+        hashes = self.hashes.get(req_id)
+        if hashes:
+            del hashes[ns:]
+        delta = k * self.block_size
+        self.dropped[req_id] = self.dropped.get(req_id, 0) + delta
+        self.dropped_total += delta
+        self.recycled_blocks += len(gone)
+        if moving:
+            self.pending_shifts.append(KeyShift(req_id, tuple(moving), delta))
+        return True
 
     def admit(self, req_id: str, num_tokens: int, num_computed: int, final_tokens: int) -> bool:
-        if self._needed(req_id, num_tokens) + self.watermark_blocks > self.pool.num_free:
+        d = self.dropped.get(req_id, 0)
+        if self._needed(req_id, num_tokens - d, num_computed - d) + self.watermark_blocks > self.pool.num_free:
             return False
         return self.allocate(req_id, num_tokens, num_computed)
 
     def allocate(self, req_id: str, num_tokens: int, num_computed: int) -> bool:
         table = self.tables.setdefault(req_id, [])
-        need = self._needed(req_id, num_tokens)
+        d = self.dropped.get(req_id, 0)
+        num_tokens, num_computed = num_tokens - d, num_computed - d  # text tokens -> cache slots
+        if self.retention is not None:
+            k = self.retention.blocks_to_drop(num_tokens, num_computed, len(table))
+            if k:
+                grow = max(0, blocks_for(num_tokens - k * self.block_size, self.block_size) - (len(table) - k))
+                if not self._drop(req_id, table, k, num_computed, grow):
+                    return False
+                num_tokens -= k * self.block_size
+                num_computed -= k * self.block_size
+        start = self._window_start(num_computed)
+        if start:  # a sliding window: what no step reads again goes back (true positions, nothing moves)
+            self._release_before(table, start)
+        self.peak_slots = max(self.peak_slots, num_tokens - start * self.block_size)
+        need = max(0, blocks_for(num_tokens, self.block_size) - max(len(table), start))
         # Copy-on-write: the block receiving the first new token is shared and already holds tokens.
         first = num_computed // self.block_size
         cow = first < len(table) and num_computed % self.block_size and self.pool.blocks[table[first]].ref_cnt > 1
@@ -66,6 +229,8 @@ class PagedKVManager:
             if not table:
                 del self.tables[req_id]
             return False
+        if len(table) < start:  # readmitted (after a swap) past the window: nothing before it is held
+            table.extend([NULL_BLOCK] * (start - len(table)))
         if cow:
             src = table[first]
             dst = self.pool.allocate(1)[0]
@@ -74,12 +239,17 @@ class PagedKVManager:
             self.pending_copies.append((src, dst))
         if need:
             table.extend(self.pool.allocate(need))
+        if self.sliding_window:
+            self.peak_held_blocks = max(self.peak_held_blocks, len(table) - start)
+        elif len(table) > self.peak_held_blocks:
+            self.peak_held_blocks = len(table)
         return True
 
     def truncate(self, req_id: str, num_tokens: int) -> None:
         table = self.tables.get(req_id)
         if not table:
             return
+        num_tokens -= self.dropped.get(req_id, 0)
         keep = blocks_for(num_tokens, self.block_size)
         if keep < len(table):
             self.pool.free(table[keep:])
@@ -88,11 +258,17 @@ class PagedKVManager:
         if hashes and len(hashes) > num_tokens // self.block_size:
             del hashes[num_tokens // self.block_size:]
 
-    def free(self, req_id: str) -> None:
+    def free(self, req_id: str, *, swapped: bool = False) -> None:
+        """Give back every block. `swapped`: the request's blocks were copied to host memory and come back
+        as they are, so its retention state (tokens dropped) is kept."""
         table = self.tables.pop(req_id, None)
         self.hashes.pop(req_id, None)
+        if not swapped:
+            self.dropped.pop(req_id, None)
+        if self.pending_shifts:
+            self.pending_shifts = [s for s in self.pending_shifts if s.req_id != req_id]
         if table:
-            self.pool.free(table)
+            self.pool.free([b for b in table if b != NULL_BLOCK])
 
     # --- prefix cache ---------------------------------------------------------------------------------
     def match_prefix(self, req_id: str, prompt: list[int]) -> int:
@@ -123,18 +299,24 @@ class PagedKVManager:
         bs = self.block_size
         table = self.tables.get(req_id, [])
         hashes = self.hashes.setdefault(req_id, [])
-        for i in range(len(hashes), min(num_final // bs, len(table))):
+        limit = min(num_final // bs, len(table))
+        if self.dropped.get(req_id):  # after a drop only the sinks are a plain prefix (kvcache/retention.py)
+            limit = min(limit, self.retention.sink_blocks)
+        for i in range(len(hashes), limit):
             block_tokens = tuple(tokens(i * bs, (i + 1) * bs))
             h = hash((hashes[-1] if hashes else 0, block_tokens))
             hashes.append(h)
-            self.pool.register(table[i], h, block_tokens)
+            if table[i] != NULL_BLOCK:  # (a block released by a sliding window was registered before)
+                self.pool.register(table[i], h, block_tokens)
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """The child shares every block of the parent (ref counts up, nothing copied yet)."""
         table = list(self.tables[parent_id])
-        self.pool.incref(table)
+        self.pool.incref([b for b in table if b != NULL_BLOCK])
         self.tables[child_id] = table
         self.hashes[child_id] = list(self.hashes.get(parent_id, []))
+        if parent_id in self.dropped:
+            self.dropped[child_id] = self.dropped[parent_id]
 
     def take_new_blocks(self) -> list[int]:
         return self.pool.take_new_blocks()
@@ -145,12 +327,17 @@ class PagedKVManager:
 
     # --- statistics -------------------------------------------------------------------------------------
     def _token_slots(self, running: Sequence[RequestExtent]) -> int:
-        if self.pool.extra_refs == 0:  # nothing shared: every request's tokens are its own
-            return sum(r.num_tokens for r in running)
         bs = self.block_size
+        if self.pool.extra_refs == 0:  # nothing shared: every request's tokens are its own
+            if not self.sliding_window:
+                return sum(r.num_tokens for r in running)
+            # Released blocks (null entries) hold nothing: they lead the table, each block_size tokens.
+            return sum(max(0, r.num_tokens - bs * self.block_table(r.req_id).count(NULL_BLOCK)) for r in running)
         fill: dict[int, int] = {}  # shared blocks hold their tokens once
         for r in running:
             for i, b in enumerate(self.block_table(r.req_id)):
+                if b == NULL_BLOCK:
+                    continue
                 f = min(bs, max(0, r.num_tokens - i * bs))
                 if f > fill.get(b, 0):
                     fill[b] = f
@@ -179,6 +366,8 @@ class PagedKVManager:
             idx = len(owners)
             owners.append(r.req_id)
             for i, b in enumerate(self.block_table(r.req_id)):
+                if b == NULL_BLOCK:
+                    continue
                 if owner[b] == -1:
                     owner[b] = idx
                 fill[b] = max(fill[b], min(bs, max(0, r.num_tokens - i * bs)))
@@ -187,4 +376,31 @@ class PagedKVManager:
         return BlockMap(bs, tuple(owner[1:]), tuple(fill[1:]), tuple(ref[1:]), tuple(owners))
 
     def check_invariants(self) -> None:
-        self.pool.check_invariants(self.tables)
+        self.pool.check_invariants({rid: [b for b in t if b != NULL_BLOCK] for rid, t in self.tables.items()})
+        for rid, table in self.tables.items():
+            held = [i for i, b in enumerate(table) if b != NULL_BLOCK]
+            if held and NULL_BLOCK in table[held[0]:]:
+                raise AssertionError(f"{rid}: a null entry after a held block (only released blocks lead the table)")
+            if NULL_BLOCK in table and not self.sliding_window:
+                raise AssertionError(f"{rid}: null entries without a sliding window")
+        r = self.retention
+        if r is None:
+            if self.dropped or self.pending_shifts:
+                raise AssertionError("dropped tokens without a retention rule")
+            return
+        for rid, d in self.dropped.items():
+            if d < 0:
+                raise AssertionError(f"{rid}: negative dropped count {d}")
+            hashes = self.hashes.get(rid, [])
+            if d and len(hashes) > r.sink_blocks:
+                raise AssertionError(f"{rid}: {len(hashes)} blocks indexed after a drop (only the sinks may be)")
+        for rid, table in self.tables.items():
+            if len(table) > blocks_for(r.max_slots, self.block_size):
+                raise AssertionError(f"{rid}: {len(table)} blocks exceed the retention bound of "
+                                     f"{blocks_for(r.max_slots, self.block_size)}")
+        for sh in self.pending_shifts:
+            table = self.tables.get(sh.req_id, [])
+            if not set(sh.blocks) <= set(table[r.sink_blocks:]):
+                raise AssertionError(f"{sh.req_id}: a key shift names blocks outside its window")
+            if any(self.pool.blocks[b].ref_cnt != 1 or self.pool.blocks[b].block_hash is not None for b in sh.blocks):
+                raise AssertionError(f"{sh.req_id}: a key shift would rotate a shared or indexed block")

@@ -117,6 +117,14 @@ class BlockPool:
         b.block_hash, b.tokens = block_hash, tokens
         self.cached[block_hash] = block_id
 
+    def unregister(self, block_id: int) -> None:
+        """Take a block out of the prefix index (its keys are about to change: a retention shift)."""
+        b = self.blocks[block_id]
+        if b.block_hash is not None:
+            if self.cached.get(b.block_hash) == block_id:
+                del self.cached[b.block_hash]
+            b.block_hash, b.tokens = None, ()
+
     def check_invariants(self, owners: dict[str, list[int]]) -> None:
         """Every block is either free (ref 0, in the queue once) or held by exactly ref_cnt owners;
         the prefix index points at blocks that carry the indexed hash."""

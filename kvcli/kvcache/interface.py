@@ -9,6 +9,11 @@ thing, a block table per request, so one set of attention kernels reads either.
 Block 0 of the pool is the null block: never handed to a request, zeroed once, and the value that
 pads block tables, so a padded read lands on finite data that belongs to nobody.
 
+A layout may also bound each request's KV (kvcache/retention.py: attention sinks + a recent window;
+the paged layout implements it): then it owns which tokens are kept, where the kept ones sit
+(`dropped_tokens`, `cache_position`) and the key re-rotations that keep positions compact
+(`take_shifts`), while the scheduler keeps counting text tokens.
+
 Request state is not kept here: the scheduler owns `num_computed_tokens` and tells the layout how
 many slots a request needs (`allocate`, with slots ahead for tokens not accepted yet) and how many
 it keeps (`truncate`, giving back the slots of rejected guesses).
@@ -54,7 +59,9 @@ class KVLayout(Protocol):
     def truncate(self, req_id: str, num_tokens: int) -> None:
         """Keep slots for the first `num_tokens` only (rejected guesses); emptied blocks go back."""
 
-    def free(self, req_id: str) -> None: ...
+    def free(self, req_id: str, *, swapped: bool = False) -> None:
+        """Give back a request's blocks. `swapped`: they were copied to host and return as they were, so
+        per-request layout state (a retention rule's dropped tokens) is kept."""
 
     def match_prefix(self, req_id: str, prompt: list[int]) -> int:
         """Take cached blocks for the longest known prefix of a new request; returns tokens covered."""

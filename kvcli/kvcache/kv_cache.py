@@ -24,7 +24,7 @@ from typing import Protocol
 import torch
 
 from kvcli.kvcache.interface import NULL_BLOCK
-from kvcli.kvcache.kv_dtype import KVDtype, kv_dtype_of
+from kvcli.kvcache.kv_dtype import KVDtype, dequantize, kv_dtype_of, quantize
 
 
 class KVShape(Protocol):
@@ -133,6 +133,32 @@ class KVCache:
             for t in layer.tensors():
                 h = LayerKV.heads(t)  # block ids index dim 1 of the head-major storage
                 h.index_copy_(1, dst, h.index_select(1, src))
+
+    def rotate_keys(self, blocks: list[int], rotate) -> None:
+        """Apply `rotate` (fp32 keys [N, kv_heads, D] -> rotated, same shape) to the keys of `blocks` in every
+        layer, in place: a retention rule's position shift (kvcache/retention.py). Quantized formats are
+        dequantized, rotated and quantized again (kv_dtype.quantize: one more rounding); 16-bit formats round
+        once to their storage. Values never move."""
+        idx = self._index(blocks)
+        n, bs = len(blocks), self.block_size
+        for layer in self.layers:
+            h = LayerKV.heads(layer.k)  # [kvh, blocks + 1, bs, D] (fp8 as bytes)
+            sel = h.index_select(1, idx)
+            if layer.k.dtype == torch.float8_e4m3fn:
+                sel = sel.view(torch.float8_e4m3fn)
+            kvh, d = sel.shape[0], sel.shape[-1]
+            if layer.k_scale is not None:
+                hs = LayerKV.heads(layer.k_scale)
+                x = dequantize(sel, hs.index_select(1, idx), torch.float32)
+            else:
+                x = sel.float()
+            x = rotate(x.permute(1, 2, 0, 3).reshape(n * bs, kvh, d)).reshape(n, bs, kvh, d).permute(2, 0, 1, 3)
+            if layer.k_scale is not None:
+                codes, scale = quantize(x, layer.k.dtype)
+                h.index_copy_(1, idx, codes.view(h.dtype) if codes.dtype != h.dtype else codes)
+                LayerKV.heads(layer.k_scale).index_copy_(1, idx, scale)
+            else:
+                h.index_copy_(1, idx, x.to(layer.k.dtype).view(h.dtype))
 
     def swap_out(self, blocks: list[int]) -> HostBlocks:
         idx = self._index(blocks)

@@ -63,6 +63,23 @@ class BlockMap:
     fill: tuple[int, ...]
     ref: tuple[int, ...]
     owners: tuple[str, ...]  # request ids, indexed by owner
+    # Per block: True if a bounded cache's retention rule gave it back to the pool this run (it may be free
+    # again, or held once more: recycled). Empty when nothing is tracked (no --kv-window).
+    recycled: tuple[bool, ...] = ()
+
+
+@dataclass(frozen=True)
+class WindowSummary:
+    """A bounded KV cache (--kv-window W, --sink-tokens S; kvcache/retention.py) and what it has given back
+    so far. Read from the KV layout's public state (metrics/window.py)."""
+
+    sink_tokens: int  # S as asked
+    sink_slots: int  # the sinks in whole blocks (never dropped)
+    window: int  # W
+    max_slots: int  # the most KV tokens one request can hold: sink_slots + W + block_size - 1
+    dropped_tokens: int = 0  # text tokens whose KV was dropped, over the run (every request)
+    recycled_blocks: int = 0  # blocks the drops handed back to the pool, over the run
+    peak_tokens: int = 0  # the most KV tokens one request has held (the layout's measure)
 
 
 @dataclass(frozen=True)
@@ -135,6 +152,7 @@ class Snapshot:
     decode_seconds: float = 0.0
     decode_tokens: int = 0  # tokens sampled in decode-only steps
     spec: SpecSummary = field(default_factory=lambda: SpecSummary())
+    window: WindowSummary | None = None  # None: every request keeps all its KV (no --kv-window)
 
     @property
     def prefix_hit_rate(self) -> float:

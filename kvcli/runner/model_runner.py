@@ -9,11 +9,12 @@ import torch
 
 from kvcli.attention.base import AttentionBackend, AttentionMetadata
 from kvcli.config import SamplingParams
-from kvcli.step import RunnerOutput, SchedulerOutput
+from kvcli.step import RunnerOutput, SchedulerOutput, TokenLogprob
 from kvcli.kvcache.interface import NULL_BLOCK
 from kvcli.kvcache.kv_cache import HostBlocks, KVCache
 from kvcli.model.llama import LlamaModel
-from kvcli.sampler import sample
+from kvcli.runner.key_shift import rotate_by
+from kvcli.sampler import Penalties, apply_penalties, penalize_verification_rows, sample
 from kvcli.spec_decode.acceptance import accept
 
 
@@ -77,6 +78,9 @@ class ModelRunner:
         self.params: dict[str, SamplingParams] = {}
         self.generators: dict[str, torch.Generator | None] = {}
         self.swapped: dict[str, HostBlocks] = {}
+        self.want_logprobs: dict[str, int] = {}  # req id -> how many top entries (0: the sampled token's only)
+        self.penalties: dict[str, Penalties] = {}  # req id -> its penalties (requests that have any)
+        self.penalized_out: dict[str, list[int]] = {}  # their output tokens so far, as sampled here
 
     @property
     def swapped_bytes(self) -> int:
@@ -91,6 +95,9 @@ class ModelRunner:
             self.params.pop(rid, None)
             self.generators.pop(rid, None)
             self.swapped.pop(rid, None)
+            self.want_logprobs.pop(rid, None)
+            self.penalties.pop(rid, None)
+            self.penalized_out.pop(rid, None)
 
     def move_blocks(self, out: SchedulerOutput) -> None:
         """Block traffic the scheduler decided on, before any of this step's KV writes: blocks used
@@ -105,6 +112,8 @@ class ModelRunner:
             cache.swap_in(blocks, self.swapped.pop(req_id))
         if out.block_copies:
             cache.copy_blocks(out.block_copies)
+        for shift in out.key_shifts:  # a bounded cache dropped blocks: kept keys move down (kvcache/retention.py)
+            cache.rotate_keys(list(shift.blocks), lambda k, d=shift.delta: rotate_by(self.model.rotary, k, d))
 
     def execute(self, out: SchedulerOutput, all_logits: bool = False) -> RunnerOutput:
         """Run one step and sample. With all_logits (teacher forcing), return logits for every
@@ -126,14 +135,46 @@ class ModelRunner:
         logits = self.model.forward(ids, positions, self.kv_cache, meta, self.backend, rows_t)
         sampled: dict[str, list[int]] = {}
         row = 0
+        pen = self.penalties
         for c in sampling:
             k = len(c.spec_token_ids)
             if k:
                 rid = c.req_id
-                sampled[rid] = accept(logits[row:row + k + 1], c.spec_token_ids, self.params[rid],
-                                      self.generators[rid])
+                rows = logits[row:row + k + 1]
+                if rid in pen:
+                    rows = penalize_verification_rows(rows, pen[rid], self.penalized_out[rid], c.spec_token_ids)
+                sampled[rid] = accept(rows, c.spec_token_ids, self.params[rid], self.generators[rid])
             else:
                 for rid in (c.req_id, *c.fork_ids):
-                    sampled[rid] = [sample(logits[row], self.params[rid], self.generators[rid])]
+                    x = logits[row] if rid not in pen else apply_penalties(logits[row], pen[rid],
+                                                                           self.penalized_out[rid])
+                    sampled[rid] = [sample(x, self.params[rid], self.generators[rid])]
             row += k + 1
+        for rid in pen.keys() & sampled.keys():
+            self.penalized_out[rid].extend(sampled[rid])
+        if self.want_logprobs:
+            return RunnerOutput(sampled, logprobs=self._logprobs(sampling, logits, sampled))
         return RunnerOutput(sampled)
+
+    def _logprobs(self, sampling, logits: torch.Tensor, sampled: dict[str, list[int]]) -> dict[str, list[TokenLogprob]]:
+        """Token i of a request's sampled list was drawn from its logits row `row + i` (the guesses
+        before it were verified on the rows before); a fork samples from its parent's row."""
+        out: dict[str, list[TokenLogprob]] = {}
+        row = 0
+        for c in sampling:
+            k = len(c.spec_token_ids)
+            for rid in (c.req_id, *c.fork_ids):
+                top = self.want_logprobs.get(rid)
+                if top is None or rid not in sampled:
+                    continue
+                toks = sampled[rid]
+                lp = torch.log_softmax(logits[row:row + len(toks)].float(), dim=-1)
+                picked = lp[torch.arange(len(toks)), torch.tensor(toks)].tolist()
+                if top:
+                    vals, idx = torch.topk(lp, top, dim=-1)
+                    tops = [tuple(zip(i, v)) for i, v in zip(idx.tolist(), vals.tolist())]
+                else:
+                    tops = [()] * len(toks)
+                out[rid] = [TokenLogprob(p, t) for p, t in zip(picked, tops)]
+            row += k + 1
+        return out

@@ -1,6 +1,10 @@
 """The KV block map: one glyph per block (or per group of blocks when the pool is larger than the
 grid), colored by owning request. The glyph alone says the block's state, so the map still reads
 under NO_COLOR; color only adds which request owns it (the legend also counts blocks per request).
+
+Under a bounded cache (--kv-window) the map also shows the blocks cycling: a block the retention rule gave
+back this run is `∘` while free and `▚` once a request holds it again (re-used), so a long request reads as
+its sink blocks, a band of window blocks moving through the pool, and the trail it recycled behind it.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from rich.text import Span, Text
 from kvcli.metrics.snapshot import BlockMap
 
 FULL, PARTIAL, SHARED, CACHED, FREE = "█", "▄", "▓", "░", "·"
+REUSED, RECYCLED = "▚", "∘"  # held again after a window drop gave it back; given back and free now
 
 # Plain ANSI names: they survive 8/16-color terminals, unlike hex colors which rich would
 # approximate into near-duplicates. Owner i always gets PALETTE[i % len], so a request keeps its
@@ -26,12 +31,12 @@ PALETTE: tuple[str, ...] = (
 DIM = "dim"
 MAX_LEGEND_OWNERS = 12
 
-# A block's state is one int: owner * 4 + kind for owned blocks, -1 free, -2 cached-free.
-_K_FULL, _K_PARTIAL, _K_SHARED = 0, 1, 2
-_KEY_FREE, _KEY_CACHED = -1, -2
-_KIND_GLYPH = (FULL, PARTIAL, SHARED)
+# A block's state is one int: owner * 4 + kind for owned blocks, -1 free, -2 cached-free, -3 recycled (free).
+_K_FULL, _K_PARTIAL, _K_SHARED, _K_REUSED = 0, 1, 2, 3
+_KEY_FREE, _KEY_CACHED, _KEY_RECYCLED = -1, -2, -3
+_KIND_GLYPH = (FULL, PARTIAL, SHARED, REUSED)
 # Ties inside an aggregated cell go to the most informative state.
-_KIND_PRIORITY = (2, 3, 4)  # full, partial, shared; cached-free 1, free 0
+_KIND_PRIORITY = (3, 5, 6, 4)  # full, partial, shared, re-used; cached-free 2, recycled 1, free 0
 
 
 def owner_style(owner: int) -> str:
@@ -41,18 +46,26 @@ def owner_style(owner: int) -> str:
 def _block_keys(bm: BlockMap) -> list[int]:
     bs = bm.block_size
     # Shared wins over partial: a shared block's fill is the common prefix, not "this request's
-    # unfinished tail".
+    # unfinished tail". Partial wins over re-used: the window's head block is where the request writes.
+    if not bm.recycled:
+        return [
+            o if o < 0 else o * 4 + (_K_SHARED if r > 1 else _K_PARTIAL if f < bs else _K_FULL)
+            for o, f, r in zip(bm.owner, bm.fill, bm.ref)
+        ]
     return [
-        o if o < 0 else o * 4 + (_K_SHARED if r > 1 else _K_PARTIAL if f < bs else _K_FULL)
-        for o, f, r in zip(bm.owner, bm.fill, bm.ref)
+        (_KEY_RECYCLED if o == _KEY_FREE and rc else o) if o < 0 else
+        o * 4 + (_K_SHARED if r > 1 else _K_PARTIAL if f < bs else _K_REUSED if rc else _K_FULL)
+        for o, f, r, rc in zip(bm.owner, bm.fill, bm.ref, bm.recycled)
     ]
 
 
 def _priority(key: int) -> int:
     if key == _KEY_FREE:
         return 0
-    if key == _KEY_CACHED:
+    if key == _KEY_RECYCLED:
         return 1
+    if key == _KEY_CACHED:
+        return 2
     return _KIND_PRIORITY[key & 3]
 
 
@@ -64,7 +77,7 @@ def blocks_per_cell(num_blocks: int, width: int, height: int) -> int:
 def cell_keys(bm: BlockMap, width: int, height: int,
               keys: list[int] | None = None) -> tuple[int, list[int]]:
     """(blocks per cell, state key of each cell); an aggregated cell takes its blocks' most
-    common state, ties going to owned over cached-free over free."""
+    common state, ties going to owned over cached-free over recycled over free."""
     keys = _block_keys(bm) if keys is None else keys
     k = blocks_per_cell(len(keys), width, height)
     if k == 1:
@@ -86,6 +99,8 @@ def _glyph_style(key: int) -> tuple[str, str]:
         return FREE, DIM
     if key == _KEY_CACHED:
         return CACHED, DIM
+    if key == _KEY_RECYCLED:
+        return RECYCLED, DIM
     owner, kind = divmod(key, 4)
     style = owner_style(owner)
     return _KIND_GLYPH[kind], (f"bold {style}" if kind == _K_SHARED else style)
@@ -119,14 +134,16 @@ def render_grid(bm: BlockMap, width: int, height: int,
 
 
 def state_counts(bm: BlockMap, keys: list[int] | None = None) -> dict[str, int]:
-    """Blocks per state, as named in the legend."""
-    counts = {"full": 0, "partial": 0, "shared": 0, "cached-free": 0, "free": 0}
-    names = ("full", "partial", "shared")
+    """Blocks per state, as named in the legend ("re-used" and "recycled" only count under a bounded cache)."""
+    counts = {"full": 0, "partial": 0, "shared": 0, "re-used": 0, "cached-free": 0, "recycled": 0, "free": 0}
+    names = ("full", "partial", "shared", "re-used")
     for key, n in Counter(_block_keys(bm) if keys is None else keys).items():
         if key == _KEY_FREE:
             counts["free"] += n
         elif key == _KEY_CACHED:
             counts["cached-free"] += n
+        elif key == _KEY_RECYCLED:
+            counts["recycled"] += n
         else:
             counts[names[key & 3]] += n
     return counts
@@ -135,9 +152,12 @@ def state_counts(bm: BlockMap, keys: list[int] | None = None) -> dict[str, int]:
 def _legend(bm: BlockMap, k: int, keys: list[int], owner_blocks: Sequence[int]) -> Text:
     counts = state_counts(bm, keys)
     legend = Text(no_wrap=False, end="")
-    for glyph, name in ((FULL, "full"), (PARTIAL, "partial"), (SHARED, "shared"),
-                        (CACHED, "cached-free"), (FREE, "free")):
-        legend.append(glyph, style=DIM if glyph in (CACHED, FREE) else "bold")
+    states = [(FULL, "full"), (PARTIAL, "partial"), (SHARED, "shared"), (CACHED, "cached-free"), (FREE, "free")]
+    if bm.recycled:  # a bounded cache: the blocks its window gave back, held again or free
+        states[3:3] = [(REUSED, "re-used")]
+        states[-1:-1] = [(RECYCLED, "recycled")]
+    for glyph, name in states:
+        legend.append(glyph, style=DIM if glyph in (CACHED, RECYCLED, FREE) else "bold")
         legend.append(f" {name} {counts[name]:,}   ")
     legend.rstrip()
     size = f"{len(bm.owner):,} blocks x {bm.block_size} tokens"

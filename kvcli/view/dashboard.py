@@ -20,7 +20,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from kvcli.metrics.snapshot import KVBreakdown, MemorySnapshot, Snapshot
+from kvcli.metrics.snapshot import KVBreakdown, MemorySnapshot, Snapshot, WindowSummary
 from kvcli.view.block_map import render_block_map
 from kvcli.view.plain_log import (
     current_tok_s,
@@ -199,12 +199,27 @@ def whatif_line(fits: int, running: int, max_model_len: int) -> Text:
     return Text(f"{head}: {these}, and at most {fits:,} at once")
 
 
+def window_line(w: WindowSummary) -> Text:
+    """The bounded cache in one line: its rule (S, W), the tokens dropped and the blocks recycled so far, e.g.
+    'bounded KV: S 4 (16 sink slots) + W 992 · ≤ 1,023 tokens/request (peak 1,020) · 3,249 tokens dropped ·
+    203 blocks recycled'."""
+    line = Text(no_wrap=True, overflow="ellipsis")
+    line.append("bounded KV", style=LABEL)
+    line.append(f": S {w.sink_tokens} ({w.sink_slots:,} sink slots) + W {w.window:,} · ≤ {w.max_slots:,} "
+                f"tokens/request (peak {w.peak_tokens:,}) · ")
+    line.append(f"{w.dropped_tokens:,} tokens dropped · {w.recycled_blocks:,} blocks recycled",
+                style=NOTE if w.dropped_tokens else "")
+    return line
+
+
 def block_map_panel(s: Snapshot, width: int, map_rows: int) -> Panel:
     if s.blocks is None:
         body: RenderableType = Text(f"no block map ({s.layout} layout)", style="dim")
     else:
         # Panel border (2) + padding (2) leave width - 4 cells per row.
         body = render_block_map(s.blocks, width=max(8, width - 4), height=map_rows)
+    if s.window is not None:
+        body = Group(window_line(s.window), body)
     return Panel(body, title="KV blocks", title_align="left")
 
 
@@ -299,15 +314,17 @@ class LiveDashboard:
         self._logged = s
         self.console.print(format_log_line(s), markup=False, highlight=False, soft_wrap=True)
 
-    def _map_rows(self) -> int:
-        return max(2, min(MAX_MAP_ROWS, self.console.height - _FIXED_ROWS))
+    def _map_rows(self, s: Snapshot) -> int:
+        # A bounded cache adds its line to the KV panel, and a legend row for its two states.
+        fixed = _FIXED_ROWS + (2 if s.window is not None else 0)
+        return max(2, min(MAX_MAP_ROWS, self.console.height - fixed))
 
     def renderable(self) -> RenderableType:
         """What the Live shows now; rebuilt only when the snapshot or the terminal size changed."""
         s = self._latest
         if s is None:
             return Text("kvcli: waiting for the first engine step…", style="dim")
-        width, rows = self.console.width, self._map_rows()
+        width, rows = self.console.width, self._map_rows(s)
         cached = self._cache
         if cached is not None and cached[0] is s and cached[1] == width and cached[2] == rows:
             return cached[3]

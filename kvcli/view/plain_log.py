@@ -79,4 +79,7 @@ def format_log_line(s: Snapshot) -> str:
     ]
     if s.spec.method != "none":
         parts.append(f"spec {pct(s.spec.acceptance_rate)} accepted, {s.spec.tokens_per_request_step:.2f} tok/step/req")
+    if s.window is not None:
+        parts.append(f"window S {s.window.sink_tokens} + W {s.window.window:,}: {s.window.dropped_tokens:,} tokens "
+                     f"dropped, {s.window.recycled_blocks:,} blocks recycled")
     return " · ".join(parts)

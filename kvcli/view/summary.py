@@ -24,6 +24,11 @@ def summary_table(s: Snapshot, title: str = "kvcli summary") -> Table:
     if s.peak_shared_blocks:
         t.add_row("KV saved by sharing (peak)", f"{s.peak_shared_blocks:,} blocks, "
                   f"{human_bytes(s.peak_shared_blocks * s.bytes_per_block)}")
+    if s.window is not None:
+        w = s.window
+        t.add_row("bounded KV", f"{w.sink_slots:,} sink + {w.window:,} window tokens (S {w.sink_tokens}, "
+                  f"W {w.window:,}); {w.dropped_tokens:,} tokens dropped, {w.recycled_blocks:,} blocks recycled; "
+                  f"peak {w.peak_tokens:,} of <= {w.max_slots:,} tokens/request")
     if s.num_preempted:
         t.add_row("preemptions", str(s.num_preempted))
     sp = s.spec
@@ -55,6 +60,11 @@ def snapshot_dict(s: Snapshot) -> dict:
         },
         "weight_bytes": dict(s.weight_bytes, total=s.total_weight_bytes),
         "preemptions": s.num_preempted,
+        "window": None if s.window is None else {
+            "sink_tokens": s.window.sink_tokens, "sink_slots": s.window.sink_slots, "kv_window": s.window.window,
+            "max_slots": s.window.max_slots, "dropped_tokens": s.window.dropped_tokens,
+            "recycled_blocks": s.window.recycled_blocks, "kv_tokens_peak": s.window.peak_tokens,
+        },
         "speculation": {
             "method": s.spec.method, "k": s.spec.k, "proposed": s.spec.proposed, "accepted": s.spec.accepted,
             "acceptance_rate": round(s.spec.acceptance_rate, 4), "verifications": s.spec.verifications,

@@ -253,7 +253,7 @@ class ChatRepl:
         """One exchange; True when Ctrl-C stopped it."""
         e, a = self.engine, self.a
         user = {"role": "user", "content": text}
-        fit = self.convo.fit(user, e.max_model_len, a.params.max_tokens, a.truncate)
+        fit = self.convo.fit(user, e.max_model_len, a.params.max_tokens, a.truncate, e.retention is not None)
         if fit.notice:
             self.note(fit.notice, style="red" if fit.error else "yellow")
         if fit.ids is None:
@@ -276,7 +276,8 @@ class ChatRepl:
         with SigintLatch() as latch:
             try:
                 try:
-                    req = e.add_request(ids, a.params.with_(seed=seed))
+                    # Past the window each turn rebuilds only the sinks (the system prompt) and the window.
+                    req = e.add_request(ids, a.params.with_(seed=seed), skip_to_window=e.retention is not None)
                 except (ConfigError, KVBudgetTooSmall) as ex:
                     self.note(f"cannot run this turn: {ex}", style="red")
                     self._not_sent()
@@ -340,10 +341,10 @@ class ChatRepl:
         after = e.snapshot()
         # The request's blocks grow monotonically; its table is gone once it finished, and the
         # last step's token never enters the cache, so the last table seen is the peak.
-        kv_blocks = max(len(table), -(-req.num_computed_tokens // after.block_size))
+        kv_blocks = max(len(table), -(-(req.num_computed_tokens - e.scheduler.dropped_tokens(req)) // after.block_size))
         self.last_turn = (rid, table, req.num_computed_tokens)
         rec = turn_record(text, reply, ids, req, before, after, interrupted=interrupted, seconds=wall,
-                          kv_blocks=kv_blocks)
+                          kv_blocks=kv_blocks, dropped_tokens=e.scheduler.dropped_tokens(req))
         self.convo.add(user, rec)
         self.status_line(rec, after.num_blocks)
         return interrupted
@@ -356,6 +357,10 @@ class ChatRepl:
         parts.append(f"prefix hit {t.prefix_hit_tokens:,} tokens")
         parts.append(f"prefill saved {t.prefill_tokens_saved:,} tokens")
         parts.append(f"KV {t.kv_blocks:,} of {num_blocks:,} blocks")
+        if t.dropped_tokens:
+            r = self.engine.retention
+            parts.append(f"{t.dropped_tokens:,} tokens dropped (kept {r.sink_slots:,} sink + the last {r.window:,}; "
+                         f"--kv-window)")
         head = "[interrupted] " if t.interrupted else ("[length] " if t.finish_reason == "length" else "")
         self.note(head + " · ".join(parts), style="yellow" if t.interrupted else "dim")
 

@@ -14,6 +14,27 @@ from kvcli.commands.chat.session import ChatArgs
 from kvcli.commands.common import Fail, build_engine
 
 
+def _sinks_cover_the_system_prompt(a: ChatArgs, fail: Fail) -> ChatArgs:
+    """A bounded cache keeps the system prompt among its sinks: --sink-tokens grows to cover it."""
+    from dataclasses import replace
+
+    from kvcli.commands.chat.session import Conversation
+    from kvcli.model.loader import load_tokenizer
+    from kvcli.options import ConfigError
+
+    try:
+        tok = load_tokenizer(a.model)
+    except Exception:  # the model load below reports a bad --model in one line
+        return a
+    n = Conversation(a.system, tok.apply_chat_template).system_tokens()
+    if n <= a.options.sink_tokens:
+        return a
+    try:
+        return replace(a, options=replace(a.options, sink_tokens=n))
+    except ConfigError as e:
+        fail(str(e))
+
+
 def run_chat(a: ChatArgs, fail: Fail) -> int:
     interactive = isatty(sys.stdin)
     try:  # bytes that are not UTF-8 become U+FFFD instead of surrogates the tokenizer rejects
@@ -22,6 +43,8 @@ def run_chat(a: ChatArgs, fail: Fail) -> int:
         pass
     err = Console(stderr=True, highlight=False)
 
+    if a.options.kv_window is not None and a.system:
+        a = _sinks_cover_the_system_prompt(a, fail)
     try:
         with err.status("loading model…", spinner="dots"):
             engine = build_engine(a.model, a.quant, a.options, fail)

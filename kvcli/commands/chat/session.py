@@ -39,6 +39,7 @@ class TurnRecord:
     kv_blocks: int
     prefix_hit_tokens: int  # prompt tokens found in the prefix cache this turn
     prefill_tokens_saved: int  # prompt tokens this turn did not have to compute
+    dropped_tokens: int = 0  # bounded cache (--kv-window): conversation tokens the KV did not keep
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,7 @@ class Fit:
 
 
 def turn_record(user: str, reply: str, prompt: list[int], req: Request, before: Snapshot, after: Snapshot,
-                *, interrupted: bool, seconds: float, kv_blocks: int) -> TurnRecord:
+                *, interrupted: bool, seconds: float, kv_blocks: int, dropped_tokens: int = 0) -> TurnRecord:
     """A turn's figures: the request's own timings and the engine counters' change over the turn
     (chat runs one request at a time, so the change is this turn's)."""
     times = req.token_times
@@ -65,7 +66,7 @@ def turn_record(user: str, reply: str, prompt: list[int], req: Request, before: 
         decode_tok_s=round(decode_tps, 2), kv_blocks=kv_blocks,
         prefix_hit_tokens=after.prefix_hit_tokens - before.prefix_hit_tokens,
         # Recomputed tokens (a preempted request) can make `computed` exceed the prompt: nothing saved.
-        prefill_tokens_saved=max(0, len(prompt) - computed))
+        prefill_tokens_saved=max(0, len(prompt) - computed), dropped_tokens=dropped_tokens)
 
 
 @dataclass
@@ -98,13 +99,23 @@ class Conversation:
         except Exception:  # a model's Jinja template may reject a conversation
             return 0
 
-    def fit(self, user: dict, max_len: int, max_tokens: int, truncate: bool) -> Fit:
+    def system_tokens(self) -> int:
+        """Prompt tokens of the system prompt as the template renders it (what the sinks must cover)."""
+        if not self.system:
+            return 0
+        try:
+            return len(self.template([{"role": "system", "content": self.system}], add_generation_prompt=False))
+        except Exception:
+            return 0
+
+    def fit(self, user: dict, max_len: int, max_tokens: int, truncate: bool, bounded: bool = False) -> Fit:
         """The prompt ids for the conversation plus `user`, leaving room for max_tokens; drops the
-        oldest turns when `truncate`."""
+        oldest turns when `truncate`. `bounded` (a --kv-window cache): any length goes, the KV keeps the
+        sinks and the window."""
         room = max_len - max_tokens
         try:
             ids = self.prompt(self.messages, user)
-            if len(ids) <= room:
+            if len(ids) <= room or bounded:
                 return Fit(ids)
             alone = self.prompt([], user)
         except Exception as ex:  # a model's Jinja template may reject a conversation; never crash
