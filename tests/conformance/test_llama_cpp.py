@@ -1,0 +1,102 @@
+"""GGUF conformance against llama.cpp (issue #29, item 1): each tiny variant of tiny_gguf.py through both engines,
+on the same token ids. F32 files: logits of every teacher-forced position within 1e-3 relative (llama.cpp
+with an F32 KV cache and no flash attention, kvcli with fp32 KV) and the same greedy tokens. F16 and quantized
+files: llama.cpp's CPU kernels round the activations (to fp16, or to 8 bits per block: Q8_0 / Q8_K) before
+each dot product, kvcli's do not lose that much, so the two differ by llama.cpp's rounding: kvcli's logits must be
+no farther from llama.cpp's than the exactly dequantized model's are (+1e-3), and that distance under
+QUANT_TOLERANCE (a misread scale, minimum or nibble order moves them by far more). A variant kvcli cannot compute
+exactly may instead be refused in one line: never a silently different model."""
+
+from __future__ import annotations
+
+import pytest
+
+from engines import LlamaCppError, kvcli_logits, relative_error, run_llama_cpp
+from tiny_gguf import VARIANTS, Variant, write
+
+pytestmark = pytest.mark.slow
+
+F32_TOLERANCE = 1e-3
+QUANT_TOLERANCE = 6e-2
+GREEDY = 12
+# Text of every script the tokenizer has to get right, tokenized by both engines; its ids also feed the models.
+TEXT = ("The keeper climbed the stairs at dusk, counting 1,024 steps; the lamp hissed. "
+        "灯塔守护者每晚爬上楼梯，点亮灯火。海风很冷。"
+        "def fib(n: int) -> int:\n    return n if n < 2 else fib(n - 1) + fib(n - 2)  # 🌊🔥\n"
+        "Ça va? Ünïcödé — naïve café, Ελληνικά, русский текст, 日本語のテキスト。\t\ttabs  and   spaces\n")
+
+
+@pytest.fixture(scope="module")
+def tokens() -> list[int]:
+    """~250 token ids: the text tokenized by kvcli, twice over (positions past 128, where yarn and linear
+    scalings bend)."""
+    from kvcli.model.loader import load_tokenizer
+
+    ids = load_tokenizer(None).encode(TEXT)
+    return (ids + ids)[:256]
+
+
+def _ids(v: Variant) -> str:
+    return v.name
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=_ids)
+def test_variant_matches_llama_cpp(variant: Variant, llama_cpp, tokens, tmp_path):
+    from kvcli.model.gguf_loader import GGUFError
+    from kvcli.model.loader import ModelLoadError
+
+    path = write(variant, tmp_path / f"{variant.name}.gguf")
+    try:
+        want, ref = run_llama_cpp(llama_cpp, path, tokens, greedy=GREEDY, tmp=tmp_path)
+    except LlamaCppError as e:
+        if not variant.refused:
+            pytest.fail(f"llama.cpp refused the {variant.name} file (the variant is malformed): {e}")
+        with pytest.raises((GGUFError, ModelLoadError)) as info:  # kvcli must not load what llama.cpp refuses
+            kvcli_logits(path, tokens)
+        assert "\n" not in str(info.value) and str(info.value)
+        return
+    assert not variant.refused, f"llama.cpp loads {variant.name}, which the suite expects it to refuse"
+    try:
+        got, gen = kvcli_logits(path, tokens, greedy=GREEDY)
+    except (GGUFError, ModelLoadError) as e:  # refused in one line: allowed, never a different model
+        assert "\n" not in str(e) and str(e), e
+        pytest.skip(f"kvcli refuses {variant.name} in one line: {e}")
+    err = relative_error(got, want)
+    if variant.weights == "F32":
+        assert err < F32_TOLERANCE, f"{variant.name} ({variant.note}): logits {err:.2e} relative from llama.cpp's"
+        assert gen == ref["greedy"], f"{variant.name}: greedy tokens differ: kvcli {gen} llama.cpp {ref['greedy']}"
+        return
+    exact, _ = kvcli_logits(path, tokens, dequantize=True)
+    floor = relative_error(exact, want)  # llama.cpp's activation rounding, as far as the exact model sees it
+    assert floor < QUANT_TOLERANCE, f"{variant.name}: the dequantized model is {floor:.2e} from llama.cpp"
+    assert err <= floor + 1e-3, (f"{variant.name} ({variant.note}): kvcli's integer path is {err:.2e} from "
+                                 f"llama.cpp, the exactly dequantized model {floor:.2e}")
+
+
+def test_tokenizers_agree_on_multilingual_text(llama_cpp, tmp_path):
+    """The bundled tokenizer read by kvcli and by llama.cpp from the same GGUF: the same ids for English,
+    Chinese, code, emoji, accents, Greek and Cyrillic, runs of spaces and tabs, and each line alone."""
+    from kvcli.model.loader import load_tokenizer
+
+    path = write(VARIANTS[0], tmp_path / "tok.gguf")
+    texts = [TEXT, *TEXT.splitlines(keepends=True), " leading space", "trailing space ", "a\n\n\nb", "   ",
+             "<|im_start|>user\nhi<|im_end|>"]
+    _, ref = run_llama_cpp(llama_cpp, path, [], texts=texts, tmp=tmp_path)
+    tok = load_tokenizer(None)
+    for text, want in zip(texts, ref["tokenized"]):
+        assert tok.encode(text) == want, f"{text!r}: kvcli {tok.encode(text)} llama.cpp {want}"
+
+
+def test_a_wrongly_computed_variant_is_caught(llama_cpp, tokens, tmp_path, monkeypatch):
+    """The suite can fail: kvcli with rope_freqs.weight ignored (what it did before issue #29) is far from
+    llama.cpp on the rope-freqs variant, beyond the tolerance the passing variants meet."""
+    from kvcli.model import gguf_loader
+
+    v = next(v for v in VARIANTS if v.name == "rope-freqs")
+    path = write(v, tmp_path / "rope-freqs.gguf")
+    want, _ = run_llama_cpp(llama_cpp, path, tokens, tmp=tmp_path)
+    real = gguf_loader._rope_tensor
+    monkeypatch.setattr(gguf_loader, "_rope_tensor",
+                        lambda reader, name, *a: None if name == "rope_freqs.weight" else real(reader, name, *a))
+    got, _ = kvcli_logits(path, tokens)
+    assert relative_error(got, want) > 10 * F32_TOLERANCE
