@@ -61,6 +61,18 @@ def fail(message: str, code: int = 1) -> None:
 # command names the ones it takes with @engine_flags and receives their values as one EngineFlags.
 
 
+# Penalties on repeats, shared by continue and chat (kvcli/sampler.py; the same fields as serve's API): the bundled
+# model loops on one sentence under greedy decoding without them.
+RepetitionPenalty = Annotated[float, typer.Option(
+    "--repetition-penalty", help="Divide the positive logits of every token already in the text or the output by "
+    "this (multiply the negative ones), as transformers and llama.cpp do; 1 = off, 1.1-1.3 breaks loops.")]
+PresencePenalty = Annotated[float, typer.Option(
+    "--presence-penalty", help="Subtract this from the logit of every token already generated (OpenAI's, -2..2).")]
+FrequencyPenalty = Annotated[float, typer.Option(
+    "--frequency-penalty", help="Subtract this times its count so far from each generated token's logit "
+    "(OpenAI's, -2..2).")]
+
+
 @app.command("continue")
 @engine_flags("model", "block_size", "kv_budget", "quant", "dequantize", "device", "attention_backend",
               "max_model_len", "max_batch_tokens", "kv_dtype", "prefix_cache", *SPECULATION, *RETENTION,
@@ -77,6 +89,9 @@ def continue_(
     top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass, in (0, 1].")] = 1.0,
     top_k: Annotated[int, typer.Option("--top-k", help="Keep the k most likely tokens; 0 = off.")] = 0,
     seed: Annotated[Optional[int], typer.Option("--seed", help="Sampling seed.", show_default=False)] = None,
+    repetition_penalty: RepetitionPenalty = 1.0,
+    presence_penalty: PresencePenalty = 0.0,
+    frequency_penalty: FrequencyPenalty = 0.0,
     truncate: Annotated[Truncate, typer.Option(
         "--truncate", help="When the text does not fit the context: none = stream it through the bounded KV "
         "cache (--kv-window; with --kv-window none an error), head = drop the start, keeping the last tokens "
@@ -100,7 +115,8 @@ def continue_(
 
     args = ContinueArgs(
         file=file, params=sampling_params(fail, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                          top_k=top_k, seed=seed),
+                                          top_k=top_k, seed=seed, repetition_penalty=repetition_penalty,
+                                          presence_penalty=presence_penalty, frequency_penalty=frequency_penalty),
         truncate=truncate.value, json_out=json_out, output=output, model=engine.model, quant=engine.quant,
         live=live, options=engine.options(fail, **_continue_window(engine, truncate.value, max_tokens)),
     )
@@ -131,6 +147,9 @@ def chat(
     top_k: Annotated[int, typer.Option("--top-k", help="Keep the k most likely tokens; 0 = off.")] = 0,
     seed: Annotated[Optional[int], typer.Option("--seed", help="Sampling seed (turn i uses seed + i).",
                                                 show_default=False)] = None,
+    repetition_penalty: RepetitionPenalty = 1.0,
+    presence_penalty: PresencePenalty = 0.0,
+    frequency_penalty: FrequencyPenalty = 0.0,
     truncate: Annotated[bool, typer.Option(
         "--truncate", help="When the conversation outgrows the context, drop the oldest turns (instead of going "
         "on through the bounded KV cache, --kv-window: the system prompt among the sinks, the latest tokens in "
@@ -151,7 +170,9 @@ def chat(
 
     args = ChatArgs(
         system=system, params=sampling_params(fail, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                              top_k=top_k, seed=seed),
+                                              top_k=top_k, seed=seed, repetition_penalty=repetition_penalty,
+                                              presence_penalty=presence_penalty,
+                                              frequency_penalty=frequency_penalty),
         truncate=truncate, model=engine.model, quant=engine.quant, live=live,
         options=engine.options(fail, **_continue_window(engine, "head" if truncate else "none", max_tokens)),
     )

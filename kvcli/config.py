@@ -360,6 +360,7 @@ def preset_config(spec: str) -> ModelConfig:
 
 
 MAX_SEED = 2**62  # room for seed + i (sample i of n, turn i of a chat) below torch's 2**63 limit
+MAX_LOGPROBS = 20  # alternatives per token a request may ask for (OpenAI's top_logprobs limit, vLLM's default)
 
 
 @dataclass
@@ -374,6 +375,16 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False  # as vLLM: the output ends after the stop string instead
     n: int = 1  # samples per prompt; they share the prompt's KV blocks (copy-on-write)
+    # Penalties on the logits before sampling, as vLLM and OpenAI define them (kvcli/sampler.py): presence and
+    # frequency (-2..2) subtract presence + frequency x count from each token already generated; repetition
+    # (> 0, 1 = off; transformers' and llama.cpp's) divides a positive logit of every token of the prompt or
+    # the output by it and multiplies a negative one.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # Report each sampled token's log probability and this many most likely alternatives (None: no report;
+    # 0: the sampled token's only). RequestOutput.logprobs.
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -392,10 +403,21 @@ class SamplingParams:
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop strings must be non-empty strings (got {self.stop!r})")
         self.stop_token_ids = tuple(self.stop_token_ids)
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:  # also refuses nan
+                raise ValueError(f"{name} must be in [-2, 2] (got {getattr(self, name)})")
+        if not 0 < self.repetition_penalty < math.inf:
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (got {self.repetition_penalty})")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] (got {self.logprobs})")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     def with_(self, **kw) -> "SamplingParams":
         return replace(self, **kw)

@@ -22,6 +22,7 @@ class NewRequest:
 
     req_id: str
     params: SamplingParams
+    prompt_ids: tuple[int, ...] = ()  # set when the params' repetition penalty needs them
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ PROMPT = "The keeper wrote in his log that the lamp had gone out. The keeper wro
 
 
 def run(engine, prompt, params, logprobs):
-    req = engine.add_request(prompt, params, logprobs=logprobs)
+    req = engine.add_request(prompt, params.with_(logprobs=logprobs))
     outs = []
     while engine.has_unfinished():
         outs += [o for o in engine.step() if o.req_id == req.req_id]

@@ -59,7 +59,10 @@ PROMPT = "The keeper wrote in his log that"
 
 
 def greedy(engine, penalties, n=40):
-    req = engine.add_request(PROMPT, SamplingParams(max_tokens=n, ignore_eos=True), penalties=penalties)
+    pen = penalties or Penalties()
+    params = SamplingParams(max_tokens=n, ignore_eos=True, presence_penalty=pen.presence,
+                            frequency_penalty=pen.frequency, repetition_penalty=pen.repetition)
+    req = engine.add_request(PROMPT, params)
     while engine.has_unfinished():
         engine.step()
     return list(req.output_token_ids)
@@ -85,3 +88,36 @@ def test_penalties_through_the_engine(int4_llm):
     before = spec.scheduler.spec_accepted
     assert greedy(spec, Penalties(frequency=0.2)) == greedy(e, Penalties(frequency=0.2))
     assert spec.scheduler.spec_accepted > before  # guesses were accepted under the penalty
+
+
+@pytest.mark.slow
+def test_continue_and_chat_take_the_penalties(tmp_path):
+    """The flags reach the sampler: a repetition penalty breaks the bundled model's greedy loop on `continue`
+    (fewer repeated tokens, the same text otherwise identical run to run), chat accepts them too, and an
+    out-of-range value is one line naming the flag."""
+    import json
+    import subprocess
+    import sys
+
+    kvcli = [sys.executable, "-c", "from kvcli.cli import main; main()"]
+    src = tmp_path / "prompt.txt"
+    src.write_text(PROMPT, encoding="utf-8")
+
+    def ids(*flags):
+        p = subprocess.run([*kvcli, "continue", str(src), "-n", "40", "--json", "--no-live", *flags],
+                           capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr
+        return json.loads(p.stdout)["generated_token_ids"]
+
+    plain, pen = ids(), ids("--repetition-penalty", "1.3")
+    assert pen != plain and len(set(pen)) > len(set(plain))
+    assert ids("--presence-penalty", "0", "--frequency-penalty", "0", "--repetition-penalty", "1") == plain
+    p = subprocess.run([*kvcli, "chat", "--no-live", "-n", "8", "--frequency-penalty", "0.5"], input="Hi\n",
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and p.stdout.strip(), p.stderr
+    for cmd, flag, value in (("continue", "--presence-penalty", "2.5"), ("chat", "--repetition-penalty", "-1")):
+        args = [*kvcli, cmd, *([str(src)] if cmd == "continue" else []), flag, value, "--no-live"]
+        p = subprocess.run(args, input="Hi\n", capture_output=True, text=True, timeout=300)
+        assert p.returncode != 0 and "Traceback" not in p.stderr
+        lines = p.stderr.strip().splitlines()
+        assert len(lines) == 1 and flag in lines[0], p.stderr

@@ -16,7 +16,8 @@ from kvcli.options import ConfigError, EngineOptions
 Fail = Callable[[str], NoReturn]
 
 _SAMPLING_FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature", "top_p": "--top-p",
-                   "top_k": "--top-k", "seed": "--seed"}
+                   "top_k": "--top-k", "seed": "--seed", "repetition_penalty": "--repetition-penalty",
+                   "presence_penalty": "--presence-penalty", "frequency_penalty": "--frequency-penalty"}
 
 
 def engine_options(fail: Fail, **values: Any) -> EngineOptions:

@@ -6,7 +6,6 @@ import itertools
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 
 import torch
 
@@ -32,7 +31,6 @@ from kvcli.native import registry
 from kvcli.options import ConfigError, EngineOptions, parse_kv_budget, parse_kv_dtype
 from kvcli.runner.model_runner import ModelRunner
 from kvcli.runner.simulated_runner import SimulatedRunner
-from kvcli.sampler import Penalties
 from kvcli.spec_decode.backoff import AdaptiveBackoff
 from kvcli.spec_decode.prompt_lookup import PromptLookupProposer
 
@@ -250,11 +248,9 @@ class LLMEngine:
 
     # --- requests -------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams, req_id: str | None = None,
-                    arrival_time: float | None = None, logprobs: int | None = None,
-                    penalties: Penalties | None = None, skip_to_window: bool = False) -> Request:
-        """`logprobs`: report each sampled token's log probability and this many top alternatives
-        (RequestOutput.logprobs; 0 = the sampled token's only). `penalties`: presence / frequency /
-        repetition penalties on the logits before sampling (kvcli.sampler.Penalties)."""
+                    arrival_time: float | None = None, skip_to_window: bool = False) -> Request:
+        """Queue a prompt (text or token ids). Everything about how it is sampled, penalties and
+        log probabilities included, is in `params`."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ConfigError("a simulated engine takes token ids, not text")
@@ -279,11 +275,6 @@ class LLMEngine:
         self.scheduler.add(req, forks)
         for r in (req, *forks):
             self.output.add(r.req_id)
-            if logprobs is not None and hasattr(self.runner, "want_logprobs"):
-                self.runner.want_logprobs[r.req_id] = logprobs
-            if penalties is not None and penalties.active and hasattr(self.runner, "penalties"):
-                self.runner.penalties[r.req_id] = replace(penalties, prompt_ids=tuple(ids))
-                self.runner.penalized_out[r.req_id] = []
         return req
 
     @property

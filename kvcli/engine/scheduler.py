@@ -133,7 +133,8 @@ class Scheduler:
             raise ValueError(f"n > 1 shares the prompt's blocks, which the {self.kv.name} layout cannot do")
         for r in (req, *forks):
             self.requests[r.req_id] = r
-            self._new.append(NewRequest(r.req_id, r.params))
+            self._new.append(NewRequest(r.req_id, r.params, tuple(r.prompt_token_ids)
+                                        if r.params.repetition_penalty != 1.0 else ()))
         if forks:
             self._forks[req.req_id] = list(forks)
         self.waiting.append(req)

@@ -88,9 +88,15 @@ class ModelRunner:
 
     def _track(self, out: SchedulerOutput) -> None:
         for r in out.new_requests:
-            self.params[r.req_id] = r.params
-            self.generators[r.req_id] = (None if r.params.seed is None
-                                         else torch.Generator().manual_seed(r.params.seed))
+            p = r.params
+            self.params[r.req_id] = p
+            self.generators[r.req_id] = None if p.seed is None else torch.Generator().manual_seed(p.seed)
+            if p.logprobs is not None:
+                self.want_logprobs[r.req_id] = p.logprobs
+            if p.penalized:
+                self.penalties[r.req_id] = Penalties(p.presence_penalty, p.frequency_penalty, p.repetition_penalty,
+                                                     r.prompt_ids)
+                self.penalized_out[r.req_id] = []
         for rid in out.released:
             self.params.pop(rid, None)
             self.generators.pop(rid, None)

@@ -228,20 +228,21 @@ def create_app(worker: EngineWorker, tokenizer: Tokenizer, info: ServerInfo, met
         if bad:
             raise ApiError(400, f"stop_token_ids: {bad[0]} is outside the vocabulary (size {info.vocab_size})",
                            "invalid_value", "stop_token_ids")
+        # logprobs and penalties: completions and chat (the Responses API here is plain text)
+        extra = {} if isinstance(body, ResponsesRequest) else {"logprobs": body.logprob_count(), **body.penalties()}
         try:
             return SamplingParams(
                 max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
                 top_p=1.0 if body.top_p is None else body.top_p, top_k=max(0, getattr(body, "top_k", None) or 0),
                 seed=body.seed, stop=getattr(body, "stop_list", ()), stop_token_ids=stop_ids,
                 ignore_eos=bool(getattr(body, "ignore_eos", False)),
-                include_stop_str_in_output=bool(getattr(body, "include_stop_str_in_output", False)), n=n)
+                include_stop_str_in_output=bool(getattr(body, "include_stop_str_in_output", False)), n=n, **extra)
         except ValueError as e:
             raise ApiError(400, str(e), "invalid_value") from None
 
-    async def submit(req_id: str, ids: list[int], params: SamplingParams, logprobs: int | None = None,
-                     penalties=None) -> RequestStream:
+    async def submit(req_id: str, ids: list[int], params: SamplingParams) -> RequestStream:
         stream = RequestStream(asyncio.get_running_loop())
-        worker.submit(req_id, ids, params, stream, logprobs=logprobs, penalties=penalties)
+        worker.submit(req_id, ids, params, stream)
         first = await stream.queue.get()
         if isinstance(first, Rejected):
             raise ApiError(first.status, first.message, "engine_unavailable" if first.status == 503 else None)
@@ -307,8 +308,8 @@ def create_app(worker: EngineWorker, tokenizer: Tokenizer, info: ServerInfo, met
         params = sampling(body, len(ids), max_tokens, CHAT_MAX_TOKENS if chat else COMPLETIONS_MAX_TOKENS)
         req_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         deadline = None if limits.request_timeout_s is None else time.monotonic() + limits.request_timeout_s
-        top_k = body.logprob_count()
-        stream = await submit(req_id, ids, params, top_k, body.penalties())
+        top_k = params.logprobs
+        stream = await submit(req_id, ids, params)
         created = int(time.time())
         head = {"id": req_id, "created": created, "model": info.model_name, "system_fingerprint": None}
         fmt = LogprobFormat(tokenizer, chat) if top_k is not None else None

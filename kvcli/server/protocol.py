@@ -14,8 +14,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from kvcli.config import MAX_LOGPROBS
 
-MAX_LOGPROBS = 20  # top entries per token (OpenAI: 5 on completions, 20 on chat; vLLM: 20)
+
 
 
 class Unsupported(ValueError):
@@ -85,12 +86,10 @@ class _Sampling(_Strict):
             raise Unsupported("stop_token_ids", "stop_token_ids must be >= 0")
         return self
 
-    def penalties(self):
-        from kvcli.sampler import Penalties
-
-        p = Penalties(self.presence_penalty or 0.0, self.frequency_penalty or 0.0,
-                      1.0 if self.repetition_penalty is None else self.repetition_penalty)
-        return p if p.active else None
+    def penalties(self) -> dict[str, float]:
+        """The penalty fields of kvcli's SamplingParams (null: off)."""
+        return {"presence_penalty": self.presence_penalty or 0.0, "frequency_penalty": self.frequency_penalty or 0.0,
+                "repetition_penalty": 1.0 if self.repetition_penalty is None else self.repetition_penalty}
 
     @property
     def stop_list(self) -> tuple[str, ...]:
@@ -175,7 +174,7 @@ class ChatMessage(_Strict):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)  # OpenAI's newer name for max_tokens
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -275,7 +274,7 @@ class ResponsesRequest(_Strict):
     text: TextConfig | None = None
     reasoning: dict[str, Any] | None = None
     truncation: str | None = None
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     include: list[str] | None = None
     service_tier: str | None = None
     previous_response_id: str | None = None

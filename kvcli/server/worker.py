@@ -79,8 +79,6 @@ class _Add:
     params: SamplingParams
     arrival: float
     stream: RequestStream
-    logprobs: int | None = None
-    penalties: object | None = None  # kvcli.sampler.Penalties
 
 
 @dataclass(frozen=True)
@@ -129,12 +127,12 @@ class EngineWorker:
         return self._latest  # one attribute read: the snapshot itself is immutable
 
     def submit(self, req_id: str, prompt_ids: list[int], params: SamplingParams, stream: RequestStream,
-               arrival: float | None = None, logprobs: int | None = None, penalties=None) -> None:
+               arrival: float | None = None) -> None:
         if not self.alive:
             stream.push(Rejected(f"engine is not running ({self.error or 'shut down'})", 503))
             return
         self._cmds.put(_Add(req_id, prompt_ids, params, time.perf_counter() if arrival is None else arrival,
-                            stream, logprobs, penalties))
+                            stream))
 
     def abort(self, req_id: str) -> None:
         self._cmds.put(_Abort(req_id))
@@ -201,10 +199,7 @@ class EngineWorker:
                 e.release(rid)
             return True
         try:
-            extra = {} if cmd.logprobs is None else {"logprobs": cmd.logprobs}
-            if cmd.penalties is not None:
-                extra["penalties"] = cmd.penalties
-            e.add_request(cmd.prompt_ids, cmd.params, req_id=cmd.req_id, arrival_time=cmd.arrival, **extra)
+            e.add_request(cmd.prompt_ids, cmd.params, req_id=cmd.req_id, arrival_time=cmd.arrival)
         except (ConfigError, KVBudgetTooSmall, ValueError) as exc:
             cmd.stream.push(Rejected(str(exc)))
             return False
