@@ -45,6 +45,12 @@ FIGURES: dict[str, Figure] = {f.name: f for f in [
            ("--workload", "alpaca", "--num-requests", "64")),
     Figure("throughput-avx2", "throughput:main", "the throughput figure held to AVX2",
            ("--workload", "alpaca", "--num-requests", "64"), AVX2_ENV),
+    Figure("continue-past-window", "cli:main", "kvcli continue on a text 2.5x the context (the bounded KV cache)",
+           ("continue", "samples/lunyu-zh.txt", "-n", "60", "--temperature", "0", "--no-live")),
+    Figure("streaming", "streaming:quality", "bounded KV cache quality: recompute vs sinks + window vs no sinks "
+           "(StreamingLLM's comparison, kvcli perplexity)"),
+    Figure("window-cost", "streaming:cost", "bounded KV cache speed: decode at 4x the context, prefill through "
+           "the window"),
     Figure("profile", "cli:main", "paged vs contiguous KV on the bundled model (kvcli profile)", _PROFILE),
     Figure("simulate", "cli:main", "paged vs contiguous KV, simulated 13B (kvcli profile --simulate)", _SIMULATE),
     Figure("live", "live:main", "cost of the live dashboard on decode"),
@@ -59,6 +65,7 @@ FIGURES: dict[str, Figure] = {f.name: f for f in [
            ("--repeats", "2", "--attention-backend", "invariant")),
     Figure("spec-sampled", "spec:main", "speculation on sampled continuations (T=0.8)",
            ("--repeats", "2", "--skip-batch", "--skip-hf", "--temperature", "0.8"), in_make_figures=False),
+    Figure("architectures", "architectures:main", "qwen3, phi3, gemma3 decode against a llama of the same bytes"),
     Figure("kquants", "kquants:main", "K-quant GGUFs against Q4_1: resident bytes, load, decode",
            ("--repeats", "5", "--new-tokens", "64"), in_make_figures=False),
     Figure("kquants-avx2", "kquants:main", "the kquants figure held to AVX2",

@@ -8,7 +8,7 @@ method's context of ~1k tokens, so none sees it), scored by `kvcli perplexity --
   sinks16     --kv-window 1020 --sink-tokens 4 (block 16: the sinks round up to one whole 16-token block)
   no sinks    --kv-window 1020 --sink-tokens 0: one stream, the window alone
 Each row: perplexity, its distance from recompute, and the most KV tokens a step held (the layout's measured
-peak) against S + W + one block.
+peak) against the bound: the sinks' whole blocks + W + one block being filled.
 
 `window-cost` (speed, the same engine in one process, rounds alternating between cases): with the context
 --max-model-len C and the window W = C - 16 - 64 (what --kv-window auto picks for -n 64),
@@ -81,14 +81,15 @@ def quality(argv: list[str] | None = None) -> int:
     ref = rows["recompute"]["perplexity"]
     print(f"text: {path.relative_to(REPO)} ({n:,} tokens: the two samples repeated), bundled model, KV {a.kv_dtype}")
     print(f"{'method':10} {'flags':48} {'perplexity':>10} {'vs recompute':>12} {'scored':>7} "
-          f"{'KV peak':>8} {'S+W+block':>9} {'time':>6}")
+          f"{'KV peak':>8} {'bound':>9} {'time':>6}")
     for name, shown, _ in QUALITY:
         r = rows[name]
         if r.get("kv_window") is None:
             peak, bound = "-", "-"
         else:
             bs = 8 if "--block-size 8" in shown else 16
-            peak, bound = f"{r['kv_tokens_peak']:,}", f"{r['sink_tokens'] + r['kv_window'] + bs:,}"
+            sinks = -(-r['sink_tokens'] // bs) * bs  # the sinks are kept as whole blocks
+            peak, bound = f"{r['kv_tokens_peak']:,}", f"{sinks + r['kv_window'] + bs:,}"
         print(f"{name:10} {shown:48} {r['perplexity']:10.4f} {100 * (r['perplexity'] / ref - 1):+11.2f}% "
               f"{r['tokens_scored']:7,} {peak:>8} {bound:>9} {r['seconds']:5.0f}s")
     print(busy_note(before, load1()))
