@@ -73,6 +73,12 @@ FrequencyPenalty = Annotated[float, typer.Option(
     "(OpenAI's, -2..2).")]
 
 
+# The key of a server started with one (serve --api-key; vLLM's and llama-server's too): watch and profile --endpoint.
+ClientApiKey = Annotated[Optional[str], typer.Option(
+    "--api-key", envvar="KVCLI_API_KEY", help="Send 'Authorization: Bearer KEY' to the server (kvcli serve "
+    "--api-key, vLLM, llama-server). Default: KVCLI_API_KEY when set.", show_default=False)]
+
+
 @app.command("continue")
 @engine_flags("model", "block_size", "kv_budget", "quant", "dequantize", "device", "attention_backend",
               "max_model_len", "max_batch_tokens", "kv_dtype", "prefix_cache", *SPECULATION, *RETENTION,
@@ -227,6 +233,7 @@ def profile(
         "tokenizer for the prompts.", show_default=False)] = None,
     concurrency: Annotated[int, typer.Option("--concurrency", help="--endpoint: most requests in flight per "
                                              "server (1..1024).")] = 64,
+    api_key: ClientApiKey = None,
     kv_dtype: Annotated[Optional[str], typer.Option(
         "--kv-dtype", help="KV cache format (auto, fp32, fp16, bf16, int8, fp8), or several separated by commas "
         "(fp32,int8) to run the same trace once per format, side by side. Default: as --kv-dtype auto "
@@ -246,7 +253,7 @@ def profile(
     for d in kv_dtypes[1:]:
         engine_options(fail, kv_dtype=d)  # each format validated before the model loads
     args = ProfileArgs(kv_dtypes=kv_dtypes if len(kv_dtypes) > 1 else (None,),
-        endpoints=tuple(endpoint or ()), concurrency=concurrency,
+        endpoints=tuple(endpoint or ()), concurrency=concurrency, api_key=api_key,
         model=engine.model, workload=workload, num_requests=num_requests, request_rate=request_rate, seed=seed,
         compare=compare.value, simulate=simulate, json_path=json_path, plot_path=plot_path, quant=engine.quant,
         live=live, options=engine.options(fail, kv_dtype=kv_dtype))
@@ -348,6 +355,7 @@ def watch(
                                                  "time to FILE.png.", show_default=False)] = None,
     live: Annotated[bool, typer.Option("--live/--no-live", help="Live dashboard on a terminal; otherwise one "
                                        "line per scrape, then the dashboard once.")] = True,
+    api_key: ClientApiKey = None,
 ) -> None:
     """Watch a serving engine through its Prometheus /metrics: KV usage and blocks over time,
     running / waiting requests, preemptions, prefix-cache hit rate, throughput, TTFT and
@@ -357,7 +365,7 @@ def watch(
     from kvcli.commands.watch_cmd import WatchArgs, run_watch
 
     code = run_watch(WatchArgs(url=url, interval=interval, duration=duration, once=once, record=record,
-                               plot=plot, live=live), fail)
+                               plot=plot, live=live, api_key=api_key), fail)
     if code:
         raise typer.Exit(code)
 

@@ -5,6 +5,7 @@ tokenizer."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 
@@ -141,3 +142,20 @@ def test_bad_serve_flags_are_one_line():
     one_line_error(runner.invoke(app, ["serve", "--max-request-bytes", "lots"]), "--max-request-bytes")
     one_line_error(runner.invoke(app, ["serve", "--request-timeout", "0"]), "--request-timeout")
     one_line_error(runner.invoke(app, ["serve", "--max-tokens-default", "0"]), "--max-tokens-default")
+
+
+def test_watch_and_profile_endpoint_send_the_key(server, tmp_path):
+    """A server whose /metrics and /v1 need the key: watch and profile --endpoint without it fail in one
+    line that says how to give it; with --api-key they read and drive it."""
+    one_line_error(runner.invoke(app, ["watch", server, "--once", "--no-live"]), "--api-key")
+    r = runner.invoke(app, ["watch", server, "--once", "--no-live", "--api-key", KEY])
+    assert r.exit_code == 0 and "Traceback" not in r.output, r.output
+    one_line_error(runner.invoke(app, ["watch", server, "--once", "--no-live", "--api-key", "sk-wrong"]),
+                   "refused the API key")
+    one_line_error(runner.invoke(app, ["profile", "--endpoint", server, "-N", "2"]), "--api-key")
+    rep = tmp_path / "report.json"
+    r = runner.invoke(app, ["profile", "--endpoint", server, "--workload", "alpaca", "-N", "3", "--max-model-len",
+                            "128", "--no-live", "--api-key", KEY, "--json", str(rep)])
+    assert r.exit_code == 0, r.output
+    run = json.loads(rep.read_text())["endpoints"][0]
+    assert run["completed"] == 3 and run["failures"] == 0

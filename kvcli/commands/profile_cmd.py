@@ -38,6 +38,7 @@ class ProfileArgs:
     kv_dtypes: tuple[str | None, ...] = (None,)  # --kv-dtype A,B: one run per format on the same trace
     endpoints: tuple[str, ...] = ()  # --endpoint URL: send the trace to these servers instead
     concurrency: int = 64  # --endpoint: most requests in flight per server
+    api_key: str | None = None  # --endpoint: sent as a Bearer token
 
 
 def parse_rate(text: str, fail: Fail) -> float:
@@ -72,7 +73,7 @@ def run_profile(a: ProfileArgs, fail: Fail) -> int:
         from kvcli.commands.profile_endpoint import run_endpoint_profile
 
         return run_endpoint_profile(a.endpoints, a.concurrency, trace, a.model, a.seed, a.json_path, a.plot_path,
-                                    fail)
+                                    fail, api_key=a.api_key)
 
     layout0 = options.kv_layout
     runs = [options]

@@ -133,14 +133,14 @@ def plot_runs(runs: list[EndpointRun], path: str) -> None:
 
 
 def run_endpoint_profile(endpoints: tuple[str, ...], concurrency: int, trace: Trace, model: str | None, seed: int,
-                         json_path: Path | None, plot_path: Path | None, fail: Fail) -> int:
+                         json_path: Path | None, plot_path: Path | None, fail: Fail, api_key: str | None = None) -> int:
     if not 1 <= concurrency <= MAX_CONCURRENCY:
         fail(f"--concurrency must be in 1..{MAX_CONCURRENCY} (got {concurrency})")
     err = Console(stderr=True)
     models = {}
     for url in endpoints:  # every endpoint answers before the tokenizer loads and the first trace starts
         try:
-            models[url] = model_id(url)
+            models[url] = model_id(url, api_key)
         except EndpointError as e:
             fail(str(e))
     try:
@@ -152,7 +152,8 @@ def run_endpoint_profile(endpoints: tuple[str, ...], concurrency: int, trace: Tr
     for url in endpoints:
         err.print(f"[dim]{url} ({models[url]}): {len(prompts)} requests, at most {concurrency} at once[/dim]")
         try:
-            runs.append(asyncio.run(run_endpoint(url, trace, prompts, concurrency, model=models[url])))
+            runs.append(asyncio.run(run_endpoint(url, trace, prompts, concurrency, model=models[url],
+                                                 api_key=api_key)))
         except EndpointError as e:
             fail(str(e))
         except KeyboardInterrupt:

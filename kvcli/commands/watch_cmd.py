@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.live import Live
 
 from kvcli.inputs import InputError, check_outputs, write_text_file
+from kvcli.remote.auth import auth_headers, refused_key
 from kvcli.remote.scrape import ScrapeError, ServerSample, parse
 from kvcli.remote.timeline import Timeline, plot_timeline
 
@@ -31,6 +32,7 @@ class WatchArgs:
     record: Path | None
     plot: Path | None
     live: bool
+    api_key: str | None = None  # sent as a Bearer token (a server whose /metrics needs its key)
 
 
 def metrics_url(url: str, fail: "Fail") -> str:
@@ -44,11 +46,13 @@ def metrics_url(url: str, fail: "Fail") -> str:
 
 
 class Scraper:
-    def __init__(self, url: str, timeout: float) -> None:
+    def __init__(self, url: str, timeout: float, api_key: str | None = None) -> None:
         import httpx
 
         self.url = url
-        self.client = httpx.Client(timeout=timeout, follow_redirects=False, trust_env=False)
+        self.api_key = api_key
+        self.client = httpx.Client(timeout=timeout, follow_redirects=False, trust_env=False,
+                                   headers=auth_headers(api_key))
         self.t0 = time.monotonic()
 
     def scrape(self) -> ServerSample:
@@ -63,7 +67,7 @@ class Scraper:
         except httpx.HTTPError as e:
             raise ScrapeError(f"{self.url}: {type(e).__name__} ({e})") from None
         if r.status_code != 200:
-            raise ScrapeError(f"{self.url}: HTTP {r.status_code}")
+            raise ScrapeError(f"{self.url}: HTTP {r.status_code}{refused_key(r.status_code, self.api_key)}")
         try:
             return parse(r.text, t)
         except ScrapeError as e:
@@ -82,7 +86,7 @@ def run_watch(a: WatchArgs, fail: "Fail") -> int:
         fail(f"--duration must be > 0 seconds (got {a.duration})")
     check_outputs((a.record, a.plot), fail)
     url = metrics_url(a.url, fail)
-    scraper = Scraper(url, timeout=max(1.0, min(5.0, 4 * a.interval)))
+    scraper = Scraper(url, timeout=max(1.0, min(5.0, 4 * a.interval)), api_key=a.api_key)
     tl = Timeline(url)
     try:
         tl.add(scraper.scrape())

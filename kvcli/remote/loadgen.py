@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvcli.metrics.server import Timeline
+from kvcli.remote.auth import auth_headers, refused_key
 from kvcli.remote.scrape import ScrapeError, parse
 from kvcli.workloads import Trace
 
@@ -75,15 +76,17 @@ def base_url(url: str) -> str:
     return url if url.startswith(("http://", "https://")) else "http://" + url
 
 
-def model_id(url: str) -> str:
+def model_id(url: str, api_key: str | None = None) -> str:
     """The first model the server lists (vLLM needs it in each request); fails when it cannot say."""
     import httpx
 
     url = base_url(url)
     try:
-        r = httpx.get(f"{url}/v1/models", timeout=10.0, trust_env=False)
+        r = httpx.get(f"{url}/v1/models", timeout=10.0, trust_env=False, headers=auth_headers(api_key))
     except httpx.HTTPError as e:
         raise EndpointError(f"{url}: cannot reach /v1/models ({type(e).__name__}: {e})") from None
+    if r.status_code in (401, 403):
+        raise EndpointError(f"{url}/v1/models: HTTP {r.status_code}{refused_key(r.status_code, api_key)}")
     try:
         data = r.json()["data"]
         return str(data[0]["id"])
@@ -153,15 +156,16 @@ async def _sample_metrics(client, url: str, tl: Timeline, t0: float, interval: f
 
 
 async def run_endpoint(url: str, trace: Trace, prompts: list[list[int]], concurrency: int, model: str | None = None,
-                       metrics_interval: float = 0.5, request_timeout: float = 600.0) -> EndpointRun:
+                       metrics_interval: float = 0.5, request_timeout: float = 600.0,
+                       api_key: str | None = None) -> EndpointRun:
     import httpx
 
     url = base_url(url)
     limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=concurrency + 2)
     async with httpx.AsyncClient(timeout=httpx.Timeout(request_timeout, connect=10.0), limits=limits,
-                                 trust_env=False) as client:
+                                 trust_env=False, headers=auth_headers(api_key)) as client:
         if model is None:
-            model = await asyncio.to_thread(model_id, url)
+            model = await asyncio.to_thread(model_id, url, api_key)
         tl = Timeline(f"{url}/metrics")
         sem = asyncio.Semaphore(concurrency)
         stop = asyncio.Event()
