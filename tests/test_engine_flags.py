@@ -49,6 +49,12 @@ FLAGS_BEFORE = {
 for _cmd in ("chat", "continue", "perplexity", "profile", "serve"):
     FLAGS_BEFORE[_cmd] |= {'--kv-window', '--sink-tokens'}
 
+# Penalties on continue and chat, and the client's API key on watch and profile (issue #31), added since.
+for _cmd in ("chat", "continue"):
+    FLAGS_BEFORE[_cmd] |= {'--repetition-penalty', '--presence-penalty', '--frequency-penalty'}
+for _cmd in ("profile", "watch"):
+    FLAGS_BEFORE[_cmd] |= {'--api-key'}
+
 # The engine flags' defaults per command, as declared before (enums by value).
 DEFAULTS_BEFORE = {
     "chat": {'--model': None, '--block-size': 16, '--kv-budget': None, '--quant': 'auto', '--dequantize': False,
