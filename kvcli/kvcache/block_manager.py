@@ -140,17 +140,13 @@ class PagedKVManager:
 
     def cache_position(self, req_id: str, text_index: int) -> int:
         """Where text token `text_index` (one not dropped) sits in the request's compact cache."""
-        d = self.dropped.get(req_id, 0)
-        return text_index if d == 0 or text_index < self.retention.sink_slots else text_index - d
+        return self.retention.cache_position(text_index, self.dropped.get(req_id, 0))
 
     def skip(self, req_id: str, num_computed: int, num_tokens: int) -> int:
-        """Rebuild (after a recompute preemption, or a prompt to be kept, not streamed): with exactly the
-        sinks cached and nothing dropped yet, count the tokens between the sinks and the last W as dropped
-        without computing them; returns how many (0: nothing to skip). Positions stay compact."""
+        """Rebuild: count the tokens between the sinks and the last W as dropped without computing them
+        (Retention.tokens_to_skip); returns how many. Positions stay compact."""
         r = self.retention
-        if r is None or self.dropped.get(req_id, 0) or num_computed != r.sink_slots:
-            return 0
-        n = num_tokens - num_computed - r.window
+        n = 0 if r is None else r.tokens_to_skip(self.dropped.get(req_id, 0), num_computed, num_tokens)
         if n <= 0:
             return 0
         self.dropped[req_id] = n

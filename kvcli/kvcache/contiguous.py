@@ -96,15 +96,12 @@ class ContiguousArena:
         return self.dropped.get(req_id, 0)
 
     def cache_position(self, req_id: str, text_index: int) -> int:
-        d = self.dropped.get(req_id, 0)
-        return text_index if d == 0 or text_index < self.retention.sink_slots else text_index - d
+        return self.retention.cache_position(text_index, self.dropped.get(req_id, 0))
 
     def skip(self, req_id: str, num_computed: int, num_tokens: int) -> int:
         """A rebuild with exactly the sinks cached: the tokens between them and the last W count as dropped."""
         r = self.retention
-        if r is None or self.dropped.get(req_id, 0) or num_computed != r.sink_slots:
-            return 0
-        n = num_tokens - num_computed - r.window
+        n = 0 if r is None else r.tokens_to_skip(self.dropped.get(req_id, 0), num_computed, num_tokens)
         if n <= 0:
             return 0
         self.dropped[req_id] = n

@@ -68,6 +68,18 @@ class Retention:
         """The most KV tokens a request ever holds: sink_slots + W + block_size - 1."""
         return self.sink_slots + self.window + self.block_size - 1
 
+    def cache_position(self, text_index: int, dropped: int) -> int:
+        """Where text token `text_index` (one not dropped) sits in a compact cache that dropped `dropped`."""
+        return text_index if dropped == 0 or text_index < self.sink_slots else text_index - dropped
+
+    def tokens_to_skip(self, dropped: int, num_computed: int, num_tokens: int) -> int:
+        """A rebuild (after a recompute preemption, or a prompt kept rather than streamed): with exactly the
+        sinks cached and nothing dropped yet, the tokens between the sinks and the last W, to count as dropped
+        without computing them (0: nothing to skip)."""
+        if dropped or num_computed != self.sink_slots:
+            return 0
+        return max(0, num_tokens - num_computed - self.window)
+
     def blocks_to_drop(self, cached_after: int, cached_computed: int, table_blocks: int) -> int:
         """Window blocks to drop before a step that leaves `cached_after` tokens in the compact cache, of which
         `cached_computed` are already computed; `table_blocks`: the request's blocks now."""
