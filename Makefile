@@ -12,14 +12,15 @@ setup:
 run: setup
 	$(VENV)/bin/kvcli continue $(SAMPLE) --max-tokens 200 --temperature 0.8 --top-p 0.95 --seed 1
 
-# The conformance suite (tests/conformance: kvcli against llama.cpp on tiny GGUFs) needs llama-cpp-python, built
-# once into a cache outside the clone (~5 min on an idle 2-core machine; seconds when built); a failed build
-# only skips that suite, saying why.
+# The conformance suite (tests/conformance: kvcli against llama.cpp on tiny GGUFs) needs llama-cpp-python, and
+# tests/test_llama_server.py llama.cpp's llama-server; both are built once into a cache outside the clone
+# (~5 min each on an idle 2-core machine; seconds when built); a failed build only skips those tests, saying why.
 test: setup conformance-deps
 	$(VENV)/bin/pytest -q -p no:cacheprovider
 
 conformance-deps:
 	-bash scripts/build_llama_cpp_python.sh
+	-bash scripts/build_llama_server.sh
 
 test-fast: setup
 	$(VENV)/bin/pytest -q -p no:cacheprovider -m "not slow"

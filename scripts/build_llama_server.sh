@@ -1,43 +1,67 @@
 #!/usr/bin/env bash
-# Build llama.cpp's llama-server once, from the llama.cpp sources vendored in the llama-cpp-python
-# sdist that scripts/build_llama_cpp.sh builds the batch benchmark from (same version: 0.3.36), so
-# the server and the in-process llama.cpp numbers come from one llama.cpp. Used by
-# tests/test_llama_server.py and python -m kvcli.bench serve-vs-llama-server --llama-server, which skip with a message
-# while the binary is missing. Niced: it takes many minutes on 2 cores. No network at build time
-# beyond fetching the sdist (the web UI's prebuilt assets are not downloaded; the API needs none).
-#   scripts/build_llama_server.sh        # -> $KVCLI_CACHE/llama-server/bin/llama-server
-# KVCLI_CACHE: where builds go (default: <repo>/.cache/bench); LLAMA_SDIST: a local copy of
-# llama_cpp_python-<version>.tar.gz (else pip downloads it); PYTHON: the interpreter that runs pip.
+# Build llama.cpp's llama-server once, into the same cache outside the clone as the conformance suite's
+# llama-cpp-python (scripts/build_llama_cpp_python.sh), from the llama.cpp sources vendored in the same
+# llama-cpp-python sdist (0.3.36): the server and the in-process llama.cpp are one llama.cpp. Used by
+# tests/test_llama_server.py (watch and profile --endpoint against a real engine; `make test` builds it
+# first) and python -m kvcli.bench serve-vs-llama-server, which skip with a message while it is missing.
+#   scripts/build_llama_server.sh          # build if missing; seconds when built
+#   scripts/build_llama_server.sh --where  # print the binary's path (built or not), build nothing
+# Where: ${KVCLI_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvcli}/llama-server/<version>-<isa>/bin/llama-server
+#   <isa>: native (GGML_NATIVE=ON), or native-noamx on CPUs with AMX tiles (llama.cpp's AMX path segfaults
+#   on quantized models there). LLAMA_CPP_ISA overrides the name check.
+# Env: LLAMA_CPP_PYTHON_VERSION (0.3.36), LLAMA_SDIST (a local llama_cpp_python-<version>.tar.gz, else pip
+# downloads it), PYTHON (the interpreter that runs pip), JOBS (nproc). No network at build time beyond the
+# sdist (the web UI's prebuilt assets are not fetched; the API needs none). Niced.
+# Exit 0 and print "build_llama_server: <version>-<isa> ready: <binary>"; non-zero with one line why.
 set -euo pipefail
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
-CACHE=${KVCLI_CACHE:-$ROOT/.cache/bench}
 VERSION=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
-DEST="$CACHE/llama-server"
+CACHE=${KVCLI_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvcli}
+ARGS="-DGGML_NATIVE=ON"
+ISA=native
+if grep -qw amx_tile /proc/cpuinfo 2>/dev/null; then
+  ISA=native-noamx
+  ARGS="$ARGS -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+fi
+ISA=${LLAMA_CPP_ISA:-$ISA}
+DEST="$CACHE/llama-server/$VERSION-$ISA"
 BIN="$DEST/bin/llama-server"
-if [ -x "$BIN" ]; then
-    echo "build_llama_server: already built: $BIN"
-    exit 0
-fi
-for tool in cmake c++; do
-    command -v $tool >/dev/null || { echo "build_llama_server: needs $tool" >&2; exit 3; }
+STAMP="$DEST/.kvcli-built"
+if [ "${1:-}" = "--where" ]; then echo "$BIN"; exit 0; fi
+
+ready() { [ -f "$STAMP" ] && [ -x "$BIN" ] && "$BIN" --version >/dev/null 2>&1; }
+if ready; then echo "build_llama_server: $VERSION-$ISA ready: $BIN ($(cat "$STAMP"))"; exit 0; fi
+for tool in cmake c++ tar; do
+  command -v $tool >/dev/null || { echo "build_llama_server: needs $tool to build llama.cpp's server" >&2; exit 3; }
 done
-mkdir -p "$DEST/src" "$DEST/bin"
-cd "$DEST/src"
-SDIST=${LLAMA_SDIST:-$DEST/src/llama_cpp_python-$VERSION.tar.gz}
-if [ ! -f "$SDIST" ]; then
-    PY=${PYTHON:-python3}
-    "$PY" -m pip download --no-deps --no-binary :all: --dest . "llama-cpp-python==$VERSION"
-    SDIST=$DEST/src/llama_cpp_python-$VERSION.tar.gz
+mkdir -p "$CACHE/llama-server"
+# One build at a time (make test and a benchmark may both ask); the second waits, then finds it built.
+exec 9>"$CACHE/llama-server/.lock-$VERSION-$ISA"
+if command -v flock >/dev/null; then flock 9; fi
+if ready; then echo "build_llama_server: $VERSION-$ISA ready: $BIN ($(cat "$STAMP"))"; exit 0; fi
+rm -rf "$DEST"; mkdir -p "$DEST/src" "$DEST/bin"
+echo "build_llama_server: building llama-server (llama.cpp of llama-cpp-python $VERSION, $ISA: $ARGS) into $DEST;" \
+     "several minutes, log in $DEST/build.log"
+start=$(date +%s)
+SDIST=${LLAMA_SDIST:-}
+if [ -z "$SDIST" ]; then
+  "${PYTHON:-python3}" -m pip download -q --no-deps --no-binary :all: --dest "$DEST/src" "llama-cpp-python==$VERSION" \
+      >"$DEST/build.log" 2>&1 || { echo "build_llama_server: could not fetch the llama-cpp-python $VERSION sdist; see $DEST/build.log" >&2; exit 4; }
+  SDIST="$DEST/src/llama_cpp_python-$VERSION.tar.gz"
 fi
+nice -n 10 tar xzf "$SDIST" -C "$DEST/src" "llama_cpp_python-$VERSION/vendor/llama.cpp"
 SRC="$DEST/src/llama_cpp_python-$VERSION/vendor/llama.cpp"
-[ -f "$SRC/tools/server/server.cpp" ] || nice -n 15 tar xzf "$SDIST" "llama_cpp_python-$VERSION/vendor/llama.cpp"
-# GGML_NATIVE as the batch benchmark's llama-native build; no OpenSSL (loopback only), no web UI.
-nice -n 15 cmake -S "$SRC" -B "$DEST/build" -G "${CMAKE_GENERATOR:-Unix Makefiles}" -DCMAKE_BUILD_TYPE=Release \
-    -DGGML_NATIVE=ON -DGGML_BLAS=OFF -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON \
+[ -f "$SRC/tools/server/server.cpp" ] || { echo "build_llama_server: no tools/server in $SDIST" >&2; exit 4; }
+# CPU backend only, static, no BLAS/curl/OpenSSL (loopback only), no web UI.
+nice -n 10 cmake -S "$SRC" -B "$DEST/build" -G "${CMAKE_GENERATOR:-Unix Makefiles}" -DCMAKE_BUILD_TYPE=Release \
+    $ARGS -DGGML_BLAS=OFF -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF \
-    -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF >"$DEST/build.log" 2>&1 \
-    || { echo "build_llama_server: cmake configure failed; see $DEST/build.log" >&2; tail -20 "$DEST/build.log" >&2; exit 4; }
-nice -n 15 cmake --build "$DEST/build" --target llama-server -j "${JOBS:-$(nproc)}" >>"$DEST/build.log" 2>&1 \
-    || { echo "build_llama_server: build failed; see $DEST/build.log" >&2; tail -20 "$DEST/build.log" >&2; exit 4; }
+    -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF >>"$DEST/build.log" 2>&1 \
+  || { echo "build_llama_server: cmake configure failed; see $DEST/build.log" >&2; tail -5 "$DEST/build.log" >&2; exit 4; }
+nice -n 10 cmake --build "$DEST/build" --target llama-server -j "${JOBS:-$(nproc)}" >>"$DEST/build.log" 2>&1 \
+  || { echo "build_llama_server: build failed; see $DEST/build.log" >&2; tail -5 "$DEST/build.log" >&2; exit 4; }
 cp "$DEST/build/bin/llama-server" "$BIN"
-echo "build_llama_server: built $BIN (llama.cpp from llama-cpp-python $VERSION)"
+rm -rf "$DEST/build" "$DEST/src"   # the binary is static; the tree is ~1 GB of objects
+secs=$(( $(date +%s) - start ))
+echo "built $(date -u +%Y-%m-%dT%H:%MZ) in ${secs}s on $(nproc) cores, $ARGS" >"$STAMP"
+ready || { echo "build_llama_server: built but $BIN --version fails; see $DEST/build.log" >&2; exit 5; }
+echo "build_llama_server: $VERSION-$ISA ready: $BIN (built in ${secs}s)"

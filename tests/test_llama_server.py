@@ -1,7 +1,8 @@
 """llama.cpp's real server on the bundled GGUF with --metrics, driven like kvcli serve: `kvcli watch`
-reads its llamacpp: metrics and `kvcli profile --endpoint` sends it a trace. Skipped until
-scripts/build_llama_server.sh has built llama-server (looked up by kvcli/bench/llama_server.py:
-$KVCLI_LLAMA_SERVER, $KVCLI_CACHE, .cache/bench, a worktree's main checkout). Everything on 127.0.0.1."""
+reads its llamacpp: metrics and `kvcli profile --endpoint` sends it a trace. `make test` builds llama-server
+first (scripts/build_llama_server.sh, into the cache outside the clone, once); without it (a failed build, or
+pytest run alone on a fresh machine) these skip, naming the path. $KVCLI_LLAMA_SERVER points elsewhere.
+Everything on 127.0.0.1."""
 
 from __future__ import annotations
 

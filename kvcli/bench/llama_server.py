@@ -1,5 +1,6 @@
 """Where llama.cpp's llama-server binary is, for the tests and benchmarks that run it beside kvcli
-serve (never a kvcli dependency; scripts/build_llama_server.sh builds it)."""
+serve (never a kvcli dependency). scripts/build_llama_server.sh builds it and is the one place that
+names its path (`--where`): the cache outside the clone that the conformance suite's llama.cpp uses."""
 
 from __future__ import annotations
 
@@ -8,32 +9,19 @@ import subprocess
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-REL = Path("llama-server") / "bin" / "llama-server"
-
-
-def _main_checkout() -> Path | None:
-    """The main checkout when this tree is a git worktree (builds are shared from its .cache)."""
-    try:
-        common = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--path-format=absolute", "--git-common-dir"],
-                                capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return Path(common).parent if common else None
+SCRIPT = REPO / "scripts" / "build_llama_server.sh"
 
 
 def candidates() -> list[Path]:
-    """$KVCLI_LLAMA_SERVER if set (only it); else under $KVCLI_CACHE, this checkout's .cache/bench and,
-    in a git worktree, the main checkout's .cache/bench."""
+    """$KVCLI_LLAMA_SERVER if set (only it); else where scripts/build_llama_server.sh builds it."""
     if os.environ.get("KVCLI_LLAMA_SERVER"):
         return [Path(os.environ["KVCLI_LLAMA_SERVER"])]
-    out = []
-    if os.environ.get("KVCLI_CACHE"):
-        out.append(Path(os.environ["KVCLI_CACHE"]) / REL)
-    out.append(REPO / ".cache" / "bench" / REL)
-    main = _main_checkout()
-    if main is not None and main != REPO:
-        out.append(main / ".cache" / "bench" / REL)
-    return out
+    try:
+        where = subprocess.run(["bash", str(SCRIPT), "--where"], capture_output=True, text=True,
+                               timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [Path(where)] if where else []
 
 
 def find_llama_server() -> Path | None:

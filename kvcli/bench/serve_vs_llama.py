@@ -9,8 +9,8 @@ Memory: kvcli's KV pool and its breakdown come from its /metrics (kvcli: metrics
 own startup log, labelled as such.
 
   python -m kvcli.bench serve-vs-llama-server --threads 1 --out docs/results/serve-vs-llama-server-DATE.txt
-llama-server: --llama-server PATH, else as kvcli/bench/llama_server.py finds it ($KVCLI_LLAMA_SERVER,
-$KVCLI_CACHE/llama-server/bin, .cache/bench/llama-server/bin; scripts/build_llama_server.sh builds it).
+llama-server: --llama-server PATH, else as kvcli/bench/llama_server.py finds it ($KVCLI_LLAMA_SERVER, else
+where scripts/build_llama_server.sh builds it: ~/.cache/kvcli/llama-server/<version>-<isa>/bin).
 Loopback only.
 """
 
