@@ -385,6 +385,10 @@ class SamplingParams:
     # Report each sampled token's log probability and this many most likely alternatives (None: no report;
     # 0: the sampled token's only). RequestOutput.logprobs.
     logprobs: int | None = None
+    # Also each prompt token's log probability given the tokens before it (the first has none) and this many
+    # alternatives (vLLM's prompt_logprobs; OpenAI completions' echo with logprobs). RequestOutput.prompt_logprobs,
+    # on the request's first output. Such a request computes its whole prompt (no prefix-cache hit).
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -408,8 +412,10 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2] (got {getattr(self, name)})")
         if not 0 < self.repetition_penalty < math.inf:
             raise ValueError(f"repetition_penalty must be a finite number > 0 (got {self.repetition_penalty})")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] (got {self.logprobs})")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and not 0 <= v <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}] (got {v})")
 
     @property
     def greedy(self) -> bool:

@@ -36,6 +36,9 @@ class ScheduledChunk:
     sample: bool  # this chunk reaches the end of the known tokens: sample the next one
     fork_ids: tuple[str, ...] = ()  # samples of the same prompt that branch off here (n > 1)
     spec_token_ids: tuple[int, ...] = ()  # guesses: the last len() entries of token_ids, to verify
+    # A request that asked for its prompt's log probabilities: the prompt token after each of the first
+    # len() entries of token_ids (the chunk's rows to score; the last prompt token has none of its own).
+    prompt_targets: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,8 @@ class RunnerOutput:
     # probability under the model's distribution (raw logits, before temperature / top-k / top-p, as
     # vLLM and OpenAI report them) and the top entries as (token id, log probability).
     logprobs: "dict[str, list[TokenLogprob]] | None" = None
+    # Chunks with prompt_targets: per target, in order, its log probability and top entries (same rules).
+    prompt_logprobs: "dict[str, list[TokenLogprob]] | None" = None
 
 
 @dataclass(frozen=True)

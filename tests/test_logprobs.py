@@ -50,3 +50,69 @@ def test_logprobs_with_speculation(int4_llm):
     assert spec.scheduler.spec_accepted > 0
     assert [o.logprobs.logprob for o in fast] == pytest.approx([o.logprobs.logprob for o in plain], abs=2e-2)
     assert all(o.logprobs.top == () for o in fast)
+
+
+# --- the prompt's log probabilities (SamplingParams.prompt_logprobs; serve's echo with logprobs) ----------
+def _first(outs):
+    assert outs[0].prompt_logprobs is not None and all(o.prompt_logprobs is None for o in outs[1:])
+    return outs[0].prompt_logprobs
+
+
+@pytest.mark.parametrize("chunk", [512, 7])
+def test_prompt_logprobs_are_the_teacher_forced_scores(chunk, sample_text):
+    """Each prompt token after the first, given those before it: the same numbers as score(), whole or in
+    chunks of 7 tokens (rows of one chunk score the next chunk's first token), with top entries sorted."""
+    from kvcli.llm import LLM
+
+    e = LLM(dequantize=True, max_num_batched_tokens=chunk, kv_budget="64MiB").engine
+    text = sample_text[:300]
+    req, outs = run(e, text, SamplingParams(max_tokens=2, ignore_eos=True, prompt_logprobs=2), None)
+    plps = _first(outs)
+    ids = req.prompt_token_ids
+    assert len(plps) == len(ids) - 1
+    want = [-float(x) for x in e.score(ids)]
+    assert [p.logprob for p in plps] == pytest.approx(want, abs=1e-4)
+    for p in plps:
+        assert len(p.top) == 2 and p.top[0][1] >= p.top[1][1] and p.top[0][1] >= p.logprob - 1e-6
+
+
+def test_prompt_logprobs_skip_the_prefix_cache_and_reach_every_sample(exact_llm):
+    """A prompt already in the prefix cache is computed again when its scores are asked (a cached block has
+    no logits); n = 2 samples share the prompt's one list; a request beside it is unaffected."""
+    e = exact_llm.engine
+    text = PROMPT * 6
+    _, first = run(e, text, SamplingParams(max_tokens=1), None)  # fills the prefix cache
+    assert first[0].prompt_logprobs is None
+    a = e.add_request(text, SamplingParams(max_tokens=3, ignore_eos=True, prompt_logprobs=0, n=2, temperature=1.0,
+                                           seed=3))
+    b = e.add_request(PROMPT, SamplingParams(max_tokens=3, ignore_eos=True))
+    got: dict[str, list] = {}
+    while e.has_unfinished():
+        for o in e.step():
+            got.setdefault(o.req_id, []).append(o)
+    ids = a.prompt_token_ids
+    want = [-float(x) for x in e.score(ids)]
+    for rid in (a.req_id, f"{a.req_id}.1"):
+        plps = _first(got[rid])
+        assert len(plps) == len(ids) - 1 and all(p.top == () for p in plps)
+        assert [p.logprob for p in plps] == pytest.approx(want, abs=1e-4)
+    assert all(o.prompt_logprobs is None for o in got[b.req_id])
+    assert e.scheduler.requests[a.req_id].num_cached_tokens == 0
+
+
+def test_prompt_logprobs_survive_a_recompute_preemption(sample_text):
+    """Two long prompts in a pool that holds one: the one preempted mid-prompt scores its prompt again from
+    the start, and its list still has one entry per prompt token."""
+    from kvcli.llm import LLM
+
+    e = LLM(dequantize=True, max_num_batched_tokens=32, kv_budget="12MiB", preempt="recompute").engine
+    reqs = [e.add_request(sample_text[i * 400:(i + 1) * 400 + 300],
+                          SamplingParams(max_tokens=40, ignore_eos=True, prompt_logprobs=0)) for i in range(2)]
+    got: dict[str, list] = {}
+    while e.has_unfinished():
+        for o in e.step():
+            got.setdefault(o.req_id, []).append(o)
+    assert e.scheduler.num_preemptions > 0
+    for r in reqs:
+        plps = _first(got[r.req_id])
+        assert [p.logprob for p in plps] == pytest.approx([-float(x) for x in e.score(r.prompt_token_ids)], abs=1e-4)

@@ -219,7 +219,6 @@ def test_completion_accepts_defaults(server):
     ("/v1/chat/completions", {"n": 5}, "n", "unsupported_value", "at most 4 sequences"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      "messages", "unsupported_value", "image_url"),
-    ("/v1/completions", {"echo": True, "logprobs": 1}, "echo", "unsupported_value", "echo with logprobs"),
     ("/v1/completions", {"stream": "yes"}, "stream", "invalid_type", "valid boolean"),
     ("/v1/completions", {"max_tokens": True}, "max_tokens", "invalid_type", "valid integer"),
     ("/v1/completions", {"max_tokens": "5"}, "max_tokens", "invalid_type", "valid integer"),
@@ -335,6 +334,62 @@ def test_echo(server):
     assert text == body["prompt"] + plain
     ids = load_tokenizer(None).encode(body["prompt"])
     assert text_of(post(server, "/v1/completions", {**body, "prompt": ids, "echo": True})) == body["prompt"] + plain
+
+
+def test_echo_with_logprobs_scores_the_prompt(server, int4_llm):
+    """echo with logprobs (lm-eval's loglikelihood request): every prompt token after the first with its log
+    probability given those before it (the first: null), then the completion's, whole and streamed; the
+    prompt's are the in-process engine's teacher-forced scores on the same weights."""
+    from kvcli.model.loader import load_tokenizer
+
+    ids = load_tokenizer(None).encode("The keeper wrote in his log that the lamp had gone out at midnight")
+    body = {"prompt": ids, "max_tokens": 1, "temperature": 0, "logprobs": 1, "echo": True}
+    lp = post(server, "/v1/completions", body).json()["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(ids) + 1
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    want = [-float(x) for x in int4_llm.engine.score(ids)]
+    assert lp["token_logprobs"][1:-1] == pytest.approx(want, abs=1e-3)
+    for got, top in zip(lp["token_logprobs"][1:], lp["top_logprobs"][1:]):
+        assert len(top) == 1 and max(top.values()) >= got - 1e-6
+    events = sse(post(server, "/v1/completions", {**body, "stream": True}).text)
+    first = events[0]["choices"][0]  # the echo, with the prompt's log probabilities
+    assert first["logprobs"]["token_logprobs"] == lp["token_logprobs"][:-1]
+    assert first["logprobs"]["text_offset"][0] == 0
+    tail = next(e["choices"][0]["logprobs"] for e in events[1:] if e["choices"][0]["logprobs"])
+    assert tail["token_logprobs"] == pytest.approx(lp["token_logprobs"][-1:], abs=1e-6)
+
+
+def test_a_batch_of_prompts(server):
+    """prompt as a list (strings or token ids): choice i * n + j is sample j of prompt i, each what the prompt
+    alone gives; usage counts every prompt once."""
+    from kvcli.model.loader import load_tokenizer
+
+    tok = load_tokenizer(None)
+    texts = ["The keeper wrote in his log that", "Once upon a time", "1, 2, 3,"]
+    base = {"max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    alone = [text_of(post(server, "/v1/completions", {**base, "prompt": t})) for t in texts]
+    for prompt in (texts, [tok.encode(t) for t in texts]):
+        r = post(server, "/v1/completions", {**base, "prompt": prompt})
+        assert r.status_code == 200, r.text
+        got = r.json()
+        assert [c["index"] for c in got["choices"]] == [0, 1, 2]
+        assert [c["text"] for c in got["choices"]] == alone
+        assert got["usage"]["prompt_tokens"] == sum(len(tok.encode(t)) for t in texts)
+        text, _ = streamed_text(post(server, "/v1/completions", {**base, "prompt": prompt[:1], "stream": True}))
+        assert text == alone[0]
+    r = post(server, "/v1/completions", {**base, "prompt": texts[:2], "n": 2, "echo": True})
+    assert [c["index"] for c in r.json()["choices"]] == [0, 1, 2, 3]
+    assert [c["text"] for c in r.json()["choices"]] == [texts[0] + alone[0]] * 2 + [texts[1] + alone[1]] * 2
+    events = sse(post(server, "/v1/completions", {**base, "prompt": texts[:2], "stream": True}).text)
+    by = {}
+    for e in events[:-1]:
+        for c in e.get("choices", []):
+            by.setdefault(c["index"], []).append(c["text"])
+    assert ["".join(by[i]) for i in (0, 1)] == alone[:2]
+    for bad in ([[1, 2], "x"], [[]], [1, "a"]):
+        assert post(server, "/v1/completions", {**base, "prompt": bad}).status_code == 400
+    assert post(server, "/v1/completions", {**base, "prompt": texts + texts}).status_code == 400  # 6 > 4 seqs
+    wait_idle(server)
 
 
 def test_logprobs_completions(server):

@@ -97,6 +97,7 @@ class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer | None) -> None:
         self.tokenizer = tokenizer
         self._texts: dict[str, _RequestText] = {}
+        self._prompt_sent: set[str] = set()  # requests whose prompt log probabilities went out
 
     def add(self, req_id: str) -> None:
         pass  # a request's state is made with its first token, from its sampling params
@@ -104,6 +105,7 @@ class OutputProcessor:
 
     def release(self, req_id: str) -> None:
         self._texts.pop(req_id, None)
+        self._prompt_sent.discard(req_id)
 
     def text(self, req_id: str) -> str:
         """The text emitted so far; once the request finished, its whole text (cut before a stop string)."""
@@ -117,7 +119,17 @@ class OutputProcessor:
         its stop string already read finished, reason "stop". A request that the scheduler finished
         this step (its length, a stop token) finishes on its last token of the step: the earlier ones
         (accepted speculative guesses) read as running and carry their text. `logprobs` (the runner's,
-        for the requests that asked) ride on each token's output."""
+        for the requests that asked) ride on each token's output; a request's prompt log probabilities
+        (SamplingParams.prompt_logprobs, scored by then) on its first."""
+        outputs, stopped = self._process(new_tokens, logprobs)
+        for k, (req, _) in enumerate(new_tokens):
+            if req.params.prompt_logprobs is not None and req.req_id not in self._prompt_sent:
+                self._prompt_sent.add(req.req_id)
+                outputs[k] = replace(outputs[k], prompt_logprobs=tuple(req.prompt_logprobs))
+        return outputs, stopped
+
+    def _process(self, new_tokens: list[tuple[Request, int]], logprobs: dict[str, list[TokenLogprob]] | None
+                 ) -> tuple[list[RequestOutput], list[str]]:
         if logprobs:
             return self._with_logprobs(new_tokens, logprobs)
         if self.tokenizer is None:
@@ -161,7 +173,7 @@ class OutputProcessor:
 
     def _with_logprobs(self, new_tokens: list[tuple[Request, int]], logprobs: dict[str, list[TokenLogprob]]
                        ) -> tuple[list[RequestOutput], list[str]]:
-        outputs, stopped = self.process(new_tokens)
+        outputs, stopped = self._process(new_tokens, None)
         seen: dict[str, int] = {}
         for k, out in enumerate(outputs):
             lps = logprobs.get(out.req_id)

@@ -15,6 +15,9 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None = None
     logprobs: TokenLogprob | None = None  # the token's, when the request asked for them
+    # SamplingParams.prompt_logprobs, on a request's first output only: prompt tokens 1.. each given those
+    # before it (the first prompt token has none; OpenAI's echo writes null for it)
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(frozen=True)

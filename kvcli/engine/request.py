@@ -38,6 +38,13 @@ class Request:
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache when first scheduled
+    # SamplingParams.prompt_logprobs: prompt tokens 1.. scored so far (the runner's, appended per step)
+    prompt_logprobs: list = field(default_factory=list)
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Still to score prompt tokens: its chunks carry targets and it takes no prefix-cache hit."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
 
     @property
     def num_prompt_tokens(self) -> int:

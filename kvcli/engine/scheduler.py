@@ -43,6 +43,12 @@ points their table entries at the null block, so nothing changes here but the ac
 run when ceil((W - 1 + step budget) / block_size) + 1 blocks fit (the layout's `step_tokens` is the step
 budget), and a swap-out copies only the blocks still held (`trim` first, then the held blocks; the
 readmission's held blocks, the same ones, take them back).
+
+A request asking for its prompt's log probabilities (SamplingParams.prompt_logprobs) computes its whole
+prompt: no prefix-cache hit, chunks of at most PROMPT_SCORE_CHUNK tokens, each carrying the next prompt
+token of its rows (`prompt_targets`); the runner's log probabilities are appended to the request in
+order. A recompute preemption before its prompt is scored starts the scoring over with the prompt; its
+forks (n > 1) share the one list.
 """
 
 from __future__ import annotations
@@ -57,6 +63,8 @@ from kvcli.metrics.stats import RequestExtent, SchedulerStats, SpecStats
 from kvcli.spec_decode.backoff import AdaptiveBackoff
 from kvcli.spec_decode.prompt_lookup import PromptLookupProposer
 from kvcli.step import NewRequest, RunnerOutput, ScheduledChunk, SchedulerOutput
+
+PROMPT_SCORE_CHUNK = 512  # prompt tokens per step of a request scoring its prompt: [rows, vocab] logits each
 
 
 class KVBudgetTooSmall(RuntimeError):
@@ -108,7 +116,10 @@ class Scheduler:
 
     def _cap(self, req: Request, n: int) -> int:
         """A windowed request's share of a step: at most W tokens, and for one rebuilding to its window,
-        its sinks first on their own (the skip happens between them and the window)."""
+        its sinks first on their own (the skip happens between them and the window). A request scoring
+        its prompt: at most PROMPT_SCORE_CHUNK tokens (each of its rows is a vocabulary of logits)."""
+        if req.scores_prompt:
+            n = min(n, PROMPT_SCORE_CHUNK)
         r = self.retention
         if r is None:
             return n
@@ -169,6 +180,8 @@ class Scheduler:
             return
         self.kv.free(req.req_id)
         req.num_computed_tokens = 0
+        if req.scores_prompt:  # its prompt is computed again from the start: scored again with it
+            req.prompt_logprobs.clear()
         req.skip_to_window = self.retention is not None  # rebuild the sinks and the window only
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
@@ -230,7 +243,7 @@ class Scheduler:
         while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
                and not out.preempted and not self.swapped):
             req = self.waiting[0]
-            if req.num_computed_tokens == 0:  # reuse cached blocks of a shared prefix (paged only)
+            if req.num_computed_tokens == 0 and not req.scores_prompt:  # a shared prefix's cached blocks (paged)
                 req.num_computed_tokens = self.kv.match_prefix(req.req_id, req.all_token_ids)
                 r = self.retention
                 if (req.skip_to_window and r is not None and req.num_computed_tokens > r.sink_slots
@@ -274,6 +287,9 @@ class Scheduler:
     def _chunk(self, req: Request, n: int, guesses: list[int] = ()) -> ScheduledChunk:
         start = req.num_computed_tokens
         sample = start + n == req.num_tokens
+        targets: tuple[int, ...] = ()
+        if req.scores_prompt and start == len(req.prompt_logprobs):  # rows start..: their next prompt token
+            targets = tuple(req.prompt_token_ids[start + 1:min(start + n + 1, req.num_prompt_tokens)])
         return ScheduledChunk(
             req_id=req.req_id,
             token_ids=req.token_slice(start, start + n) + list(guesses),
@@ -282,6 +298,7 @@ class Scheduler:
             sample=sample,
             fork_ids=tuple(c.req_id for c in self._forks.get(req.req_id, ())) if sample else (),
             spec_token_ids=tuple(guesses),
+            prompt_targets=targets,
         )
 
     # --- applying a step's results ---------------------------------------------------------------------
@@ -291,8 +308,11 @@ class Scheduler:
         Returns the new tokens in order (request, token); a request may have finished on it."""
         now = time.perf_counter() if now is None else now
         verified: dict[str, ScheduledChunk] = {}
+        scored = result.prompt_logprobs or {}
         for chunk in out.chunks:
             req = self.requests[chunk.req_id]
+            if chunk.prompt_targets:
+                req.prompt_logprobs.extend(scored.get(chunk.req_id, ()))  # (a simulated runner scores nothing)
             k = len(chunk.spec_token_ids)
             req.num_computed_tokens += len(chunk.token_ids) - k
             if k:
@@ -303,6 +323,7 @@ class Scheduler:
             for child in self._forks.pop(req.req_id, []) if chunk.fork_ids else ():
                 self.kv.fork(req.req_id, child.req_id)
                 child.num_computed_tokens = req.num_computed_tokens
+                child.prompt_logprobs = req.prompt_logprobs  # one prompt, scored once
                 child.status = RequestStatus.RUNNING
                 self.running.append(child)
         new: list[tuple[Request, int]] = []

@@ -133,12 +133,24 @@ class ModelRunner:
         if all_logits:
             return RunnerOutput({}, self.model.forward(ids, positions, self.kv_cache, meta, self.backend))
         sampling = [c for c in out.chunks if c.sample]
-        if not sampling:  # a step of prefill chunks only: no lm_head at all
+        scoring, prompt_rows, at = [], [], 0  # chunks scoring their prompt: their first rows, ahead of the rest
+        for c in out.chunks:
+            if c.prompt_targets:
+                scoring.append(c)
+                prompt_rows.extend(range(at, at + len(c.prompt_targets)))
+            at += len(c.token_ids)
+        if not sampling and not scoring:  # a step of prefill chunks only: no lm_head at all
             self.model.forward(ids, positions, self.kv_cache, meta, self.backend,
                                torch.empty(0, dtype=torch.int64, device=self.device))
             return RunnerOutput({})
-        rows_t = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        rows_t = torch.tensor(prompt_rows + rows, dtype=torch.int64, device=self.device)
         logits = self.model.forward(ids, positions, self.kv_cache, meta, self.backend, rows_t)
+        prompt_lps = None
+        if scoring:
+            prompt_lps = self._prompt_logprobs(scoring, logits[:len(prompt_rows)])
+            logits = logits[len(prompt_rows):]
+        if not sampling:
+            return RunnerOutput({}, prompt_logprobs=prompt_lps)
         sampled: dict[str, list[int]] = {}
         row = 0
         pen = self.penalties
@@ -158,9 +170,19 @@ class ModelRunner:
             row += k + 1
         for rid in pen.keys() & sampled.keys():
             self.penalized_out[rid].extend(sampled[rid])
-        if self.want_logprobs:
-            return RunnerOutput(sampled, logprobs=self._logprobs(sampling, logits, sampled))
-        return RunnerOutput(sampled)
+        return RunnerOutput(sampled, logprobs=self._logprobs(sampling, logits, sampled) if self.want_logprobs else None,
+                            prompt_logprobs=prompt_lps)
+
+    def _prompt_logprobs(self, scoring, logits: torch.Tensor) -> dict[str, list[TokenLogprob]]:
+        """Each scoring chunk's rows in order: the log probability of the prompt token after each row."""
+        out: dict[str, list[TokenLogprob]] = {}
+        row = 0
+        for c in scoring:
+            k = len(c.prompt_targets)
+            out[c.req_id] = token_logprobs(logits[row:row + k], c.prompt_targets,
+                                           self.params[c.req_id].prompt_logprobs or 0)
+            row += k
+        return out
 
     def _logprobs(self, sampling, logits: torch.Tensor, sampled: dict[str, list[int]]) -> dict[str, list[TokenLogprob]]:
         """Token i of a request's sampled list was drawn from its logits row `row + i` (the guesses
@@ -174,13 +196,18 @@ class ModelRunner:
                 if top is None or rid not in sampled:
                     continue
                 toks = sampled[rid]
-                lp = torch.log_softmax(logits[row:row + len(toks)].float(), dim=-1)
-                picked = lp[torch.arange(len(toks)), torch.tensor(toks)].tolist()
-                if top:
-                    vals, idx = torch.topk(lp, top, dim=-1)
-                    tops = [tuple(zip(i, v)) for i, v in zip(idx.tolist(), vals.tolist())]
-                else:
-                    tops = [()] * len(toks)
-                out[rid] = [TokenLogprob(p, t) for p, t in zip(picked, tops)]
+                out[rid] = token_logprobs(logits[row:row + len(toks)], toks, top)
             row += k + 1
         return out
+
+
+def token_logprobs(logits: torch.Tensor, tokens, top: int) -> list[TokenLogprob]:
+    """Row i's log-softmax at tokens[i], and its `top` most likely (token id, log probability)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    picked = lp[torch.arange(len(tokens), device=lp.device), torch.tensor(list(tokens), device=lp.device)].tolist()
+    if top:
+        vals, idx = torch.topk(lp, top, dim=-1)
+        tops = [tuple(zip(i, v)) for i, v in zip(idx.tolist(), vals.tolist())]
+    else:
+        tops = [()] * len(tokens)
+    return [TokenLogprob(p, t) for p, t in zip(picked, tops)]

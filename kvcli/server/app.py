@@ -144,8 +144,9 @@ class LogprobFormat:
             tokens.append(t)
             offsets.append(pos)
             pos += len(t)
-        return {"tokens": tokens, "token_logprobs": [lp.logprob for _, lp in items],
-                "top_logprobs": [{self.text(a): b for a, b in lp.top} if lp.top else None for _, lp in items],
+        return {"tokens": tokens, "token_logprobs": [None if lp is None else lp.logprob for _, lp in items],
+                "top_logprobs": [{self.text(a): b for a, b in lp.top} if lp is not None and lp.top else None
+                                 for _, lp in items],
                 "text_offset": offsets}
 
 
@@ -230,6 +231,8 @@ def create_app(worker: EngineWorker, tokenizer: Tokenizer, info: ServerInfo, met
                            "invalid_value", "stop_token_ids")
         # logprobs and penalties: completions and chat (the Responses API here is plain text)
         extra = {} if isinstance(body, ResponsesRequest) else {"logprobs": body.logprob_count(), **body.penalties()}
+        if isinstance(body, CompletionRequest):  # echo with logprobs: the prompt's too
+            extra["prompt_logprobs"] = body.prompt_logprob_count()
         try:
             return SamplingParams(
                 max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
@@ -303,46 +306,79 @@ def create_app(worker: EngineWorker, tokenizer: Tokenizer, info: ServerInfo, met
     def sse(obj: dict) -> str:
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
-    async def run(request: Request, body: CompletionRequest | ChatCompletionRequest, ids: list[int],
+    async def run(request: Request, body: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]],
                   max_tokens: int | None, chat: bool) -> Response:
-        params = sampling(body, len(ids), max_tokens, CHAT_MAX_TOKENS if chat else COMPLETIONS_MAX_TOKENS)
+        """Completions (a batch of prompts: choice i * n + j is sample j of prompt i) and chat (one prompt)."""
+        default = CHAT_MAX_TOKENS if chat else COMPLETIONS_MAX_TOKENS
+        params = [sampling(body, len(ids), max_tokens, default) for ids in prompts]
         req_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        rids = [req_id] if len(prompts) == 1 else [f"{req_id}-{p}" for p in range(len(prompts))]
         deadline = None if limits.request_timeout_s is None else time.monotonic() + limits.request_timeout_s
-        top_k = params.logprobs
-        stream = await submit(req_id, ids, params)
+        streams: list[RequestStream] = []
+        try:
+            for rid, ids, sp in zip(rids, prompts, params):
+                streams.append(await submit(rid, ids, sp))
+        except BaseException:
+            for rid in rids[:len(streams)]:
+                worker.abort(rid)
+            raise
         created = int(time.time())
         head = {"id": req_id, "created": created, "model": info.model_name, "system_fingerprint": None}
-        fmt = LogprobFormat(tokenizer, chat) if top_k is not None else None
-
-        n = params.n
-        echo = ""  # completions' echo: the prompt's text ahead of each choice's
+        fmt = LogprobFormat(tokenizer, chat) if params[0].logprobs is not None else None
+        n = params[0].n
+        echoes = [""] * len(prompts)  # completions' echo: each prompt's text ahead of its choices'
         if not chat and body.echo:
-            echo = body.prompt if isinstance(body.prompt, str) else tokenizer.decode(ids)
-        if not body.stream:
-            texts, reasons, count = [[] for _ in range(n)], [None] * n, 0
-            lps: list[list] = [[] for _ in range(n)]
+            echoes = [p if isinstance(p, str) else tokenizer.decode(ids) for p, ids in zip(body.prompts, prompts)]
+        prompt_tokens = sum(map(len, prompts))
+
+        def cached() -> int:
+            return sum(s.cached_tokens for s in streams)
+
+        def prompt_items(ids: list[int], out: RequestOutput) -> list:
+            """echo with logprobs: the prompt's tokens, the first with none (OpenAI writes null)."""
+            return [(ids[0], None), *zip(ids[1:], out.prompt_logprobs)]
+
+        async def every_event():
+            """(choice index, prompt index, output) over the prompts in turn (each is computed meanwhile);
+            any way out aborts what is left."""
+            done = 0
             try:
-                async for i, out in events(request, req_id, stream, deadline, n):
-                    texts[i].append(out.new_text)
+                for p, (rid, stream) in enumerate(zip(rids, streams)):
+                    async for i, out in events(request, rid, stream, deadline, n):
+                        yield p * n + i, p, out
+                    done = p + 1
+            finally:
+                for rid in rids[done + 1:]:
+                    worker.abort(rid)
+
+        total = len(prompts) * n
+        if not body.stream:
+            texts, reasons, count = [[] for _ in range(total)], [None] * total, 0
+            lps: list[list] = [[] for _ in range(total)]
+            try:
+                async for c, p, out in every_event():
+                    texts[c].append(out.new_text)
                     count += len(out.new_token_ids)
+                    if fmt is not None and out.prompt_logprobs is not None:
+                        lps[c][:0] = prompt_items(prompts[p], out)
                     if fmt is not None and out.logprobs is not None:
-                        lps[i].append((out.new_token_ids[0], out.logprobs))
+                        lps[c].append((out.new_token_ids[0], out.logprobs))
                     if out.finished:
-                        reasons[i] = out.finish_reason
+                        reasons[c] = out.finish_reason
             except ClientGone:
                 return Response(status_code=499)  # nobody reads it; the request was aborted
             except DeadlinePassed:  # ended by the server's --request-timeout, as by a token limit
                 reasons = [r or "length" for r in reasons]
             choices = []
-            for i in range(n):
-                joined = echo + "".join(texts[i])
-                choice = ({"index": i, "message": {"role": "assistant", "content": joined, "refusal": None}}
-                          if chat else {"index": i, "text": joined})
-                choice["logprobs"] = None if fmt is None else fmt.format(lps[i])
-                choice["finish_reason"] = finish_reason(reasons[i])
+            for c in range(total):
+                joined = echoes[c // n] + "".join(texts[c])
+                choice = ({"index": c, "message": {"role": "assistant", "content": joined, "refusal": None}}
+                          if chat else {"index": c, "text": joined})
+                choice["logprobs"] = None if fmt is None else fmt.format(lps[c])
+                choice["finish_reason"] = finish_reason(reasons[c])
                 choices.append(choice)
             return JSONResponse({**head, "object": "chat.completion" if chat else "text_completion",
-                                 "choices": choices, "usage": usage(len(ids), count, stream.cached_tokens)})
+                                 "choices": choices, "usage": usage(prompt_tokens, count, cached())})
 
         include_usage = body.stream_options is not None and bool(body.stream_options.include_usage)
         kind = "chat.completion.chunk" if chat else "text_completion"
@@ -359,32 +395,37 @@ def create_app(worker: EngineWorker, tokenizer: Tokenizer, info: ServerInfo, met
             return out
 
         async def body_iter() -> AsyncIterator[str]:
-            count, open_, streamed = 0, set(range(n)), [0] * n
+            count, open_ = 0, set(range(total))
+            streamed = [len(echoes[c // n]) for c in range(total)]  # text offsets continue after the echo
+            # echo with logprobs: a choice's echo waits for its prompt's log probabilities (its first output)
+            echo_later = fmt is not None and any(echoes)
             try:
                 if chat:
                     for i in range(n):
                         yield sse(chunk(i, None, None, role=True))
-                elif echo:
-                    for i in range(n):
-                        yield sse(chunk(i, echo, None))
+                elif any(echoes) and not echo_later:
+                    for c in range(total):
+                        yield sse(chunk(c, echoes[c // n], None))
                 try:
-                    async for i, out in events(request, req_id, stream, deadline, n):
+                    async for c, p, out in every_event():
                         count += len(out.new_token_ids)
+                        if echo_later and out.prompt_logprobs is not None:
+                            yield sse(chunk(c, echoes[p], None, lp=fmt.format(prompt_items(prompts[p], out))))
                         if fmt is not None and out.logprobs is not None:  # every token, its text or not
-                            lp = fmt.format([(out.new_token_ids[0], out.logprobs)], offset=streamed[i])
-                            streamed[i] += len(out.new_text)
-                            yield sse(chunk(i, out.new_text, None, lp=lp))
+                            lp = fmt.format([(out.new_token_ids[0], out.logprobs)], offset=streamed[c])
+                            streamed[c] += len(out.new_text)
+                            yield sse(chunk(c, out.new_text, None, lp=lp))
                         elif out.new_text:
-                            yield sse(chunk(i, out.new_text, None))
+                            yield sse(chunk(c, out.new_text, None))
                         if out.finished:  # the reason on a chunk of its own, as OpenAI sends it
-                            open_.discard(i)
-                            yield sse(chunk(i, None, finish_reason(out.finish_reason)))
+                            open_.discard(c)
+                            yield sse(chunk(c, None, finish_reason(out.finish_reason)))
                 except DeadlinePassed:
-                    for i in sorted(open_):
-                        yield sse(chunk(i, None, "length"))
+                    for c in sorted(open_):
+                        yield sse(chunk(c, None, "length"))
                 if include_usage:
                     yield sse({**head, "object": kind, "choices": [],
-                               "usage": usage(len(ids), count, stream.cached_tokens)})
+                               "usage": usage(prompt_tokens, count, cached())})
                 yield "data: [DONE]\n\n"
             except ClientGone:
                 return
@@ -408,24 +449,31 @@ def create_app(worker: EngineWorker, tokenizer: Tokenizer, info: ServerInfo, met
                                 "kvcli serve --max-waiting-requests); retry later", "queue_full")
         inflight.n += 1
 
-    def prepare_completion(raw: bytes) -> tuple[CompletionRequest, list[int]]:
+    def prepare_completion(raw: bytes) -> tuple[CompletionRequest, list[list[int]]]:
         body = parse(raw, CompletionRequest)
         check_model(body.model)
-        if isinstance(body.prompt, list):
-            ids = list(body.prompt)
-            if len(ids) >= info.max_model_len:
-                raise too_long(len(ids))
-            if max(ids) >= info.vocab_size:
-                raise ApiError(400, f"prompt token id {max(ids)} is outside the vocabulary (size {info.vocab_size})",
-                               "invalid_value", "prompt")
-            return body, ids
-        try:
-            ids = encoder.encode(body.prompt, bool(body.parse_special_tokens))
-        except PromptError as e:
-            raise ApiError(400, str(e), "context_length_exceeded", "prompt") from None
-        if not ids:
-            raise ApiError(400, "prompt has no tokens", "invalid_value", "prompt")
-        return body, ids
+        prompts = body.prompts
+        if len(prompts) > 1 and len(prompts) * (body.n or 1) > limits.max_num_seqs:  # (n alone: sampling())
+            raise ApiError(400, f"{len(prompts)} prompts x n = {body.n or 1} are more sequences than this server "
+                                f"runs at once ({limits.max_num_seqs}: --max-num-seqs)", "unsupported_value", "prompt")
+        batch = []
+        for p in prompts:
+            if isinstance(p, list):
+                ids = list(p)
+                if len(ids) >= info.max_model_len:
+                    raise too_long(len(ids))
+                if max(ids) >= info.vocab_size:
+                    raise ApiError(400, f"prompt token id {max(ids)} is outside the vocabulary (size "
+                                        f"{info.vocab_size})", "invalid_value", "prompt")
+            else:
+                try:
+                    ids = encoder.encode(p, bool(body.parse_special_tokens))
+                except PromptError as e:
+                    raise ApiError(400, str(e), "context_length_exceeded", "prompt") from None
+                if not ids:
+                    raise ApiError(400, "prompt has no tokens", "invalid_value", "prompt")
+            batch.append(ids)
+        return body, batch
 
     def prepare_chat(raw: bytes) -> tuple[ChatCompletionRequest, list[int]]:
         body = parse(raw, ChatCompletionRequest)
@@ -446,9 +494,10 @@ def create_app(worker: EngineWorker, tokenizer: Tokenizer, info: ServerInfo, met
             body, ids = await off_loop(prepare, raw)
             if kind == "responses":
                 resp = await run_responses(request, body, ids)
+            elif kind == "chat":
+                resp = await run(request, body, [ids], body.limit, chat=True)
             else:
-                chat = kind == "chat"
-                resp = await run(request, body, ids, body.limit if chat else body.max_tokens, chat)
+                resp = await run(request, body, ids, body.max_tokens, chat=False)
             if isinstance(resp, StreamingResponse):
                 # The stream outlives this handler: count it until its body is sent.
                 inner = resp.body_iterator

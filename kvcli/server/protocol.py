@@ -99,17 +99,16 @@ class _Sampling(_Strict):
 
 
 class CompletionRequest(_Sampling):
-    # A string, or token ids (vLLM and llama.cpp accept both; `kvcli profile --endpoint` sends ids so
-    # every server sees the same tokens). Batches of prompts are not supported.
-    prompt: str | list[int]
+    # A string or token ids (vLLM and llama.cpp accept both; `kvcli profile --endpoint` sends ids so every
+    # server sees the same tokens), or a batch of either (lm-eval's local-completions sends [[ids], ...]):
+    # choice i * n + j is sample j of prompt i, as OpenAI numbers them.
+    prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool | None = False
     best_of: int | None = Field(default=None, ge=1)
     suffix: str | None = None
 
     def unsupported(self) -> list[tuple[str, bool, str]]:
         return [*super().unsupported(),
-                ("echo", bool(self.echo) and self.logprobs not in (None, False),
-                 "echo with logprobs (the prompt's log probabilities) is not supported; echo alone is"),
                 ("best_of", (self.best_of or 1) != 1, "best_of > 1 is not supported (send 1 or null)"),
                 ("suffix", bool(self.suffix), "suffix (insertion) is not supported (send null)"),
                 ("logprobs", not (self.logprobs in (None, False) or
@@ -119,11 +118,23 @@ class CompletionRequest(_Sampling):
     def logprob_count(self) -> int | None:
         return None if self.logprobs in (None, False) else int(self.logprobs)
 
+    def prompt_logprob_count(self) -> int | None:
+        """echo with logprobs: the prompt's tokens are reported too, each given those before it."""
+        return self.logprob_count() if self.echo else None
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The batch: one entry per prompt (a string, or token ids)."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)
+
     @model_validator(mode="after")
     def _nonempty(self) -> "CompletionRequest":
-        if not self.prompt:
+        if not self.prompt or any(not p for p in self.prompts):
             raise Unsupported("prompt", "prompt is empty")
-        if isinstance(self.prompt, list) and any(t < 0 for t in self.prompt):
+        if any(isinstance(p, list) and any(t < 0 for t in p) for p in self.prompts):
             raise Unsupported("prompt", "prompt token ids must be >= 0")
         return self
 
