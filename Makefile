@@ -13,14 +13,16 @@ run: setup
 	$(VENV)/bin/kvcli continue $(SAMPLE) --max-tokens 200 --temperature 0.8 --top-p 0.95 --seed 1
 
 # The conformance suite (tests/conformance: kvcli against llama.cpp on tiny GGUFs) needs llama-cpp-python, and
-# tests/test_llama_server.py llama.cpp's llama-server; both are built once into a cache outside the clone
-# (~5 min each on an idle 2-core machine; seconds when built); a failed build only skips those tests, saying why.
+# tests/test_llama_server.py llama.cpp's llama-server, tests/test_lm_eval.py lm-evaluation-harness; each is built
+# once into a cache outside the clone (~5 min for each llama.cpp build on an idle 2-core machine, a minute or two
+# for lm-eval; seconds when built); a failed build only skips those tests, saying why.
 test: setup conformance-deps
 	$(VENV)/bin/pytest -q -p no:cacheprovider
 
 conformance-deps:
 	-bash scripts/build_llama_cpp_python.sh
 	-bash scripts/build_llama_server.sh
+	-bash scripts/build_lm_eval.sh
 
 test-fast: setup
 	$(VENV)/bin/pytest -q -p no:cacheprovider -m "not slow"

@@ -169,10 +169,10 @@ HF_KEYS_READ_BY = {"gemma3": frozenset({"query_pre_attn_scalar", "final_logit_so
 # Bookkeeping, training-only (dropout, initialisation) and generation defaults that transformers keeps on
 # every config; pretraining_tp splits Llama's matmuls into slices of the same sums.
 HF_KEYS_INERT = frozenset({
-    "_name_or_path", "architectures", "auto_map", "chunk_size_feed_forward", "dtype", "torch_dtype", "id2label",
+    "_name_or_path", "_model_name_or_path", "architectures", "auto_map", "chunk_size_feed_forward", "dtype", "torch_dtype", "id2label",
     "label2id", "is_encoder_decoder", "is_decoder", "output_attentions", "output_hidden_states", "problem_type",
     "return_dict", "transformers_version", "use_cache", "initializer_range", "attention_dropout", "embd_pdrop",
-    "resid_pdrop", "hidden_dropout", "pad_token_id", "sep_token_id", "decoder_start_token_id", "pretraining_tp",
+    "resid_pdrop", "hidden_dropout", "pad_token_id", "unk_token_id", "sep_token_id", "decoder_start_token_id", "pretraining_tp",
     "torchscript", "pruned_heads", "tie_encoder_decoder", "cross_attention_hidden_size", "add_cross_attention",
     "finetuning_task", "tokenizer_class", "prefix", "task_specific_params", "use_bfloat16", "tf_legacy_loss",
     "max_length", "min_length", "do_sample", "early_stopping", "num_beams", "num_beam_groups", "diversity_penalty",
