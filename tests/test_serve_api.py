@@ -35,6 +35,18 @@ def server():
 PIDS: dict[str, int] = {}
 
 
+@pytest.fixture(scope="module")
+def busy_server():
+    """A server with room for 16 streams at once (the /health goal's load)."""
+    s = ServeProcess("--kv-budget", "96MiB", "--max-model-len", str(MAX_LEN), "--max-num-seqs", "16",
+                     "--max-request-bytes", "4MiB")
+    url = s.wait_ready()
+    PIDS[url] = s.proc.pid
+    yield url
+    rc = s.stop()
+    assert rc == 0 and "Traceback" not in "".join(s.lines), "".join(s.lines)
+
+
 def rss_bytes(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
@@ -94,17 +106,18 @@ def stream_forever(url: str, stop: threading.Event, tokens: list[int]) -> None:
 
 
 @pytest.mark.parametrize("size,status", [(20_000_000, 413), (3_000_000, 400)])
-def test_huge_prompt_refused_fast_and_health_answers(server, size, status):
+def test_huge_prompt_refused_fast_and_health_answers(busy_server, size, status):
     """A 20 MB prompt is over the body limit (413 before it is read); a 3 MB one is under it but has
     more characters than the context can hold (400 before it is tokenized). /health answers within
-    100 ms (p99) all the while, with the engine decoding a full batch of streams, and the server's
-    memory is where it was (within 10 %) afterwards."""
+    100 ms (p99) all the while, with the engine decoding 16 streams at once, and the server's memory is
+    where it was (within 10 %) afterwards."""
+    server = busy_server
     body = json.dumps({"prompt": "word " * (size // 5), "max_tokens": 4}).encode()  # before the probes start
     busy, tokens = threading.Event(), []
-    streams = [threading.Thread(target=stream_forever, args=(server, busy, tokens)) for _ in range(4)]
+    streams = [threading.Thread(target=stream_forever, args=(server, busy, tokens)) for _ in range(16)]
     for t in streams:
         t.start()
-    while len(tokens) < 8:
+    while len(tokens) < 32:
         time.sleep(0.05)
     stop, times = threading.Event(), []
     prober = threading.Thread(target=probe_health, args=(server, stop, times))
@@ -452,6 +465,15 @@ def test_openai_sdk(server):
     assert len(c.choices[0].logprobs.token_logprobs) == 3
     two = client.completions.create(model=name, prompt="Once upon a time", max_tokens=6, n=2, seed=3)
     assert [c.index for c in two.choices] == [0, 1] and two.usage.completion_tokens <= 12
+    # echo and n = 2 agree with the plain greedy result; echo with logprobs parses (the prompt's first: None)
+    plain = client.completions.create(model=name, prompt="1, 2, 3,", max_tokens=3, temperature=0).choices[0].text
+    echo = client.completions.create(model=name, prompt="1, 2, 3,", max_tokens=3, temperature=0, echo=True,
+                                     logprobs=1)
+    assert echo.choices[0].text == "1, 2, 3," + plain
+    assert echo.choices[0].logprobs.token_logprobs[0] is None
+    assert len(echo.choices[0].logprobs.tokens) == echo.usage.prompt_tokens + echo.usage.completion_tokens
+    greedy2 = client.completions.create(model=name, prompt="1, 2, 3,", max_tokens=3, temperature=0, n=2)
+    assert [c.text for c in greedy2.choices] == [plain, plain]
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=name, prompt="hi", max_tokens=10_000)
     assert e.value.code == "context_length_exceeded"
