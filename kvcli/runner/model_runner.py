@@ -21,7 +21,9 @@ from kvcli.spec_decode.acceptance import accept
 def build_metadata(out: SchedulerOutput, block_size: int, device: torch.device, sliding_window: int = 0
                    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
     """The step's tensors, each made by one torch.tensor call from Python lists (per-row tensors and
-    per-token generators cost more than the lists at decode batch sizes)."""
+    per-token generators cost more than the lists at decode batch sizes), and the rows that get logits:
+    first every scoring chunk's prompt rows (`prompt_targets`), then each sampling chunk's last token and
+    guesses."""
     chunks = out.chunks
     ids: list[int] = []
     positions: list[int] = []
@@ -30,6 +32,7 @@ def build_metadata(out: SchedulerOutput, block_size: int, device: torch.device, 
     seq_lens: list[int] = []
     q_lens: list[int] = []
     logit_rows: list[int] = []
+    prompt_rows: list[int] = []
     max_blocks = max(len(c.block_table) for c in chunks)
     pad = [NULL_BLOCK] * max_blocks
     tables: list[list[int]] = []
@@ -48,6 +51,8 @@ def build_metadata(out: SchedulerOutput, block_size: int, device: torch.device, 
         cu.append(cu[-1] + n)
         seq_lens.append(end)
         q_lens.append(n)
+        if c.prompt_targets:  # its first rows, scored against the next prompt token
+            prompt_rows.extend(range(cu[-2], cu[-2] + len(c.prompt_targets)))
         if c.sample:  # the last real token, then each guess
             logit_rows.extend(range(cu[-1] - 1 - len(c.spec_token_ids), cu[-1]))
     meta = AttentionMetadata(
@@ -62,7 +67,7 @@ def build_metadata(out: SchedulerOutput, block_size: int, device: torch.device, 
         sliding_window=sliding_window,
     )
     return (torch.tensor(ids, dtype=torch.int64, device=device),
-            torch.tensor(positions, dtype=torch.int64, device=device), meta, logit_rows)
+            torch.tensor(positions, dtype=torch.int64, device=device), meta, prompt_rows + logit_rows)
 
 
 class ModelRunner:
@@ -133,22 +138,18 @@ class ModelRunner:
         if all_logits:
             return RunnerOutput({}, self.model.forward(ids, positions, self.kv_cache, meta, self.backend))
         sampling = [c for c in out.chunks if c.sample]
-        scoring, prompt_rows, at = [], [], 0  # chunks scoring their prompt: their first rows, ahead of the rest
-        for c in out.chunks:
-            if c.prompt_targets:
-                scoring.append(c)
-                prompt_rows.extend(range(at, at + len(c.prompt_targets)))
-            at += len(c.token_ids)
-        if not sampling and not scoring:  # a step of prefill chunks only: no lm_head at all
+        scoring = [c for c in out.chunks if c.prompt_targets]  # their rows come first in `rows`
+        if not rows:  # a step of prefill chunks only: no lm_head at all
             self.model.forward(ids, positions, self.kv_cache, meta, self.backend,
                                torch.empty(0, dtype=torch.int64, device=self.device))
             return RunnerOutput({})
-        rows_t = torch.tensor(prompt_rows + rows, dtype=torch.int64, device=self.device)
+        rows_t = torch.tensor(rows, dtype=torch.int64, device=self.device)
         logits = self.model.forward(ids, positions, self.kv_cache, meta, self.backend, rows_t)
         prompt_lps = None
         if scoring:
-            prompt_lps = self._prompt_logprobs(scoring, logits[:len(prompt_rows)])
-            logits = logits[len(prompt_rows):]
+            scored = sum(len(c.prompt_targets) for c in scoring)
+            prompt_lps = self._prompt_logprobs(scoring, logits[:scored])
+            logits = logits[scored:]
         if not sampling:
             return RunnerOutput({}, prompt_logprobs=prompt_lps)
         sampled: dict[str, list[int]] = {}
