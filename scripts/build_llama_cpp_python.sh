@@ -4,6 +4,7 @@
 # dependency; kvcli's venv never imports llama_cpp (the tests run a worker with this venv's python).
 #   scripts/build_llama_cpp_python.sh          # build if missing, print the build; seconds when built
 #   scripts/build_llama_cpp_python.sh --where  # print the venv's python path (built or not), build nothing
+#   scripts/build_llama_cpp_python.sh --isa    # print "<isa> <cmake args>" (build_llama_server.sh builds the same)
 # Where: ${KVCLI_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvcli}/llama-cpp/<version>-<isa>/
 #   <isa>: native (GGML_NATIVE=ON), or native-noamx on CPUs with AMX tiles: llama.cpp's AMX path
 #   segfaults on quantized models there, so AMX is turned off. LLAMA_CPP_ISA overrides the name check.
@@ -25,6 +26,7 @@ DEST="$CACHE/llama-cpp/$VERSION-$ISA"
 PYBIN="$DEST/bin/python"
 STAMP="$DEST/.kvcli-built"
 if [ "${1:-}" = "--where" ]; then echo "$PYBIN"; exit 0; fi
+if [ "${1:-}" = "--isa" ]; then echo "$ISA $ARGS"; exit 0; fi
 
 ready() {
   [ -f "$STAMP" ] && [ -x "$PYBIN" ] && \

@@ -7,8 +7,9 @@
 #   scripts/build_llama_server.sh          # build if missing; seconds when built
 #   scripts/build_llama_server.sh --where  # print the binary's path (built or not), build nothing
 # Where: ${KVCLI_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvcli}/llama-server/<version>-<isa>/bin/llama-server
-#   <isa>: native (GGML_NATIVE=ON), or native-noamx on CPUs with AMX tiles (llama.cpp's AMX path segfaults
-#   on quantized models there). LLAMA_CPP_ISA overrides the name check.
+#   <isa> and the cmake flags: build_llama_cpp_python.sh's (--isa), the one place that decides them: native
+#   (GGML_NATIVE=ON), or native-noamx on CPUs with AMX tiles (llama.cpp's AMX path segfaults on quantized
+#   models there). LLAMA_CPP_ISA overrides the name check.
 # Env: LLAMA_CPP_PYTHON_VERSION (0.3.36), LLAMA_SDIST (a local llama_cpp_python-<version>.tar.gz, else pip
 # downloads it), PYTHON (the interpreter that runs pip), JOBS (nproc). No network at build time beyond the
 # sdist (the web UI's prebuilt assets are not fetched; the API needs none). Niced.
@@ -16,13 +17,7 @@
 set -euo pipefail
 VERSION=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
 CACHE=${KVCLI_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvcli}
-ARGS="-DGGML_NATIVE=ON"
-ISA=native
-if grep -qw amx_tile /proc/cpuinfo 2>/dev/null; then
-  ISA=native-noamx
-  ARGS="$ARGS -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
-fi
-ISA=${LLAMA_CPP_ISA:-$ISA}
+read -r ISA ARGS < <(bash "$(dirname "$0")/build_llama_cpp_python.sh" --isa)
 DEST="$CACHE/llama-server/$VERSION-$ISA"
 BIN="$DEST/bin/llama-server"
 STAMP="$DEST/.kvcli-built"
