@@ -95,7 +95,7 @@ def test_rotary_scalings_are_read_as_llama_cpp_reads_them(base, tmp_path):
 
 
 def test_rotary_tensors_are_read_and_checked(base, tmp_path):
-    """rope_freqs.weight divides the frequencies (Llama 3.1+); longrope's factors need their type; a tensor of the
+    """rope_freqs.weight divides the frequencies (Llama 3.1+); longrope's factors come as a pair, with or without their type; a tensor of the
     wrong length or with non-positive values is one line."""
     import gguf
     import torch
@@ -120,8 +120,15 @@ def test_rotary_tensors_are_read_and_checked(base, tmp_path):
     with pytest.raises(GGUFError, match="not positive finite"):
         config_of(zero)
     stray = variant(base, tmp_path / "stray.gguf", tensor=("rope_factors_long.weight", ff))
-    with pytest.raises(GGUFError, match="belong to llama.rope.scaling.type = longrope"):
+    with pytest.raises(GGUFError, match="longrope needs both tensors .*the file has one"):
         config_of(stray)
+    untyped = variant(stray, tmp_path / "untyped.gguf", tensor=("rope_factors_short.weight", ff[::-1].copy()))
+    got = config_of(untyped).rope_scaling  # Phi-3's converter writes the tensors and no scaling type
+    assert got["rope_type"] == "longrope" and got["short_factor"] == pytest.approx(ff[::-1].tolist())
+    yarn = variant(untyped, tmp_path / "yarn.gguf", {"llama.rope.scaling.type": ("yarn", V.STRING),
+                                                     "llama.rope.scaling.factor": (4.0, V.FLOAT32)})
+    with pytest.raises(GGUFError, match="beside rope_factors_long/short"):
+        config_of(yarn)
     lr = tmp_path / "lr-src.gguf"
     variant(base, lr, {"llama.rope.scaling.type": ("longrope", V.STRING),
                        "llama.rope.scaling.original_context_length": (plain.max_position_embeddings // 2, V.UINT32)},
@@ -129,7 +136,7 @@ def test_rotary_tensors_are_read_and_checked(base, tmp_path):
     longrope = variant(lr, tmp_path / "lr.gguf", tensor=("rope_factors_short.weight", ff[::-1].copy()))
     got = config_of(longrope).rope_scaling
     assert got["rope_type"] == "longrope" and got["long_factor"] == pytest.approx(ff.tolist())
-    with pytest.raises(GGUFError, match="needs tensors rope_factors_long.weight and rope_factors_short.weight"):
+    with pytest.raises(GGUFError, match="needs both tensors rope_factors_long.weight and rope_factors_short.weight"):
         config_of(lr)
 
 

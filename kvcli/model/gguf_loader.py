@@ -91,6 +91,10 @@ ROPE_SCALINGS = ("none", "linear", "yarn", "longrope")  # llama.cpp's LLAMA_ROPE
 # Rotary tensors: per-pair frequency divisors, read into the config (never weights of a layer).
 ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 ROPE_FREQS_ARCHS = ("llama",)  # the architectures whose llama.cpp graph creates rope_freqs.weight (Llama 3.1+)
+# The architectures whose llama.cpp graph creates rope_factors_long/short.weight (Phi-3's longrope). llama.cpp
+# reads them whatever rope.scaling.type says, and llama.cpp's Phi-3 converter writes no type: the tensors,
+# rope.scaling.attn_factor and rope.scaling.original_context_length are what make a file longrope.
+ROPE_FACTORS_ARCHS = ("llama", "phi3")
 
 
 def _field(reader: GGUFFile, key: str, default=None):
@@ -152,8 +156,9 @@ def _rope_scaling(reader: GGUFFile, a: str, path: Path, head_dim: int, n_ctx: in
     when the type is none; yarn mixes interpolated and trained frequencies between the correction dims
     of beta_fast 32 / beta_slow 1 (the llama-family graphs read no other beta) over
     rope.scaling.original_context_length (default: the context length), with attention factor
-    (0.1 ln(factor) + 1) x rope.scaling.attn_factor; longrope divides by rope_factors_long when the context
-    exceeds the original one, else rope_factors_short; rope_freqs.weight divides the frequencies of
+    (0.1 ln(factor) + 1) x rope.scaling.attn_factor; longrope (rope_factors_long/short tensors, with or without
+    rope.scaling.type = longrope) divides by rope_factors_long when the context exceeds the original one, else
+    rope_factors_short; rope_freqs.weight divides the frequencies of
     every other type; rope.scaling.attn_factor scales cos and sin in every type."""
     kind = _field(reader, f"{a}.rope.scaling.type", "linear")
     if kind not in ROPE_SCALINGS:
@@ -172,24 +177,27 @@ def _rope_scaling(reader: GGUFFile, a: str, path: Path, head_dim: int, n_ctx: in
         raise GGUFError(f"{path.name}: tensor rope_freqs.weight in a {a} file: llama.cpp's {a} graph has no such "
                         f"tensor (only {', '.join(ROPE_FREQS_ARCHS)} reads it), so the file's meaning is undefined")
     long, short = (_rope_tensor(reader, f"rope_factors_{w}.weight", half, path) for w in ("long", "short"))
-    if kind != "longrope" and (long or short):
-        raise GGUFError(f"{path.name}: tensors rope_factors_long/short belong to {a}.rope.scaling.type = "
-                        f"longrope (the file says {kind!r})")
+    if (long or short) and a not in ROPE_FACTORS_ARCHS:
+        raise GGUFError(f"{path.name}: tensors rope_factors_long/short in a {a} file: llama.cpp's {a} graph has no "
+                        f"such tensors (only {', '.join(ROPE_FACTORS_ARCHS)} read them), so the file's meaning is "
+                        f"undefined")
     out: dict = {}
-    if kind == "yarn" and factor != 1.0:  # factor 1: both frequency sets agree, the attention factor is 1
-        out = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original,
-               "beta_fast": 32.0, "beta_slow": 1.0, "attention_factor": (0.1 * float(np.log(factor)) + 1.0) * attn}
-    elif kind == "longrope":
-        if freqs is not None:  # llama.cpp's longrope graphs create no rope_freqs tensor
-            raise GGUFError(f"{path.name}: tensor rope_freqs.weight in a longrope file is not read by llama.cpp")
-        if long is None or short is None:
-            raise GGUFError(f"{path.name}: {a}.rope.scaling.type = longrope needs tensors rope_factors_long.weight "
-                            f"and rope_factors_short.weight")
-        if factor != 1.0:
-            raise GGUFError(f"{path.name}: {factor_key} = {factor} with longrope (positions scaled as well as "
-                            f"the factors) is not computed by kvcli")
+    if kind == "longrope" or long or short:
+        if (long is None) != (short is None) or long is None:
+            raise GGUFError(f"{path.name}: longrope needs both tensors rope_factors_long.weight and "
+                            f"rope_factors_short.weight (the file has {'one' if long or short else 'neither'})")
+        if freqs is not None:  # llama.cpp would take rope_freqs and drop the long/short factors
+            raise GGUFError(f"{path.name}: tensor rope_freqs.weight beside rope_factors_long/short: kvcli does not "
+                            f"compute that combination")
+        if factor != 1.0 or kind == "yarn":
+            raise GGUFError(f"{path.name}: {a}.rope.scaling.type = {kind!r} with factor {factor} beside "
+                            f"rope_factors_long/short (positions scaled as well as the factors) is not computed "
+                            f"by kvcli")
         out = {"rope_type": "longrope", "long_factor": long, "short_factor": short,
                "original_max_position_embeddings": original, "attention_factor": attn}
+    elif kind == "yarn" and factor != 1.0:  # factor 1: both frequency sets agree, the attention factor is 1
+        out = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original,
+               "beta_fast": 32.0, "beta_slow": 1.0, "attention_factor": (0.1 * float(np.log(factor)) + 1.0) * attn}
     elif factor != 1.0:
         out = {"rope_type": "linear", "factor": factor}
     if freqs is not None:

@@ -29,6 +29,7 @@ class Variant:
     context: int = 512
     meta: dict = field(default_factory=dict)  # extra "<arch>.<key>": value (int -> uint32, float -> float32, str)
     rope_freqs: bool = False  # a rope_freqs.weight tensor (Llama 3.1+ files)
+    rope_factors: bool = False  # rope_factors_long/short.weight tensors (Phi-3's longrope, no scaling type)
     bias: bool = False  # q/k/v biases (qwen2)
     qk_norm: bool = False  # per-head q/k RMSNorm (qwen3, gemma3)
     refused: bool = False  # llama.cpp refuses the file: kvcli must refuse it too, in one line
@@ -87,6 +88,19 @@ VARIANTS = [
     Variant("gemma3-rope-freqs", arch="gemma3", qk_norm=True, layers=3, head_dim=32, tied=True, rope_freqs=True,
             meta={"attention.sliding_window": 8, "attention.sliding_window_pattern": 3}, refused=True,
             note="rope_freqs.weight in a gemma3 file"),
+    Variant("phi3", arch="phi3", note="fused attn_qkv and a double-width ffn_up (gate half first)"),
+    Variant("phi3-longrope", arch="phi3", rope_factors=True,
+            meta={"rope.scaling.original_context_length": 128, "rope.scaling.attn_factor": 1.19},
+            note="longrope as Phi-3's converter writes it (factor tensors, no scaling type): long factors"),
+    Variant("phi3-longrope-short", arch="phi3", rope_factors=True,
+            meta={"rope.scaling.original_context_length": 512, "rope.scaling.attn_factor": 1.0},
+            note="longrope within the original context: the short factors"),
+    Variant("phi3-longrope-typed", arch="phi3", rope_factors=True,
+            meta={"rope.scaling.type": "longrope", "rope.scaling.original_context_length": 128,
+                  "rope.scaling.attn_factor": 1.19}, note="longrope named by rope.scaling.type"),
+    Variant("qwen3-rope-factors", arch="qwen3", qk_norm=True, rope_factors=True, refused=True,
+            meta={"rope.scaling.original_context_length": 128},
+            note="rope_factors_long/short in a qwen3 file (llama.cpp's qwen3 graph has no such tensors)"),
     Variant("f16", weights="F16", note="F16 linears"),
     Variant("q8_0", weights="Q8_0", note="Q8_0 linears"),
     Variant("q4_0", weights="Q4_0", note="Q4_0 linears"),
@@ -121,7 +135,9 @@ def write(v: Variant, path: Path, seed: int = 0) -> Path:
     vocab = len(src.fields["tokenizer.ggml.tokens"].data)
     h, d = v.hidden, v.dim
     w = gguf.GGUFWriter(str(path), v.arch)
-    w.add_name(f"conformance-{v.name}")
+    # general.name must not hold "phi3" / "phi-3": llama.cpp sets Phi-3 token attributes by the name, which
+    # needs Phi-3's own special tokens (absent from the bundled vocabulary)
+    w.add_name("kvcli conformance file")
     w.add_block_count(v.layers)
     w.add_context_length(v.context)
     w.add_embedding_length(h)
@@ -154,6 +170,9 @@ def write(v: Variant, path: Path, seed: int = 0) -> Path:
         linear("output.weight", vocab, h, std=3.0 / np.sqrt(h))
     if v.rope_freqs:  # Llama 3.1's shape: 1 for the fast frequencies, growing to 8 for the slow ones
         add_tensor(w, "rope_freqs.weight", np.linspace(1.0, 8.0, d // 2, dtype=np.float32) ** 1.5, "F32")
+    if v.rope_factors:  # one divisor per rotary pair, long growing to 6 for the slow frequencies, short near 1
+        add_tensor(w, "rope_factors_long.weight", np.linspace(1.0, 6.0, d // 2, dtype=np.float32) ** 1.3, "F32")
+        add_tensor(w, "rope_factors_short.weight", np.linspace(1.0, 1.5, d // 2, dtype=np.float32), "F32")
     for i in range(v.layers):
         add_tensor(w, f"blk.{i}.attn_norm.weight", 1 + normal(h, std=0.1), "F32")
         add_tensor(w, f"blk.{i}.ffn_norm.weight", 1 + normal(h, std=0.1), "F32")
@@ -163,16 +182,26 @@ def write(v: Variant, path: Path, seed: int = 0) -> Path:
         if v.arch == "gemma3":
             add_tensor(w, f"blk.{i}.post_attention_norm.weight", normal(h, std=0.3), "F32")
             add_tensor(w, f"blk.{i}.post_ffw_norm.weight", normal(h, std=0.3), "F32")
-        linear(f"blk.{i}.attn_q.weight", v.heads * d, h, std=2.0 / np.sqrt(h))
-        linear(f"blk.{i}.attn_k.weight", v.kv_heads * d, h, std=2.0 / np.sqrt(h))
-        linear(f"blk.{i}.attn_v.weight", v.kv_heads * d, h)
+        if v.arch == "phi3":  # q, k and v rows fused into one tensor, as Phi-3's converter writes them
+            qkv = np.concatenate([normal(v.heads * d, h, std=2.0 / np.sqrt(h)),
+                                  normal(v.kv_heads * d, h, std=2.0 / np.sqrt(h)),
+                                  normal(v.kv_heads * d, h, std=1.0 / np.sqrt(h))])
+            add_tensor(w, f"blk.{i}.attn_qkv.weight", qkv if v.weights == "F32" else encode(qkv, v.weights),
+                       v.weights)
+        else:
+            linear(f"blk.{i}.attn_q.weight", v.heads * d, h, std=2.0 / np.sqrt(h))
+            linear(f"blk.{i}.attn_k.weight", v.kv_heads * d, h, std=2.0 / np.sqrt(h))
+            linear(f"blk.{i}.attn_v.weight", v.kv_heads * d, h)
         linear(f"blk.{i}.attn_output.weight", h, v.heads * d)
         if v.bias:
             add_tensor(w, f"blk.{i}.attn_q.bias", normal(v.heads * d, std=0.5), "F32")
             add_tensor(w, f"blk.{i}.attn_k.bias", normal(v.kv_heads * d, std=0.5), "F32")
             add_tensor(w, f"blk.{i}.attn_v.bias", normal(v.kv_heads * d, std=0.5), "F32")
-        linear(f"blk.{i}.ffn_gate.weight", v.ffn, h)
-        linear(f"blk.{i}.ffn_up.weight", v.ffn, h)
+        if v.arch == "phi3":  # gate and up fused: ffn_up is twice the width, the gate half first
+            linear(f"blk.{i}.ffn_up.weight", 2 * v.ffn, h)
+        else:
+            linear(f"blk.{i}.ffn_gate.weight", v.ffn, h)
+            linear(f"blk.{i}.ffn_up.weight", v.ffn, h)
         linear(f"blk.{i}.ffn_down.weight", h, v.ffn)
     finish(w)
     return path
