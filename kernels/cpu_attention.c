@@ -5,13 +5,14 @@
  * Inputs (element strides, the head_dim stride is 1), in two structs built once each by the launcher:
  *   kva_step   per step: block tables, int32 or int64 [batch, t_row]; context lengths, int32 or int64
  *              [batch]; the n decode requests' table rows reqs[r] and q / out rows rows[r] (NULL: r);
- *              the number of q heads, softmax scale and sliding window
+ *              the number of q heads, softmax scale, sliding window and soft-cap
  *   kva_cache  per layer: K, V indexed [kv_heads, blocks, block_size, D] by strides (head-major or
  *              token-major storage), fp32 / fp16 / bf16 / int8 / fp8 e4m3, the last two with per-token
  *              fp32 scales ks, vs indexed [kv_heads, blocks, block_size]
  *   q, out     fp32 [tokens, heads, D] with row strides q_row, out_row (a row's heads contiguous)
  * The query is the last token (position p = len - 1) and sees keys [max(0, p - window + 1), p].
  * Scores are dot(q, k) * scale (quantized: dot(q, codes) * (ks * scale), the scale times the fp8 unit),
+ * soft-capped to softcap * tanh(s / softcap) when softcap > 0,
  * probabilities are multiplied by vs * unit: what kvcli/attention/torch_backend.py computes, with the
  * softmax done online (flash-decoding) in fp32.
  *
@@ -52,7 +53,7 @@ typedef struct { /* per step: the decode requests, their block tables and length
     const void *lens;
     const int64_t *reqs, *rows;
     int64_t n, heads, window;
-    float scale;
+    float scale, softcap; /* softcap > 0: scores s become softcap * tanh(s / softcap) (Gemma 2) */
     int32_t tables64, lens64;
 } kva_step;
 
@@ -192,7 +193,7 @@ static inline __attribute__((always_inline)) void v_accumulate(const int GJ, flo
  * of one KV head: scores, online-softmax update of m, l and acc [g][D]. sc: per-key score factor,
  * wv: per-key probability factor (both padded). */
 static void tile_update(const float *q, int64_t g, int64_t D, const float *const *kr, const float *const *vr,
-                        int n, const float *sc, const float *wv, float *m, float *l, float *acc) {
+                        int n, const float *sc, const float *wv, const float cap, float *m, float *l, float *acc) {
     float s[MAX_G * TILE] __attribute__((aligned(32))), p[MAX_G * TILE] __attribute__((aligned(32)));
     const int n8 = (n + 7) & ~7;
 #ifdef KVA_AVX2
@@ -208,6 +209,12 @@ static void tile_update(const float *q, int64_t g, int64_t D, const float *const
                 for (int u = 0; u < 8; u++) a[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[c + u] + i), a[u]);
             }
             __m256 sv = _mm256_mul_ps(reduce8(a), _mm256_loadu_ps(sc + c));
+            if (cap > 0.0f) { /* soft-capping (Gemma 2): scalar tanhf, lane by lane */
+                float t[8];
+                _mm256_storeu_ps(t, sv);
+                for (int u = 0; u < 8; u++) t[u] = cap * tanhf(t[u] / cap);
+                sv = _mm256_loadu_ps(t);
+            }
             const __m256 valid = _mm256_cmp_ps(_mm256_add_ps(lane, _mm256_set1_ps((float)c)), _mm256_set1_ps((float)n), _CMP_LT_OQ);
             sv = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), sv, valid);
             _mm256_store_ps(s + j * TILE + c, sv);
@@ -249,7 +256,7 @@ static void tile_update(const float *q, int64_t g, int64_t D, const float *const
             for (int64_t i = 0; i < D; i += 8)
                 for (int w = 0; w < 8; w++) part[w] += qj[i + w] * kr[u][i + w];
             const float dot = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
-            s[j * TILE + u] = dot * sc[u];
+            s[j * TILE + u] = cap > 0.0f ? cap * tanhf(dot * sc[u] / cap) : dot * sc[u];
             mx = s[j * TILE + u] > mx ? s[j * TILE + u] : mx;
         }
         const float m_new = mx > m[j] ? mx : m[j], corr = expf(m[j] - m_new);
@@ -331,7 +338,7 @@ static inline __attribute__((always_inline)) void span(const kva_args *a, const 
             wv[u] = c->vs ? c->vs[h * c->vs_sh + cur * c->vs_sb + (off + u) * c->vs_st] * c->unit : 1.0f;
         }
         for (int u = n; u < ((n + 7) & ~7); u++) kr[u] = zero_row, sc[u] = 0.0f, wv[u] = 0.0f;
-        tile_update(q, g, D, kr, vr, n, sc, wv, m, l, acc);
+        tile_update(q, g, D, kr, vr, n, sc, wv, a->s->softcap, m, l, acc);
         t += n;
     }
 }

@@ -30,7 +30,7 @@ class _Step(ctypes.Structure):
     """cpu_attention.c's kva_step, field for field."""
 
     _fields_ = [("tables", _ptr), ("t_row", _i64), ("lens", _ptr), ("reqs", _ptr), ("rows", _ptr),
-                ("n", _i64), ("heads", _i64), ("window", _i64), ("scale", _f32),
+                ("n", _i64), ("heads", _i64), ("window", _i64), ("scale", _f32), ("softcap", _f32),
                 ("tables64", _i32), ("lens64", _i32)]
 
 
@@ -71,10 +71,11 @@ class DecodeStep:
 
     block_tables int32/int64 [batch, max_blocks], lens int32/int64 [batch]; reqs, rows (int64 [n],
     optional): the n decode requests' indices into block_tables / lens and their rows of q / out
-    (default: request i is row i, n = len(lens)). window > 0: a query sees only the last `window` keys."""
+    (default: request i is row i, n = len(lens)). window > 0: a query sees only the last `window` keys.
+    softcap > 0: scores s become softcap * tanh(s / softcap) (Gemma 2's attention logit soft-capping)."""
 
     def __init__(self, block_tables: torch.Tensor, lens: torch.Tensor, heads: int, scale: float, window: int = 0,
-                 reqs: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> None:
+                 reqs: torch.Tensor | None = None, rows: torch.Tensor | None = None, softcap: float = 0.0) -> None:
         assert block_tables.dtype in (torch.int32, torch.int64) and lens.dtype in (torch.int32, torch.int64)
         assert block_tables.device.type == "cpu" and block_tables.stride(-1) == 1 and lens.is_contiguous()
         for t in (reqs, rows):
@@ -83,7 +84,7 @@ class DecodeStep:
         self._keep = (block_tables, lens, reqs, rows)
         self.args = _Step(block_tables.data_ptr(), block_tables.stride(0), lens.data_ptr(),
                           None if reqs is None else reqs.data_ptr(), None if rows is None else rows.data_ptr(),
-                          lens.shape[0] if reqs is None else reqs.shape[0], heads, window, scale,
+                          lens.shape[0] if reqs is None else reqs.shape[0], heads, window, scale, softcap,
                           int(block_tables.dtype == torch.int64), int(lens.dtype == torch.int64))
         self.ref = ctypes.byref(self.args)
 
@@ -148,10 +149,11 @@ def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, k_heads: torch.Tensor, v
                      block_tables: torch.Tensor, lens: torch.Tensor, scale: float, window: int = 0,
                      k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                      out: torch.Tensor | None = None, reqs: torch.Tensor | None = None,
-                     rows: torch.Tensor | None = None, nthreads: int | None = None) -> torch.Tensor:
+                     rows: torch.Tensor | None = None, nthreads: int | None = None,
+                     softcap: float = 0.0) -> torch.Tensor:
     """One call (DecodeStep, CacheView and run together): attention of the decode rows of q (fp32
     [tokens, heads, D]) over paged K/V, written into `out` (a new tensor like q when None)."""
-    step = DecodeStep(block_tables, lens, q.shape[1], scale, window, reqs, rows)
+    step = DecodeStep(block_tables, lens, q.shape[1], scale, window, reqs, rows, softcap)
     cache = CacheView(k_heads, v_heads, k_scale, v_scale)
     out = torch.empty_like(q) if out is None else out
     assert query_supported(q, step, cache) and out.dtype == torch.float32 and out.shape == q.shape

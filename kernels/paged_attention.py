@@ -84,6 +84,7 @@ def _paged_attention_kernel(
     batch,
     num_splits,
     window,  # sliding window (keys [pos - window + 1, pos]); the launcher passes 2**30 for none
+    softcap,  # SOFTCAP only: the cap times log2(e) (scores in the log2 domain stay c * tanh(s / c))
     stride_qt,
     stride_qh,
     stride_qd,
@@ -117,6 +118,7 @@ def _paged_attention_kernel(
     COMPUTE_F32: tl.constexpr,  # upcast tiles and run the dots in fp32 (fp32 KV, or bf16 in the interpreter)
     DOT_PRECISION: tl.constexpr,
     QUANT: tl.constexpr,  # int8 / e4m3 codes + fp32 scales; dots run in q's dtype (or fp32)
+    SOFTCAP: tl.constexpr,  # Gemma 2's attention logit soft-capping: s = c * tanh(s / c) before the mask
 ):
     q_block_id = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -200,6 +202,8 @@ def _paged_attention_kernel(
             s = tl.dot(q, k, input_precision=DOT_PRECISION) * (k_s * qk_scale)[None, :]
         else:
             s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
+        if SOFTCAP:  # tanh(x) = 2 sigmoid(2x) - 1 (no tanh in every Triton backend)
+            s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)
         visible = (offs_n[None, :] <= q_pos[:, None]) & (offs_n[None, :] > q_pos[:, None] - window) & n_valid[None, :]
         s = tl.where(visible, s, float("-inf"))
 
@@ -419,6 +423,7 @@ def paged_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal paged attention for a packed batch of decode and prefill rows.
 
@@ -428,6 +433,7 @@ def paged_attention(
     when batch x kv_heads cannot fill the GPU), 1 = never split, n > 1 = exactly n KV segments.
     int8 / float8_e4m3fn caches need k_scale, v_scale [num_blocks, block_size, kv_heads] fp32.
     window > 0: sliding-window attention, the row at position p sees keys [p - window + 1, p] only.
+    softcap > 0: scores are soft-capped, s = softcap * tanh(s / softcap), before the mask (Gemma 2).
     """
     _check(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out, k_scale, v_scale)
     num_tokens, num_q_heads, head_dim = q.shape
@@ -441,6 +447,8 @@ def paged_attention(
         raise ValueError(f"num_splits must be >= 1 or None; got {num_splits}")
     if window < 0:
         raise ValueError(f"window must be >= 0 (0 = none); got {window}")
+    if softcap < 0:
+        raise ValueError(f"softcap must be >= 0 (0 = none); got {softcap}")
 
     group = num_q_heads // num_kv_heads
     tile_dtype = _tile_dtype(q, k_cache)
@@ -490,6 +498,7 @@ def paged_attention(
         batch,
         num_splits,
         window if window else 1 << 30,  # "none": farther back than any position
+        float(softcap) * _LOG2E if softcap else 1.0,
         *q.stride(),
         *k_cache.stride(),
         *v_cache.stride(),
@@ -498,6 +507,7 @@ def paged_attention(
         *block_tables.stride(),
         *out.stride(),
         SPLIT=split,
+        SOFTCAP=bool(softcap),
         **common,
     )
     if split:

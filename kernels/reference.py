@@ -53,10 +53,12 @@ def paged_attention_ref(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Per-request loop: gather the request's KV through its block table, causal softmax in fp32.
     Quantized caches (int8 / e4m3 codes) are dequantized first: codes * k_scale/v_scale per token and head.
-    window > 0: the row at position p sees keys [p - window + 1, p] only."""
+    window > 0: the row at position p sees keys [p - window + 1, p] only. softcap > 0: scores become
+    softcap * tanh(scores / softcap) before the mask (Gemma 2's attention logit soft-capping)."""
     num_tokens, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
@@ -79,6 +81,8 @@ def paged_attention_ref(
         v = v.repeat_interleave(group, dim=1)
         qb = q[lo:hi].float()  # [L, Hq, D]
         scores = torch.einsum("lhd,shd->hls", qb, k) * scale
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
         causal = pos[None, :] <= q_pos[:, None]  # [L, S]
         if window:

@@ -11,7 +11,7 @@ import torch
 
 from kvcli.kvcache.kv_dtype import KVDtype, kv_dtype_of
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
 # config.json model_type -> kvcli architecture
 HF_MODEL_TYPES = {**{a: a for a in SUPPORTED_ARCHITECTURES}, "gemma3_text": "gemma3"}
 
@@ -19,7 +19,7 @@ HF_MODEL_TYPES = {**{a: a for a in SUPPORTED_ARCHITECTURES}, "gemma3_text": "gem
 @dataclass(frozen=True)
 class ModelConfig:
     name: str
-    architecture: str  # llama | mistral | qwen2 | qwen3 | phi3 | gemma3
+    architecture: str  # llama | mistral | qwen2 | qwen3 | phi3 | gemma2 | gemma3
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -53,6 +53,7 @@ class ModelConfig:
     sandwich_norms: bool = False  # RMSNorms after attention and after the MLP too, before each residual add
     query_scale: float | None = None  # attention's scale on q.k; None: head_dim ** -0.5
     final_logit_softcap: float | None = None  # logits = c * tanh(logits / c)
+    attn_logit_softcap: float | None = None  # attention scores s = c * tanh(s / c) before the mask (Gemma 2)
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of this layer (None: full attention)."""
@@ -93,8 +94,8 @@ class ModelConfig:
                 f"unsupported architecture {model_type!r} (kvcli runs {', '.join(HF_MODEL_TYPES)})"
             )
         _check_hf_keys(cfg, arch)
-        if arch == "gemma3":
-            return _gemma3_from_hf(cfg, name)
+        if arch in ("gemma2", "gemma3"):
+            return _gemma_from_hf(cfg, name, arch)
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         theta, scaling = _hf_rope(cfg)
@@ -163,9 +164,11 @@ HF_KEYS_READ = frozenset({
     "attention_bias", "bos_token_id", "eos_token_id", "sliding_window", "use_sliding_window", "max_window_layers",
     "layer_types", "hidden_act", "mlp_bias", "quantization_config",
 })
-HF_KEYS_READ_BY = {"gemma3": frozenset({"query_pre_attn_scalar", "final_logit_softcapping", "attn_logit_softcapping",
-                                        "hidden_activation", "sliding_window_pattern", "_sliding_window_pattern",
-                                        "rope_local_base_freq", "use_bidirectional_attention"})}
+_GEMMA_KEYS = frozenset({"query_pre_attn_scalar", "final_logit_softcapping", "attn_logit_softcapping",
+                         "hidden_activation", "sliding_window_pattern", "_sliding_window_pattern",
+                         "use_bidirectional_attention"})
+# cache_implementation ("hybrid") names transformers' cache class for generate(), not what is computed.
+HF_KEYS_READ_BY = {"gemma3": _GEMMA_KEYS | {"rope_local_base_freq"}, "gemma2": _GEMMA_KEYS | {"cache_implementation"}}
 # Bookkeeping, training-only (dropout, initialisation) and generation defaults that transformers keeps on
 # every config; pretraining_tp splits Llama's matmuls into slices of the same sums.
 HF_KEYS_INERT = frozenset({
@@ -193,7 +196,7 @@ def _check_hf_keys(cfg: dict, arch: str) -> None:
         raise ValueError(f"config.json field {key} = {shown!r} is not read by kvcli and may change what the model "
                          f"computes; refusing the folder rather than computing a different model")
     act = cfg.get("hidden_act")
-    if arch != "gemma3" and act not in (None, "silu", "swish"):
+    if arch not in ("gemma2", "gemma3") and act not in (None, "silu", "swish"):
         raise ValueError(f"hidden_act {act!r}: kvcli computes the {arch} MLP with silu (SwiGLU)")
     if cfg.get("mlp_bias"):
         raise ValueError("mlp_bias = true (biases on the MLP projections) is not computed by kvcli")
@@ -206,53 +209,62 @@ def _in_checkpoint_dtype(x: float, cfg: dict) -> float:
     return float(torch.tensor(x, dtype=dtype))
 
 
-def _gemma3_from_hf(cfg: dict, name: str) -> "ModelConfig":
-    """Gemma 3's text model (model_type gemma3_text), as transformers' Gemma3TextConfig reads config.json:
-    layer_types (else every sliding_window_pattern-th layer full, the rest sliding), rotary per layer type
-    (rope_parameters {full_attention, sliding_attention}, or transformers 4's rope_theta + rope_scaling for
-    the full layers and rope_local_base_freq for the sliding ones), query_pre_attn_scalar, GeGLU, sandwich
-    norms (their weights get the +1 of Gemma3RMSNorm at load), embeddings times sqrt(hidden)."""
-    for key, why in (("attn_logit_softcapping", "attention logit soft-capping"),
-                     ("use_bidirectional_attention", "bidirectional attention")):
-        if cfg.get(key):
-            raise ValueError(f"{key} = {cfg[key]!r}: {why} is not computed by kvcli")
+def _gemma_from_hf(cfg: dict, name: str, arch: str) -> "ModelConfig":
+    """Gemma 3's text model (model_type gemma3_text) and Gemma 2, as transformers' Gemma3TextConfig and
+    Gemma2Config read config.json: layer_types (else every sliding_window_pattern-th layer full, the rest
+    sliding: 6 for Gemma 3, 2 for Gemma 2), rotary per layer type for Gemma 3 (rope_parameters
+    {full_attention, sliding_attention}, or transformers 4's rope_theta + rope_scaling for the full layers
+    and rope_local_base_freq for the sliding ones; Gemma 2: one rotary), query_pre_attn_scalar, attention
+    logit soft-capping (Gemma 2's default 50), GeGLU, sandwich norms (their weights get the +1 of GemmaRMSNorm
+    at load), q/k norms (Gemma 3), embeddings times sqrt(hidden)."""
+    gemma2 = arch == "gemma2"
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError(f"use_bidirectional_attention = {cfg['use_bidirectional_attention']!r}: bidirectional "
+                         f"attention is not computed by kvcli")
     layers = int(cfg["num_hidden_layers"])
     types = cfg.get("layer_types")
     if types is None:
-        pattern = int(cfg.get("sliding_window_pattern", 6))
+        pattern = int(cfg.get("sliding_window_pattern", 2 if gemma2 else 6))
         types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
     if not isinstance(types, list) or len(types) != layers or set(types) - {"sliding_attention", "full_attention"}:
         raise ValueError(f"layer_types must list sliding_attention / full_attention for each of the {layers} layers")
     params = cfg.get("rope_parameters")
-    if isinstance(params, dict) and "full_attention" in params:
+    if gemma2:
+        full, local = _hf_rope({**cfg, "rope_theta": cfg.get("rope_theta", 10000.0)}), (None, None)
+    elif isinstance(params, dict) and "full_attention" in params:
         full, local = _hf_rope({"rope_parameters": params["full_attention"]}), \
             _hf_rope({"rope_parameters": params.get("sliding_attention") or {"rope_theta": 10000.0}})
     else:
         full = _hf_rope({**cfg, "rope_theta": cfg.get("rope_theta", 1_000_000.0)})
         local = (float(cfg.get("rope_local_base_freq", 10000.0)), None)
-    window = cfg.get("sliding_window")
+    window = cfg.get("sliding_window", 4096 if gemma2 else None)
     if "sliding_attention" in types and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(f"sliding_window must be a positive integer for the sliding layers (got {window!r})")
     heads, hidden = int(cfg["num_attention_heads"]), int(cfg["hidden_size"])
     act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
     if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
-        raise ValueError(f"hidden_activation {act!r} is not computed by kvcli for gemma3 (gelu_pytorch_tanh)")
+        raise ValueError(f"hidden_activation {act!r} is not computed by kvcli for {arch} (gelu_pytorch_tanh)")
     eos = cfg.get("eos_token_id", 1)
-    softcap = cfg.get("final_logit_softcapping")
+    softcap = cfg.get("final_logit_softcapping", 30.0 if gemma2 else None)
+    attn_cap = cfg.get("attn_logit_softcapping", 50.0 if gemma2 else None)
+    for key, cap in (("final_logit_softcapping", softcap), ("attn_logit_softcapping", attn_cap)):
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or cap < 0):
+            raise ValueError(f"{key} must be a non-negative number or null (got {cap!r})")
     return ModelConfig(
-        name=name, architecture="gemma3", vocab_size=int(cfg["vocab_size"]), hidden_size=hidden,
+        name=name, architecture=arch, vocab_size=int(cfg["vocab_size"]), hidden_size=hidden,
         intermediate_size=int(cfg["intermediate_size"]), num_layers=layers, num_heads=heads,
         num_kv_heads=int(cfg.get("num_key_value_heads") or heads), head_dim=int(cfg.get("head_dim") or 256),
         rope_theta=full[0], rope_scaling=full[1], rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 131072)),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 8192 if gemma2 else 131072)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
         attention_bias=bool(cfg.get("attention_bias", False)), bos_token_id=cfg.get("bos_token_id", 2),
         eos_token_ids=tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ()),
-        qk_norm=True, layer_types=tuple("sliding" if t == "sliding_attention" else "full" for t in types),
+        qk_norm=not gemma2, layer_types=tuple("sliding" if t == "sliding_attention" else "full" for t in types),
         local_window=int(window) if "sliding_attention" in types else None, local_rope_theta=local[0],
-        local_rope_scaling=local[1], embed_scale=_in_checkpoint_dtype(hidden ** 0.5, cfg), hidden_act="gelu_tanh", sandwich_norms=True,
-        query_scale=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5,
-        final_logit_softcap=float(softcap) if softcap else None)
+        local_rope_scaling=local[1], embed_scale=_in_checkpoint_dtype(hidden ** 0.5, cfg), hidden_act="gelu_tanh",
+        sandwich_norms=True, query_scale=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5,
+        final_logit_softcap=float(softcap) if softcap else None,
+        attn_logit_softcap=float(attn_cap) if attn_cap else None)
 
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")  # what kvcli/model/rope.py computes

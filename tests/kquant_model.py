@@ -61,7 +61,8 @@ def kernel_bytes(type_name: str, n: int, k: int, path: str | None = None) -> int
 
 def write_tiny_kquant_gguf(path: Path, seed: int = 0, arch: str = "llama") -> Path:
     """arch "qwen3" adds per-head q/k norm weights (attn_q_norm / attn_k_norm) to the same layers; "gemma3" also
-    norms after attention and MLP, and layer 0 sliding over 8 tokens with layer 1 global."""
+    norms after attention and MLP, and layer 0 sliding over 8 tokens with layer 1 global; "gemma2" those norms
+    and windows without the q/k norms, with attention scores soft-capped at 1 and logits at 5."""
     import gguf
 
     from kvcli.model.kquant_encode import add_tensor, copy_fields, encode, finish, random_blocks
@@ -87,6 +88,10 @@ def write_tiny_kquant_gguf(path: Path, seed: int = 0, arch: str = "llama") -> Pa
         w.add_sliding_window(8)
         w.add_uint32("gemma3.attention.sliding_window_pattern", 2)
         w.add_float32("gemma3.rope.freq_base_swa", 500.0)
+    if arch == "gemma2":
+        w.add_sliding_window(8)
+        w.add_float32("gemma2.attn_logit_softcapping", 1.0)
+        w.add_float32("gemma2.final_logit_softcapping", 5.0)
 
     def normal(*shape: int, std: float) -> np.ndarray:
         return (rng.standard_normal(shape) * std).astype(np.float32)
@@ -100,7 +105,7 @@ def write_tiny_kquant_gguf(path: Path, seed: int = 0, arch: str = "llama") -> Pa
         if arch in ("qwen3", "gemma3"):
             add_tensor(w, f"blk.{i}.attn_q_norm.weight", 1 + normal(HEAD_DIM, std=0.3), "F32")
             add_tensor(w, f"blk.{i}.attn_k_norm.weight", 1 + normal(HEAD_DIM, std=0.3), "F32")
-        if arch == "gemma3":
+        if arch in ("gemma2", "gemma3"):
             add_tensor(w, f"blk.{i}.post_attention_norm.weight", 1 + normal(HIDDEN, std=0.1), "F32")
             add_tensor(w, f"blk.{i}.post_ffw_norm.weight", 1 + normal(HIDDEN, std=0.1), "F32")
         for name, (n, k) in shapes.items():

@@ -167,6 +167,56 @@ def test_gemma3_with_every_layer_global_is_caught(gemma3):
         llama.LlamaModel.__init__ = saved
 
 
+@pytest.fixture(scope="module")
+def gemma2(tmp_path_factory, gguf_path):
+    """A tiny random Gemma 2: 4 layers alternating sliding (window 8) and global, attention logits soft-capped
+    at 2 and final logits at 5 (small enough to bend these random scores), query_pre_attn_scalar unlike
+    head_dim, sandwich norms away from 0, GeGLU, tied embeddings scaled by sqrt(hidden)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    out = tmp_path_factory.mktemp("gemma2")
+    cfg = Gemma2Config(**{**BASE, "num_hidden_layers": 4, "tie_word_embeddings": True}, head_dim=16,
+                       sliding_window=8, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
+                       final_logit_softcapping=5.0, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                       attn_implementation="eager")
+    torch.manual_seed(0)
+    model = Gemma2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(-0.5, 0.5)
+    save_folder(out, gguf_path, model)
+    return out, model
+
+
+@pytest.mark.parametrize("backend", ["torch", "invariant"])
+def test_gemma2_matches_transformers(gemma2, backend):
+    path, ref = gemma2
+    c = LLM(str(path), quant="none", kv_budget="4MiB").engine.config
+    assert c.architecture == "gemma2" and c.layer_types == ("sliding", "full") * 2 and not c.qk_norm
+    assert c.attn_logit_softcap == 2.0 and c.final_logit_softcap == 5.0 and c.local_rope_theta is None
+    assert compare(path, ref, backend) < 1e-4
+
+
+def test_gemma2_without_its_attention_softcap_is_caught(gemma2):
+    """The comparison has teeth: the same engine without the attention soft-cap is far off."""
+    from dataclasses import replace
+
+    from kvcli.model import llama
+
+    path, ref = gemma2
+    saved = llama.LlamaModel.__init__
+
+    def uncapped(self, config, *a, **kw):
+        saved(self, replace(config, attn_logit_softcap=None), *a, **kw)
+
+    llama.LlamaModel.__init__ = uncapped
+    try:
+        assert compare(path, ref, "torch") > 1e-2
+    finally:
+        llama.LlamaModel.__init__ = saved
+
+
 def test_inspect_counts_what_gemma3_windows_would_hold(tmp_path):
     """inspect: the layer kinds, and a request's KV held today (every layer, every token) against what the
     sliding layers' windows alone would need; dummy: weights of the shape run through the engine."""

@@ -66,9 +66,10 @@ def paged_cache(lens: list[int], kvh: int, d: int, bs: int, kv: str, gen: torch.
     return kc, vc, ks, vs, tables, per_req
 
 
-def dense_decode(q: torch.Tensor, per_req, scale: float, window: int) -> torch.Tensor:
+def dense_decode(q: torch.Tensor, per_req, scale: float, window: int, softcap: float = 0.0) -> torch.Tensor:
     """softmax(q K^T * scale) V per request in float64, K/V repeated over each KV head's q heads; the
-    query is the last position and sees the last `window` keys when window > 0."""
+    query is the last position and sees the last `window` keys when window > 0; softcap > 0: scores
+    softcap * tanh(s / softcap)."""
     out = []
     for qi, (k, v) in zip(q, per_req):
         g = qi.shape[0] // k.shape[0]
@@ -76,6 +77,8 @@ def dense_decode(q: torch.Tensor, per_req, scale: float, window: int) -> torch.T
             k, v = k[:, -window:], v[:, -window:]
         k, v = k.double().repeat_interleave(g, 0), v.double().repeat_interleave(g, 0)
         s = (qi.double().unsqueeze(1) @ k.transpose(1, 2)) * scale  # [H, 1, L]
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
         out.append((s.softmax(-1) @ v)[:, 0])
     return torch.stack(out).float()
 
@@ -102,6 +105,25 @@ def test_kernel_matches_dense_reference(kernel, kv, window, g, d, bs):
 
     decode_attention(kernel, q, kc, vc, tables, lens, scale, window, ks, vs, out=got)
     torch.testing.assert_close(got, dense_decode(q, per_req, scale, window), **TOL)
+
+
+@pytest.mark.parametrize("kv", ["fp32", "int8"])
+@pytest.mark.parametrize("window", [0, 13])
+def test_kernel_softcaps_scores(kernel, kv, window):
+    """Gemma 2's attention soft-cap in the kernel: ragged contexts, a window, a scaled cache; a cap small
+    enough to change the answer."""
+    gen = torch.Generator().manual_seed(7 + window)
+    kvh, d = 2, 64
+    kc, vc, ks, vs, tables, per_req = paged_cache(LENS, kvh, d, 16, kv, gen)
+    q = 4 * torch.randn(len(LENS), kvh * 3, d, generator=gen)
+    lens = torch.tensor(LENS, dtype=torch.int32)
+    got = torch.full_like(q, float("nan"))
+    from kvcli_kernels.cpu_attention import decode_attention
+
+    decode_attention(kernel, q, kc, vc, tables, lens, 0.125, window, ks, vs, out=got, softcap=2.0)
+    want = dense_decode(q, per_req, 0.125, window, softcap=2.0)
+    torch.testing.assert_close(got, want, **TOL)
+    assert (want - dense_decode(q, per_req, 0.125, window)).abs().max() > 0.05
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])

@@ -56,6 +56,15 @@ def kquant_gemma3(tmp_path_factory):
     return _load(str(write_tiny_kquant_gguf(tmp_path_factory.mktemp("kg3") / "tiny-gemma3.gguf", arch="gemma3")))
 
 
+@pytest.fixture(scope="module")
+def kquant_gemma2(tmp_path_factory):
+    """The same K-quant layers as a Gemma 2: sandwich norms, GeGLU, layer 0 sliding over 8 tokens, attention
+    scores and logits soft-capped."""
+    from kquant_model import write_tiny_kquant_gguf
+
+    return _load(str(write_tiny_kquant_gguf(tmp_path_factory.mktemp("kg2") / "tiny-gemma2.gguf", arch="gemma2")))
+
+
 class Head:
     """The model's vocabulary projection, recording every output."""
 
@@ -177,6 +186,29 @@ def test_gemma3_layers_in_the_c_loop_equal_the_layer_path_bitwise(kquant_gemma3,
         assert torch.equal(a, b)
     for la, lb in zip(eng_a.kv_cache.layers, eng_b.kv_cache.layers):
         assert torch.equal(la.k, lb.k) and torch.equal(la.v, lb.v)
+
+
+def test_gemma2_softcapped_attention_in_the_c_loop_equals_the_layer_path_bitwise(kquant_gemma2, monkeypatch):
+    """The attention soft-cap rides the C loop's attention steps: logits and KV cache the layer path's bit for
+    bit; and the cap is computed (the loop without it gives other logits)."""
+    from dataclasses import replace
+
+    model = kquant_gemma2[1]
+    c = model.config
+    assert c.attn_logit_softcap == 1.0 and c.layer_types == ("sliding", "full") and model.native_decode is not None
+    native, eng_a = _run(kquant_gemma2, monkeypatch, True)
+    layers, eng_b = _run(kquant_gemma2, monkeypatch, False)
+    assert native.native_steps >= 10 and len(native.logits) == len(layers.logits)
+    for a, b in zip(native.logits, layers.logits):
+        assert torch.equal(a, b)
+    for la, lb in zip(eng_a.kv_cache.layers, eng_b.kv_cache.layers):
+        assert torch.equal(la.k, lb.k) and torch.equal(la.v, lb.v)
+    model.config = replace(c, attn_logit_softcap=None)
+    try:
+        uncapped, _ = _run(kquant_gemma2, monkeypatch, True)
+    finally:
+        model.config = c
+    assert not all(torch.equal(a, b) for a, b in zip(uncapped.logits, native.logits))
 
 
 def test_steps_it_leaves_to_the_layers(shared, monkeypatch):

@@ -60,14 +60,17 @@ def make_batch(q_lens, kv_lens, kvh, g, d, bs, num_blocks, permute, dtype=torch.
     return q, new_k, new_v, k_cache, v_cache, meta, dense_k, dense_v
 
 
-def reference(q, dense_k, dense_v, q_lens, kv_lens, g, scale, window=0):
-    """Dense causal attention; window > 0: the row at position p sees keys [p - window + 1, p]."""
+def reference(q, dense_k, dense_v, q_lens, kv_lens, g, scale, window=0, softcap=0.0):
+    """Dense causal attention; window > 0: the row at position p sees keys [p - window + 1, p]; softcap > 0:
+    scores softcap * tanh(s / softcap) before the mask."""
     out, start = [], 0
     for k, v, q_len, kv_len in zip(dense_k, dense_v, q_lens, kv_lens):
         qb = q[start:start + q_len].transpose(0, 1)
         kb = k.transpose(0, 1).repeat_interleave(g, 0)
         vb = v.transpose(0, 1).repeat_interleave(g, 0)
         s = qb @ kb.transpose(1, 2) * scale
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
         pos = torch.arange(kv_len - q_len, kv_len).unsqueeze(1)
         kpos = torch.arange(kv_len).unsqueeze(0)
         s = s.masked_fill(kpos > pos, float("-inf"))
@@ -125,6 +128,30 @@ def test_sliding_window_matches_reference(backend, kv, window):
     torch.testing.assert_close(got, want, **tol)
     if backend is TorchAttentionBackend:
         assert sum(len(b[0]) for b in be._batches) == 5  # the batched decode path ran too
+
+
+@pytest.mark.parametrize("backend", [TorchAttentionBackend, InvariantAttentionBackend])
+@pytest.mark.parametrize("native", [False, True])
+@pytest.mark.parametrize("window", [0, 13])
+def test_softcap_matches_reference(backend, native, window):
+    """Gemma 2's attention soft-cap (meta.softcap) on every path of a ragged batch: batched decodes, a lone
+    long decode, a chunk on a cached prefix, fresh prompts; with and without the C kernels and a window."""
+    from dataclasses import replace
+
+    q_lens, kv_lens = [1, 1, 37, 1, 1, 50, 1, 9, 1], [75, 70, 100, 66, 64, 50, 9, 9, 900]
+    kvh, g, d = 2, 3, 64
+    q, nk, nv, kc, vc, meta, dk, dv = make_batch(q_lens, kv_lens, kvh, g, d, 16, 128, True, seed=5 + window,
+                                                 window=window)
+    meta = replace(meta, softcap=1.5)
+    q = 8 * q  # scores of several units: a cap of 1.5 bends them
+    be = backend()
+    be.native = native and backend is TorchAttentionBackend
+    cache = LayerKV(kc, vc)
+    be.write_kv(nk, nv, cache, meta)
+    got = be.forward(q, cache, meta, 0.125)
+    want = reference(q, dk, dv, q_lens, kv_lens, g, 0.125, window, softcap=1.5)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    assert (want - reference(q, dk, dv, q_lens, kv_lens, g, 0.125, window)).abs().max() > 0.05
 
 
 def test_negative_slots_are_skipped():

@@ -10,7 +10,8 @@ Layouts (shared by every backend and by the Triton kernels):
 A request's token at absolute position p lives in slot block_table[p // block_size] * block_size
 + p % block_size. The step's K/V are written to the cache first, then attention reads everything
 (cached prefix + this step's tokens) through the block table, causally; with a sliding window w, the
-query at position p sees keys [p - w + 1, p] only.
+query at position p sees keys [p - w + 1, p] only; with a soft-cap c (Gemma 2), the scores s = scale q.k are
+c * tanh(s / c) before the mask and the softmax.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class AttentionMetadata:
     seq_lens_list: tuple[int, ...] = ()
     query_lens_list: tuple[int, ...] = ()
     sliding_window: int = 0  # w > 0: position p sees keys [p - w + 1, p]; 0 = full causal (set by the model)
+    softcap: float = 0.0  # c > 0: scores s = scale q.k become c * tanh(s / c) before the mask (Gemma 2; the model)
 
     @property
     def batch_size(self) -> int:

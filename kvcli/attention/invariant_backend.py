@@ -13,6 +13,7 @@ Every row is computed the same way, whatever the batch around it:
           the zeroed null block; a GEMM's element is a dot over head_dim whatever the GEMM's size,
           provided it has >= MIN_ROWS rows: smaller GEMMs take a kernel that rounds differently, so
           query rows are padded up to MIN_ROWS);
+  softcap c * tanh(s / c) where the model soft-caps (Gemma 2), elementwise;
   mask    keys after the row's position, before its sliding window (if any) and the padding are -inf;
   softmax exp(s - max) (elementwise), denominator = per-CHUNK sums (a fixed-size reduction)
           accumulated in order by cumsum, so trailing masked chunks add exact zeros;
@@ -150,7 +151,7 @@ class InvariantAttentionBackend(TorchAttentionBackend):
             k, v, ks, vs = self._kv(cache, grp.blocks, q.dtype)  # [kvh, n, L, D]
             qg = q.index_select(0, grp.rows).view(n, kvh, g, d).transpose(0, 1)  # [kvh, n, g, D]
             last = grp.last.view(n, 1).expand(n, g)
-            o = attend_rows(qg, last, k, v, ks, vs, scale, meta.sliding_window)  # [kvh, n, g, D]
+            o = attend_rows(qg, last, k, v, ks, vs, scale, meta.sliding_window, meta.softcap)  # [kvh, n, g, D]
             out.index_copy_(0, grp.rows, o.transpose(0, 1).reshape(n, h, d))
         start = 0
         for b, (q_len, kv_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
@@ -168,7 +169,7 @@ class InvariantAttentionBackend(TorchAttentionBackend):
                     # Rows ordered (position, q head) within each KV head: [kvh, 1, n * g, D].
                     qt = q[start + t0:start + t1].view(n, kvh, g, d).transpose(0, 1).reshape(kvh, 1, n * g, d)
                     last = torch.arange(pos0 + t0, pos0 + t1, device=q.device).repeat_interleave(g).view(1, -1)
-                    o = attend_rows(qt, last, k, v, ks, vs, scale, meta.sliding_window)  # [kvh, 1, n * g, D]
+                    o = attend_rows(qt, last, k, v, ks, vs, scale, meta.sliding_window, meta.softcap)
                     out[start + t0:start + t1] = o.view(kvh, n, g, d).transpose(0, 1).reshape(n, h, d)
             start += q_len
         return out
@@ -176,13 +177,14 @@ class InvariantAttentionBackend(TorchAttentionBackend):
 
 def attend_rows(q: torch.Tensor, last: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, scale: float,
-                window: int = 0) -> torch.Tensor:
+                window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Batch-invariant attention (see the module docstring).
 
     q [kvh, n, M, D]: query rows of n requests grouped by the KV head they read; last [n, M]: the
     last key position each row may see (window > 0: the first is last - window + 1; keys before it
     are masked like those after, so they add exact zeros); k, v [kvh, n, L, D] with L a multiple of
-    CHUNK; k_scale, v_scale [kvh, n, L] or None (unscaled). Returns [kvh, n, M, D]."""
+    CHUNK; k_scale, v_scale [kvh, n, L] or None (unscaled); softcap > 0: scores become softcap * tanh(s /
+    softcap) before the mask (elementwise: invariant). Returns [kvh, n, M, D]."""
     kvh, n, m_rows, d = q.shape
     L = k.shape[-2]
     nc = L // CHUNK
@@ -195,6 +197,8 @@ def attend_rows(q: torch.Tensor, last: torch.Tensor, k: torch.Tensor, v: torch.T
     s = torch.matmul(q.unsqueeze(2), k.unflatten(2, (nc, CHUNK)).transpose(-1, -2))
     if k_scale is not None:
         s.mul_((k_scale * scale).view(kvh, n, nc, 1, CHUNK))
+    if softcap:
+        s.div_(softcap).tanh_().mul_(softcap)
     pos = torch.arange(L, device=q.device).view(nc, 1, CHUNK)
     lastm = last.view(n, 1, -1, 1)
     hidden = pos > lastm  # [n, nc, M, CHUNK], broadcast over kvh

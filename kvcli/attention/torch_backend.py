@@ -21,7 +21,8 @@ request's K/V into the same reused buffers (values identical to dequantize()), n
 per layer. Measured figures: docs/benchmarks.md ("KV cache formats", "kvcli vs transformers vs llama.cpp").
 Sliding window (meta.sliding_window = w > 0): a request's keys are read from the first one its first
 query row sees; the batched decode groups mask keys before p - w + 1; a chunk longer than the window
-takes the masked SDPA path.
+takes the masked SDPA path. Soft-capping (meta.softcap = c > 0, Gemma 2): every path computes the scores
+itself (c * tanh(s / c) before the mask), the C decode kernel too; chunks skip SDPA and the C prefill kernel.
 Native decode: where kvcli's C kernel builds (kvcli_kernels/cpu_attention.c; KVCLI_NATIVE=0 turns it
 off), every decode row of the step goes through one call per layer instead of all of the above: it reads
 each request's K/V through its block table in the cache's own dtype (fp32, fp16, bf16, int8 / fp8 with
@@ -223,7 +224,7 @@ class TorchAttentionBackend:
         return x
 
     def _decode_converted(self, q: torch.Tensor, cache: LayerKV, blocks: slice | torch.Tensor, kv_len: int,
-                          scale: float, lo: int = 0) -> torch.Tensor:
+                          scale: float, lo: int = 0, softcap: float = 0.0) -> torch.Tensor:
         """One decode row q [H, D] over keys [lo, kv_len) of a 16-bit, int8 or fp8 cache: the request's K/V converted to
         fp32 head-major scratch buffers in one pass each, then two matmuls (scales folded in)."""
         kvh, d = cache.k.shape[2], cache.k.shape[3]
@@ -234,7 +235,7 @@ class TorchAttentionBackend:
             ks = self._take(cache.k_scale, blocks, lo, kv_len)  # [kvh, L]
             vs = self._take(cache.v_scale, blocks, lo, kv_len)
         unit = FP8_UNIT if cache.k.dtype == torch.float8_e4m3fn else 1.0
-        return _attend_scaled(q.view(kvh, -1, d), k, v, ks, vs, scale, unit=unit).reshape(q.shape)
+        return _attend_scaled(q.view(kvh, -1, d), k, v, ks, vs, scale, unit=unit, softcap=softcap).reshape(q.shape)
 
     def _decode_batches(self, meta: AttentionMetadata, block_size: int, device: torch.device) -> list[tuple]:
         """Per step: the decode requests grouped by similar context length (so padding to a group's
@@ -316,7 +317,8 @@ class TorchAttentionBackend:
             if ids and meta.block_tables.device.type == "cpu" and meta.block_tables.stride(-1) == 1:
                 self._native_step = DecodeStep(meta.block_tables, meta.seq_lens.contiguous(), heads, scale,
                                                meta.sliding_window, torch.tensor(ids, dtype=torch.int64),
-                                               torch.tensor([starts[b] for b in ids], dtype=torch.int64))
+                                               torch.tensor([starts[b] for b in ids], dtype=torch.int64),
+                                               meta.softcap)
             self._native_recent = [*self._native_recent[-3:], (meta, scale, heads, self._native_ids, self._native_step)]
         return self._native_step
 
@@ -374,6 +376,7 @@ class TorchAttentionBackend:
     def forward(self, q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         k_cache, v_cache = cache.k, cache.v
         bs = cache.block_size
+        cap = meta.softcap
         out = torch.empty_like(q)
         batched = set(self._decode_native(q, cache, meta, scale, out))
         groups = [] if batched else self._decode_batches(meta, k_cache.shape[1], q.device)
@@ -388,7 +391,7 @@ class TorchAttentionBackend:
             kg = self._gather_codes(k_cache, tables, "gk")  # [kvh, n, L, D]
             vg = self._gather_codes(v_cache, tables, "gv")
             if k_cache.dtype == q.dtype:
-                o = _attend_scaled(qg, kg, vg, None, None, scale, mask)
+                o = _attend_scaled(qg, kg, vg, None, None, scale, mask, softcap=cap)
             elif q.dtype == torch.float32:
                 k, v = self._heads_f32(kg, "k"), self._heads_f32(vg, "v")
                 ks = vs = None
@@ -396,13 +399,14 @@ class TorchAttentionBackend:
                     ks = self._gather_codes(cache.k_scale, tables, "gks")  # [kvh, n, L]
                     vs = self._gather_codes(cache.v_scale, tables, "gvs")
                 unit = FP8_UNIT if k_cache.dtype == torch.float8_e4m3fn else 1.0
-                o = _attend_scaled(qg, k, v, ks, vs, scale, mask, unit=unit)
+                o = _attend_scaled(qg, k, v, ks, vs, scale, mask, unit=unit, softcap=cap)
             else:
                 k = dequantize(kg, None if cache.k_scale is None else self._gather_codes(cache.k_scale, tables, "gks"),
                                q.dtype)
                 v = dequantize(vg, None if cache.v_scale is None else self._gather_codes(cache.v_scale, tables, "gvs"),
                                q.dtype)
-                o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+                o = (_attend_scaled(qg, k, v, None, None, scale, mask, softcap=cap) if cap else
+                     F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale))
             out.index_copy_(0, rows, o.transpose(0, 1).reshape(n, h, d))
         start = 0
         for b, (q_len, kv_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
@@ -413,7 +417,7 @@ class TorchAttentionBackend:
             w = meta.sliding_window
             lo = max(0, kv_len - q_len - w + 1) if w else 0  # the first key the first row sees
             if q_len == 1 and k_cache.dtype != q.dtype and q.dtype == torch.float32:
-                out[start] = self._decode_converted(q[start], cache, blocks, kv_len, scale, lo)
+                out[start] = self._decode_converted(q[start], cache, blocks, kv_len, scale, lo, cap)
                 start += 1
                 continue
             if k_cache.dtype != q.dtype and q.dtype == torch.float32:  # prefill chunk over a converted cache
@@ -422,26 +426,29 @@ class TorchAttentionBackend:
             else:
                 k = self._read(k_cache, cache.k_scale, blocks, kv_len, q.dtype, lo)
                 v = self._read(v_cache, cache.v_scale, blocks, kv_len, q.dtype, lo)
-            # kvcli's kernel has no window: it takes chunks whose every row sees all keys before it.
-            if not 0 < w < kv_len and self._prefill_native(q[start:start + q_len], k, v, scale, out[start:start + q_len]):
+            # kvcli's kernel has no window and no soft-cap: it takes chunks whose every row sees all keys before it.
+            if not 0 < w < kv_len and not cap and self._prefill_native(q[start:start + q_len], k, v, scale, out[start:start + q_len]):
                 start += q_len
                 continue
             qb = q[start:start + q_len].transpose(0, 1)  # [H, q_len, D]
-            out[start:start + q_len] = attend(qb, k, v, scale, w).transpose(0, 1)
+            out[start:start + q_len] = attend(qb, k, v, scale, w, cap).transpose(0, 1)
             start += q_len
         return out
 
 
 def _attend_scaled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor | None,
                    v_scale: torch.Tensor | None, scale: float, mask: torch.Tensor | None = None,
-                   unit: float = 1.0) -> torch.Tensor:
+                   unit: float = 1.0, softcap: float = 0.0) -> torch.Tensor:
     """Attention of q [..., kvh, g, D] over K/V given as fp32 [..., kvh, L, D] (codes of a quantized
     cache, or the values of a 16-bit one) and, when quantized, their per-token scales [..., kvh, L]:
     k_scale multiplies the score columns, v_scale the probabilities, so dequantized K/V are never
     materialised. mask [..., 1, 1, L] (True = visible) or None. unit: a power of two the codes were
-    divided by (FP8_UNIT for fp8), multiplied back into the scales (exact)."""
+    divided by (FP8_UNIT for fp8), multiplied back into the scales (exact). softcap > 0: scores become
+    softcap * tanh(s / softcap) before the mask (Gemma 2)."""
     s = torch.matmul(q, k.transpose(-1, -2))  # [..., kvh, g, L]
     s.mul_(scale if k_scale is None else (k_scale * (scale * unit)).unsqueeze(-2))
+    if softcap:
+        s.div_(softcap).tanh_().mul_(softcap)
     if mask is not None:
         s.masked_fill_(~mask, float("-inf"))
     p = torch.softmax(s, -1)
@@ -450,17 +457,24 @@ def _attend_scaled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale: t
     return torch.matmul(p, v)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int = 0,
+           softcap: float = 0.0) -> torch.Tensor:
     """Causal attention of q [H, q_len, D] whose rows are the last q_len positions of k/v [kvh, L, D];
     window > 0: the row at position p sees keys [p - window + 1, p] only (a decode row must be given
-    only the keys it sees)."""
+    only the keys it sees); softcap > 0: soft-capped scores (materialised: SDPA has no soft-cap)."""
     h, q_len, d = q.shape
     kvh, kv_len, _ = k.shape
     g = h // kvh
     if q_len == 1:  # two GEMMs over the head-major K/V (fewer ops than SDPA's math path for one row)
-        return _attend_scaled(q.reshape(kvh, g, d), k, v, None, None, scale).reshape(h, 1, d)
+        return _attend_scaled(q.reshape(kvh, g, d), k, v, None, None, scale, softcap=softcap).reshape(h, 1, d)
     prefix = kv_len - q_len
     windowed = 0 < window < kv_len  # some row has keys outside its window
+    if softcap:  # grouped rows [kvh, g, q_len, D] against [kvh, 1, L, D]; the mask [q_len, L] broadcasts
+        qpos = torch.arange(prefix, kv_len, device=q.device).unsqueeze(1)
+        kpos = torch.arange(kv_len, device=q.device).unsqueeze(0)
+        mask = (kpos <= qpos) & (kpos > qpos - window) if windowed else kpos <= qpos
+        return _attend_scaled(q.reshape(kvh, g, q_len, d), k.unsqueeze(1), v.unsqueeze(1), None, None, scale,
+                              mask, softcap=softcap).reshape(h, q_len, d)
     if windowed or _flash_cpu is None or q.device.type != "cpu":
         qpos = torch.arange(prefix, kv_len, device=q.device).unsqueeze(1)
         kpos = torch.arange(kv_len, device=q.device).unsqueeze(0)

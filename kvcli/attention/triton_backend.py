@@ -70,4 +70,5 @@ class TritonAttentionBackend(PlainFeatures):
             k_scale=cache.k_scale,
             v_scale=cache.v_scale,
             window=meta.sliding_window,
+            softcap=meta.softcap,
         )

@@ -7,6 +7,7 @@ Files (random weights of one shape, written once into .cache/arch/, SmolLM2's to
   qwen3    + per-head q/k RMSNorms
   phi3     q/k/v fused into attn_qkv, gate/up into ffn_up (split at load)
   gemma3   + q/k norms, sandwich norms, GeGLU, 5 sliding layers (window 512) per global one, two rotary bases
+  gemma2   sandwich norms, GeGLU, every other layer sliding (window 512), attention and final logit soft-caps
 Method: greedy decode of --new-tokens after a --prompt-tokens prompt, tok/s of the decode steps from the engine's
 counters; rounds alternate between the models (a slow phase of this shared VM weighs on all); each model's ratio
 is the median over rounds of (its tok/s / the llama's in the same round).
@@ -25,7 +26,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 CACHE = REPO / ".cache" / "arch"
 HIDDEN, INTER, LAYERS, HEADS, KV, D = 768, 2048, 12, 12, 4, 64
-ARCHS = ("llama", "qwen3", "phi3", "gemma3")
+ARCHS = ("llama", "qwen3", "phi3", "gemma3", "gemma2")
 
 
 def write(path: Path, arch: str) -> None:
@@ -47,8 +48,11 @@ def write(path: Path, arch: str) -> None:
         add(v)
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-6)
-    if arch == "gemma3":
+    if arch in ("gemma2", "gemma3"):
         w.add_sliding_window(512)
+    if arch == "gemma2":  # Gemma 2's own caps (llama.cpp's defaults, written as its converter does)
+        w.add_float32("gemma2.attn_logit_softcapping", 50.0)
+        w.add_float32("gemma2.final_logit_softcapping", 30.0)
     ke.copy_fields(src, w, keep=lambda key: key.startswith("tokenizer."))
 
     def mat(n: int, k: int, t: str = "Q4_0") -> np.ndarray:
@@ -65,7 +69,7 @@ def write(path: Path, arch: str) -> None:
         if arch in ("qwen3", "gemma3"):
             ke.add_tensor(w, b + "attn_q_norm.weight", np.ones(D, np.float32), "F32")
             ke.add_tensor(w, b + "attn_k_norm.weight", np.ones(D, np.float32), "F32")
-        if arch == "gemma3":
+        if arch in ("gemma2", "gemma3"):
             ke.add_tensor(w, b + "post_attention_norm.weight", ones, "F32")
             ke.add_tensor(w, b + "post_ffw_norm.weight", ones, "F32")
         if arch == "phi3":

@@ -49,18 +49,24 @@ _ARCH_LAYER_NAMES = {
                "post_attention_norm.weight": "post_attention_layernorm.weight",
                "ffn_norm.weight": "pre_feedforward_layernorm.weight",
                "post_ffw_norm.weight": "post_feedforward_layernorm.weight"},
+    # Gemma 2: Gemma 3's norms without the q/k ones.
+    "gemma2": {"post_attention_norm.weight": "post_attention_layernorm.weight",
+               "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+               "post_ffw_norm.weight": "post_feedforward_layernorm.weight"},
     # Phi-3: q/k/v fused (or apart), gate and up fused into ffn_up of twice the width (kvcli.model.fused).
     "phi3": {"attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"},
 }
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
 # Keys an architecture's llama.cpp graph ignores: attention.sliding_window everywhere but Gemma 3 (llama.cpp's
 # llama, qwen2 and qwen3 graphs attend to the whole context whatever it says, and it disables Phi-3's window),
 # so those GGUFs attend to the whole context here too (tests/conformance: a window-key variant of each).
 _WINDOW_IGNORED = frozenset({"attention.sliding_window"})
 ARCH_KEYS_IGNORED = {arch: _WINDOW_IGNORED for arch in ("llama", "qwen2", "qwen3", "phi3")}
-# Keys one architecture's graph reads beyond ARCH_KEYS_READ (read_config's _gemma3 part).
+# Keys one architecture's graph reads beyond ARCH_KEYS_READ (read_config's _gemma part).
 ARCH_KEYS_EXTRA = {"gemma3": frozenset({"attention.sliding_window_pattern", "rope.freq_base_swa",
-                                        "final_logit_softcapping"})}
+                                        "final_logit_softcapping"}),
+                   "gemma2": frozenset({"attention.sliding_window_pattern", "rope.freq_base_swa",
+                                        "final_logit_softcapping", "attn_logit_softcapping"})}
 _TOP_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -233,8 +239,9 @@ def read_config(reader: GGUFFile, path: Path) -> ModelConfig:
                             f"computes full-width rotary and equal K/V heads only")
     n_ctx = int(_field(reader, f"{a}.context_length", 4096))
     eog = _end_of_generation(reader)
-    extra = _gemma3(reader, a, path, hidden, heads, int(head_dim), int(window or 0)) if arch == "gemma3" else {}
-    if extra:
+    extra = {}
+    if arch in ("gemma2", "gemma3"):
+        extra = _gemma(reader, a, path, hidden, heads, int(head_dim), window, names)
         window = None  # per layer: layer_types + local_window
     return ModelConfig(
         **extra,
@@ -282,15 +289,30 @@ def _end_of_generation(reader: GGUFFile) -> list[int]:
     return list(dict.fromkeys(int(i) for i in ids if i is not None))
 
 
-def _gemma3(reader: GGUFFile, a: str, path: Path, hidden: int, heads: int, head_dim: int, window: int) -> dict:
+def _gemma(reader: GGUFFile, a: str, path: Path, hidden: int, heads: int, head_dim: int, window: int | None,
+           names: set[str]) -> dict:
     """Gemma 3 as llama.cpp's llama_model_gemma3 reads it: with a sliding window, layers slide except every
     sliding_window_pattern-th (default 6; or a per-layer array of bools), the sliding ones with rotary base
     rope.freq_base_swa (default 10,000) and no frequency scaling; embeddings x sqrt(hidden) in fp32; q scaled
     by 1/sqrt(head_dim) (1/sqrt(hidden/heads) for the 62-layer 27B, as llama.cpp decides by layer count);
-    final_logit_softcapping when given."""
+    final_logit_softcapping when given. Gemma 2 as llama_model_gemma2 reads it: always a window (default
+    4,096) on every other layer (pattern 2), the sliding layers' rotary base rope.freq_base_swa (default:
+    the global one) with the global scaling; q scaled by 1/sqrt(hidden/heads) for the 46-layer 27B; attention
+    and final logits soft-capped (attn_logit_softcapping, default 50; final_logit_softcapping, default 30);
+    the output projection is always the embedding (an output.weight tensor: llama.cpp refuses the file)."""
+    gemma2 = a == "gemma2"
     layers = int(_required(reader, f"{a}.block_count", path))
+    if gemma2:
+        if "output.weight" in names:
+            raise GGUFError(f"{path.name}: tensor output.weight in a gemma2 file: llama.cpp's gemma2 graph projects "
+                            f"with the embedding and has no such tensor")
+        window = 4096 if window is None else window
+        if window < 1:
+            raise GGUFError(f"{path.name}: {a}.attention.sliding_window = {window}: Gemma 2's sliding layers need a "
+                            f"positive window")
+    window = int(window or 0)
     if window > 0:
-        pattern = _field(reader, f"{a}.attention.sliding_window_pattern", 6)
+        pattern = _field(reader, f"{a}.attention.sliding_window_pattern", 2 if gemma2 else 6)
         if isinstance(pattern, (list, tuple)):
             if len(pattern) != layers:
                 raise GGUFError(f"{path.name}: {a}.attention.sliding_window_pattern lists {len(pattern)} layers "
@@ -302,17 +324,28 @@ def _gemma3(reader: GGUFFile, a: str, path: Path, hidden: int, heads: int, head_
         types = tuple("sliding" if s else "full" for s in sliding)
     else:
         types = ("full",) * layers
-    softcap = _field(reader, f"{a}.final_logit_softcapping")
-    scale = (hidden // heads) ** -0.5 if layers == 62 else head_dim ** -0.5
-    # The sliding layers rotate with freq_scale 1 but llama.cpp hands them the same attn_factor as the global
-    # ones: rope.scaling.attn_factor scales their cos and sin too (yarn's 0.1 ln(1 / freq_scale) term is 0).
-    attn = float(_field(reader, f"{a}.rope.scaling.attn_factor", 1.0) or 1.0)
-    local_scaling = {"rope_type": "default", "attention_factor": attn} if attn != 1.0 else None
-    return dict(layer_types=types, local_window=window or None,
-                local_rope_theta=float(_field(reader, f"{a}.rope.freq_base_swa", 10000.0)),
-                local_rope_scaling=local_scaling,
+    softcap = _field(reader, f"{a}.final_logit_softcapping", 30.0 if gemma2 else None)
+    attn_cap = _field(reader, f"{a}.attn_logit_softcapping", 50.0) if gemma2 else None
+    for key, cap in (("final_logit_softcapping", softcap), ("attn_logit_softcapping", attn_cap)):
+        if cap is not None and (gemma2 or cap != 0):
+            _positive(cap, f"{a}.{key}", path)  # llama.cpp's gemma2 graph divides by both
+    scale = (hidden // heads) ** -0.5 if layers == (46 if gemma2 else 62) else head_dim ** -0.5
+    if gemma2:  # the sliding layers: their own base if the file gives one, the global frequency scaling
+        swa_base = _field(reader, f"{a}.rope.freq_base_swa")
+        local = dict(local_rope_theta=None if swa_base is None else float(swa_base),
+                     local_rope_scaling=_rope_scaling(reader, a, path, head_dim,
+                                                      int(_field(reader, f"{a}.context_length", 4096))))
+    else:
+        # The sliding layers rotate with freq_scale 1 but llama.cpp hands them the same attn_factor as the
+        # global ones: rope.scaling.attn_factor scales their cos and sin too (yarn's 0.1 ln(1 / freq_scale)
+        # term is 0).
+        attn = float(_field(reader, f"{a}.rope.scaling.attn_factor", 1.0) or 1.0)
+        local = dict(local_rope_theta=float(_field(reader, f"{a}.rope.freq_base_swa", 10000.0)),
+                     local_rope_scaling={"rope_type": "default", "attention_factor": attn} if attn != 1.0 else None)
+    return dict(layer_types=types, local_window=window or None, **local,
                 embed_scale=float(np.float32(np.sqrt(np.float32(hidden)))), hidden_act="gelu_tanh",
-                sandwich_norms=True, query_scale=float(scale), final_logit_softcap=float(softcap) if softcap else None)
+                sandwich_norms=True, query_scale=float(scale), final_logit_softcap=float(softcap) if softcap else None,
+                attn_logit_softcap=float(attn_cap) if attn_cap else None)
 
 
 def _unpermute_index(rows: int, n_head: int) -> torch.Tensor:

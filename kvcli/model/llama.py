@@ -1,4 +1,4 @@
-"""kvcli's Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3) over a paged KV cache.
+"""kvcli's Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2/3) over a paged KV cache.
 
 The model sees a flat batch: every scheduled token of every request packed into one [T] tensor, with
 absolute positions and an AttentionMetadata that tells attention where each request's KV lives.
@@ -59,8 +59,8 @@ class DecoderLayer:
     down: Linear | LinearGroup
     q_norm: RMSNorm | None = None  # Qwen3, Gemma 3: per-head RMSNorm of q and k before the rotary
     k_norm: RMSNorm | None = None
-    attn_post_norm: RMSNorm | None = None  # Gemma 3: on the attention output, before the residual add
-    ffn_post_norm: RMSNorm | None = None  # Gemma 3: on the MLP output, before the residual add
+    attn_post_norm: RMSNorm | None = None  # Gemma: on the attention output, before the residual add
+    ffn_post_norm: RMSNorm | None = None  # Gemma: on the MLP output, before the residual add
     window: int = 0  # this layer's sliding window (0: full attention)
     rotary: "Rotary | None" = None  # this layer's rotary (set by LlamaModel: the local or the global one)
 
@@ -191,9 +191,9 @@ class LlamaModel:
         logits_indices: torch.Tensor | None = None,  # rows whose next-token logits are wanted
     ) -> torch.Tensor:
         c = self.config
-        window = c.sliding_window or 0
-        if meta.sliding_window != window:  # the model's window, whoever built the step's metadata
-            meta = replace(meta, sliding_window=window)
+        window, softcap = c.sliding_window or 0, c.attn_logit_softcap or 0.0
+        if meta.sliding_window != window or meta.softcap != softcap:  # the model's, whoever built the metadata
+            meta = replace(meta, sliding_window=window, softcap=softcap)
         h = self.embed(input_ids)
         if c.embed_scale != 1.0:  # Gemma: sqrt(hidden) (rounded by the reader as its reference rounds it)
             h.mul_(c.embed_scale)
@@ -238,7 +238,7 @@ class LlamaModel:
             slot_mapping=meta.slot_mapping[wanted], cu_seqlens_q=torch.arange(len(sel) + 1, dtype=torch.int32),
             seq_lens=meta.seq_lens[sel_t], block_tables=meta.block_tables[sel_t], max_seqlen_q=1,
             max_seq_len=max(lens), seq_lens_list=lens, query_lens_list=(1,) * len(sel),
-            sliding_window=meta.sliding_window)
+            sliding_window=meta.sliding_window, softcap=meta.softcap)
 
     def _qk_norm(self, qkv: torch.Tensor, layer: DecoderLayer) -> None:
         """Qwen3's RMSNorm over every q head and every k head of the fused qkv output, in place (so the

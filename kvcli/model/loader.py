@@ -181,7 +181,7 @@ def _load_hf_dir(path: Path, quant: str) -> LoadedWeights:
         split_fused(config, raw, path.name)  # Phi-3's qkv_proj / gate_up_proj
     except ValueError as e:
         raise ModelLoadError(str(e)) from None
-    if config.architecture == "gemma3":  # Gemma3RMSNorm scales by (1 + weight): folded once, as llama.cpp's converter
+    if config.architecture in ("gemma2", "gemma3"):  # GemmaRMSNorm scales by (1 + weight): folded once, as llama.cpp's converter
         for name in [n for n in raw if n.endswith("norm.weight")]:
             raw[name] = raw[name].float() + 1.0
     notes: list[str] = []

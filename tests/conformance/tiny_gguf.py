@@ -81,6 +81,17 @@ VARIANTS = [
                   "rope.freq_base_swa": 500.0, "rope.scaling.type": "yarn", "rope.scaling.factor": 4.0,
                   "rope.scaling.original_context_length": 128, "rope.scaling.attn_factor": 0.8},
             note="gemma3 with yarn and rope.scaling.attn_factor"),
+    # Gemma 2: caps small enough to bend these scores and logits (the real 50 and 30 barely touch random weights)
+    Variant("gemma2", arch="gemma2", layers=3, head_dim=32, tied=True,
+            meta={"attention.sliding_window": 8, "attn_logit_softcapping": 3.0, "final_logit_softcapping": 4.0},
+            note="every other layer sliding (window 8), attention and final logit soft-capping, sandwich norms"),
+    Variant("gemma2-defaults", arch="gemma2", layers=2, tied=True,
+            note="gemma2 without window or cap keys: llama.cpp's defaults (window 4096, caps 50 and 30)"),
+    Variant("gemma2-swa-base", arch="gemma2", layers=2, tied=True,
+            meta={"attention.sliding_window": 8, "rope.freq_base_swa": 500.0, "attn_logit_softcapping": 3.0},
+            note="gemma2 with its own rotary base for the sliding layers"),
+    Variant("gemma2-output", arch="gemma2", layers=2, refused=True,
+            note="an output.weight in a gemma2 file (llama.cpp's graph projects with the embedding)"),
     Variant("qwen2-rope-freqs", arch="qwen2", bias=True, rope_freqs=True, refused=True,
             note="rope_freqs.weight in a qwen2 file (llama.cpp's qwen2 graph has no such tensor)"),
     Variant("qwen3-rope-freqs", arch="qwen3", qk_norm=True, rope_freqs=True, refused=True,
@@ -149,7 +160,8 @@ def write(v: Variant, path: Path, seed: int = 0) -> Path:
         w.add_value_length(d)
     w.add_rope_dimension_count(d)
     w.add_rope_freq_base(v.rope_base)
-    w.add_layer_norm_rms_eps(1e-6 if v.arch == "gemma3" else 1e-5)
+    gemma = v.arch in ("gemma2", "gemma3")
+    w.add_layer_norm_rms_eps(1e-6 if gemma else 1e-5)
     w.add_vocab_size(vocab)
     for key, value in v.meta.items():
         _meta(w, f"{v.arch}.{key}", value)
@@ -163,7 +175,7 @@ def write(v: Variant, path: Path, seed: int = 0) -> Path:
         add_tensor(w, name, data if v.weights == "F32" else encode(data, v.weights), v.weights)
 
     emb_type = "F32" if v.weights == "F32" else "F16"
-    emb = normal(vocab, h, std=1.0 if v.arch != "gemma3" else 0.15)
+    emb = normal(vocab, h, std=0.15 if gemma else 1.0)
     add_tensor(w, "token_embd.weight", emb if emb_type == "F32" else emb.astype(np.float16), emb_type)
     add_tensor(w, "output_norm.weight", 1 + normal(h, std=0.1), "F32")
     if not v.tied:
@@ -179,7 +191,7 @@ def write(v: Variant, path: Path, seed: int = 0) -> Path:
         if v.qk_norm:
             add_tensor(w, f"blk.{i}.attn_q_norm.weight", 1 + normal(d, std=0.3), "F32")
             add_tensor(w, f"blk.{i}.attn_k_norm.weight", 1 + normal(d, std=0.3), "F32")
-        if v.arch == "gemma3":
+        if gemma:
             add_tensor(w, f"blk.{i}.post_attention_norm.weight", normal(h, std=0.3), "F32")
             add_tensor(w, f"blk.{i}.post_ffw_norm.weight", normal(h, std=0.3), "F32")
         if v.arch == "phi3":  # q, k and v rows fused into one tensor, as Phi-3's converter writes them

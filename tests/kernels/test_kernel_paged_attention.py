@@ -321,3 +321,24 @@ def test_sliding_window(dtype: torch.dtype, num_splits: int) -> None:
     full = paged_attention_ref(batch.q, batch.k_cache, batch.v_cache, batch.cu_seqlens_q, batch.seq_lens_t,
                                batch.block_tables, batch.scale)
     assert (ref - full).abs().max().item() > 0.1  # the window changes the answer
+
+
+@pytest.mark.parametrize(("dtype", "num_splits", "window"), [(torch.float32, 1, 0), (torch.float16, 3, 20)],
+                         ids=["fp32-1", "fp16-3-window"])
+def test_softcap(dtype: torch.dtype, num_splits: int, window: int) -> None:
+    """Gemma 2's attention logit soft-capping, s = c * tanh(s / c) before the mask: decode rows and a prefill
+    chunk on a cached prefix (ragged, with and without a window and split-K) against the reference; the
+    cap is small enough that it changes the answer."""
+    gen = generator("softcap", dtype, num_splits)
+    batch = PagedBatch([1, 31, 1], [150, 131, 12], 4, 2, 64, 16, dtype, gen)
+    batch.q.mul_(4.0)  # scores of several units, so a cap of 2 bends them
+    args = (batch.q, batch.k_cache, batch.v_cache, batch.cu_seqlens_q, batch.seq_lens_t, batch.block_tables,
+            batch.scale)
+    ref = paged_attention_ref(*args, window=window, softcap=2.0)
+    out = paged_attention(*args, batch.max_seqlen_q, batch.max_seq_len, num_splits=num_splits,
+                          out=batch.nan_out(), window=window, softcap=2.0)
+    atol, rtol = ATTN_TOL[dtype]
+    assert_close(out, ref, atol, rtol, f"softcap {dtype} splits={num_splits} window={window}")
+    assert (ref - paged_attention_ref(*args, window=window)).abs().max().item() > 0.05
+    with pytest.raises(ValueError, match="softcap must be >= 0"):
+        paged_attention(*args, batch.max_seqlen_q, batch.max_seq_len, softcap=-1.0)
