@@ -59,10 +59,11 @@ def kernel_bytes(type_name: str, n: int, k: int, path: str | None = None) -> int
     return code_bytes + 4 * n * k // group
 
 
-def write_tiny_kquant_gguf(path: Path, seed: int = 0, arch: str = "llama") -> Path:
+def write_tiny_kquant_gguf(path: Path, seed: int = 0, arch: str = "llama", chat_template: str | None = None) -> Path:
     """arch "qwen3" adds per-head q/k norm weights (attn_q_norm / attn_k_norm) to the same layers; "gemma3" also
     norms after attention and MLP, and layer 0 sliding over 8 tokens with layer 1 global; "gemma2" those norms
-    and windows without the q/k norms, with attention scores soft-capped at 1 and logits at 5."""
+    and windows without the q/k norms, with attention scores soft-capped at 1 and logits at 5. chat_template:
+    the file's tokenizer.chat_template instead of the bundled model's."""
     import gguf
 
     from kvcli.model.kquant_encode import add_tensor, copy_fields, encode, finish, random_blocks
@@ -83,7 +84,10 @@ def write_tiny_kquant_gguf(path: Path, seed: int = 0, arch: str = "llama") -> Pa
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(vocab)
-    copy_fields(src, w, keep=lambda key: key.startswith("tokenizer."))
+    copy_fields(src, w, keep=lambda key: key.startswith("tokenizer.") and (
+        chat_template is None or key != "tokenizer.chat_template"))
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
     if arch == "gemma3":
         w.add_sliding_window(8)
         w.add_uint32("gemma3.attention.sliding_window_pattern", 2)

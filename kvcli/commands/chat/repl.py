@@ -136,6 +136,8 @@ class ChatRepl:
 
     # --- the loop -------------------------------------------------------------------------------------
     def loop(self) -> int:
+        if self.convo.system_notice:
+            self.note(self.convo.system_notice, style="dim")
         while True:
             try:
                 line = self.read()

@@ -82,13 +82,41 @@ class Conversation:
     total_turns: int = 0  # over the whole session
     total_prompt: int = 0
     total_hits: int = 0
+    # The template has no system role (Gemma 2's raises on one): the system prompt opens the first user
+    # message instead, as llama.cpp merges it for such templates and Gemma 3's own template does.
+    system_inline: bool = False
+
+    def __post_init__(self) -> None:
+        if self.system:
+            probe = [{"role": "user", "content": "x"}]
+            try:
+                self.template([{"role": "system", "content": self.system}, *probe], add_generation_prompt=True)
+            except Exception:
+                try:
+                    self.template(probe, add_generation_prompt=True)
+                    self.system_inline = True
+                except Exception:  # the template rejects plain messages too: fit() reports it per turn
+                    pass
+
+    @property
+    def system_notice(self) -> str | None:
+        """One line for the user when the system prompt could not be sent as a system message."""
+        if not self.system_inline:
+            return None
+        return "this model's chat template has no system role: the system prompt opens the first user message"
+
+    def _messages(self, history: list[dict], user: dict | None) -> list[dict]:
+        msgs = [{"role": m["role"], "content": m["content"]} for m in history]
+        if user is not None:
+            msgs.append(dict(user))
+        if self.system and self.system_inline:
+            if msgs and msgs[0]["role"] == "user":
+                msgs[0]["content"] = f"{self.system}\n\n{msgs[0]['content']}"
+            return msgs
+        return ([{"role": "system", "content": self.system}] if self.system else []) + msgs
 
     def prompt(self, history: list[dict], user: dict | None = None) -> list[int]:
-        msgs: list[dict] = [{"role": "system", "content": self.system}] if self.system else []
-        msgs.extend({"role": m["role"], "content": m["content"]} for m in history)
-        if user is not None:
-            msgs.append(user)
-        return list(self.template(msgs, add_generation_prompt=True))
+        return list(self.template(self._messages(history, user), add_generation_prompt=True))
 
     def context_tokens(self) -> int:
         """Prompt tokens of the conversation as it stands (0 when the template rejects it)."""
@@ -103,8 +131,9 @@ class Conversation:
         """Prompt tokens of the system prompt as the template renders it (what the sinks must cover)."""
         if not self.system:
             return 0
+        role = "user" if self.system_inline else "system"
         try:
-            return len(self.template([{"role": "system", "content": self.system}], add_generation_prompt=False))
+            return len(self.template([{"role": role, "content": self.system}], add_generation_prompt=False))
         except Exception:
             return 0
 
