@@ -209,11 +209,12 @@ static void tile_update(const float *q, int64_t g, int64_t D, const float *const
                 for (int u = 0; u < 8; u++) a[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[c + u] + i), a[u]);
             }
             __m256 sv = _mm256_mul_ps(reduce8(a), _mm256_loadu_ps(sc + c));
-            if (cap > 0.0f) { /* soft-capping (Gemma 2): scalar tanhf, lane by lane */
-                float t[8];
-                _mm256_storeu_ps(t, sv);
-                for (int u = 0; u < 8; u++) t[u] = cap * tanhf(t[u] / cap);
-                sv = _mm256_loadu_ps(t);
+            if (cap > 0.0f) { /* soft-capping (Gemma 2): cap tanh(s / cap) = cap (e - 1) / (e + 1), e = exp(2 s / cap),
+                               * 2 s / cap clamped to +-18 (tanh is 1 to fp32 there, exp8 stays finite) */
+                const __m256 t = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(sv, _mm256_set1_ps(2.0f / cap)),
+                                                             _mm256_set1_ps(-18.0f)), _mm256_set1_ps(18.0f));
+                const __m256 e = exp8(t), one = _mm256_set1_ps(1.0f);
+                sv = _mm256_mul_ps(_mm256_set1_ps(cap), _mm256_div_ps(_mm256_sub_ps(e, one), _mm256_add_ps(e, one)));
             }
             const __m256 valid = _mm256_cmp_ps(_mm256_add_ps(lane, _mm256_set1_ps((float)c)), _mm256_set1_ps((float)n), _CMP_LT_OQ);
             sv = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), sv, valid);
