@@ -112,6 +112,37 @@ class BPETokenizer:
         return self._transformers().render_chat(messages, add_generation_prompt) if self._chat_template else None
 
 
+class SPMTokenizer:
+    """A sentencepiece-vocabulary GGUF: encoded as llama.cpp encodes it (kvcli.model.spm_tokenizer), rendered
+    chat templates encoded the same way; decoding through transformers' tokenizer for the file."""
+
+    def __init__(self, hf: HFTokenizer, meta: dict[str, Any]) -> None:
+        from kvcli.model.spm_tokenizer import SPMEncoder
+
+        self.hf = hf
+        self.spm = SPMEncoder(meta)
+        self.eos_token_ids = hf.eos_token_ids
+
+    def encode(self, text: str) -> list[int]:
+        return self.spm.encode(text)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.hf.decode(ids)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        text = self.hf.render_chat(messages, add_generation_prompt)
+        if text is None:
+            text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + (
+                "assistant: " if add_generation_prompt else "")
+        return self.encode(text)
+
+    def core(self):
+        return None  # no `tokenizers` object encodes as this does
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str | None:
+        return self.hf.render_chat(messages, add_generation_prompt)
+
+
 class ByteTokenizer:
     """UTF-8 bytes shifted by 3 (0 pad, 1 bos, 2 eos); fits any vocabulary of >= 259 ids."""
 
@@ -135,16 +166,25 @@ class ByteTokenizer:
 
 
 def load_gguf_tokenizer(path: Path, eos_token_ids: tuple[int, ...],
-                        metadata: dict[str, Any] | None = None) -> BPETokenizer | HFTokenizer:
-    """Byte-level BPE files are built directly (kvcli.model.gguf_tokenizer). For the rest transformers
-    rebuilds the tokenizer from the metadata (seconds); the result is kept as tokenizer files in the
-    cache, keyed by the file's identity, and loaded from there next time."""
-    from kvcli.model.gguf_tokenizer import build_bpe_tokenizer
-
+                        metadata: dict[str, Any] | None = None) -> BPETokenizer | HFTokenizer | SPMTokenizer:
+    """Byte-level BPE files are built directly (kvcli.model.gguf_tokenizer); sentencepiece vocabularies
+    are encoded by llama.cpp's algorithm (SPMTokenizer). For the rest, and for those files' decoding and
+    chat templates, transformers rebuilds the tokenizer from the metadata (seconds); the result is kept as
+    tokenizer files in the cache, keyed by the file's identity, and loaded from there next time."""
     if metadata is None:
         from kvcli.model.gguf_file import read_gguf
 
         metadata = read_gguf(path).metadata
+    hf = _load_gguf_hf_tokenizer(path, eos_token_ids, metadata)
+    if isinstance(hf, HFTokenizer) and metadata.get("tokenizer.ggml.model") == "llama":
+        return SPMTokenizer(hf, metadata)
+    return hf
+
+
+def _load_gguf_hf_tokenizer(path: Path, eos_token_ids: tuple[int, ...],
+                            metadata: dict[str, Any]) -> BPETokenizer | HFTokenizer:
+    from kvcli.model.gguf_tokenizer import build_bpe_tokenizer
+
     tk = build_bpe_tokenizer(metadata)
     if tk is not None:
         return BPETokenizer(tk, eos_token_ids, metadata)

@@ -36,6 +36,14 @@ def tokens() -> list[int]:
     return (ids + ids)[:256]
 
 
+def file_tokens(path) -> list[int]:
+    """TEXT twice over as kvcli tokenizes it with the file's own vocabulary, cut to 256 ids."""
+    from kvcli.model.loader import load_tokenizer
+
+    ids = load_tokenizer(str(path)).encode(TEXT)
+    return (ids + ids)[:256]
+
+
 def _ids(v: Variant) -> str:
     return v.name
 
@@ -46,6 +54,8 @@ def test_variant_matches_llama_cpp(variant: Variant, llama_cpp, tokens, tmp_path
     from kvcli.model.loader import ModelLoadError
 
     path = write(variant, tmp_path / f"{variant.name}.gguf")
+    if variant.vocab != "bundled":  # the ids of this file's own vocabulary
+        tokens = file_tokens(path)
     try:
         want, ref = run_llama_cpp(llama_cpp, path, tokens, greedy=GREEDY, tmp=tmp_path)
     except LlamaCppError as e:
@@ -84,6 +94,26 @@ def test_tokenizers_agree_on_multilingual_text(llama_cpp, tmp_path):
     _, ref = run_llama_cpp(llama_cpp, path, [], texts=texts, tmp=tmp_path)
     tok = load_tokenizer(None)
     for text, want in zip(texts, ref["tokenized"]):
+        assert tok.encode(text) == want, f"{text!r}: kvcli {tok.encode(text)} llama.cpp {want}"
+
+
+SPM_TEXTS = [TEXT, *TEXT.splitlines(keepends=True), " leading space", "  two leading", "trailing space ", "a\n\n\nb",
+             "   ", "", "x", "<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n", "<s>bos inside</s> text",
+             "<|user|>\n  hi <|end|>\n<|assistant|>", "unknown <unk> token", "tab\tand\r\nCRLF 123 3.14 1e-9",
+             "Ελληνικά και русский", "🌊🔥 emoji ✓ and ☃", "mixed中文English混合"]
+
+
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v.vocab == "spm"], ids=_ids)
+def test_spm_tokenizers_agree_on_multilingual_text(variant: Variant, llama_cpp, tmp_path):
+    """A sentencepiece vocabulary read by kvcli and by llama.cpp from the same GGUF (with the space prefix, without
+    it, and a Phi-3 file's whitespace-stripping special tokens): the same ids for every script, byte fallback
+    (emoji, Greek, Cyrillic are outside the vocabulary), runs of spaces, text between special tokens."""
+    from kvcli.model.loader import load_tokenizer
+
+    path = write(variant, tmp_path / f"{variant.name}.gguf")
+    _, ref = run_llama_cpp(llama_cpp, path, [], texts=SPM_TEXTS, tmp=tmp_path)
+    tok = load_tokenizer(str(path))
+    for text, want in zip(SPM_TEXTS, ref["tokenized"]):
         assert tok.encode(text) == want, f"{text!r}: kvcli {tok.encode(text)} llama.cpp {want}"
 
 

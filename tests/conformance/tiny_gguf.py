@@ -7,10 +7,14 @@ them far beyond the comparison's tolerance).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+
+SPM_VOCAB = Path(__file__).resolve().parents[1] / "data" / "spm-vocab.json"  # tests/data/make_spm_vocab.py
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,8 @@ class Variant:
     rope_factors: bool = False  # rope_factors_long/short.weight tensors (Phi-3's longrope, no scaling type)
     bias: bool = False  # q/k/v biases (qwen2)
     qk_norm: bool = False  # per-head q/k RMSNorm (qwen3, gemma3)
+    vocab: str = "bundled"  # "spm": tests/data/spm-vocab.json, a sentencepiece vocabulary (tokenizer.ggml.model "llama")
+    general_name: str = "kvcli conformance file"
     refused: bool = False  # llama.cpp refuses the file: kvcli must refuse it too, in one line
     note: str = ""  # what the variant checks, for the test ids' reader
 
@@ -112,6 +118,12 @@ VARIANTS = [
     Variant("qwen3-rope-factors", arch="qwen3", qk_norm=True, rope_factors=True, refused=True,
             meta={"rope.scaling.original_context_length": 128},
             note="rope_factors_long/short in a qwen3 file (llama.cpp's qwen3 graph has no such tensors)"),
+    # Sentencepiece vocabularies (Llama 2, Mistral, Gemma, Phi-3 files): logits on the ids both tokenizers give
+    Variant("spm", vocab="spm", note="a sentencepiece vocabulary (tokenizer.ggml.model llama), space prefix"),
+    Variant("spm-no-prefix", vocab="spm", meta={"tokenizer.ggml.add_space_prefix": False},
+            note="a sentencepiece vocabulary without the space prefix (Gemma's files)"),
+    Variant("spm-phi3", arch="phi3", vocab="spm", general_name="Phi3 mini", note="a Phi-3 file's vocabulary: "
+            "llama.cpp strips the whitespace after its special tokens, by the name"),
     Variant("f16", weights="F16", note="F16 linears"),
     Variant("q8_0", weights="Q8_0", note="Q8_0 linears"),
     Variant("q4_0", weights="Q4_0", note="Q4_0 linears"),
@@ -143,12 +155,13 @@ def write(v: Variant, path: Path, seed: int = 0) -> Path:
 
     rng = np.random.default_rng(seed)
     src = gguf.GGUFReader(str(bundled_gguf_path()), "r")
-    vocab = len(src.fields["tokenizer.ggml.tokens"].data)
+    spm = json.loads(SPM_VOCAB.read_text(encoding="utf-8")) if v.vocab == "spm" else None
+    vocab = len(spm["tokens"]) if spm else len(src.fields["tokenizer.ggml.tokens"].data)
     h, d = v.hidden, v.dim
     w = gguf.GGUFWriter(str(path), v.arch)
-    # general.name must not hold "phi3" / "phi-3": llama.cpp sets Phi-3 token attributes by the name, which
-    # needs Phi-3's own special tokens (absent from the bundled vocabulary)
-    w.add_name("kvcli conformance file")
+    # general.name holds "phi3" / "phi-3" only where the vocabulary has Phi-3's special tokens: llama.cpp sets
+    # Phi-3 token attributes by the name (the bundled vocabulary has none of them)
+    w.add_name(v.general_name)
     w.add_block_count(v.layers)
     w.add_context_length(v.context)
     w.add_embedding_length(h)
@@ -164,8 +177,18 @@ def write(v: Variant, path: Path, seed: int = 0) -> Path:
     w.add_layer_norm_rms_eps(1e-6 if gemma else 1e-5)
     w.add_vocab_size(vocab)
     for key, value in v.meta.items():
-        _meta(w, f"{v.arch}.{key}", value)
-    copy_fields(src, w, keep=lambda key: key.startswith("tokenizer."))
+        _meta(w, key if key.startswith("tokenizer.") else f"{v.arch}.{key}", value)
+    if spm:  # as llama.cpp's converter writes a sentencepiece vocabulary (tokenizer.* of meta also apply)
+        w.add_tokenizer_model("llama")
+        w.add_tokenizer_pre("default")
+        w.add_token_list(spm["tokens"])
+        w.add_token_scores(spm["scores"])
+        w.add_token_types(spm["token_type"])
+        w.add_bos_token_id(spm["bos"])
+        w.add_eos_token_id(spm["eos"])
+        w.add_unk_token_id(spm["unk"])
+    else:
+        copy_fields(src, w, keep=lambda key: key.startswith("tokenizer."))
 
     def normal(*shape: int, std: float) -> np.ndarray:
         return (rng.standard_normal(shape) * std).astype(np.float32)
