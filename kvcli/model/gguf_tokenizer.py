@@ -26,6 +26,9 @@ PRE_TOKENIZER_SPLITS: dict[str, str | None] = {
     "dbrx": _LLAMA3_SPLIT, "falcon3": _LLAMA3_SPLIT,
     "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT, "megrez": _QWEN2_SPLIT,
 }
+# Pre-tokenizers for which llama.cpp emits a word that is a vocabulary token whole, without its merges
+# (llama_vocab's ignore_merges: the Llama 3 family), as their tokenizer.json files ask of `tokenizers`.
+IGNORE_MERGES = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3"})
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp token types
 
 
@@ -62,8 +65,9 @@ def build_bpe_tokenizer(meta: dict[str, Any]):
     vocab = {t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")): i
              for i, t in enumerate(tokens)}
     merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
-    tk = Tokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
-    split = PRE_TOKENIZER_SPLITS[meta.get("tokenizer.ggml.pre", "gpt-2")]
+    pre = meta.get("tokenizer.ggml.pre", "gpt-2")
+    tk = Tokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False, ignore_merges=pre in IGNORE_MERGES))
+    split = PRE_TOKENIZER_SPLITS[pre]
     if split is None:
         tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     else:

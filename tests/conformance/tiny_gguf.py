@@ -38,6 +38,7 @@ class Variant:
     qk_norm: bool = False  # per-head q/k RMSNorm (qwen3, gemma3)
     vocab: str = "bundled"  # "spm": tests/data/spm-vocab.json, a sentencepiece vocabulary (tokenizer.ggml.model "llama")
     general_name: str = "kvcli conformance file"
+    drop_merges: int = 0  # n > 0: every n-th merge of the bundled vocabulary left out (whole words then differ)
     refused: bool = False  # llama.cpp refuses the file: kvcli must refuse it too, in one line
     note: str = ""  # what the variant checks, for the test ids' reader
 
@@ -118,6 +119,9 @@ VARIANTS = [
     Variant("qwen3-rope-factors", arch="qwen3", qk_norm=True, rope_factors=True, refused=True,
             meta={"rope.scaling.original_context_length": 128},
             note="rope_factors_long/short in a qwen3 file (llama.cpp's qwen3 graph has no such tensors)"),
+    Variant("bpe-llama3", meta={"tokenizer.ggml.pre": "llama-bpe"}, drop_merges=5,
+            note="a Llama 3 pre-tokenizer, whose words are taken whole when they are tokens (ignore_merges); "
+                 "every 5th merge left out, so merging alone would spell them otherwise"),
     # Sentencepiece vocabularies (Llama 2, Mistral, Gemma, Phi-3 files): logits on the ids both tokenizers give
     Variant("spm", vocab="spm", note="a sentencepiece vocabulary (tokenizer.ggml.model llama), space prefix"),
     Variant("spm-no-prefix", vocab="spm", meta={"tokenizer.ggml.add_space_prefix": False},
@@ -187,8 +191,12 @@ def write(v: Variant, path: Path, seed: int = 0) -> Path:
         w.add_bos_token_id(spm["bos"])
         w.add_eos_token_id(spm["eos"])
         w.add_unk_token_id(spm["unk"])
-    else:
-        copy_fields(src, w, keep=lambda key: key.startswith("tokenizer."))
+    else:  # the bundled vocabulary; tokenizer.* keys of meta replace its own, drop_merges thins its merges
+        copy_fields(src, w, keep=lambda key: key.startswith("tokenizer.") and key not in v.meta
+                    and not (v.drop_merges and key == "tokenizer.ggml.merges"))
+        if v.drop_merges:
+            merges = [str(m) for m in src.fields["tokenizer.ggml.merges"].contents()]
+            w.add_token_merges([m for i, m in enumerate(merges) if i % v.drop_merges])
 
     def normal(*shape: int, std: float) -> np.ndarray:
         return (rng.standard_normal(shape) * std).astype(np.float32)
