@@ -92,3 +92,48 @@ def test_other_tokenizer_models_fall_back(gguf_path) -> None:
     meta = dict(read_gguf(gguf_path).metadata)
     assert build_bpe_tokenizer(dict(meta, **{"tokenizer.ggml.model": "llama"})) is None
     assert build_bpe_tokenizer(dict(meta, **{"tokenizer.ggml.pre": "some-future-pre"})) is None
+
+
+def test_bos_prefix_follows_the_file_as_llama_cpp_adds_it():
+    """llama.cpp puts BOS before a text (tokenize with add_special) by the vocabulary's default, on for
+    sentencepiece and the Llama 3 family, and the file's add_bos_token when set; document_ids (continue,
+    perplexity, completion prompts) prepends it once."""
+    from kvcli.model.tokenizer import document_ids, gguf_bos_prefix
+
+    spm = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.bos_token_id": 1}
+    assert gguf_bos_prefix(spm) == (1,)
+    assert gguf_bos_prefix({**spm, "tokenizer.ggml.add_bos_token": False}) == ()
+    bpe = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.bos_token_id": 7}
+    assert gguf_bos_prefix({**bpe, "tokenizer.ggml.pre": "smollm"}) == ()
+    assert gguf_bos_prefix({**bpe, "tokenizer.ggml.pre": "llama-bpe"}) == (7,)
+    assert gguf_bos_prefix({**bpe, "tokenizer.ggml.pre": "qwen2", "tokenizer.ggml.add_bos_token": True}) == (7,)
+    assert gguf_bos_prefix({"tokenizer.ggml.model": "llama"}) == ()  # no BOS id: nothing to add
+
+    class Tok:
+        bos_prefix = (1,)
+
+        def encode(self, text):
+            return [1, 5] if text.startswith("<s>") else [5]
+
+    assert document_ids(Tok(), "x") == [1, 5] and document_ids(Tok(), "<s>x") == [1, 5]
+
+
+def test_a_sentencepiece_gguf_reads_a_text_after_its_bos(tmp_path):
+    """A sentencepiece-vocabulary file (tests/data/spm-vocab.json) through the engine: a text prompt starts with
+    the BOS; the bundled model's (add_bos_token false) does not."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).with_name("conformance")))
+    from tiny_gguf import BY_NAME, write
+
+    from kvcli.config import SamplingParams
+    from kvcli.llm import LLM
+
+    path = write(BY_NAME["spm"], tmp_path / "spm.gguf")
+    llm = LLM(str(path), kv_budget="4MiB")
+    req = llm.engine.add_request("the quick brown fox", SamplingParams(max_tokens=1))
+    assert req.prompt_token_ids[0] == 1 and req.prompt_token_ids[1:] == llm.tokenizer.encode("the quick brown fox")
+    bundled = LLM(kv_budget="4MiB")
+    assert bundled.engine.add_request("the quick brown fox", SamplingParams(max_tokens=1)).prompt_token_ids == \
+        bundled.tokenizer.encode("the quick brown fox")

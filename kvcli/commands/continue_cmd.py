@@ -13,6 +13,7 @@ from contextlib import nullcontext
 from rich.console import Console, Group
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from kvcli.model.tokenizer import document_ids
 from kvcli.commands.common import Fail, build_engine
 from kvcli.config import SamplingParams
 from kvcli.engine.scheduler import KVBudgetTooSmall
@@ -83,7 +84,7 @@ def run_continue(a: ContinueArgs, fail: Fail) -> int:
 
     with err.status("loading model…", spinner="dots"):
         engine = build_engine(a.model, a.quant, a.options, fail)
-    ids = engine.tokenizer.encode(text)
+    ids = document_ids(engine.tokenizer, text)
     try:
         c = engine.config
         prompt = fit_prompt(ids, engine.max_model_len, params.max_tokens, a.truncate, engine.retention is not None,

@@ -10,6 +10,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from kvcli.model.tokenizer import document_ids
 from kvcli.commands.common import Fail, build_engine
 from kvcli.engine.perplexity import perplexity, progress_total
 from kvcli.inputs import InputError, read_text_file
@@ -35,7 +36,7 @@ def run_perplexity(a: PerplexityArgs, fail: Fail) -> int:
         fail(str(e))
     with err.status("loading model…", spinner="dots"):
         engine = build_engine(a.model, a.quant, a.options, fail)
-    ids = engine.tokenizer.encode(text)
+    ids = document_ids(engine.tokenizer, text)
     if engine.retention is not None and (a.window or a.stride):
         fail("--window/--stride (windowed recomputation) and --kv-window (one stream through a bounded cache) "
              "are two ways to score a long text: give one")

@@ -254,7 +254,9 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ConfigError("a simulated engine takes token ids, not text")
-            ids = self.tokenizer.encode(prompt)
+            from kvcli.model.tokenizer import document_ids
+
+            ids = document_ids(self.tokenizer, prompt)
         else:
             ids = list(prompt)
         if not ids:

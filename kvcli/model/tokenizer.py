@@ -20,6 +20,10 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 class Tokenizer(Protocol):
     eos_token_ids: tuple[int, ...]
+    # What the model expects before a text it reads from its start (the BOS its file asks for: GGUF
+    # tokenizer.ggml.add_bos_token, by default on for sentencepiece and Llama 3 vocabularies as in llama.cpp;
+    # a folder's tokenizer: what encode(add_special_tokens=True) puts first). Chat templates write their own.
+    bos_prefix: tuple[int, ...]
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -36,6 +40,14 @@ class Tokenizer(Protocol):
         ...
 
 
+def document_ids(tokenizer: Tokenizer, text: str) -> list[int]:
+    """A text the model reads from its start (continue, perplexity, a completion prompt): the file's BOS
+    (bos_prefix) then the text's tokens, the BOS not doubled when the text already begins with it."""
+    ids = list(tokenizer.encode(text))
+    prefix = list(getattr(tokenizer, "bos_prefix", ()))
+    return ids if not prefix or ids[:len(prefix)] == prefix else prefix + ids
+
+
 class HFTokenizer:
     def __init__(self, tok, eos_token_ids: tuple[int, ...]) -> None:
         self.tok = tok
@@ -43,6 +55,13 @@ class HFTokenizer:
         if tok.eos_token_id is not None:
             ids.add(int(tok.eos_token_id))
         self.eos_token_ids = tuple(sorted(ids))
+        try:  # what transformers puts before a text when asked for its special tokens
+            plain = list(tok.encode("x", add_special_tokens=False))
+            full = list(tok.encode("x", add_special_tokens=True))
+            k = len(full) - len(plain)
+            self.bos_prefix = tuple(full[:k]) if k > 0 and full[k:k + len(plain)] == plain else ()
+        except Exception:
+            self.bos_prefix = ()
 
     def encode(self, text: str) -> list[int]:
         return list(self.tok.encode(text, add_special_tokens=False))
@@ -82,6 +101,7 @@ class BPETokenizer:
             i = meta.get(f"tokenizer.ggml.{key}")
             return tokens[i] if i is not None and 0 <= i < len(tokens) else None
 
+        self.bos_prefix = gguf_bos_prefix(meta)
         self._specials = {"bos_token": token("bos_token_id"), "eos_token": token("eos_token_id"),
                           "unk_token": token("unknown_token_id"), "pad_token": token("padding_token_id")}
         self._chat_template = meta.get("tokenizer.chat_template")
@@ -122,6 +142,7 @@ class SPMTokenizer:
         self.hf = hf
         self.spm = SPMEncoder(meta)
         self.eos_token_ids = hf.eos_token_ids
+        self.bos_prefix = gguf_bos_prefix(meta)
 
     def encode(self, text: str) -> list[int]:
         return self.spm.encode(text)
@@ -147,6 +168,7 @@ class ByteTokenizer:
     """UTF-8 bytes shifted by 3 (0 pad, 1 bos, 2 eos); fits any vocabulary of >= 259 ids."""
 
     eos_token_ids = (2,)
+    bos_prefix = ()
 
     def encode(self, text: str) -> list[int]:
         return [b + 3 for b in text.encode("utf-8")]
@@ -163,6 +185,20 @@ class ByteTokenizer:
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str | None:
         return None
+
+
+# llama.cpp's add_bos default by vocabulary: on for sentencepiece ("llama") files and the Llama 3 family of
+# byte-level pre-tokenizers (llama_vocab::impl::load), else off; the file's add_bos_token key decides when set.
+_BOS_BY_DEFAULT_PRE = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3", "tekken", "chameleon"})
+
+
+def gguf_bos_prefix(meta: dict[str, Any]) -> tuple[int, ...]:
+    """The BOS llama.cpp puts before a text of this GGUF (tokenize with add_special), as a prefix."""
+    model = meta.get("tokenizer.ggml.model")
+    default = model == "llama" or (model == "gpt2" and meta.get("tokenizer.ggml.pre") in _BOS_BY_DEFAULT_PRE)
+    add = meta.get("tokenizer.ggml.add_bos_token")
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    return (int(bos),) if (default if add is None else bool(add)) and bos is not None else ()
 
 
 def load_gguf_tokenizer(path: Path, eos_token_ids: tuple[int, ...],

@@ -79,8 +79,11 @@ class PromptEncoder:
                               f"tokens can hold (at most {self.max_chars:,} characters)")
 
     def encode(self, text: str, parse_special: bool = False) -> list[int]:
+        """A completion prompt: the file's BOS (the tokenizer's bos_prefix, not doubled) and the text's ids."""
         self.check_chars(len(text))
-        return self._encode(text, parse_special)
+        ids = self._encode(text, parse_special)
+        prefix = list(getattr(self.tokenizer, "bos_prefix", ()))
+        return ids if not prefix or ids[:len(prefix)] == prefix else prefix + ids
 
     def chat(self, messages: list[dict[str, Any]], parse_special: bool = False) -> list[int]:
         self.check_chars(sum(len(m["content"]) for m in messages))
