@@ -53,3 +53,43 @@ def test_triton_and_torch_backends_same_logits_over_chunks(tmp_path, kv_dtype):
         logits[backend] = torch.cat(rows)
     assert logits["torch"].std() > 0.01
     torch.testing.assert_close(logits["triton"], logits["torch"], atol=1e-4, rtol=1e-4)
+
+
+ARCH_CONFIGS = {  # tiny shapes of each architecture beyond Llama (issue #29: every backend)
+    "gemma2": dict(model_type="gemma2", sliding_window=8, attn_logit_softcapping=2.0, final_logit_softcapping=5.0,
+                   query_pre_attn_scalar=24),
+    "gemma3": dict(model_type="gemma3_text", sliding_window=8, sliding_window_pattern=2, query_pre_attn_scalar=24,
+                   rope_local_base_freq=500.0),
+    "qwen3": dict(model_type="qwen3"),
+    "phi3": dict(model_type="phi3"),
+}
+
+
+@pytest.mark.parametrize("arch", list(ARCH_CONFIGS))
+def test_architectures_through_the_triton_backend(tmp_path, arch):
+    """Each architecture's logits at every position of a chunked prompt (chunks past Gemma's window of 8), the
+    Triton backend against the torch backend: q/k norms, sliding layers, Gemma 2's attention soft-cap."""
+    import torch
+
+    from kvcli.step import ScheduledChunk, SchedulerOutput
+
+    cfg = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6,
+               **ARCH_CONFIGS[arch])
+    f = tmp_path / f"{arch}.json"
+    f.write_text(json.dumps(cfg))
+    ids = [(i * 37) % 500 + 3 for i in range(45)]
+    logits = {}
+    for backend in ("torch", "triton"):
+        eng = LLM(f"dummy:{f}", kv_budget="4MiB", attention_backend=backend, dequantize=True).engine
+        assert eng.config.architecture == arch
+        rows, pos = [], 0
+        while pos < len(ids):  # two chunks of 20, then one-token decode steps
+            part = ids[pos:pos + (20 if pos < 40 else 1)]
+            assert eng.kv.allocate("x", pos + len(part), pos)
+            step = SchedulerOutput([ScheduledChunk("x", part, pos, eng.kv.block_table("x"), True)])
+            rows.append(eng.runner.execute(step, all_logits=True).logits)
+            pos += len(part)
+        logits[backend] = torch.cat(rows)
+    assert logits["torch"].std() > 0.01
+    torch.testing.assert_close(logits["triton"], logits["torch"], atol=1e-4, rtol=1e-4)
