@@ -55,6 +55,8 @@ FIGURES: dict[str, Figure] = {f.name: f for f in [
     Figure("simulate", "cli:main", "paged vs contiguous KV, simulated 13B (kvcli profile --simulate)", _SIMULATE),
     Figure("live", "live:main", "cost of the live dashboard on decode"),
     Figure("dashboard", "dashboard:main", "the live view captured in tmux (120x50) during decode"),
+    Figure("dashboard-window", "dashboard:window", "the live view in tmux while a text of 2.5x the context "
+           "streams through --kv-window 1024 (blocks recycling), then during decode"),
     Figure("kv-dtype", "kv_dtype:main", "every --kv-dtype: perplexity, bytes, decode at 4k, agreement"),
     Figure("kv-decode", "kv_dtype:decode", "decode at 4k per --kv-dtype, interleaved rounds, thread CPU time"),
     Figure("kv-int4", "kv_int4:main", "what an int4 KV cache would cost in perplexity at 4k (not shipped)"),
