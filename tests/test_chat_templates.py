@@ -142,3 +142,19 @@ def test_chat_renders_each_architectures_own_template(name, tmp_path):
         want = expected(system, history, bos, inline)
         # What chat submitted is the template's rendering of the conversation, token for token.
         assert turn["prompt_tokens"] == len(tok.encode(want)), (name, i, want)
+
+
+def test_serve_folds_a_system_message_for_a_template_without_one(tmp_path):
+    """serve's chat prompts: Gemma 2's template raises on a system message; the prompt is the template's rendering
+    with the system text at the head of the first user message (as chat, and llama.cpp's server); a template
+    that refuses the conversation anyway (roles out of order) is a one-line PromptError."""
+    from kvcli.model.loader import load_tokenizer
+    from kvcli.server.prompts import PromptEncoder, PromptError
+
+    path = write_tiny_kquant_gguf(tmp_path / "g2.gguf", arch="gemma2", chat_template=GEMMA2)
+    tok = load_tokenizer(str(path))
+    enc = PromptEncoder(tok, 512)
+    ids = enc.chat([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    assert ids == tok.apply_chat_template([{"role": "user", "content": "Be brief.\n\nHi"}])
+    with pytest.raises(PromptError, match="roles must alternate"):
+        enc.chat([{"role": "assistant", "content": "x"}, {"role": "user", "content": "Hi"}])

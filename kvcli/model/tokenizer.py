@@ -40,6 +40,18 @@ class Tokenizer(Protocol):
         ...
 
 
+def fold_system_prompt(messages: list[dict]) -> list[dict]:
+    """For a chat template without a system role (Gemma 2's raises on one): the leading system message put at
+    the head of the first user message, as llama.cpp merges it for such templates and Gemma 3's template does."""
+    if not messages or messages[0].get("role") != "system":
+        return messages
+    system, rest = messages[0], [dict(m) for m in messages[1:]]
+    if rest and rest[0].get("role") == "user" and isinstance(rest[0].get("content"), str):
+        rest[0]["content"] = f"{system['content']}\n\n{rest[0]['content']}"
+        return rest
+    return [{"role": "user", "content": system["content"]}, *rest]
+
+
 def document_ids(tokenizer: Tokenizer, text: str) -> list[int]:
     """A text the model reads from its start (continue, perplexity, a completion prompt): the file's BOS
     (bos_prefix) then the text's tokens, the BOS not doubled when the text already begins with it."""

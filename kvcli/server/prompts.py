@@ -18,7 +18,7 @@ import secrets
 from collections.abc import Callable
 from typing import Any
 
-from kvcli.model.tokenizer import Tokenizer
+from kvcli.model.tokenizer import Tokenizer, fold_system_prompt
 
 
 class PromptError(ValueError):
@@ -110,10 +110,8 @@ class PromptEncoder:
                     text = text.replace(s, key)
             return text
 
-        try:
-            rendered = self._render([{**m, "content": hide(m["content"])} if typed else m for m in messages])
-        except Exception as e:  # a template that refuses the roles given (raise_exception)
-            raise PromptError(f"chat template: {e}") from None
+        shown = [{**m, "content": hide(m["content"])} if typed else m for m in messages]
+        rendered = self._without_system_role_if_refused(self._render, shown)
         if not table:
             return list(self._parse.encode_batch([rendered], add_special_tokens=False)[0].ids)
         pieces = self._split_specials(rendered)
@@ -133,10 +131,25 @@ class PromptEncoder:
         return ids
 
     def _template_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        return self._without_system_role_if_refused(
+            lambda msgs: self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True), messages)
+
+    @staticmethod
+    def _without_system_role_if_refused(apply, messages: list[dict[str, Any]]):
+        """apply(messages); where the template refuses a leading system message (Gemma 2's has no system role),
+        apply again with it folded into the first user message (as kvcli chat and llama.cpp do); a template
+        that refuses the conversation anyway is a one-line PromptError."""
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        except Exception as e:  # a template that refuses the roles given (e.g. no system role)
-            raise PromptError(f"chat template: {e}") from None
+            return apply(messages)
+        except Exception as e:  # a template that refuses the roles given (raise_exception)
+            first = e
+        folded = fold_system_prompt(messages)
+        if folded is not messages:
+            try:
+                return apply(folded)
+            except Exception:
+                pass
+        raise PromptError(f"chat template: {first}") from None
 
     def _split_specials(self, text: str) -> list[tuple[str, str]]:
         """The text as ("special", token) and ("text", piece) parts, leftmost-longest match."""

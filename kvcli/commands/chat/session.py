@@ -11,6 +11,7 @@ from typing import Any
 from kvcli.config import SamplingParams
 from kvcli.engine.request import Request
 from kvcli.metrics.snapshot import Snapshot
+from kvcli.model.tokenizer import fold_system_prompt
 from kvcli.options import EngineOptions
 
 
@@ -109,11 +110,8 @@ class Conversation:
         msgs = [{"role": m["role"], "content": m["content"]} for m in history]
         if user is not None:
             msgs.append(dict(user))
-        if self.system and self.system_inline:
-            if msgs and msgs[0]["role"] == "user":
-                msgs[0]["content"] = f"{self.system}\n\n{msgs[0]['content']}"
-            return msgs
-        return ([{"role": "system", "content": self.system}] if self.system else []) + msgs
+        msgs = ([{"role": "system", "content": self.system}] if self.system else []) + msgs
+        return fold_system_prompt(msgs) if self.system_inline else msgs
 
     def prompt(self, history: list[dict], user: dict | None = None) -> list[int]:
         return list(self.template(self._messages(history, user), add_generation_prompt=True))
