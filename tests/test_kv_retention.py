@@ -205,7 +205,7 @@ def test_kv_cache_rotates_only_the_keys_of_the_named_blocks(kv_dtype, tol):
         return dequantize(t, s, torch.float32)
 
     before_k, before_v = read(layer.k, layer.k_scale).clone(), read(layer.v, layer.v_scale).clone()
-    cache.rotate_keys([2, 5], lambda k: -k)
+    cache.rotate_keys([2, 5], lambda k, layer: -k)
     after_k = read(layer.k, layer.k_scale)
     assert torch.allclose(after_k[[2, 5]], -before_k[[2, 5]], atol=tol * before_k.abs().max())
     assert torch.equal(after_k[[0, 1, 3, 4, 6]], before_k[[0, 1, 3, 4, 6]])
@@ -298,3 +298,44 @@ def test_a_rebuild_equals_a_plain_run_over_sinks_and_window(loaded_model, text_i
             e.step()
     assert req.dropped_tokens == 600 - 16 - window
     assert req.output_token_ids == ref.output_token_ids
+
+
+def test_gemma3_local_layers_shift_by_their_own_rotary(tmp_path):
+    """A bounded cache on a Gemma 3 (layer 0 sliding with rotary base 500, layer 1 global at 10,000): after
+    drops, layer 0's kept keys equal keys computed from scratch at their compact positions, so the shift turned
+    them by the local rotary; turned by the global one they are far off."""
+    from kquant_model import write_tiny_kquant_gguf
+
+    from kvcli.runner import model_runner
+
+    path = write_tiny_kquant_gguf(tmp_path / "g3.gguf", arch="gemma3")
+    loaded = load_weights(str(path))
+    opts = dict(max_model_len=512, kv_budget="16MiB", kv_dtype="fp32", max_num_batched_tokens=64)
+    model = LLMEngine(loaded, EngineOptions(**opts)).model
+    assert model.layers[0].rotary is not model.layers[1].rotary
+    ids = [(i * 37) % 4000 + 100 for i in range(330)]
+
+    def kept_keys(**patch) -> tuple[torch.Tensor, torch.Tensor, int]:
+        w = LLMEngine(loaded, EngineOptions(**opts, kv_window=100), model=model)
+        req = w.add_request(ids, SamplingParams(max_tokens=30, ignore_eos=True))
+        run_until_prefilled(w, req)
+        for _ in range(10):
+            w.step()
+        d = w.kv.dropped_tokens(req.req_id)
+        held = req.num_computed_tokens - d
+        kept = req.all_token_ids[:16] + req.all_token_ids[16 + d:req.num_computed_tokens]
+        p = LLMEngine(loaded, EngineOptions(**opts), model=model)
+        ref = p.add_request(kept, SamplingParams(max_tokens=2, ignore_eos=True))
+        run_until_prefilled(p, ref)
+        assert d >= 200
+        return layer_cache(w, req.req_id, held)[0], layer_cache(p, ref.req_id, held)[0], d
+
+    wk, pk, _ = kept_keys()
+    assert (wk - pk).abs().max() <= 1e-4 * pk.abs().max()
+    real = model_runner.rotate_by
+    try:  # every layer turned by the global rotary (what the runner did before)
+        model_runner.rotate_by = lambda rotary, k, d: real(model.rotary, k, d)
+        wk, pk, _ = kept_keys()
+    finally:
+        model_runner.rotate_by = real
+    assert (wk - pk).abs().max() > 1e-2 * pk.abs().max()

@@ -13,15 +13,16 @@ from contextlib import nullcontext
 from rich.console import Console, Group
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from kvcli.model.tokenizer import document_ids
 from kvcli.commands.common import Fail, build_engine
 from kvcli.config import SamplingParams
 from kvcli.engine.scheduler import KVBudgetTooSmall
 from kvcli.options import ConfigError, EngineOptions
 from kvcli.inputs import InputError, check_writable, read_text_file, write_text_file
+from kvcli.kvcache.block_manager import sliding_window_of
 from kvcli.metrics.snapshot import Snapshot
 from kvcli.metrics.window import WindowTracker, with_window
 from kvcli.view.dashboard import LiveDashboard
+from kvcli.model.tokenizer import document_ids
 from kvcli.view.plain_log import human_bytes
 from kvcli.view.summary import snapshot_dict, summary_table
 
@@ -42,7 +43,7 @@ class ContinueArgs:
 def fit_prompt(ids: list[int], max_len: int, max_tokens: int, truncate: str, bounded: bool = False,
                sliding: bool = False) -> list[int]:
     """The prompt must leave room for max_tokens inside the context, unless the KV cache is bounded
-    (--kv-window): then any length streams through. `sliding`: the model has sliding-window layers, which a
+    (--kv-window): then any length streams through. `sliding`: every layer of the model slides (Mistral), which a
     bounded cache does not support yet (the error says so instead of suggesting --kv-window)."""
     if bounded:
         return ids
@@ -88,7 +89,7 @@ def run_continue(a: ContinueArgs, fail: Fail) -> int:
     try:
         c = engine.config
         prompt = fit_prompt(ids, engine.max_model_len, params.max_tokens, a.truncate, engine.retention is not None,
-                            sliding=any(c.layer_window(i) for i in range(c.num_layers)))
+                            sliding=bool(sliding_window_of(c)))
         req = engine.add_request(prompt, params)
     except (ConfigError, KVBudgetTooSmall) as e:
         fail(str(e))

@@ -192,11 +192,14 @@ class LLMEngine:
         w = options.window_tokens(self.max_model_len)
         if w is None:
             return None
-        if any(c.layer_window(i) for i in range(c.num_layers)):
+        # A model whose every layer slides (Mistral) bounds its KV already, by true positions; the two rules do not
+        # combine. Where only some layers slide (Gemma 2 / 3) the sliding layers see their window in cache
+        # positions, which the retention rule keeps compact, and each layer's keys shift by its own rotary.
+        if sliding_window_of(c):
             if options.kv_window == "auto":  # continue's and chat's default: the model's own window instead
                 return None
-            raise ConfigError("--kv-window on a sliding-window model is not supported yet (its sliding layers bound "
-                              "what they attend to already; --truncate head keeps a long text's end)")
+            raise ConfigError("--kv-window on a sliding-window model (every layer slides) is not supported yet (its "
+                              "layers bound what they attend to already; --truncate head keeps a long text's end)")
         r = Retention(options.sink_tokens, max(w, 1), options.block_size)
         if w < 1 or r.max_slots > self.max_model_len:
             raise ConfigError(f"--kv-window {options.kv_window}: {r.sink_slots} sink slots (--sink-tokens "

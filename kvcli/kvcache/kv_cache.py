@@ -135,13 +135,14 @@ class KVCache:
                 h.index_copy_(1, dst, h.index_select(1, src))
 
     def rotate_keys(self, blocks: list[int], rotate) -> None:
-        """Apply `rotate` (fp32 keys [N, kv_heads, D] -> rotated, same shape) to the keys of `blocks` in every
+        """Apply `rotate(keys, layer_index)` (fp32 keys [N, kv_heads, D] -> rotated, same shape; each layer by its
+        own rotary: Gemma 3's local and global layers turn at different rates) to the keys of `blocks` in every
         layer, in place: a retention rule's position shift (kvcache/retention.py). Quantized formats are
         dequantized, rotated and quantized again (kv_dtype.quantize: one more rounding); 16-bit formats round
         once to their storage. Values never move."""
         idx = self._index(blocks)
         n, bs = len(blocks), self.block_size
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             h = LayerKV.heads(layer.k)  # [kvh, blocks + 1, bs, D] (fp8 as bytes)
             sel = h.index_select(1, idx)
             if layer.k.dtype == torch.float8_e4m3fn:
@@ -152,7 +153,7 @@ class KVCache:
                 x = dequantize(sel, hs.index_select(1, idx), torch.float32)
             else:
                 x = sel.float()
-            x = rotate(x.permute(1, 2, 0, 3).reshape(n * bs, kvh, d)).reshape(n, bs, kvh, d).permute(2, 0, 1, 3)
+            x = rotate(x.permute(1, 2, 0, 3).reshape(n * bs, kvh, d), i).reshape(n, bs, kvh, d).permute(2, 0, 1, 3)
             if layer.k_scale is not None:
                 codes, scale = quantize(x, layer.k.dtype)
                 h.index_copy_(1, idx, codes.view(h.dtype) if codes.dtype != h.dtype else codes)

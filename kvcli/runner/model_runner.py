@@ -124,7 +124,8 @@ class ModelRunner:
         if out.block_copies:
             cache.copy_blocks(out.block_copies)
         for shift in out.key_shifts:  # a bounded cache dropped blocks: kept keys move down (kvcache/retention.py)
-            cache.rotate_keys(list(shift.blocks), lambda k, d=shift.delta: rotate_by(self.model.rotary, k, d))
+            cache.rotate_keys(list(shift.blocks),
+                              lambda k, layer, d=shift.delta: rotate_by(self.model.layers[layer].rotary, k, d))
 
     def execute(self, out: SchedulerOutput, all_logits: bool = False) -> RunnerOutput:
         """Run one step and sample. With all_logits (teacher forcing), return logits for every
