@@ -67,6 +67,8 @@ FIGURES: dict[str, Figure] = {f.name: f for f in [
            ("--repeats", "2", "--attention-backend", "invariant")),
     Figure("spec-sampled", "spec:main", "speculation on sampled continuations (T=0.8)",
            ("--repeats", "2", "--skip-batch", "--skip-hf", "--temperature", "0.8"), in_make_figures=False),
+    Figure("folder-quant", "folder_quant:main", "--quant on a dense folder: kvcli int4 vs NF4 vs fp32 vs the GGUF, "
+           "perplexity and decode"),
     Figure("architectures", "architectures:main", "qwen3, phi3, gemma3, gemma2 decode against a llama of the same bytes"),
     Figure("kquants", "kquants:main", "K-quant GGUFs against Q4_1: resident bytes, load, decode",
            ("--repeats", "5", "--new-tokens", "64"), in_make_figures=False),

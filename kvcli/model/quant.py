@@ -228,6 +228,20 @@ def quantize_q4(w: torch.Tensor, group_size: int = 32) -> QuantTensor:
     return QuantTensor("q4", pack_nibbles(q.reshape(n, k)), d, m, group_size)
 
 
+def quantize_q8(w: torch.Tensor, group_size: int = 32) -> QuantTensor:
+    """Symmetric group-wise INT8 (Q8_0 style: d = max |w| / 127 per group in fp16, codes round(w / d)) of a
+    dense [N, K] weight: the vocabulary table of a folder quantized with --quant int4, as llama.cpp's Q4 files
+    keep theirs in 8 bits."""
+    n, k = w.shape
+    if k % group_size:
+        raise ValueError(f"in_features {k} is not a multiple of the group size {group_size}")
+    g = w.float().reshape(n, k // group_size, group_size)
+    d = (g.abs().amax(-1) / 127).to(torch.float16)
+    inv = torch.where(d == 0, torch.zeros_like(d, dtype=torch.float32), 1.0 / d.float())
+    q = torch.round(g * inv.unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
+    return QuantTensor("q8", q.reshape(n, k).contiguous(), d, None, group_size)
+
+
 def random_q4(n: int, k: int, std: float, generator: torch.Generator, group_size: int = 32) -> QuantTensor:
     """Random INT4 weights with roughly `std` spread, for dummy models (no weights to download)."""
     raw = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=generator)
