@@ -24,7 +24,17 @@ from __future__ import annotations
 import heapq
 from typing import Any
 
+from kvcli.model.gguf_loader import EOG_TEXTS
+
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6  # llama.cpp's token types
+# Token texts llama.cpp makes control tokens whatever the file's type says (llama_vocab::impl::load: the
+# end-of-generation set, end of turn / message, fill-in-the-middle markers).
+CONTROL_LOOKING = EOG_TEXTS | frozenset({
+    "<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>", "<|code_prefix|>",
+    "<|prefix|>", "<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>", "▁<SUF>",
+    "<|code_suffix|>", "<|suffix|>", "<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>",
+    "▁<MID>", "<|code_middle|>", "<|middle|>", "<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]",
+    "<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>", "<|file_sep|>"})
 
 
 def _utf8_len(lead: int) -> int:
@@ -47,6 +57,10 @@ class SPMEncoder:
         special = [i for i, t in enumerate(types) if int(t) in (CONTROL, USER_DEFINED, UNKNOWN)]
         special.sort(key=lambda i: -len(tokens[i].encode("utf-8")))
         self.special = [(tokens[i], i) for i in special if tokens[i]]
+        # Parsed even when specials are not: user-defined tokens, except those llama.cpp marks control by their
+        # text (end-of-turn and FIM tokens: "control-looking token ... its type will be overridden").
+        self.user_defined = {i for i, t in enumerate(types) if int(t) == USER_DEFINED and tokens[i] not in
+                             CONTROL_LOOKING}
         self.rstrip: set[int] = set()
         self.lstrip: set[int] = set()
         name = str(meta.get("general.name") or "").lower()
@@ -59,9 +73,11 @@ class SPMEncoder:
                 self.rstrip.discard(by_text.get(t, -1))
 
     # -- 1. special tokens ---------------------------------------------------------------------------
-    def _fragments(self, text: str) -> list[str | int]:
+    def _fragments(self, text: str, parse_special: bool) -> list[str | int]:
         parts: list[str | int] = [text] if text else []
         for tok_text, tid in self.special:
+            if not parse_special and tid not in self.user_defined:  # control / unknown text stays text
+                continue
             out: list[str | int] = []
             for part in parts:
                 if not isinstance(part, str) or tok_text not in part:
@@ -86,10 +102,12 @@ class SPMEncoder:
             parts = out
         return parts
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, parse_special: bool = True) -> list[int]:
+        """llama_tokenize(text, add_special = false, parse_special): with parse_special false, text spelling a
+        control or unknown token is encoded as text (user-defined tokens still match), as llama.cpp does."""
         out: list[int] = []
         prev_special = True
-        for part in self._fragments(text):
+        for part in self._fragments(text, parse_special):
             if isinstance(part, int):
                 out.append(part)
                 prev_special = True

@@ -156,8 +156,8 @@ class SPMTokenizer:
         self.eos_token_ids = hf.eos_token_ids
         self.bos_prefix = gguf_bos_prefix(meta)
 
-    def encode(self, text: str) -> list[int]:
-        return self.spm.encode(text)
+    def encode(self, text: str, parse_special: bool = True) -> list[int]:
+        return self.spm.encode(text, parse_special)
 
     def decode(self, ids: list[int]) -> str:
         return self.hf.decode(ids)

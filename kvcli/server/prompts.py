@@ -18,7 +18,7 @@ import secrets
 from collections.abc import Callable
 from typing import Any
 
-from kvcli.model.tokenizer import Tokenizer, fold_system_prompt
+from kvcli.model.tokenizer import SPMTokenizer, Tokenizer, fold_system_prompt
 
 
 class PromptError(ValueError):
@@ -69,6 +69,8 @@ class PromptEncoder:
 
     def _encode(self, text: str, parse_special: bool) -> list[int]:
         if self._parse is None:
+            if isinstance(self.tokenizer, SPMTokenizer):  # llama.cpp's encoder takes the choice itself
+                return self.tokenizer.encode(text, parse_special)
             return list(self.tokenizer.encode(text))
         core = self._parse if parse_special or not self._has_specials(text) else self._text
         return list(core.encode_batch([text], add_special_tokens=False)[0].ids)

@@ -131,3 +131,26 @@ def test_a_wrongly_computed_variant_is_caught(llama_cpp, tokens, tmp_path, monke
                         lambda reader, name, *a: None if name == "rope_freqs.weight" else real(reader, name, *a))
     got, _ = kvcli_logits(path, tokens)
     assert relative_error(got, want) > 10 * F32_TOLERANCE
+
+
+def test_spm_text_spelling_a_control_token_stays_text_unless_parsed(llama_cpp, tmp_path):
+    """parse_special false (serve's default for prompts): a sentencepiece file's control-token text is encoded as
+    text, its user-defined tokens still match, as llama.cpp's llama_tokenize(parse_special = false) does."""
+    import json
+    import subprocess
+
+    from engines import WORKER
+
+    from kvcli.model.loader import load_tokenizer
+
+    path = write(next(v for v in VARIANTS if v.name == "spm"), tmp_path / "spm.gguf")
+    texts = ["<s>bos inside</s> text", "<|user|>\nhi<|end|>", "<start_of_turn>user\nhi<end_of_turn>"]
+    job = {"model": str(path), "tokens": [], "texts": texts, "greedy": 0, "parse_special": False,
+           "logits_out": str(tmp_path / "x.npy"), "threads": 1}
+    p = subprocess.run([str(llama_cpp), str(WORKER)], input=json.dumps(job), capture_output=True, text=True,
+                       timeout=300, check=True)
+    want = json.loads(p.stdout.strip().splitlines()[-1])["tokenized"]
+    tok = load_tokenizer(str(path))
+    for text, ids in zip(texts, want):
+        assert tok.encode(text, parse_special=False) == ids, text
+    assert tok.encode(texts[1], parse_special=False) != tok.encode(texts[1])  # control text differs when parsed
