@@ -23,12 +23,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-tokens", type=int, default=48)
     a = ap.parse_args(argv)
 
+    from kvcli.bench.internals import document_ids, perplexity
     from kvcli.bench.kquants import decode_tok_s
     from kvcli.bench.lm_eval_check import hf_folder
-    from kvcli.engine.perplexity import perplexity
     from kvcli.llm import LLM
     from kvcli.model.loader import bitsandbytes_available
-    from kvcli.model.tokenizer import document_ids
 
     folder = hf_folder()
     forms = {"GGUF Q4_1 (bundled)": (None, "auto"), "folder --quant int4": (str(folder), "int4"),

@@ -30,6 +30,8 @@ WHERE: dict[str, str] = {  # name -> "module:attribute", or "module" for a modul
     "Native": "kvcli.model.weight_plan:Native",
     "plan_loaded": "kvcli.model.weight_plan:plan_loaded",
     "plan_model": "kvcli.model.weight_plan:plan_model",
+    # folder-quant: a text as the model reads it from its start (its file's BOS first)
+    "document_ids": "kvcli.model.tokenizer:document_ids",
     # kquants, hf-quant: kvcli's own encoders of the files they measure
     "kquant_encode": "kvcli.model.kquant_encode",
     "hf_quant_encode": "kvcli.model.hf_quant_encode",
