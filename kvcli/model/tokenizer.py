@@ -52,12 +52,22 @@ def fold_system_prompt(messages: list[dict]) -> list[dict]:
     return [{"role": "user", "content": system["content"]}, *rest]
 
 
-def document_ids(tokenizer: Tokenizer, text: str) -> list[int]:
-    """A text the model reads from its start (continue, perplexity, a completion prompt): the file's BOS
-    (bos_prefix) then the text's tokens, the BOS not doubled when the text already begins with it."""
-    ids = list(tokenizer.encode(text))
+def with_bos(tokenizer: Tokenizer, ids: list[int]) -> list[int]:
+    """A text's ids as the model reads them from its start: the file's BOS (bos_prefix) first, not doubled
+    when the text already begins with it."""
+    ids = list(ids)
     prefix = list(getattr(tokenizer, "bos_prefix", ()))
     return ids if not prefix or ids[:len(prefix)] == prefix else prefix + ids
+
+
+def document_ids(tokenizer: Tokenizer, text: str) -> list[int]:
+    """A text the model reads from its start (continue, perplexity, an engine text prompt)."""
+    return with_bos(tokenizer, tokenizer.encode(text))
+
+
+def plain_chat_text(messages: list[dict], add_generation_prompt: bool = True) -> str:
+    """The conversation as plain "role: content" lines, for a tokenizer without a chat template."""
+    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + ("assistant: " if add_generation_prompt else "")
 
 
 class HFTokenizer:
@@ -83,8 +93,7 @@ class HFTokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         if not getattr(self.tok, "chat_template", None):
-            text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
-            return self.encode(text + ("assistant: " if add_generation_prompt else ""))
+            return self.encode(plain_chat_text(messages, add_generation_prompt))
         out = self.tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
         if isinstance(out, dict) or hasattr(out, "input_ids"):
             out = out["input_ids"]
@@ -164,10 +173,7 @@ class SPMTokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         text = self.hf.render_chat(messages, add_generation_prompt)
-        if text is None:
-            text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + (
-                "assistant: " if add_generation_prompt else "")
-        return self.encode(text)
+        return self.encode(plain_chat_text(messages, add_generation_prompt) if text is None else text)
 
     def core(self):
         return None  # no `tokenizers` object encodes as this does

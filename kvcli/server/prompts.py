@@ -18,7 +18,7 @@ import secrets
 from collections.abc import Callable
 from typing import Any
 
-from kvcli.model.tokenizer import SPMTokenizer, Tokenizer, fold_system_prompt
+from kvcli.model.tokenizer import SPMTokenizer, Tokenizer, fold_system_prompt, with_bos
 
 
 class PromptError(ValueError):
@@ -83,9 +83,7 @@ class PromptEncoder:
     def encode(self, text: str, parse_special: bool = False) -> list[int]:
         """A completion prompt: the file's BOS (the tokenizer's bos_prefix, not doubled) and the text's ids."""
         self.check_chars(len(text))
-        ids = self._encode(text, parse_special)
-        prefix = list(getattr(self.tokenizer, "bos_prefix", ()))
-        return ids if not prefix or ids[:len(prefix)] == prefix else prefix + ids
+        return with_bos(self.tokenizer, self._encode(text, parse_special))
 
     def chat(self, messages: list[dict[str, Any]], parse_special: bool = False) -> list[int]:
         self.check_chars(sum(len(m["content"]) for m in messages))
