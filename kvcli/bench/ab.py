@@ -123,7 +123,7 @@ def new_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
 
 
-WHERE = "import kvcli, kvcli_kernels; print(kvcli.__file__); print(kvcli_kernels.__file__)"
+WHERE = "import kvcli, kvcli_kernels.cpu_build as k; print(kvcli.__file__); print(k.__file__)"
 
 
 def check_imports(label: str, env: dict[str, str], cwd: Path, tree: Path) -> list[str]:
