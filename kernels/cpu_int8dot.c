@@ -71,7 +71,7 @@ typedef struct {
     int64_t M, K, N, G;
     float *y;
     int64_t ldy;
-    int offset; /* unsigned codes (bits 5, 6, 7): the code offset the kernel takes off, w = d (q - offset) + m */
+    int offset; /* unsigned codes (bits 4, 5, 6): the code offset the kernel takes off, w = d (q - offset) + m */
 } kvq_args;
 
 static inline float f16_to_f32(uint16_t h) {
@@ -191,7 +191,7 @@ static void quantize_row(const float *x, int64_t K, int8_t *q, float *d, float *
  *           the code step s's vector has at byte p (lane j = p / 4, t = p % 4); bits 6, 64 bytes: bits
  *           2 (s % 4) .. + 1 of byte 32 (s / 4) + p hold its bits 4 and 5 (three operations a step to
  *           unpack, where two planes of single bits took six)
- * Codes of bits 5 and 6 are unsigned: they go into the dot product as they are, like 4-bit codes,
+ * Codes of bits 5 and 6 (and 4-bit ones with an offset, Q4_0's 8) are unsigned: they go into the dot product as they are,
  * without the sign moves int8 codes need, and `offset` times the activations' integer sum (xs) comes off
  * after. Both sums are exact integers, so the result is the signed form's bit for bit.
  *   scale, mins: [N / 8, K / G, 8]
@@ -346,6 +346,10 @@ static inline __attribute__((always_inline)) void group_tile(const kvq_args *a, 
                 i1 = _mm256_madd_epi16(s1, _mm256_set1_epi16(1));
                 i2 = _mm256_madd_epi16(s2, _mm256_set1_epi16(1));
 #endif
+                if (a->xs) { /* Q4_0: codes 0..15 less 8, taken off as offset x the block's integer sum */
+                    const int32_t *xs = a->xs + ((m0 + r) * nb + b) * 2;
+                    off = a->offset * (xs[0] + xs[1]);
+                }
             } else if (bits != 8) { /* 5, 6 */
                 /* per half block (a Q6_K group of 16 ends after step 3) */
                 const int32_t *xs = a->xs ? a->xs + ((m0 + r) * nb + b) * 2 : NULL;
@@ -398,7 +402,7 @@ static inline __attribute__((always_inline)) void group_tile(const kvq_args *a, 
             }
             /* 256 q1 + q2 in int32: at most 256 * 32 * 128 * 127 + 32 * 128 * 127 < 2^31 */
             __m256i isum = _mm256_add_epi32(_mm256_slli_epi32(i1, 8), i2);
-            if (bits == 5 || bits == 6) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(off));
+            if (bits != 8) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(off));
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dw2, _mm256_set1_ps(a->dx[xi] / 256.0f)), acc[r]);
             if (ksub == 1)
                 macc[r] = _mm256_fnmadd_ps(mw, _mm256_set1_ps(a->sx[xi]), macc[r]);
@@ -508,7 +512,7 @@ int kvq_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, int b
     if (!form_ok(&form, bits)) return -3;
     int8_t *qx = (int8_t *)malloc((size_t)(2 * M * K));
     float *dx = (float *)malloc(sizeof(float) * (size_t)(M * nb)), *sx = (float *)malloc(sizeof(float) * (size_t)(M * nb));
-    const int need_xs = offset != 0 && bits != 4 && bits != 8;
+    const int need_xs = offset != 0 && bits != 8;
     int32_t *xs = need_xs ? (int32_t *)malloc(sizeof(int32_t) * (size_t)(2 * M * nb)) : NULL;
     if (!qx || !dx || !sx || (need_xs && !xs)) {
         free(qx), free(dx), free(sx), free(xs);
@@ -635,9 +639,9 @@ static void pack_rows8(const kvq_args *a, const int bits, int64_t g, int64_t k0,
             for (int t = 0; t < 4; t++) {
                 const __m128i q8 = _mm_cvtsi64_si128(t == 0 ? _mm256_extract_epi64(v, 0) : t == 1 ? _mm256_extract_epi64(v, 1)
                                                      : t == 2 ? _mm256_extract_epi64(v, 2) : _mm256_extract_epi64(v, 3));
-                const __m256i qi = bits == 4   ? _mm256_cvtepu8_epi32(q8)
-                                   : bits != 8 ? _mm256_sub_epi32(_mm256_cvtepu8_epi32(q8), _mm256_set1_epi32(a->offset))
-                                               : _mm256_cvtepi8_epi32(q8);
+                const __m256i qi = bits == 8 ? _mm256_cvtepi8_epi32(q8)
+                                   : a->offset ? _mm256_sub_epi32(_mm256_cvtepu8_epi32(q8), _mm256_set1_epi32(a->offset))
+                                               : _mm256_cvtepu8_epi32(q8);
                 /* d q + m: the same two fp32 roundings as the read-back (kvq_dequant) */
                 const __m256 w = _mm256_add_ps(_mm256_mul_ps(dw, _mm256_cvtepi32_ps(qi)), mw);
                 _mm256_storeu_ps(ob + (4 * s + t) * GEMM_NR, w);

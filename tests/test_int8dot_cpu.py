@@ -85,6 +85,7 @@ WEIGHTS = {
     "Q5_K two-level": _gguf("Q5_K"),
     "Q6_K groups of 16": _gguf("Q6_K"),
     "Q5_1": _gguf("Q5_1"),
+    "Q4_0 offset 8": _gguf("Q4_0"),
     "zero points g64": _zero_points,
     "q4 min fp16 g32": lambda n, k, gen: _q4(n, k, 32, True, False, gen),
     "q4 no-min fp16 g32": lambda n, k, gen: _q4(n, k, 32, False, False, gen),
@@ -224,6 +225,20 @@ def test_resident_bytes_are_the_files_for_q4_1():
     gen = torch.Generator().manual_seed(1)
     q = _q4(64, 256, 32, True, False, gen)
     assert Int8DotCpu(q).nbytes == 64 * 256 // 32 * 20
+
+
+def test_resident_bytes_are_the_files_for_q4_0():
+    """Q4_0 (w = d (q - 8)) holds no min: the kernel takes the offset off in the integer sum, so 4-bit codes
+    + an fp16 scale, the file's 18 B per block (a min of -8 d held beside them was 1.11x the file)."""
+    from kvcli.model.int8dot_cpu import code_offset
+
+    q = _gguf("Q4_0")(64, 256, torch.Generator().manual_seed(1))
+    assert code_offset(q) == 8
+    assert Int8DotCpu(q).nbytes == 64 * 256 // 32 * 18
+    # a free min per group (Q4_1) or mins that are not one multiple of the scale keep theirs
+    assert code_offset(_q4(64, 256, 32, True, False, torch.Generator().manual_seed(2))) == 0
+    q.min[0, 0] = q.min[0, 0] * 0.5
+    assert code_offset(q) == 0
 
 
 @pytest.mark.slow

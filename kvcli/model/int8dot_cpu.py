@@ -3,7 +3,8 @@ quantized to int8 per block of 32 with integer dot products (kvcli_kernels/cpu_i
 
 This is what llama.cpp does on CPUs (Q4 x Q8): the weights are read once per call as 4-bit codes, with
 no bf16 conversion of the activations (emulated, and slow, without AVX-512-BF16) and no dequantized
-copy. Resident per weight: 4-bit codes + an fp16 scale and min per group (the GGUF Q4_0/Q4_1 bytes) or
+copy. Resident per weight: 4-bit codes + an fp16 scale (and min) per group (the GGUF Q4_0 / Q4_1 bytes:
+Q4_0's code offset 8 taken off in the integer sum instead of a min) or
 the file's own compact forms the kernel reads directly: K-quants' 8-bit multipliers of an fp16 value per
 super-block, AWQ / GPTQ zero points (fp32 only where nothing else holds a value exactly); 5/6-bit codes
 as nibbles + their high bits, the offset (Q5_0's 16, Q6_K's 32) taken off in the integer sum; Q8_0's
@@ -53,6 +54,23 @@ def _plain(t: torch.Tensor) -> Groups:
     return Groups(F16, groups_x8(half)) if torch.equal(half.float(), t) else Groups(F32, groups_x8(t))
 
 
+def code_offset(weight: "QuantTensor") -> int:
+    """The constant code offset o of a 4-bit weight held as w = d q + m with m = -o d in every group (Q4_0's
+    w = d (q - 8), which the loader writes with a min), else 0. The kernel takes o off in the integer sum
+    (o x the activations' integer sum), so no min is stored: the file's 18 bytes per 32 weights."""
+    if weight.kind != "q4" or weight.min is None or weight.offset or weight.zero is not None \
+            or weight.sub_scale is not None or weight.sub_min is not None or weight.min.shape != weight.scale.shape:
+        return 0
+    d, m = weight.scale.float(), weight.min.float()
+    nonzero = d.nonzero()
+    if len(nonzero) == 0:
+        return 0
+    o = -m[tuple(nonzero[0])] / d[tuple(nonzero[0])]
+    if not (o == o.round() and 1 <= o <= 15):
+        return 0
+    return int(o) if torch.equal(m, -int(o) * d) else 0
+
+
 def _groups(weight: "QuantTensor") -> tuple[Groups, Groups]:
     """Scales and mins in the kernel's forms, the file's own where the kernel reads it (exact either way:
     the kernel computes the same fp32 products as QuantTensor.group_scales / group_mins)."""
@@ -63,6 +81,8 @@ def _groups(weight: "QuantTensor") -> tuple[Groups, Groups]:
         scale = Groups(SUB if sub.dtype == torch.uint8 else SUB_I8, groups_x8(sub), groups_x8(weight.scale), per)
     else:
         scale = _plain(weight.group_scales())
+    if code_offset(weight):  # Q4_0: the offset taken off in the kernel, no min held
+        return scale, Groups(NONE)
     if weight.kind == "q4" and weight.offset:  # s (q - o) + m == s q + (m - s o), multiplied out once
         return scale, _plain(weight.with_float_min().min)
     if weight.zero is not None and weight.zero.dtype == torch.uint8:  # AWQ / GPTQ: min = -(zero * scale)
@@ -93,7 +113,7 @@ class Int8DotCpu:
         offset = 0
         if weight.kind == "q4":
             self.bits = 4
-            q = weight.unpack_codes()
+            q, offset = weight.unpack_codes(), code_offset(weight)
         elif codes == "packed" and weight.kind == "q5" and self.group_size % 32 == 0 or \
                 codes == "packed" and weight.kind == "q6" and self.group_size == 16 and \
                 (self.scale.kind, self.mins.kind) == (SUB_I8, NONE):  # the forms the kernel has loops for
