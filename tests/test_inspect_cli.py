@@ -155,3 +155,27 @@ def test_inspect_sizes_its_pool_in_the_kv_dtype_the_engine_picks():
     r = runner.invoke(app, ["inspect", "--device", "cpu"], env={"COLUMNS": "200"})
     assert f"{rep['kv_dtype']} * " in " ".join(r.stdout.replace("│", " ").split())
     assert inspect_json("--no-load")["kv_dtype"] is None  # it depends on the loaded linears
+
+
+@pytest.mark.slow
+def test_resident_is_what_the_process_grows_by(tmp_path):
+    """A 118 MiB Q4_0 model (random weights, kvcli/bench/shapes.py), inspected in its own process as a user
+    would: the resident figure is the file's tensor bytes (Q4_0 at 18 B per 32, the tied Q8_0 table once), and
+    RSS grows by that plus what is not weights (tokenizer, kernels, tables: ~36 MiB for the bundled model),
+    not by a second copy of the weights that the allocator kept from the build (2x before malloc_trim)."""
+    import subprocess
+    import sys
+
+    from kvcli.bench.shapes import Shape, write_shape
+
+    path = write_shape(tmp_path / "mid.gguf", Shape(1024, 4096, 8, 16, 4, tied=True), "Q4_0")
+    out = subprocess.run([sys.executable, "-m", "kvcli.cli", "inspect", str(path), "--json"], capture_output=True,
+                         text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rep = json.loads(out.stdout)
+    resident = sum(rep["resident"].values())
+    norms = sum(g["bytes"] for g in rep["tensors"] if g["type"] == "F32")
+    assert rep["resident"]["embedding"] == 0, rep["resident"]
+    assert rep["file_tensor_bytes"] - norms <= resident <= rep["file_tensor_bytes"], (resident, rep["tensors"])
+    growth = rep["measured_growth"]
+    assert 0.95 * resident <= growth <= resident + (64 << 20), (growth, resident)

@@ -48,6 +48,9 @@ class InspectReport:
     sliding_window: int | None = None  # attention window (tokens)
     window_released: bool = False  # every layer slides: the paged layout gives back the blocks before it
     resident: dict[str, int] | None = None  # layers / embedding / lm_head, after load
+    # what the process grew by over the load (RSS on the host, the allocator's bytes on CUDA): the weights plus
+    # what is not weights (tokenizer, kernel libraries, rotary tables, the two-block KV pool)
+    measured_growth: int | None = None
     linear_paths: str | None = None
     cpu_kernels: str | None = None  # kvcli's C kernels here: which build, or why none (model/int8dot_cpu.py)
     # projection -> {path: layers}, e.g. {"v_proj": {"int4x2-cpu": 30}}: which linears take which path
@@ -176,8 +179,11 @@ def inspect_model(spec: str | None, options: EngineOptions, load: bool, context:
         # A pool of two blocks (one pads block tables) in the widest KV format, so that it holds at least
         # that much whichever format the engine picks; the engine's pick is what inspect reports.
         pool = 2 * options.block_size * config.kv_bytes_per_token("fp32")
+        before = _memory_in_use(device)
         loaded = load_weights(spec)
         engine = LLMEngine(loaded, replace(options, kv_budget=str(pool)))
+        after = _memory_in_use(device)
+        rep.measured_growth = None if before is None or after is None else after - before
         rep.kv_dtype = engine.kv_dtype.name
         rep.resident = engine.model.weight_bytes()  # type: ignore[union-attr]
         rep.linear_paths = engine.linear_mode
@@ -194,6 +200,17 @@ def inspect_model(spec: str | None, options: EngineOptions, load: bool, context:
     ctx = context or config.max_position_embeddings
     rep.fits = kv_fits(config, rep.kv_budget, ctx, max(1, ctx // 4), options.block_size)
     return rep
+
+
+def _memory_in_use(device) -> int | None:
+    """What holds the weights after a load: the allocator's bytes on CUDA, the process's RSS on the host."""
+    if device.type == "cuda":
+        import torch
+
+        return torch.cuda.memory_allocated(device)
+    from kvcli.metrics.memory import process_rss
+
+    return process_rss()
 
 
 def to_json(rep: InspectReport) -> str:
@@ -240,6 +257,11 @@ def render(rep: InspectReport, context: int) -> None:
     if rep.resident is not None:
         parts = ", ".join(f"{k} {human_bytes(v)}" for k, v in rep.resident.items())
         t.add_row("resident after load", f"{human_bytes(sum(rep.resident.values()))} ({parts})")
+        if rep.measured_growth is not None:
+            where = "GPU memory allocated" if rep.device.startswith("cuda") else "process RSS"
+            t.add_row("measured at load", f"{where} grew {human_bytes(rep.measured_growth)} "
+                      f"({rep.measured_growth / max(1, sum(rep.resident.values())):.2f}x the resident weights; the "
+                      f"rest is tokenizer, kernels, tables)")
         t.add_row("linear paths", rep.linear_paths or "")
         if rep.cpu_kernels:
             t.add_row("kvcli C kernels", rep.cpu_kernels)

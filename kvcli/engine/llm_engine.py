@@ -21,6 +21,7 @@ from kvcli.kvcache.interface import KVLayout, blocks_for
 from kvcli.kvcache.kv_cache import KVCache, bytes_per_block, usable_blocks_for_budget
 from kvcli.kvcache.retention import Retention
 from kvcli.metrics.collector import MetricsCollector
+from kvcli.metrics.memory import return_freed_heap
 from kvcli.metrics.snapshot import KVBreakdown, MemorySnapshot, Snapshot, SpecSummary
 from kvcli.metrics.stats import EngineFacts, RequestExtent, RunStats
 from kvcli.model.llama import LlamaModel
@@ -224,6 +225,7 @@ class LLMEngine:
             self.model = LlamaModel(loaded.config, loaded.weights, plan=plan, device=self.device)
         except KeyError as e:
             raise ConfigError(f"{loaded.source}: missing weight {e.args[0]}") from None
+        return_freed_heap()  # the load-time forms the build freed: else RSS stays ~2x the weights
         # What the layers really run: e.g. "int4-cpu+int4x2-cpu" for a Q4_K_M file (Q6_K parts).
         self.linear_mode = self.model.linear_mode
 
