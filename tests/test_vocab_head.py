@@ -69,3 +69,31 @@ def test_a_tied_q8_0_table_is_held_once_and_looks_up_the_same_rows(monkeypatch):
     assert two.engine.model.weight_bytes()["embedding"] == q.nbytes
     p = SamplingParams(max_tokens=12)
     assert shared.generate(["The lighthouse keeper"], p)[0].token_ids == two.generate(["The lighthouse keeper"], p)[0].token_ids
+
+
+def test_a_tied_k_quant_table_is_held_once(tmp_path, monkeypatch):
+    """A tied Q6_K table (llama.cpp's Q4_K_M mix, kvcli/bench/shapes.py): looked up from the vocabulary
+    projection's packed copy like Q8_0, rows bit for bit the table's dequantization, the same greedy tokens
+    as with a second copy held for the lookups."""
+    import torch
+
+    from kvcli.bench.shapes import Shape, write_shape
+    from kvcli.config import SamplingParams
+    from kvcli.llm import LLM
+    from kvcli.model import layers
+    from kvcli.model.loader import load_weights
+
+    path = write_shape(tmp_path / "q4km.gguf", Shape(256, 512, 2, 4, 2, tied=True), "Q4_K_M")
+    shared = LLM(str(path))
+    m = shared.engine.model
+    if m.plan.head.form != "int8dot-cpu":
+        pytest.skip("kvcli's C kernels are not built here: the table is not packed")
+    q = load_weights(str(path)).weights["model.embed_tokens.weight"]
+    assert q.kind == "q6" and m.embed.packed is not None and m.weight_bytes()["embedding"] == 0
+    ids = torch.tensor([0, 9, q.shape[0] - 1, 4321, 4321])
+    assert torch.equal(m.embed(ids), q.rows(ids).dequantize(torch.float32))
+    monkeypatch.setattr(layers.Embedding, "share", lambda self, packed: False)
+    two = LLM(str(path))
+    assert two.engine.model.weight_bytes()["embedding"] == q.nbytes
+    p = SamplingParams(max_tokens=12, ignore_eos=True)
+    assert shared.generate([[1, 2, 3, 4]], p)[0].token_ids == two.generate([[1, 2, 3, 4]], p)[0].token_ids

@@ -158,7 +158,7 @@ class Embedding:
 
     def __init__(self, weight: QuantTensor | torch.Tensor, dtype: torch.dtype) -> None:
         self.dtype = dtype
-        self.packed = None  # the vocabulary projection's kernel copy of this (tied, Q8_0) table, when shared
+        self.packed = None  # the vocabulary projection's kernel copy of this (tied, quantized) table, when shared
         if isinstance(weight, QuantTensor):
             self.q: QuantTensor | None = weight
             self.weight = None
@@ -169,11 +169,11 @@ class Embedding:
 
     def share(self, packed) -> bool:
         """Look rows up from `packed` (the vocabulary projection's Int8DotCpu of this same tied table) and drop
-        this copy: one copy of the weight held. Only for a Q8_0 table, whose rows the kernel's read-back gives
-        bit for bit as d * q (the lookup below). False (nothing changed) otherwise."""
+        this copy: one copy of the weight held. The kernel's read-back of a row is the table's exact
+        dequantization bit for bit, for every form it holds (Q8_0, Q6_K, Q4_K, ...: test_int8dot_cpu's
+        test_read_back_equals_dequantize). False (nothing changed) for a float table or another shape."""
         q = self.q
-        if q is None or q.kind != "q8" or q.sub_scale is not None or q.min is not None or q.zero is not None \
-                or packed.bits != 8 or tuple(q.shape) != (packed.out_features, packed.in_features):
+        if q is None or tuple(q.shape) != (packed.out_features, packed.in_features):
             return False
         self.packed, self.q = packed, None
         return True

@@ -113,7 +113,7 @@ class LlamaModel:
 
             table = Int8DotCpu(w, route=head.route)
             self.lm_head = VocabHead(head, table=table)
-            if head.tied:  # one copy: rows looked up from the kernel's packed table (Q8_0, bit for bit)
+            if head.tied:  # one copy: rows looked up from the kernel's packed table (bit for bit)
                 self.embed.share(table)
         elif head.tied:
             self.lm_head = VocabHead(head, self.embed.dense(head.dtype))

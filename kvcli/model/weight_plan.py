@@ -329,7 +329,9 @@ def plan_model(config, weights: dict, *, tier: str, dtype: torch.dtype, device: 
         head = HeadPlan("dense", head_dtype, tied, fp32_slices=slices)
 
     emb = weights["model.embed_tokens.weight"]
-    if isinstance(emb, QuantTensor):
+    if isinstance(emb, QuantTensor) and tied and head.form == "int8dot-cpu":
+        embedding = f"{emb.kind} table held once, by the vocabulary projection: rows read back per lookup"
+    elif isinstance(emb, QuantTensor):
         embedding = f"{emb.kind} table as stored, rows dequantized per lookup"
     else:
         embedding = f"{str(emb.dtype if emb.dtype in (torch.float16, torch.bfloat16) else dtype)[6:]} table"
