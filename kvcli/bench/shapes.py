@@ -52,7 +52,7 @@ def write_shape(path: Path, shape: Shape, kind: str, seed: int = 0) -> Path:
     h, d = shape.hidden, shape.hidden // shape.heads
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_name(path.stem)
-    for add, v in [(w.add_block_count, shape.layers), (w.add_context_length, 8192), (w.add_embedding_length, h),
+    for add, v in [(w.add_block_count, shape.layers), (w.add_context_length, 32768), (w.add_embedding_length, h),
                    (w.add_feed_forward_length, shape.intermediate), (w.add_head_count, shape.heads),
                    (w.add_head_count_kv, shape.kv_heads), (w.add_rope_dimension_count, d), (w.add_vocab_size, vocab)]:
         add(v)
