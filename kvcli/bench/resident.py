@@ -1,0 +1,58 @@
+"""Resident weights against the file, on real shapes: `kvcli inspect FILE --json` for random-weight GGUFs of the
+1B shape (Q4_0, Q4_K_M-style, Q8_0), the 3B shape (Q4_0) and the 8B shape (Q4_K_M-style, untied head), each its
+own process as a user's would be.
+
+Printed per file: the file's tensor bytes, what kvcli holds after the load (inspect's `resident`: the kernel
+forms, a tied embedding counted once) and its ratio to the file, and what the process really grew by over
+the load (inspect's `measured_growth`: RSS) and its ratio to the resident figure; the rest of the growth is
+what is not weights (tokenizer, kernel libraries, rotary tables, a two-block KV pool). The files are written
+once into .cache/shapes (kvcli/bench/shapes.py: random but well-formed blocks, the bundled tokenizer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+from kvcli.bench.harness import REPO
+from kvcli.bench.shapes import SHAPES, write_shape
+
+FILES = [("1b", "Q4_0"), ("1b", "Q4_K_M"), ("1b", "Q8_0"), ("3b", "Q4_0"), ("8b", "Q4_K_M")]
+MIB = 2**20
+
+
+def inspect(path) -> dict:
+    out = subprocess.run([sys.executable, "-m", "kvcli.cli", "inspect", str(path), "--json"], capture_output=True,
+                         text=True)
+    if out.returncode:
+        raise SystemExit(f"resident: kvcli inspect {path} failed: {out.stderr.strip()[-500:]}")
+    return json.loads(out.stdout)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--files", default=",".join(f"{s}-{k}" for s, k in FILES),
+                   help="shape-kind pairs, comma-separated (default: %(default)s)")
+    args = p.parse_args(argv)
+    cache = REPO / ".cache" / "shapes"
+    cache.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for item in args.files.split(","):
+        shape, kind = item.split("-", 1)
+        path = cache / f"{shape}-{kind.lower()}.gguf"
+        if not path.exists():
+            print(f"writing {path.name} ...", flush=True)
+            write_shape(path.with_suffix(".part"), SHAPES[shape], kind).rename(path)
+        rep = inspect(path)
+        resident = sum(rep["resident"].values())
+        rows.append((f"{shape} {kind}", rep["file_tensor_bytes"], resident, rep["measured_growth"],
+                     rep["linear_paths"], rep["resident"]))
+        print(f"{path.name}: {json.dumps(rep['resident'])}", flush=True)
+    print()
+    print(f"{'file':<12} {'file MiB':>9} {'resident MiB':>13} {'vs file':>8} {'RSS growth MiB':>15} "
+          f"{'vs resident':>12}  linears")
+    for name, file_bytes, resident, growth, linears, _ in rows:
+        print(f"{name:<12} {file_bytes / MIB:>9.1f} {resident / MIB:>13.1f} {resident / file_bytes:>7.3f}x "
+              f"{growth / MIB:>15.1f} {growth / resident:>11.3f}x  {linears}")
