@@ -1,0 +1,149 @@
+"""Batch 1 on models of real size against the machine's own limits: kvcli and llama.cpp on the same random-weight
+GGUF of a 1B (default) or 3B shape (kvcli/bench/shapes.py), prefill and decode at 512 and 8k tokens of context,
+rounds interleaved, and the two bounds measured in the same run:
+
+  read bandwidth  the best of several passes of torch's sum over a 1 GiB fp32 tensor on every thread (what a
+                  decode step that reads each weight byte once could reach); the decode bound at context n is
+                  bandwidth / (weight bytes + KV bytes read at n), per engine (its resident weights, its KV
+                  format: kvcli's default here, llama.cpp's f16)
+  matrix peak     the best of torch's bf16 and fp32 GEMMs at 2048^3 on every thread (a measured ceiling, not the
+                  datasheet's); prefill MACs per token = the linear weights' count (attention's share excluded,
+                  so the prefill share is a lower bound at 8k)
+
+prefill tok/s = N / time to the first token from an empty cache; decode tok/s = tokens / time after the first,
+best of --rounds rounds after a warm-up (llama.cpp's worker warms up on each context itself).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from kvcli.bench.engines import KvcliEngine, LlamaCppEngine
+from kvcli.bench.harness import REPO, busy_note, interleaved, load1, sample_text
+from kvcli.bench.shapes import SHAPES, write_shape
+
+GIB = 2**30
+
+
+def read_bandwidth(passes: int = 7) -> float:
+    """Bytes per second of torch's sum over a 1 GiB fp32 tensor (best pass)."""
+    import torch
+
+    x = torch.rand(GIB // 4)
+    best = float("inf")
+    for _ in range(passes):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return GIB / best
+
+
+def matrix_peak(n: int = 2048, passes: int = 5) -> tuple[float, str]:
+    """(MAC/s, dtype) of torch's best GEMM here at n^3."""
+    import torch
+
+    out = []
+    for dtype in (torch.bfloat16, torch.float32):
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        a @ b
+        best = float("inf")
+        for _ in range(passes):
+            t = time.perf_counter()
+            a @ b
+            best = min(best, time.perf_counter() - t)
+        out.append((n**3 / best, str(dtype)[6:]))
+    return max(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kvcli.bench roofline", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="1b", choices=sorted(SHAPES))
+    ap.add_argument("--kind", default="Q4_0", help="the file's tensor types (kvcli/bench/shapes.py KINDS)")
+    ap.add_argument("--contexts", default="512,8192")
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=2)
+    a = ap.parse_args(argv)
+    contexts = [int(x) for x in a.contexts.split(",")]
+    path = REPO / ".cache" / "shapes" / f"{a.shape}-{a.kind.lower()}.gguf"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        print(f"writing {path.name} ...", file=sys.stderr, flush=True)
+        write_shape(path.with_suffix(".part"), SHAPES[a.shape], a.kind).rename(path)
+    load_before = load1()
+
+    bandwidth = read_bandwidth()
+    peak, peak_dtype = matrix_peak()
+    kv = KvcliEngine(model=str(path), max_model_len=max(contexts) + a.new_tokens + 16, max_num_batched_tokens=512,
+                     kv_budget="2GiB")
+    config = kv.llm.engine.config
+    text = sample_text("heldout-gpl-3.0.txt")
+    ids = kv.encode(text * (1 + max(contexts) * 5 // len(text)))[:max(contexts)]
+    engines: dict[str, object] = {"kvcli": kv}
+    llama = LlamaCppEngine(path=path)
+    notes = []
+    if llama.available:
+        engines["llama.cpp"] = llama
+    else:
+        notes.append(llama.note)
+    for n in contexts:
+        kv.timed(ids[:n], a.new_tokens)  # warm-up
+
+    def measure(name: str, _round: int):
+        if name == "llama.cpp":
+            return llama.timed_many(ids, contexts, a.new_tokens)
+        return {n: kv.timed(ids[:n], a.new_tokens) for n in contexts}
+
+    rounds = interleaved(list(engines), a.rounds, measure)
+    results: dict[str, dict[int, tuple[float, float]]] = {}
+    for name, samples in rounds.samples.items():
+        samples = [s for s in samples if s is not None]
+        if not samples:
+            notes.append(llama.note)
+            continue
+        decoded = a.new_tokens if name == "llama.cpp" else a.new_tokens - 1  # llama.cpp times m decode calls
+        results[name] = {n: (n / min(s[n][0] for s in samples), decoded / min(s[n][1] for s in samples))
+                         for n in contexts}
+    if llama.version:
+        notes.append(llama.version)
+
+    file_bytes = path.stat().st_size
+    weights = {"kvcli": kv.weight_bytes(), "llama.cpp": file_bytes}
+    kv_token = {"kvcli": config.kv_bytes_per_token(kv.kv_dtype), "llama.cpp": config.kv_bytes_per_token("fp16")}
+    macs = config.num_layers * (2 * config.hidden_size * config.num_heads * config.head_dim
+                                + 2 * config.hidden_size * config.num_kv_heads * config.head_dim
+                                + 3 * config.hidden_size * config.intermediate_size)
+    print(busy_note(load_before, load1()))
+    print(f"model: random-weight {a.shape} llama shape, {a.kind} ({path.name}, {file_bytes / GIB:.2f} GiB; hidden "
+          f"{config.hidden_size}, {config.num_layers} layers, ffn {config.intermediate_size}, heads "
+          f"{config.num_heads}/{config.num_kv_heads}); kvcli {kv.linear_mode} weights, {kv.kv_dtype} KV; "
+          f"{a.new_tokens} new tokens, greedy, batch 1")
+    print(f"read bandwidth (torch sum over 1 GiB, every thread): {bandwidth / 1e9:.1f} GB/s; matrix peak (torch "
+          f"{peak_dtype} GEMM 2048^3): {peak / 1e12:.3f} TMAC/s; linear MACs per token: {macs / 1e9:.2f} G\n")
+    print("| context | engine | weight MiB | prefill tok/s | prefill share of peak | decode tok/s | decode bound "
+          "tok/s | decode share of bound | kvcli decode ratio | kvcli prefill ratio |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for n in contexts:
+        k = results["kvcli"][n]
+        for name, res in results.items():
+            p, d = res[n]
+            bound = bandwidth / (weights[name] + kv_token[name] * n)
+            rd = f"{k[1] / d:.2f}x" if name != "kvcli" else "—"
+            rp = f"{k[0] / p:.2f}x" if name != "kvcli" else "—"
+            print(f"| {n} | {name} | {weights[name] / 2**20:.0f} | {p:.1f} | {p * macs / peak:.1%} | {d:.1f} | "
+                  f"{bound:.1f} | {d / bound:.1%} | {rd} | {rp} |")
+    print()
+    for note in notes:
+        print(f"- {note}")
+    for n in contexts:
+        bound = bandwidth / (weights["kvcli"] + kv_token["kvcli"] * n)
+        share = results["kvcli"][n][1] / bound
+        print(f"goal decode >= 80% of the bandwidth bound at {n}: {'met' if share >= 0.8 else 'missed'} ({share:.0%})")
+        if "llama.cpp" in results:
+            r = results["kvcli"][n][1] / results["llama.cpp"][n][1]
+            print(f"goal decode >= 1.3x llama.cpp at {n}: {'met' if r >= 1.3 else 'missed'} ({r:.2f}x)")
+            r = results["kvcli"][n][0] / results["llama.cpp"][n][0]
+            print(f"goal prefill >= 1.5x llama.cpp at {n}: {'met' if r >= 1.5 else 'missed'} ({r:.2f}x)")
+    return 0
