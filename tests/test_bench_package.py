@@ -185,3 +185,25 @@ def test_caller_arguments_join_the_figures_own_on_each_side_of_the_separator() -
     i = got.index("--")
     assert got[:i][-2:] == ["--rounds", "1"] and got[i + 1:][-2:] == ["--num-requests", "4"]
     assert got.count("--") == 1
+
+
+def test_the_llama_cpp_worker_imports_llama_cpp_not_its_neighbour():
+    """The worker is run by its path, so kvcli/bench/ is first on its sys.path, where kvcli/bench/llama_cpp.py
+    stood in for the llama_cpp package: every llama.cpp row of the benchmark package failed ("No module named
+    'kvcli'"). Run in the conformance suite's llama-cpp-python venv on the bundled model."""
+    import json
+    import subprocess
+
+    from conformance.engines import llama_python
+    from kvcli.bench.llama_cpp import WORKER
+    from kvcli.model.loader import bundled_gguf_path
+
+    py = llama_python()
+    if py is None:
+        pytest.skip("llama-cpp-python is not built here (scripts/build_llama_cpp_python.sh)")
+    job = {"model": str(bundled_gguf_path()), "threads": 1, "contexts": [8], "new_tokens": 2, "repeats": 0,
+           "prompt_ids": list(range(1, 9))}
+    p = subprocess.run([str(py), str(WORKER)], input=json.dumps(job), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-1500:]
+    rows = json.loads(p.stdout.strip().splitlines()[-1])["batch1"]
+    assert rows[0]["context"] == 8 and rows[0]["decode_tok_s"] > 0

@@ -13,11 +13,16 @@ engines see exactly the same tokens:
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
-import numpy as np
-import llama_cpp as L
+# Run by its path, so its own folder is first on sys.path, where kvcli/bench/llama_cpp.py (kvcli's handle on
+# this worker) would stand in for the llama_cpp package
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != os.path.dirname(os.path.abspath(__file__))]
+
+import numpy as np  # noqa: E402
+import llama_cpp as L  # noqa: E402
 
 
 class Engine:
