@@ -242,3 +242,46 @@ def test_a_bad_position_is_an_error_not_a_write(shared):
         model.native_decode = real
     bits = torch.int16 if seen["cache"][0].element_size() == 2 else torch.int32  # the pool may hold NaN garbage
     assert torch.equal(seen["cache"][0].view(bits), engine.kv_cache.layers[0].k.view(bits))
+
+
+def test_verification_steps_run_in_the_c_loop_as_plain_decode_steps(shared, monkeypatch):
+    """Speculative verification steps (1 + k rows per request) go through the C loop, each row a decode query of
+    its own length over the request's block table: every row whose prefix is the true text has plain decode's
+    logits for that position bit for bit (the layer-by-layer path computes the rows as a prefill chunk, whose
+    own keys are not yet rounded to the fp16 cache: ~1e-3 apart), and the greedy tokens are plain decode's."""
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    loaded, model = shared
+    text = "one two three four five six seven eight. one two three four five six seven eight. one two three"
+
+    def run(native: bool, speculate: str):
+        rec = Recorder(model)
+        rows: list[int] = []
+        emitted: list[int] = []
+
+        def counted(h, *args):
+            took = rec.native_decode(h, *args)
+            if took:
+                rows.append(h.shape[0])
+            return took
+
+        with monkeypatch.context() as m:
+            m.setattr(model, "lm_head", rec.lm_head)
+            m.setattr(model, "native_decode", counted if native else None)
+            engine = LLMEngine(loaded, EngineOptions(kv_budget="32MiB", max_model_len=512, speculate=speculate,
+                                                     num_speculative_tokens=5), model=model)
+            engine.add_request(engine.tokenizer.encode(text), params)
+            while engine.has_unfinished():
+                emitted.append(sum(len(out.new_token_ids) for out in engine.step()))
+        return rec, emitted, rows
+
+    spec, spec_emitted, spec_rows = run(True, "ngram")
+    plain, plain_emitted, _ = run(True, "none")
+    _, layer_emitted, _ = run(False, "ngram")
+    assert max(spec_emitted) > 1 and max(spec_rows) > 1  # guesses were accepted, verification steps ran in C
+    assert len(spec.logits) == len(spec_emitted) and all(e == 1 for e in plain_emitted)
+    done = 0
+    for logits, e in zip(spec.logits, spec_emitted):  # a step's first e rows predict tokens done .. done + e - 1
+        for j in range(e):
+            assert torch.equal(logits[j], plain.logits[done + j].reshape(-1)), (done, j)
+        done += e
+    assert done == 24 and len(layer_emitted) == len(spec_emitted)

@@ -73,6 +73,9 @@ class TorchAttentionBackend:
     name = "torch"
 
     BATCH_DECODE_MIN = 4  # decode rows from this many requests on go through one batched call
+    # Steps whose requests bring at most this many query rows each (speculative verification, 1 + k; short
+    # prompts) may run whole in the one-call C decode, every row a decode query of its own length
+    ROWS_STEP_MAX = 16
     SCRATCH_KEEP_BYTES = 64 << 20  # scratch buffers up to this size are kept between calls
 
     def __init__(self, native: bool = True) -> None:
@@ -86,6 +89,7 @@ class TorchAttentionBackend:
         self._native_ids: set[int] = set()
         self._native_step: DecodeStep | None = None
         self._native_recent: list[tuple] = []  # the last few steps' arguments (see _native_decode_step)
+        self._rows_recent: list[tuple] = []  # likewise for steps of several rows per request (_native_rows_step)
         self._native_views: dict[int, tuple[weakref.ref[LayerKV], tuple[torch.Tensor, ...], CacheView | None]] = {}
         self._meta: AttentionMetadata | None = None
         self._reads: dict[int, slice | torch.Tensor] = {}
@@ -322,15 +326,43 @@ class TorchAttentionBackend:
             self._native_recent = [*self._native_recent[-3:], (meta, scale, heads, self._native_ids, self._native_step)]
         return self._native_step
 
+    def _native_rows_step(self, meta: AttentionMetadata, heads: int, scale: float) -> DecodeStep | None:
+        """The decode kernel's arguments for a step whose requests bring several query rows each: row j of a
+        request of n rows and L keys (its own K/V among them, written before attention) is a decode query
+        over the first L - (n - 1 - j) keys, through the request's own block table: the causal mask of a
+        chunk, row by row, and each row computed as a plain decode step would compute it. Cached per step
+        like _native_decode_step; None where the kernel does not load."""
+        if self._lib is False:
+            self._lib = native_attention()
+        if self._lib is None or meta.block_tables.device.type != "cpu":
+            return None
+        for entry in self._rows_recent:
+            if entry[0] is meta and entry[1] == scale and entry[2] == heads:
+                return entry[3]
+        from kvcli_kernels.cpu_attention import DecodeStep
+
+        req = torch.repeat_interleave(torch.arange(len(meta.query_lens_list)),
+                                      torch.tensor(meta.query_lens_list))
+        lens = torch.cat([torch.arange(length - n + 1, length + 1, dtype=torch.int64)
+                          for n, length in zip(meta.query_lens_list, meta.seq_lens_list)])
+        tables = meta.block_tables.index_select(0, req).contiguous()
+        step = DecodeStep(tables, lens, heads, scale, meta.sliding_window, softcap=meta.softcap)
+        self._rows_recent = [*self._rows_recent[-3:], (meta, scale, heads, step)]
+        return step
+
     def native_decode_plan(self, meta: AttentionMetadata, caches: list[LayerKV], heads: int,
                            scale: float) -> tuple[DecodeStep, list[CacheView]] | None:
         """For a caller that runs whole decoder layers in C (kernels/cpu_decode_layers.c): the decode
         kernel's step arguments and every layer's cache view, when every request of the step decodes one
-        token and the kernel reads these caches (else None: the caller goes layer by layer through
-        forward)."""
-        if not self.native or not meta.query_lens_list or any(n != 1 for n in meta.query_lens_list):
+        token, or a few rows each (_native_rows_step: a speculative verification), and the kernel reads
+        these caches (else None: the caller goes layer by layer through forward)."""
+        lens = meta.query_lens_list
+        if not self.native or not lens or any(n < 1 or n > self.ROWS_STEP_MAX for n in lens):
             return None
-        step = self._native_decode_step(meta, heads, scale)
+        if any(n != 1 for n in lens):
+            step = self._native_rows_step(meta, heads, scale)
+        else:
+            step = self._native_decode_step(meta, heads, scale)
         if step is None:
             return None
         views = [self._cache_view(c) for c in caches]

@@ -76,6 +76,8 @@ FIGURES: dict[str, Figure] = {f.name: f for f in [
            ("--repeats", "5", "--new-tokens", "64"), AVX2_ENV, in_make_figures=False),
     Figure("roofline", "roofline:main", "batch 1 on a random-weight 1B-shape Q4_0 GGUF: kvcli vs llama.cpp at 512 "
            "and 8k, with the measured read bandwidth and matrix peak (~10 min)", in_make_figures=False),
+    Figure("verify-step", "verify_step:main", "a step of 1-8 query rows after a cached context against a 1-row "
+           "decode step (what speculative verification costs)"),
     Figure("resident", "resident:main", "resident weights vs file bytes and measured RSS growth on 1B/3B/8B "
            "shapes (kvcli inspect)"),
     Figure("hf-quant", "hf_quant:main", "AWQ / GPTQ / compressed-tensors folders against the bundled GGUF",

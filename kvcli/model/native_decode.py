@@ -9,7 +9,8 @@ already takes kvcli's C kernel: every layer's linears int8dot-cpu without bias (
 of up to three such parts written side by side, as a Q4_K_M file's q/k/v), native RMSNorm (also Qwen3's
 and Gemma 3's per-head q/k norms and Gemma 3's norms after attention and MLP) and SwiGLU or GeGLU, per-layer
 rotary tables and windows (Gemma 3's local layers),
-fp32 compute; per step: every request decodes one token, fewer rows than the linears' float-GEMM
+fp32 compute; per step: every request decodes one token or a few (a speculative verification of 1 + k rows,
+each row a decode query of its own length: torch_backend._native_rows_step), fewer rows than the linears' float-GEMM
 threshold, a cache the rotary/KV-store and attention kernels read (fp32 / fp16 / bf16), the torch
 backend's native attention. Anything else goes layer by layer.
 """

@@ -1,0 +1,76 @@
+"""What a speculative verification step costs against a plain decode step, on the bundled model at batch 1.
+
+A step of n query rows after a context of C tokens is made the way a user's engine meets one: prefix caching on,
+the C-token context cached (C a multiple of the block size), then a request of that context plus n new tokens,
+whose first step computes exactly those n rows and samples one token (a verification step of 1 + k rows is
+such a step, n = 1 + k). The wall time of that engine step (scheduler, model, sampler) is taken for each n in
+turn within a round, --rounds rounds, medians; printed as ms and as the ratio to the 1-row step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from kvcli.bench.harness import busy_note, load1, sample_text
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kvcli.bench verify-step", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--contexts", default="512,4096")
+    ap.add_argument("--rows", default="1,2,4,6,8")
+    ap.add_argument("--rounds", type=int, default=15)
+    a = ap.parse_args(argv)
+    from kvcli.config import SamplingParams
+    from kvcli.llm import LLM
+
+    contexts = [int(x) for x in a.contexts.split(",")]
+    rows = [int(x) for x in a.rows.split(",")]
+    llm = LLM(None, prefix_caching=True, max_model_len=max(contexts) + max(rows) + 16, kv_budget="512MiB")
+    eng = llm.engine
+    block = eng.options.block_size
+    ids = llm.tokenizer.encode(sample_text("heldout-gpl-3.0.txt") * 4)
+    once = SamplingParams(max_tokens=1, ignore_eos=True)
+    load_before = load1()
+
+    def step_ms(context: int, n: int, salt: int) -> float:
+        # new tokens differ per call (salt), so only the context's blocks are a cache hit
+        prompt = ids[:context] + [(salt * 7 + j * 13) % 40000 + 100 for j in range(n)]
+        eng.add_request(prompt, once)
+        t = time.perf_counter()
+        eng.step()
+        ms = (time.perf_counter() - t) * 1e3
+        while eng.has_unfinished():
+            eng.step()
+        return ms
+
+    for c in contexts:
+        assert c % block == 0, f"contexts must be multiples of the block size ({block})"
+        eng.add_request(ids[:c], once)  # caches the context
+        while eng.has_unfinished():
+            eng.step()
+        for n in rows:
+            step_ms(c, n, 0)  # warm-up
+    samples: dict[tuple[int, int], list[float]] = {}
+    for r in range(a.rounds):
+        for c in contexts:
+            for n in rows:
+                samples.setdefault((c, n), []).append(step_ms(c, n, r + 1))
+    print(busy_note(load_before, load1()))
+    print(f"bundled SmolLM2-135M Q4_1, {eng.linear_mode} weights, {eng.kv_dtype.name} KV, batch 1; median of "
+          f"{a.rounds} rounds\n")
+    print("| context | query rows | step ms | vs 1 row |")
+    print("|---:|---:|---:|---:|")
+    for c in contexts:
+        base = statistics.median(samples[(c, rows[0])])
+        for n in rows:
+            ms = statistics.median(samples[(c, n)])
+            print(f"| {c} | {n} | {ms:.2f} | {ms / base:.2f}x |")
+    for c in contexts:
+        if 6 in rows and 1 in rows:
+            r = statistics.median(samples[(c, 6)]) / statistics.median(samples[(c, 1)])
+            print(f"goal a 6-row verification step <= 1.3x a 1-row step at {c}: {'met' if r <= 1.3 else 'missed'} "
+                  f"({r:.2f}x)")
+    return 0
