@@ -247,8 +247,9 @@ def test_a_bad_position_is_an_error_not_a_write(shared):
 def test_verification_steps_run_in_the_c_loop_as_plain_decode_steps(shared, monkeypatch):
     """Speculative verification steps (1 + k rows per request) go through the C loop, each row a decode query of
     its own length over the request's block table: every row whose prefix is the true text has plain decode's
-    logits for that position bit for bit (the layer-by-layer path computes the rows as a prefill chunk, whose
-    own keys are not yet rounded to the fp16 cache: ~1e-3 apart), and the greedy tokens are plain decode's."""
+    logits for that position bit for bit (contexts under 256 keys, which the kernel does not split into spans;
+    the layer-by-layer path computes the rows as a prefill chunk, whose own keys are not yet rounded to the
+    fp16 cache: ~1e-3 apart)."""
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     loaded, model = shared
     text = "one two three four five six seven eight. one two three four five six seven eight. one two three"

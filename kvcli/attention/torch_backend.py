@@ -330,7 +330,9 @@ class TorchAttentionBackend:
         """The decode kernel's arguments for a step whose requests bring several query rows each: row j of a
         request of n rows and L keys (its own K/V among them, written before attention) is a decode query
         over the first L - (n - 1 - j) keys, through the request's own block table: the causal mask of a
-        chunk, row by row, and each row computed as a plain decode step would compute it. Cached per step
+        chunk, row by row, and each row computed as a plain decode step would compute it (bit for bit where
+        the kernel does not split a row's keys into spans for threads, under 256 keys: past that the spans
+        follow the step's total work, so the merge order may differ from a 1-row step's). Cached per step
         like _native_decode_step; None where the kernel does not load."""
         if self._lib is False:
             self._lib = native_attention()
