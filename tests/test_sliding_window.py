@@ -323,7 +323,8 @@ def test_mistral_generation_is_unchanged_by_releasing_blocks(mistral):
 def test_continue_on_a_sliding_window_model(mistral, tmp_path):
     """continue's default bounded cache (--kv-window auto) stands aside for a model with its own window: a
     text that fits runs (the layout releases the blocks before the window instead); a longer one is refused
-    in one line that does not send the user to --kv-window; an explicit --kv-window is refused the same way."""
+    in one line naming --truncate head and an explicit --kv-window inside the model's window, not auto; an
+    explicit --kv-window that does not fit in the model's window (8 tokens here) is refused in one line."""
     path, _ = mistral
     text = tmp_path / "t.txt"
     text.write_text("The keeper climbed the stairs and lit the lamp. " * 6, encoding="utf-8")
@@ -336,6 +337,50 @@ def test_continue_on_a_sliding_window_model(mistral, tmp_path):
     long = tmp_path / "long.txt"
     long.write_text("The keeper climbed the stairs and lit the lamp. " * 80, encoding="utf-8")  # > 512 tokens
     r = CliRunner().invoke(app, [*base[:1], str(long), *base[2:], "--no-live"])
-    one_line_error(r, "sliding-window models")
+    one_line_error(r, "8-token sliding window")
     assert "--truncate head" in r.stderr and "--kv-window auto" not in r.stderr
-    one_line_error(CliRunner().invoke(app, [*base, "--kv-window", "64", "--no-live"]), "sliding-window model")
+    one_line_error(CliRunner().invoke(app, [*base, "--kv-window", "64", "--no-live"]), "attends to its last 8 tokens")
+
+
+@pytest.fixture(scope="module")
+def mistral_wide(tmp_path_factory, gguf_path):
+    """The tiny Mistral with a 64-token window: room for 8 sink slots + a 40-token window + a block of 8."""
+    from transformers import AutoTokenizer, MistralConfig, MistralForCausalLM
+
+    out = tmp_path_factory.mktemp("mistral64")
+    AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name).save_pretrained(str(out))
+    cfg = MistralConfig(**BASE, sliding_window=64, rope_theta=10000.0, tie_word_embeddings=False,
+                        initializer_range=0.2, attn_implementation="eager")
+    torch.manual_seed(1)
+    MistralForCausalLM(cfg).eval().save_pretrained(str(out))
+    return out
+
+
+def test_a_bounded_cache_inside_the_models_window(mistral_wide):
+    """--kv-window on a model whose every layer slides (issue #27): sinks + window inside the model's own window,
+    so every kept key stays in the layers' sight. A text past the 512-token context streams through holding at
+    most the rule's bound; a rebuild of the request (what recompute preemption does: only the sinks and the last
+    W tokens, at compact positions) generates what a plain run over exactly those tokens generates; a window that
+    would not fit in the model's is refused."""
+    from kvcli.config import SamplingParams
+    from kvcli.options import ConfigError
+
+    ids = [(i * 131) % 30000 + 300 for i in range(700)]
+    p = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    opts = dict(quant="none", block_size=8, kv_budget="1MiB", kv_dtype="fp32", max_num_batched_tokens=16)
+    bounded = LLM(str(mistral_wide), kv_window=40, sink_tokens=4, **opts)
+    kv, r = bounded.engine.kv, bounded.engine.retention
+    streamed = bounded.engine.add_request(ids, p)
+    while bounded.engine.has_unfinished():
+        bounded.engine.step()
+        kv.check_invariants()
+    assert r.max_slots <= 64 and kv.peak_held_blocks * 8 <= r.max_slots + 8
+    assert streamed.dropped_tokens > 0 and len(streamed.output_token_ids) == 8
+    rebuilt = bounded.engine.add_request(ids, p)
+    rebuilt.skip_to_window = True
+    while bounded.engine.has_unfinished():
+        bounded.engine.step()
+    plain = LLM(str(mistral_wide), **opts).generate([ids[:r.sink_slots] + ids[-r.window:]], p)[0]
+    assert rebuilt.output_token_ids == list(plain.token_ids)
+    with pytest.raises(ConfigError, match="attends to its last 64 tokens"):
+        LLM(str(mistral_wide), kv_window=56, sink_tokens=4, **opts)

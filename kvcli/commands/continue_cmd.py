@@ -41,10 +41,11 @@ class ContinueArgs:
 
 
 def fit_prompt(ids: list[int], max_len: int, max_tokens: int, truncate: str, bounded: bool = False,
-               sliding: bool = False) -> list[int]:
+               sliding: int = 0) -> list[int]:
     """The prompt must leave room for max_tokens inside the context, unless the KV cache is bounded
-    (--kv-window): then any length streams through. `sliding`: every layer of the model slides (Mistral), which a
-    bounded cache does not support yet (the error says so instead of suggesting --kv-window)."""
+    (--kv-window): then any length streams through. `sliding`: the window of a model whose every layer slides
+    (Mistral), where --kv-window auto keeps the model's own window and an explicit bounded cache must fit in it
+    (the error names the flag and that limit)."""
     if bounded:
         return ids
     room = max_len - max_tokens
@@ -55,7 +56,8 @@ def fit_prompt(ids: list[int], max_len: int, max_tokens: int, truncate: str, bou
     if truncate == "head":
         return ids[-room:]
     keep = f"use --truncate head to keep the last {room:,}"
-    hint = (f"{keep}; a bounded cache, --kv-window, does not support sliding-window models yet" if sliding else
+    hint = (f"{keep}, or --kv-window W to stream it through a bounded cache inside the model's own "
+            f"{sliding:,}-token sliding window" if sliding else
             f"{keep}, or --kv-window auto to stream it through a bounded cache")
     raise ConfigError(f"the text has {len(ids):,} tokens; {room:,} fit in the {max_len:,}-token context with "
                       f"room for --max-tokens {max_tokens} ({hint})")
@@ -89,7 +91,7 @@ def run_continue(a: ContinueArgs, fail: Fail) -> int:
     try:
         c = engine.config
         prompt = fit_prompt(ids, engine.max_model_len, params.max_tokens, a.truncate, engine.retention is not None,
-                            sliding=bool(sliding_window_of(c)))
+                            sliding=sliding_window_of(c))
         req = engine.add_request(prompt, params)
     except (ConfigError, KVBudgetTooSmall) as e:
         fail(str(e))

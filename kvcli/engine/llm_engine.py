@@ -160,7 +160,7 @@ class LLMEngine:
         if options.kv_layout == "paged":
             self.kv = PagedKVManager(num_blocks, bs, prefix_caching=options.prefix_caching,
                                      watermark=options.watermark, retention=self.retention,
-                                     sliding_window=sliding_window_of(c))
+                                     sliding_window=0 if self.retention else sliding_window_of(c))
         else:
             self.kv = ContiguousArena(num_blocks, bs, reserve=options.reserve, max_model_len=self.max_model_len,
                                       retention=self.retention)
@@ -193,20 +193,26 @@ class LLMEngine:
         w = options.window_tokens(self.max_model_len)
         if w is None:
             return None
-        # A model whose every layer slides (Mistral) bounds its KV already, by true positions; the two rules do not
-        # combine. Where only some layers slide (Gemma 2 / 3) the sliding layers see their window in cache
-        # positions, which the retention rule keeps compact, and each layer's keys shift by its own rotary.
-        if sliding_window_of(c):
-            if options.kv_window == "auto":  # continue's and chat's default: the model's own window instead
-                return None
-            raise ConfigError("--kv-window on a sliding-window model (every layer slides) is not supported yet (its "
-                              "layers bound what they attend to already; --truncate head keeps a long text's end)")
+        # A model whose every layer slides (Mistral) bounds its KV already, by true positions: continue's and chat's
+        # default keeps that (exact). An explicit window there is the bounded cache as on any model, which must then
+        # fit inside the model's own window (cache positions are compact, so every kept key, the sinks included,
+        # stays in the layers' sight), and the layout releases by the retention rule alone. Where only some layers
+        # slide (Gemma 2 / 3) the sliding layers see their window in cache positions, which the retention rule
+        # keeps compact, and each layer's keys shift by its own rotary.
+        model_window = sliding_window_of(c)
+        if model_window and options.kv_window == "auto":
+            return None
         r = Retention(options.sink_tokens, max(w, 1), options.block_size)
         if w < 1 or r.max_slots > self.max_model_len:
             raise ConfigError(f"--kv-window {options.kv_window}: {r.sink_slots} sink slots (--sink-tokens "
                               f"{options.sink_tokens} in whole blocks) + the window + one block must fit the "
                               f"{self.max_model_len:,}-token context: at most "
                               f"{self.max_model_len - r.sink_slots - options.block_size + 1:,}")
+        if model_window and r.max_slots > model_window:
+            raise ConfigError(f"--kv-window {options.kv_window}: every layer of this model attends to its last "
+                              f"{model_window:,} tokens, so {r.sink_slots} sink slots + the window + one block "
+                              f"must fit in them (or the sinks fall out of sight): at most "
+                              f"{max(0, model_window - r.sink_slots - options.block_size + 1):,}")
         return r
 
     @staticmethod
