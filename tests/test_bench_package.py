@@ -134,11 +134,11 @@ def test_ab_old_side_imports_the_old_tree(tmp_path: Path) -> None:
     (tree / "kvcli").mkdir(parents=True)
     (tree / "kernels").mkdir()
     (tree / "kvcli" / "__init__.py").write_text("")
-    (tree / "kernels" / "__init__.py").write_text("")
+    (tree / "kernels" / "cpu_build.py").write_text("")  # kernels/ is a namespace portion (no __init__.py)
     env = ab.old_env(tree)
     files = ab.check_imports("before", env, tmp_path, tree)
     assert Path(files[0]).resolve() == (tree / "kvcli" / "__init__.py").resolve()
-    assert Path(files[1]).resolve() == (tree / "kernels" / "__init__.py").resolve()
+    assert Path(files[1]).resolve() == (tree / "kernels" / "cpu_build.py").resolve()
     with pytest.raises(SystemExit):
         ab.check_imports("after", ab.new_env(), REPO, tree)
 
@@ -188,14 +188,15 @@ def test_caller_arguments_join_the_figures_own_on_each_side_of_the_separator() -
 
 
 def test_the_llama_cpp_worker_imports_llama_cpp_not_its_neighbour():
-    """The worker is run by its path, so kvcli/bench/ is first on its sys.path, where kvcli/bench/llama_cpp.py
-    stood in for the llama_cpp package: every llama.cpp row of the benchmark package failed ("No module named
-    'kvcli'"). Run in the conformance suite's llama-cpp-python venv on the bundled model."""
+    """The worker is run by its path, so kvcli/bench/ is first on its sys.path, where a kvcli/bench/llama_cpp.py
+    (kvcli's handle on the worker, now llama_cpp_runner.py) stood in for the llama_cpp package: every llama.cpp
+    row of the benchmark package failed ("No module named 'kvcli'"). Run in the conformance suite's
+    llama-cpp-python venv on the bundled model."""
     import json
     import subprocess
 
     from conformance.engines import llama_python
-    from kvcli.bench.llama_cpp import WORKER
+    from kvcli.bench.llama_cpp_runner import WORKER
     from kvcli.model.loader import bundled_gguf_path
 
     py = llama_python()

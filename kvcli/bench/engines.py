@@ -3,7 +3,7 @@
   KvcliEngine      kvcli in process (kvcli.llm.LLM)
   HFEngine         transformers `generate` on the same GGUF, dequantized to fp32 by its GGUF loader
   LlamaCppEngine   llama.cpp (llama-cpp-python built by scripts/build_llama_cpp.sh) in its own process:
-                   kvcli/bench/llama_cpp_worker.py, a JSON job in, one JSON result out (kvcli/bench/llama_cpp.py)
+                   kvcli/bench/llama_cpp_worker.py, a JSON job in, one JSON result out (kvcli/bench/llama_cpp_runner.py)
 
 Interface (batch 1, greedy, EOS ignored):
   generate(ids, n)    one whole generation of n tokens (for figures timing whole calls)
@@ -132,7 +132,7 @@ class LlamaCppEngine(Engine):
     name = "llama.cpp"
 
     def __init__(self, isa: str | None = None, threads: int | None = None, path=None) -> None:
-        from kvcli.bench import llama_cpp
+        from kvcli.bench import llama_cpp_runner as llama_cpp
         from kvcli.model.loader import bundled_gguf_path
 
         self.isa = isa or llama_cpp.bench_isa()
@@ -150,7 +150,7 @@ class LlamaCppEngine(Engine):
 
     def job(self, job: dict) -> dict | None:
         """Run one worker job; None (and `note`, `available` False) when it fails."""
-        from kvcli.bench import llama_cpp
+        from kvcli.bench import llama_cpp_runner as llama_cpp
 
         job = {"model": self.path, "threads": self.threads, **job}
         res, note = llama_cpp.run(job, self.isa)

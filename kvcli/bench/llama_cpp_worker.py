@@ -1,4 +1,4 @@
-"""llama.cpp's side of the benchmarks, run by kvcli/bench/llama_cpp.py inside the benchmark-only venv that scripts/build_llama_cpp.sh
+"""llama.cpp's side of the benchmarks, run by kvcli/bench/llama_cpp_runner.py inside the benchmark-only venv that scripts/build_llama_cpp.sh
 builds (never imports kvcli). Reads a JSON job on stdin, prints one JSON result on stdout.
 
 It drives llama.cpp's C API (llama-cpp-python's ctypes bindings) with kvcli's token ids, so both
@@ -13,16 +13,11 @@ engines see exactly the same tokens:
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 
-# Run by its path, so its own folder is first on sys.path, where kvcli/bench/llama_cpp.py (kvcli's handle on
-# this worker) would stand in for the llama_cpp package
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != os.path.dirname(os.path.abspath(__file__))]
-
-import numpy as np  # noqa: E402
-import llama_cpp as L  # noqa: E402
+import numpy as np
+import llama_cpp as L  # run by its path, so nothing in kvcli/bench/ may be named llama_cpp (it would stand in)
 
 
 class Engine:
