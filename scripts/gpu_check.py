@@ -48,7 +48,6 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import importlib
-import importlib.util
 import json
 import os
 import shlex
@@ -111,16 +110,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def load_kernels() -> dict[str, ModuleType]:
     """Import kernels/ of this checkout as `kvcli_kernels` (works without pip install)."""
-    if "kvcli_kernels" not in sys.modules:
-        init = REPO / "kernels" / "__init__.py"
-        if init.exists():
-            spec = importlib.util.spec_from_file_location(
-                "kvcli_kernels", init, submodule_search_locations=[str(init.parent)]
-            )
-            assert spec is not None and spec.loader is not None
-            pkg = importlib.util.module_from_spec(spec)
-            sys.modules["kvcli_kernels"] = pkg
-            spec.loader.exec_module(pkg)
+    if "kvcli_kernels" not in sys.modules:  # kernels/ is a namespace folder (no __init__.py): a package of its path
+        pkg = ModuleType("kvcli_kernels")
+        pkg.__path__ = [str(REPO / "kernels")]
+        sys.modules["kvcli_kernels"] = pkg
     names = ("cache_write", "paged_attention", "int4_gemm", "reference")
     return {n: importlib.import_module(f"kvcli_kernels.{n}") for n in names}
 
