@@ -80,6 +80,8 @@ FIGURES: dict[str, Figure] = {f.name: f for f in [
            "and 8k, with the measured read bandwidth and matrix peak (~10 min)", in_make_figures=False),
     Figure("verify-step", "verify_step:main", "a step of 1-8 query rows after a cached context against a 1-row "
            "decode step (what speculative verification costs)"),
+    Figure("roofline-3b", "roofline:main", "the roofline figure on the 3B shape (Q4_0) at 512 and 4k (~15 min)",
+           ("--shape", "3b", "--contexts", "512,4096"), in_make_figures=False),
     Figure("resident", "resident:main", "resident weights vs file bytes and measured RSS growth on 1B/3B/8B "
            "shapes (kvcli inspect)"),
     Figure("hf-quant", "hf_quant:main", "AWQ / GPTQ / compressed-tensors folders against the bundled GGUF",
