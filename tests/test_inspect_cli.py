@@ -162,7 +162,7 @@ def test_resident_is_what_the_process_grows_by(tmp_path):
     """A 118 MiB Q4_0 model (random weights, kvcli/bench/shapes.py), inspected in its own process as a user
     would: the resident figure is the file's tensor bytes (Q4_0 at 18 B per 32, the tied Q8_0 table once), and
     RSS grows by that plus what is not weights (tokenizer, kernels, tables: ~36 MiB for the bundled model),
-    not by a second copy of the weights that the allocator kept from the build (2x before malloc_trim)."""
+    not by a second copy of the weights that the allocator kept from the build (before malloc_trim)."""
     import subprocess
     import sys
 

@@ -259,9 +259,9 @@ def return_freed_heap() -> None:
     """Hand the heap's free pages back to the OS (glibc's malloc_trim; nothing elsewhere).
 
     A model build frees each weight's load-time form (the file's codes unpacked, scales) as it packs the
-    kernel's; glibc kept those pages, mostly mid-sized chunks below its mmap threshold: on a 1.1B Q4_0 file
-    the process grew by 2.1x the resident weights after load, 1.1x after this call (measured in
-    `python -m kvcli.bench resident`)."""
+    kernel's; glibc kept those pages, mostly mid-sized chunks below its mmap threshold, so RSS grew by about
+    a second copy of the weights (tests/test_inspect_cli.py bounds the growth; `python -m kvcli.bench
+    resident` measures it on 1B-8B shapes)."""
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
