@@ -71,9 +71,10 @@ def code_offset(weight: "QuantTensor") -> int:
     return int(o) if torch.equal(m, -int(o) * d) else 0
 
 
-def _groups(weight: "QuantTensor") -> tuple[Groups, Groups]:
+def _groups(weight: "QuantTensor", offset: int = 0) -> tuple[Groups, Groups]:
     """Scales and mins in the kernel's forms, the file's own where the kernel reads it (exact either way:
-    the kernel computes the same fp32 products as QuantTensor.group_scales / group_mins)."""
+    the kernel computes the same fp32 products as QuantTensor.group_scales / group_mins). offset: a 4-bit
+    weight's code_offset, which the kernel takes off instead of a min."""
     sub = weight.sub_scale
     if sub is not None and sub.dtype in (torch.uint8, torch.int8) and weight.scale.dtype == torch.float16:
         # K-quants: d (fp16 per super-block) * sc (8-bit per group; Q6_K's are signed)
@@ -81,7 +82,7 @@ def _groups(weight: "QuantTensor") -> tuple[Groups, Groups]:
         scale = Groups(SUB if sub.dtype == torch.uint8 else SUB_I8, groups_x8(sub), groups_x8(weight.scale), per)
     else:
         scale = _plain(weight.group_scales())
-    if code_offset(weight):  # Q4_0: the offset taken off in the kernel, no min held
+    if offset:  # Q4_0: the offset taken off in the kernel, no min held
         return scale, Groups(NONE)
     if weight.kind == "q4" and weight.offset:  # s (q - o) + m == s q + (m - s o), multiplied out once
         return scale, _plain(weight.with_float_min().min)
@@ -109,11 +110,11 @@ class Int8DotCpu:
         self.lib = lib
         n, k = weight.shape
         self.out_features, self.in_features, self.group_size = n, k, weight.group_size
-        self.scale, self.mins = _groups(weight)
-        offset = 0
+        offset = code_offset(weight)  # 4-bit weights only (0 otherwise); 5/6-bit offsets below
+        self.scale, self.mins = _groups(weight, offset)
         if weight.kind == "q4":
             self.bits = 4
-            q, offset = weight.unpack_codes(), code_offset(weight)
+            q = weight.unpack_codes()
         elif codes == "packed" and weight.kind == "q5" and self.group_size % 32 == 0 or \
                 codes == "packed" and weight.kind == "q6" and self.group_size == 16 and \
                 (self.scale.kind, self.mins.kind) == (SUB_I8, NONE):  # the forms the kernel has loops for
