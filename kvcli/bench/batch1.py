@@ -75,6 +75,29 @@ def decode(argv: list[str]) -> int:
     return 0
 
 
+def best_rounds(engines: dict, ids: list[int], contexts: list[int], new_tokens: int, rounds: int,
+                notes: list[str]) -> dict[str, dict[int, tuple[float, float]]]:
+    """{engine: {context: (prefill tok/s, decode tok/s)}}, the best of `rounds` interleaved rounds (each engine
+    once per round, every context; llama.cpp's worker one process per round). An engine whose every round
+    failed (llama.cpp's worker) is left out, its note appended to `notes`."""
+    def measure(name: str, _round: int):
+        eng = engines[name]
+        if name == "llama.cpp":
+            return eng.timed_many(ids, contexts, new_tokens)
+        return {n: eng.timed(ids[:n], new_tokens) for n in contexts}
+
+    results: dict[str, dict[int, tuple[float, float]]] = {}
+    for name, samples in interleaved(list(engines), rounds, measure).samples.items():
+        samples = [s for s in samples if s is not None]
+        if not samples:
+            notes.append(engines[name].note)
+            continue
+        decoded = new_tokens if name == "llama.cpp" else new_tokens - 1  # llama.cpp times m decode calls
+        results[name] = {n: (n / min(s[n][0] for s in samples), decoded / min(s[n][1] for s in samples))
+                         for n in contexts}
+    return results
+
+
 def cpu(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvcli.bench cpu", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -111,22 +134,7 @@ def cpu(argv: list[str]) -> int:
         if "transformers" in engines:
             engines["transformers"].timed(ids_all[:n], 2)
 
-    def measure(name: str, _round: int):
-        eng = engines[name]
-        if name == "llama.cpp":  # one worker process per round
-            return eng.timed_many(ids_all, contexts, a.new_tokens)
-        return {n: eng.timed(ids_all[:n], a.new_tokens) for n in contexts}
-
-    rounds = interleaved(list(engines), a.repeats, measure)
-    results: dict[str, dict[int, tuple[float, float]]] = {}
-    for name, samples in rounds.samples.items():
-        samples = [s for s in samples if s is not None]
-        if not samples:
-            notes.append(llama.note)
-            continue
-        decoded = a.new_tokens if name == "llama.cpp" else a.new_tokens - 1  # llama.cpp times m decode calls
-        results[name] = {n: (n / min(s[n][0] for s in samples), decoded / min(s[n][1] for s in samples))
-                         for n in contexts}
+    results = best_rounds(engines, ids_all, contexts, a.new_tokens, a.repeats, notes)
     if llama is not None and llama.version:
         notes.append(llama.version)
 

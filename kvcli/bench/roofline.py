@@ -20,8 +20,9 @@ import argparse
 import sys
 import time
 
+from kvcli.bench.batch1 import best_rounds
 from kvcli.bench.engines import KvcliEngine, LlamaCppEngine
-from kvcli.bench.harness import REPO, busy_note, interleaved, load1, sample_text
+from kvcli.bench.harness import REPO, busy_note, load1, sample_text
 from kvcli.bench.shapes import SHAPES, write_shape
 
 GIB = 2**30
@@ -91,21 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     for n in contexts:
         kv.timed(ids[:n], a.new_tokens)  # warm-up
 
-    def measure(name: str, _round: int):
-        if name == "llama.cpp":
-            return llama.timed_many(ids, contexts, a.new_tokens)
-        return {n: kv.timed(ids[:n], a.new_tokens) for n in contexts}
-
-    rounds = interleaved(list(engines), a.rounds, measure)
-    results: dict[str, dict[int, tuple[float, float]]] = {}
-    for name, samples in rounds.samples.items():
-        samples = [s for s in samples if s is not None]
-        if not samples:
-            notes.append(llama.note)
-            continue
-        decoded = a.new_tokens if name == "llama.cpp" else a.new_tokens - 1  # llama.cpp times m decode calls
-        results[name] = {n: (n / min(s[n][0] for s in samples), decoded / min(s[n][1] for s in samples))
-                         for n in contexts}
+    results = best_rounds(engines, ids, contexts, a.new_tokens, a.rounds, notes)
     if llama.version:
         notes.append(llama.version)
 
