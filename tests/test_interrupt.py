@@ -33,13 +33,18 @@ def test_sigint_keeps_output_and_prints_summary(tmp_path):
 
     t = threading.Thread(target=read, daemon=True)
     t.start()
+    errs: list[str] = []  # stderr drained alongside, so that the reader above alone consumes stdout
+    te = threading.Thread(target=lambda: errs.append(p.stderr.read()), daemon=True)
+    te.start()
     deadline = time.time() + 180
     while len("".join(chunks).split()) < 20 and time.time() < deadline and p.poll() is None:
         time.sleep(0.2)
     assert p.poll() is None, "finished before it could be interrupted"
     os.kill(p.pid, signal.SIGINT)
-    _, err = p.communicate(timeout=60)
-    t.join(timeout=5)
+    p.wait(timeout=60)  # not communicate(): it would read stdout too, racing the reader for the last tokens
+    t.join(timeout=10)
+    te.join(timeout=10)
+    err = "".join(errs)
     assert p.returncode == 130, err
     assert "Traceback" not in err
     assert "kvcli continue (interrupted)" in err and "generated tokens" in err
