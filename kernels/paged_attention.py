@@ -43,7 +43,7 @@ import triton.language as tl
 
 from kvcli_kernels.cache_write import check_cache_format
 
-__all__ = ["paged_attention", "auto_num_splits", "choose_num_splits", "attention_launch_config"]
+__all__ = ["paged_attention", "auto_num_splits", "decode_num_splits", "choose_num_splits", "attention_launch_config"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = 1.4426950408889634
@@ -344,13 +344,25 @@ def _tile_dtype(q: torch.Tensor, k_cache: torch.Tensor) -> torch.dtype:
 
 def auto_num_splits(q: torch.Tensor, k_cache: torch.Tensor, batch: int, max_seqlen_q: int, max_seq_len: int) -> int:
     """The split count paged_attention(num_splits=None) uses for these inputs."""
-    num_tokens, num_q_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    cfg = attention_launch_config(num_q_heads // num_kv_heads, head_dim, block_size, max_seqlen_q,
-                                  _tile_dtype(q, k_cache))
+    num_tokens, num_q_heads, _ = q.shape
+    return _auto_splits(num_tokens, num_q_heads, _tile_dtype(q, k_cache), k_cache, batch, max_seqlen_q, max_seq_len)
+
+
+def decode_num_splits(batch: int, num_q_heads: int, q_dtype: torch.dtype, k_cache: torch.Tensor,
+                      max_seq_len: int) -> int:
+    """The split count of a decode step (one query row per request) over at most max_seq_len keys, without
+    its tensors: what a CUDA graph of that step is captured with (kvcli/runner/cuda_graphs.py)."""
+    tile = k_cache.dtype if k_cache.dtype in _FLOAT_DTYPES else q_dtype
+    return _auto_splits(batch, num_q_heads, tile, k_cache, batch, 1, max_seq_len)
+
+
+def _auto_splits(num_tokens: int, num_q_heads: int, tile_dtype: torch.dtype, k_cache: torch.Tensor, batch: int,
+                 max_seqlen_q: int, max_seq_len: int) -> int:
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    cfg = attention_launch_config(num_q_heads // num_kv_heads, head_dim, block_size, max_seqlen_q, tile_dtype)
     # Programs that do work (the global q-block numbering also launches some that exit at once).
     q_blocks = min(num_tokens // cfg["BLOCK_Q"] + batch, batch * triton.cdiv(max(max_seqlen_q, 1), cfg["BLOCK_Q"]))
-    return choose_num_splits(q_blocks * num_kv_heads, max_seq_len, _num_sms(q.device), cfg["BLOCK_N"])
+    return choose_num_splits(q_blocks * num_kv_heads, max_seq_len, _num_sms(k_cache.device), cfg["BLOCK_N"])
 
 
 

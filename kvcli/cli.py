@@ -80,7 +80,7 @@ ClientApiKey = Annotated[Optional[str], typer.Option(
 
 
 @app.command("continue")
-@engine_flags("model", "block_size", "kv_budget", "quant", "dequantize", "device", "attention_backend",
+@engine_flags("model", "block_size", "kv_budget", "quant", "dequantize", "device", "attention_backend", "cuda_graphs",
               "max_model_len", "max_batch_tokens", "kv_dtype", "prefix_cache", *SPECULATION, *RETENTION,
               kv_window=FLAGS["kv_window"].but(help="Bound the KV: keep the first --sink-tokens tokens and the last "
               "W, so a text longer than the context streams through (kept keys re-rotated as blocks drop; the "
@@ -142,7 +142,7 @@ def _continue_window(engine: EngineFlags, truncate: str, max_tokens: int) -> dic
 
 
 @app.command("chat")
-@engine_flags("model", "block_size", "kv_budget", "quant", "dequantize", "device", "attention_backend",
+@engine_flags("model", "block_size", "kv_budget", "quant", "dequantize", "device", "attention_backend", "cuda_graphs",
               "max_model_len", "kv_dtype", "prefix_cache", *SPECULATION, *RETENTION)
 def chat(
     system: Annotated[Optional[str], typer.Option("--system", "-s", help="System prompt.",
@@ -202,7 +202,7 @@ MaxLenProfile = FLAGS["max_model_len"].but(type=int, default=2048, show_default=
 
 @app.command("profile")
 @engine_flags("model", "block_size", "kv_budget", "max_model_len", "max_batch_tokens", "max_num_seqs",
-              "kv_layout", "reserve", "preempt", "quant", "dequantize", "device", "attention_backend",
+              "kv_layout", "reserve", "preempt", "quant", "dequantize", "device", "attention_backend", "cuda_graphs",
               "prefix_cache", *SPECULATION, *RETENTION, kv_layout=KVLayoutProfile, max_model_len=MaxLenProfile,
               max_num_seqs=256)
 def profile(
@@ -264,8 +264,8 @@ def profile(
 
 @app.command("serve")
 @engine_flags("model", "block_size", "kv_budget", "kv_dtype", "max_model_len", "max_batch_tokens", "max_num_seqs",
-              "kv_layout", "preempt", "quant", "dequantize", "device", "attention_backend", "prefix_cache",
-              *SPECULATION, *RETENTION)
+              "kv_layout", "preempt", "quant", "dequantize", "device", "attention_backend", "cuda_graphs",
+              "prefix_cache", *SPECULATION, *RETENTION)
 def serve(
     host: Annotated[str, typer.Option("--host", help="Address to listen on. Loopback by default; 0.0.0.0 "
                                       "exposes it to the network (set --api-key).")] = "127.0.0.1",

@@ -150,6 +150,8 @@ class EngineOptions:
     kv_window: int | str | None = None
     sink_tokens: int = 4
     kv_window_margin: int = 0  # room kept for generation under kv_window="auto" (continue: --max-tokens)
+    # Decode steps replayed from CUDA graphs (runner/cuda_graphs.py): CUDA with the Triton backend only.
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size not in SUPPORTED_BLOCK_SIZES:
@@ -182,6 +184,8 @@ class EngineOptions:
         if isinstance(self.kv_window_margin, bool) or not isinstance(self.kv_window_margin, int) \
                 or self.kv_window_margin < 0:
             raise ConfigError(f"kv_window_margin must be a whole number >= 0 (got {self.kv_window_margin!r})")
+        if not isinstance(self.cuda_graphs, bool):
+            raise ConfigError(f"--cuda-graphs is on or off (got {self.cuda_graphs!r})")
         if not 0 <= self.watermark < 1:
             raise ConfigError(f"watermark must be in [0, 1) (got {self.watermark})")
         if self.device not in (None, "auto"):

@@ -81,6 +81,12 @@ class AttentionBackend(Protocol):
         view per layer's cache, for the one-call C decode (model/native_decode.py); None where it cannot
         take this step."""
 
+    def decode_graph_key(self, batch: int, max_seq_len: int, cache: "LayerKV", heads: int,
+                         q_dtype: torch.dtype) -> int | None:
+        """For a decode step of `batch` rows over at most max_seq_len keys: what, beyond the batch, fixes the
+        kernels this backend launches (steps that agree replay one CUDA graph: runner/cuda_graphs.py); None
+        where its decode steps cannot be captured (host work per step)."""
+
 
 class PlainFeatures:
     """The optional features absent: what a backend without native CPU kernels inherits."""
@@ -89,4 +95,7 @@ class PlainFeatures:
         return None
 
     def native_decode_plan(self, *args: object) -> None:
+        return None
+
+    def decode_graph_key(self, *args: object) -> None:
         return None

@@ -72,3 +72,12 @@ class TritonAttentionBackend(PlainFeatures):
             window=meta.sliding_window,
             softcap=meta.softcap,
         )
+
+    def decode_graph_key(self, batch: int, max_seq_len: int, cache: LayerKV, heads: int, q_dtype: torch.dtype) -> int:
+        """The split-K count of such a decode step: the one launch decision that follows the context length
+        (tiles follow the batch), so CUDA graphs are captured per (batch, this)."""
+        if self.num_splits is not None:
+            return self.num_splits
+        from kvcli_kernels.paged_attention import decode_num_splits
+
+        return decode_num_splits(batch, heads, q_dtype, cache.k, max_seq_len)

@@ -152,6 +152,7 @@ def run_continue(a: ContinueArgs, fail: Fail) -> int:
             "wall_seconds": round(wall, 3),
             "load_seconds": round(engine.load_seconds, 3),
             "weights_format": engine.linear_mode,
+            "cuda_graphs": engine.cuda_graphs,
             "metrics": snapshot_dict(snap),
         }
         print(json.dumps(report, indent=2))
@@ -162,6 +163,8 @@ def run_continue(a: ContinueArgs, fail: Fail) -> int:
         table.add_row("vs contiguous (max-len)",
                       f"paged held {human_bytes(paged)}; preallocating {snap.max_model_len:,} slots would "
                       f"reserve {human_bytes(contiguous)} ({contiguous / max(paged, 1):.1f}x)")
+        if engine.device.type == "cuda":
+            table.add_row("CUDA graphs", engine.cuda_graphs)
         err.print(table)
     return 130 if interrupted else 0
 

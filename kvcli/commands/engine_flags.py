@@ -151,6 +151,10 @@ FLAGS: Mapping[str, Flag] = MappingProxyType(_flags(
         "--attention-backend", help="Paged attention implementation: triton on CUDA, torch on CPU when auto. "
         "invariant (CPU): every row computed the same way whatever the batch, so speculation, preemption and "
         "batching give bit-identical greedy text; slower."), Backend.auto, "attention_backend"),
+    Flag("cuda_graphs", bool, typer.Option(
+        "--cuda-graphs/--no-cuda-graphs", help="On CUDA with the Triton backend, replay decode steps from CUDA "
+        "graphs (one per batch-size bucket, captured at first use) instead of launching every kernel from "
+        "Python; --no-cuda-graphs launches eagerly (for comparison or debugging)."), True, "cuda_graphs"),
     Flag("prefix_cache", bool, typer.Option(
         "--prefix-cache/--no-prefix-cache", help="Reuse the KV blocks of prompt prefixes seen before (paged "
         "layout)."), True, "prefix_caching"),

@@ -30,6 +30,7 @@ from kvcli.model.tokenizer import Tokenizer
 from kvcli.model.weight_plan import plan_loaded
 from kvcli.native import registry
 from kvcli.options import ConfigError, EngineOptions, parse_kv_budget, parse_kv_dtype
+from kvcli.runner.cuda_graphs import DecodeGraphs
 from kvcli.runner.model_runner import ModelRunner
 from kvcli.runner.simulated_runner import SimulatedRunner
 from kvcli.spec_decode.backoff import AdaptiveBackoff
@@ -152,7 +153,8 @@ class LLMEngine:
             except (torch.OutOfMemoryError, MemoryError, RuntimeError) as e:
                 raise ConfigError(f"--kv-budget: cannot allocate {budget:,} B of KV cache on {self.device} "
                                   f"({type(e).__name__}); try a smaller budget") from None
-            self.runner: ModelRunner | SimulatedRunner = ModelRunner(self.model, self.kv_cache, self.backend)
+            self.runner: ModelRunner | SimulatedRunner = ModelRunner(self.model, self.kv_cache, self.backend,
+                                                                     self._decode_graphs(options))
         else:
             self.runner = SimulatedRunner()
         self.retention = self._retention(options, c)
@@ -214,6 +216,25 @@ class LLMEngine:
                               f"must fit in them (or the sinks fall out of sight): at most "
                               f"{max(0, model_window - r.sink_slots - options.block_size + 1):,}")
         return r
+
+    def _decode_graphs(self, options: EngineOptions) -> DecodeGraphs | None:
+        """CUDA graphs for decode steps (runner/cuda_graphs.py) where they can run: --cuda-graphs, a CUDA
+        device, a backend whose decode steps can be captured (Triton)."""
+        if not options.cuda_graphs or self.device.type != "cuda" or self.backend.decode_graph_key(
+                1, 1, self.kv_cache.layers[0], self.config.num_heads, self.model.dtype) is None:
+            return None
+        return DecodeGraphs(self.model, self.kv_cache, self.backend, options.max_num_seqs,
+                            blocks_for(self.max_model_len, options.block_size))
+
+    @property
+    def cuda_graphs(self) -> str:
+        """How decode steps run, for the summary: CUDA graphs on (and how many), off and why, or eager."""
+        graphs = getattr(self.runner, "graphs", None)
+        if graphs is not None:
+            return graphs.status
+        if self.device.type != "cuda":
+            return "n/a (CPU)"
+        return "off (--no-cuda-graphs)" if not self.options.cuda_graphs else f"off ({self.backend.name} backend)"
 
     @staticmethod
     def _speculation(options: EngineOptions) -> dict:

@@ -13,6 +13,7 @@ from kvcli.step import RunnerOutput, SchedulerOutput, TokenLogprob
 from kvcli.kvcache.interface import NULL_BLOCK
 from kvcli.kvcache.kv_cache import HostBlocks, KVCache
 from kvcli.model.llama import LlamaModel
+from kvcli.runner.cuda_graphs import DecodeGraphs
 from kvcli.runner.key_shift import rotate_by
 from kvcli.sampler import Penalties, apply_penalties, penalize_verification_rows, sample
 from kvcli.spec_decode.acceptance import accept
@@ -75,10 +76,12 @@ class ModelRunner:
     it needs per request (sampling params and seeded generators, host copies of swapped blocks)
     from the scheduler's `new_requests` until the request shows up in `released`."""
 
-    def __init__(self, model: LlamaModel, kv_cache: KVCache, backend: AttentionBackend) -> None:
+    def __init__(self, model: LlamaModel, kv_cache: KVCache, backend: AttentionBackend,
+                 graphs: DecodeGraphs | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.backend = backend
+        self.graphs = graphs  # decode steps replayed from CUDA graphs (runner/cuda_graphs.py), or None: eager
         self.device = model.device
         self.params: dict[str, SamplingParams] = {}
         self.generators: dict[str, torch.Generator | None] = {}
@@ -134,6 +137,10 @@ class ModelRunner:
         self.move_blocks(out)
         if not out.chunks:
             return RunnerOutput({})
+        if self.graphs is not None and not all_logits:
+            logits = self.graphs.run(out.chunks)
+            if logits is not None:  # a decode step: one row per request, in chunk order
+                return self._sample(out.chunks, logits, None)
         ids, positions, meta, rows = build_metadata(out, self.kv_cache.block_size, self.device,
                                                    self.model.config.sliding_window or 0)
         if all_logits:
@@ -153,9 +160,16 @@ class ModelRunner:
             logits = logits[scored:]
         if not sampling:
             return RunnerOutput({}, prompt_logprobs=prompt_lps)
+        return self._sample(sampling, logits, prompt_lps)
+
+    def _sample(self, sampling, logits: torch.Tensor, prompt_lps) -> RunnerOutput:
+        """The sampling chunks' next tokens (and verified guesses) from their logits rows: each chunk's last
+        token's row, then one per guess, in chunk order."""
         sampled: dict[str, list[int]] = {}
         row = 0
         pen = self.penalties
+        # Off the CPU, one argmax for every row and one copy to the host (a row at a time syncs once per row).
+        top = logits.argmax(-1).tolist() if logits.device.type != "cpu" else None
         for c in sampling:
             k = len(c.spec_token_ids)
             if k:
@@ -166,6 +180,9 @@ class ModelRunner:
                 sampled[rid] = accept(rows, c.spec_token_ids, self.params[rid], self.generators[rid])
             else:
                 for rid in (c.req_id, *c.fork_ids):
+                    if top is not None and rid not in pen and self.params[rid].greedy:
+                        sampled[rid] = [top[row]]
+                        continue
                     x = logits[row] if rid not in pen else apply_penalties(logits[row], pen[rid],
                                                                            self.penalized_out[rid])
                     sampled[rid] = [sample(x, self.params[rid], self.generators[rid])]
