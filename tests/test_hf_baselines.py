@@ -67,3 +67,17 @@ def test_bad_arguments_are_refused(hf_model):
         run_hf_baselines(hf_model, PROMPTS, [4, 6], modes=("sequential",))
     with pytest.raises(ValueError, match="unknown mode"):
         run_hf_baselines(hf_model, PROMPTS, MAX_TOKENS, modes=("beam",))
+
+
+@pytest.mark.slow
+def test_a_time_limit_stops_a_mode_and_says_so(hf_model):
+    """seconds_per_mode: the first request (sequential) or batch (static) always runs; none starts after the
+    limit, the rate is over what finished and the note says how much that was."""
+    out = run_hf_baselines(hf_model, PROMPTS, MAX_TOKENS, batch_size=2, modes=("sequential", "static"),
+                           seconds_per_mode=1e-6, warmup=False)
+    seq, st = out["sequential"], out["static"]
+    assert [len(t) for t in seq.token_ids] == MAX_TOKENS[:1] and "after 1 of 3 requests" in seq.note
+    assert seq.tokens_per_s == pytest.approx(MAX_TOKENS[0] / seq.wall_seconds)
+    assert [len(t) for t in st.token_ids] == MAX_TOKENS[:2] and "after 2 of 3 requests" in st.note
+    full = run_hf_baselines(hf_model, PROMPTS, MAX_TOKENS, batch_size=2, modes=("sequential",), warmup=False)
+    assert "stopped" not in full["sequential"].note

@@ -41,6 +41,7 @@ class AttentionMetadata:
     query_lens_list: tuple[int, ...] = ()
     sliding_window: int = 0  # w > 0: position p sees keys [p - w + 1, p]; 0 = full causal (set by the model)
     softcap: float = 0.0  # c > 0: scores s = scale q.k become c * tanh(s / c) before the mask (Gemma 2; the model)
+    num_splits: int | None = None  # split-K count fixed by the caller (a CUDA graph's); None: the backend's choice
 
     @property
     def batch_size(self) -> int:

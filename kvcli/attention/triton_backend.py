@@ -66,7 +66,7 @@ class TritonAttentionBackend(PlainFeatures):
             scale,
             meta.max_seqlen_q,
             meta.max_seq_len,
-            num_splits=self.num_splits,
+            num_splits=self.num_splits if meta.num_splits is None else meta.num_splits,
             k_scale=cache.k_scale,
             v_scale=cache.v_scale,
             window=meta.sliding_window,
@@ -74,10 +74,12 @@ class TritonAttentionBackend(PlainFeatures):
         )
 
     def decode_graph_key(self, batch: int, max_seq_len: int, cache: LayerKV, heads: int, q_dtype: torch.dtype) -> int:
-        """The split-K count of such a decode step: the one launch decision that follows the context length
-        (tiles follow the batch), so CUDA graphs are captured per (batch, this)."""
+        """The split-K count such a decode step launches with: the one launch decision that follows the context
+        length (tiles follow the batch), so CUDA graphs are captured per (batch, this). The automatic count
+        rounded down to a power of two, so a long generation crosses a handful of graphs, not one per 256 keys."""
         if self.num_splits is not None:
             return self.num_splits
         from kvcli_kernels.paged_attention import decode_num_splits
 
-        return decode_num_splits(batch, heads, q_dtype, cache.k, max_seq_len)
+        n = decode_num_splits(batch, heads, q_dtype, cache.k, max_seq_len)
+        return 1 << (n.bit_length() - 1)

@@ -73,11 +73,19 @@ def _check(prompts: Sequence[Sequence[int]], max_tokens: Sequence[int]) -> None:
         raise ValueError("max_tokens must be > 0")
 
 
-def _sequential(model, prompts, max_tokens, progress) -> BaselineResult:
+def _cut_note(done: int, total: int, seconds: float | None) -> str:
+    """What a run stopped at its time limit covered (its rate is over what it finished)."""
+    return "" if done == total else f"; stopped at the {seconds:g} s limit after {done} of {total} requests"
+
+
+def _sequential(model, prompts, max_tokens, progress, stop_at: float | None = None,
+                seconds: float | None = None) -> BaselineResult:
     outs: list[list[int]] = []
     t0 = time.perf_counter()
     for i, (ids, m) in enumerate(zip(prompts, max_tokens)):
-        x = torch.tensor([list(ids)], dtype=torch.long)
+        if stop_at is not None and i and time.perf_counter() >= stop_at:
+            break
+        x = torch.tensor([list(ids)], dtype=torch.long, device=model.device)
         with torch.inference_mode():
             y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=m, do_sample=False)
         new = y[0, len(ids):].tolist()
@@ -88,14 +96,18 @@ def _sequential(model, prompts, max_tokens, progress) -> BaselineResult:
             progress("sequential", i + 1, len(prompts))
     wall = time.perf_counter() - t0
     n = sum(len(o) for o in outs)
-    return BaselineResult("sequential", wall, n, n / wall, "model.generate, batch 1, greedy", n, outs)
+    note = "model.generate, batch 1, greedy" + _cut_note(len(outs), len(prompts), seconds)
+    return BaselineResult("sequential", wall, n, n / wall, note, n, outs)
 
 
-def _static(model, prompts, max_tokens, batch_size, progress) -> BaselineResult:
+def _static(model, prompts, max_tokens, batch_size, progress, stop_at: float | None = None,
+            seconds: float | None = None) -> BaselineResult:
     outs: list[list[int]] = []
     computed = pad_prompt = 0
     t0 = time.perf_counter()
     for start in range(0, len(prompts), batch_size):
+        if stop_at is not None and start and time.perf_counter() >= stop_at:
+            break
         batch = [list(p) for p in prompts[start:start + batch_size]]
         lens = list(max_tokens[start:start + batch_size])
         width = max(len(p) for p in batch)
@@ -107,7 +119,8 @@ def _static(model, prompts, max_tokens, batch_size, progress) -> BaselineResult:
             pad_prompt += width - len(p)
         n_new = max(lens)
         with torch.inference_mode():
-            y = model.generate(x, attention_mask=mask, max_new_tokens=n_new, do_sample=False)
+            y = model.generate(x.to(model.device), attention_mask=mask.to(model.device), max_new_tokens=n_new,
+                               do_sample=False)
         if y.shape[1] - width != n_new:
             raise RuntimeError(f"static: batch at {start} got {y.shape[1] - width} new tokens, expected {n_new}")
         computed += len(batch) * n_new
@@ -119,20 +132,29 @@ def _static(model, prompts, max_tokens, batch_size, progress) -> BaselineResult:
     waste = computed - n
     note = (f"model.generate on static batches of {batch_size}, left padding; each batch runs to its longest "
             f"request: {waste} of {computed} generated tokens ({100 * waste / max(1, computed):.0f} %) are past "
-            f"their request's max_tokens (waste, not counted); {pad_prompt} prompt pad tokens")
+            f"their request's max_tokens (waste, not counted); {pad_prompt} prompt pad tokens"
+            + _cut_note(len(outs), len(prompts), seconds))
     return BaselineResult("static", wall, n, n / wall, note, computed, outs)
 
 
 def _generate_batch(model, prompts, max_tokens, progress, kv_budget_bytes: int, page_size: int,
-                    max_batch_tokens: int) -> BaselineResult:
-    if not hasattr(model, "generate_batch") or not hasattr(model, "continuous_batching_context_manager"):
-        import transformers
+                    max_batch_tokens: int, stop_at: float | None = None, seconds: float | None = None
+                    ) -> BaselineResult:
+    import inspect
 
+    import transformers
+
+    if not hasattr(model, "generate_batch") or not hasattr(model, "continuous_batching_context_manager"):
         return BaselineResult("generate_batch", None, 0, None,
                               f"not available in transformers {transformers.__version__}")
     from transformers import GenerationConfig
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
-    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    try:
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+        from transformers.generation.continuous_batching.utils import WorkloadHints
+    except ImportError as e:
+        return BaselineResult("generate_batch", None, 0, None,
+                              f"not available in transformers {transformers.__version__}: {e}")
 
     cfg = model.config.get_text_config()
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -141,7 +163,10 @@ def _generate_batch(model, prompts, max_tokens, progress, kv_budget_bytes: int, 
     bytes_per_block = 2 * cfg.num_hidden_layers * kv_heads * head_dim * elem * page_size
     num_blocks = max(1, kv_budget_bytes // bytes_per_block)
     # sized like kvcli's pool: transformers' CPU default would take 60 % of free RAM in 256-token pages
-    cb_config = ContinuousBatchingConfig(page_size=page_size, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens)
+    # the page size's keyword: page_size in transformers 5.25, block_size before
+    page_kw = "page_size" if "page_size" in inspect.signature(ContinuousBatchingConfig).parameters else "block_size"
+    cb_config = ContinuousBatchingConfig(**{page_kw: page_size}, num_blocks=num_blocks,
+                                         max_batch_tokens=max_batch_tokens)
     # eos_token_id=-1 never matches a token (init_continuous_batching substitutes it for None, with a warning)
     gen_config = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=PAD_TOKEN_ID,
                                   max_new_tokens=max(max_tokens))
@@ -162,6 +187,8 @@ def _generate_batch(model, prompts, max_tokens, progress, kv_budget_bytes: int, 
             for rid, p, m in zip(ids, prompts, max_tokens):
                 manager.add_request(list(p), request_id=rid, max_new_tokens=m, eos_token_id=-1)
             while len(results) < len(ids):
+                if stop_at is not None and time.perf_counter() >= stop_at:
+                    break
                 out = manager.get_result(timeout=1)
                 if out is None:
                     if not manager.is_running():
@@ -180,10 +207,12 @@ def _generate_batch(model, prompts, max_tokens, progress, kv_budget_bytes: int, 
     outs: list[list[int]] = []
     problems: list[str] = []
     computed = 0
+    cut = stop_at is not None and len(results) < len(ids)
     for rid, m in zip(ids, max_tokens):
         out = results.get(rid)
         if out is None:
-            problems.append(f"{rid} missing")
+            if not cut:
+                problems.append(f"{rid} missing")
             outs.append([])
             continue
         if out.error is not None:
@@ -197,7 +226,9 @@ def _generate_batch(model, prompts, max_tokens, progress, kv_budget_bytes: int, 
     note = (f"continuous batching via continuous_batching_context_manager + add_request(max_new_tokens=m) "
             f"(generate_batch takes one global max_new_tokens); attn {attn}, page_size {page_size}, "
             f"{resolved.num_blocks} blocks ({kv_budget_bytes / 2**20:.0f} MiB), max_batch_tokens "
-            f"{resolved.max_batch_tokens}; cache setup + warm-up {setup:.2f} s not timed")
+            f"{resolved.max_batch_tokens}; cache setup + warm-up {setup:.2f} s not timed"
+            + (f"; stopped at the {seconds:g} s limit with {len(results)} of {len(ids)} requests finished (the "
+               "rate counts finished requests' tokens only)" if cut else ""))
     if problems:
         shown = "; ".join(problems[:3]) + (f"; … {len(problems) - 3} more" if len(problems) > 3 else "")
         return BaselineResult("generate_batch", wall, n, None, f"{note}; INCOMPLETE: {shown}", computed, outs)
@@ -216,13 +247,17 @@ def run_hf_baselines(
     page_size: int = 16,
     max_batch_tokens: int = 512,
     warmup: bool = True,
+    seconds_per_mode: float | None = None,
 ) -> dict[str, BaselineResult]:
     """Run `prompts` (token ids) through transformers in each of `modes`; request i yields max_tokens[i] tokens.
 
     kv_budget_bytes / page_size / max_batch_tokens size the continuous-batching cache like kvcli's pool
     (`--kv-budget`, block size 16, `max_num_batched_tokens` 512); transformers' defaults on CPU would take 60 % of
     free RAM and 256-token pages (one page per request at least). `warmup` runs one untimed 2-token `generate`
-    on the first prompt first, so one-off costs (first-call allocations, lazy imports) stay out of the timings."""
+    on the first prompt first, so one-off costs (first-call allocations, lazy imports) stay out of the timings.
+    `seconds_per_mode`: a mode stops starting requests (sequential), batches (static) or waiting (continuous
+    batching) after this long; its rate is then over what it finished, and its note says how much that was.
+    Inputs go to the model's device (a CUDA model runs on CUDA)."""
     _check(prompts, max_tokens)
     unknown = [m for m in modes if m not in MODES]
     if unknown:
@@ -233,18 +268,20 @@ def run_hf_baselines(
     model.generation_config = _greedy_config()  # generate falls back to the model's config for EOS otherwise
     try:
         if warmup:
-            x = torch.tensor([list(prompts[0])], dtype=torch.long)
+            x = torch.tensor([list(prompts[0])], dtype=torch.long, device=model.device)
             with torch.inference_mode():
                 model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=2, do_sample=False)
         out: dict[str, BaselineResult] = {}
         for mode in modes:
+            limit = dict(stop_at=None if seconds_per_mode is None else time.perf_counter() + seconds_per_mode,
+                         seconds=seconds_per_mode)
             if mode == "sequential":
-                out[mode] = _sequential(model, prompts, max_tokens, progress)
+                out[mode] = _sequential(model, prompts, max_tokens, progress, **limit)
             elif mode == "static":
-                out[mode] = _static(model, prompts, max_tokens, batch_size, progress)
+                out[mode] = _static(model, prompts, max_tokens, batch_size, progress, **limit)
             else:
                 out[mode] = _generate_batch(model, prompts, max_tokens, progress, kv_budget_bytes, page_size,
-                                            max_batch_tokens)
+                                            max_batch_tokens, **limit)
         return out
     finally:
         model.generation_config = saved

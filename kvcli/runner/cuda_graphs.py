@@ -12,7 +12,7 @@ forward once and replays it with one call. What a graph needs, and how this modu
   * The same kernels. Everything the launchers decide on the host is fixed at capture: tile shapes follow
     the bucket; the attention's split-K count follows the longest context, so a graph is kept per
     (bucket, split count), each captured the first time a step needs it (the backend says which count a
-    step would launch with: `decode_graph_key`).
+    step launches with, `decode_graph_key`, and the step's metadata fixes it).
   * No host work inside. Only decode steps of the Triton backend are graphed (the torch backend loops over
     requests on the host); prefill chunks, speculative verification and teacher-forced scoring run eagerly.
 
@@ -121,7 +121,8 @@ class DecodeGraphs:
         key = (b, split)
         meta = AttentionMetadata(slot_mapping=self.slots[:b], cu_seqlens_q=self.cu[:b + 1],
                                  seq_lens=self.seq_lens[:b], block_tables=self.tables[:b], max_seqlen_q=1,
-                                 max_seq_len=max_len, query_lens_list=(1,) * b, sliding_window=self.sliding_window)
+                                 max_seq_len=max_len, query_lens_list=(1,) * b, sliding_window=self.sliding_window,
+                                 num_splits=split)
         if not self.capture:
             return self._forward(b, meta)[:n]
         graph = self.graphs.get(key)

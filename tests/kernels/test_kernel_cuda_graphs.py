@@ -100,3 +100,28 @@ def test_generation_through_the_static_buffers_matches_eager(tmp_path):
     got = [o.token_ids for o in graphed.generate(prompts, params)]
     assert got == want
     assert [len(t) for t in got] == [4, 2, 3]
+
+
+def test_graph_key_is_the_decode_split_count_rounded_to_a_power_of_two(monkeypatch):
+    """The split count a graph is captured with is the launcher's own choice for that decode step (on a
+    132-SM device), rounded down to a power of two."""
+    import kvcli_kernels.paged_attention as pa
+
+    from kvcli.attention.triton_backend import TritonAttentionBackend
+    from kvcli.kvcache.kv_cache import LayerKV
+
+    monkeypatch.setattr(pa, "_num_sms", lambda device: 132)
+    k = torch.zeros(64, 16, 8, 128, dtype=torch.float16)
+    layer = LayerKV(k, k.clone())
+    backend = TritonAttentionBackend()
+    seen = set()
+    for batch in (1, 2, 3, 8, 17, 64):
+        for ctx in (100, 700, 2048, 9000, 40000):
+            q = torch.zeros(batch, 32, 128, dtype=torch.float16)
+            auto = pa.auto_num_splits(q, k, batch, 1, ctx)
+            assert pa.decode_num_splits(batch, 32, torch.float16, k, ctx) == auto
+            key = backend.decode_graph_key(batch, ctx, layer, 32, torch.float16)
+            assert key & (key - 1) == 0 and key <= auto < 2 * key
+            seen.add(key)
+    assert {1, 2, 8, 32} <= seen
+    assert TritonAttentionBackend(num_splits=3).decode_graph_key(1, 40000, layer, 32, torch.float16) == 3
