@@ -28,10 +28,15 @@ Sections, run in this order (of value: correctness first, the long engine run la
       {1, 8} x context {8k, 32k}: time, achieved bandwidth (codes + scales + q bytes read), and
       the time ratio against the fp16 cache; each output checked against the torch reference on
       the dequantized K/V. fp8 rows need compute capability >= 8.9 (marked skipped below that);
+  (g) decode with and without CUDA graphs on llama-3-8b shapes (random INT4), batch 1 and 32;
   (d) the engine end to end on random INT4 weights (scripts/gpu_engine_check.py): triton vs torch
-      backend logits and greedy tokens, paged vs contiguous greedy tokens, batch-1 decode against
-      transformers, and a ShareGPT-shaped workload paged vs contiguous under one KV budget.
-A goals summary (issue #3's targets, judged on the measured rows) closes the report.
+      backend logits and greedy tokens, paged vs contiguous greedy tokens, graph vs eager decode, and
+      a ShareGPT-shaped trace paged vs contiguous under one KV budget (with the KV breakdown and a
+      capture of the live view);
+  (h) transformers on the same shapes: batch-1 decode, the same trace one request at a time, in
+      static batches and through its continuous batching (each mode time-limited).
+Goals summaries (the kernel targets and issue #28's engine targets, judged on the measured rows) close
+the report.
 Isolation: with more than one section, this process only drives: each section runs in its own
 process with its own time cap (--section-seconds), so a sticky CUDA error, a crash or a timeout
 costs that section only. Every case is guarded (a failure is a FAIL row with its message) and
@@ -62,10 +67,12 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 ROTATE_BYTES = 256 * 2**20  # > H200 L2 (50 MB) several times over
-ORDER = "abced"  # order of value: correctness, attention speed, INT4 speed, KV dtypes, the engine
-# Per-section wall-clock caps (process start and cold compiles included): 400 s in all, the
-# budget of one run in a 15-minute device window that must leave time for a rerun.
-DEFAULT_CAPS = {"a": 70.0, "b": 60.0, "c": 45.0, "e": 40.0, "d": 185.0}
+ORDER = "abcegdh"  # order of value: correctness, attention, INT4, KV dtypes, graphs, the engine, transformers
+# Per-section wall-clock caps (process start and cold compiles included): 475 s in all, the budget of
+# one run in a 15-minute device window (the machine's start included) that must leave time for a rerun.
+DEFAULT_CAPS = {"a": 55.0, "b": 50.0, "c": 35.0, "e": 30.0, "g": 80.0, "d": 130.0, "h": 95.0}
+SECTION_NAMES = {"a": "correctness", "b": "decode attention", "c": "int4 gemm", "e": "decode attention per KV dtype",
+                 "g": "CUDA graphs", "d": "engine", "h": "transformers baselines"}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -79,11 +86,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "compile per kernel here, and print the time budget")
     p.add_argument("--sections", default=ORDER, metavar="LETTERS",
                    help=f"which sections to run (default {ORDER}): a kernel correctness, b decode attention speed, "
-                        "c INT4 GEMM speed, e decode attention per KV dtype (fp16/int8/fp8), d the engine end to end")
+                        "c INT4 GEMM speed, e decode attention per KV dtype (fp16/int8/fp8), g decode with and "
+                        "without CUDA graphs, d the engine end to end, h transformers on the same shapes")
     p.add_argument("--section-seconds", default=",".join(f"{k}={v:g}" for k, v in DEFAULT_CAPS.items()),
                    metavar="a=S,b=S,...", help="wall-clock cap of each section's process (default %(default)s)")
-    p.add_argument("--engine-seconds", type=float, default=45.0, metavar="S",
-                   help="time limit for section (d)'s workload runs; cut runs report what finished (default 45)")
+    p.add_argument("--engine-seconds", type=float, default=60.0, metavar="S",
+                   help="time limit for section (d)'s workload runs; cut runs report what finished (default 60)")
     p.add_argument("--in-process", action="store_true",
                    help="run the sections in this process (no isolation; for debugging)")
     p.add_argument("--state", metavar="DIR", help=argparse.SUPPRESS)  # the driver's shared state folder
@@ -863,15 +871,48 @@ def _engine_module() -> ModuleType:
     return importlib.import_module("gpu_engine_check")
 
 
-def section_d(run: Run) -> None:
-    """The engine: correctness rows join table (a); the speed part's partial results are kept on error."""
+def _kvcli_section(run: Run, letter: str) -> dict[str, Any] | None:
+    """The section's record, or None (and a 'skipped' engine entry) where kvcli cannot be imported."""
     ge = _engine_module()
-    sec = run.section("d")
+    sec = run.section(letter)
     missing = ge.kvcli_missing()
     if missing:
         print(f"  skipped: kvcli needs the module {missing!r}, which is not installed", flush=True)
         sec["engine"] = dict(skipped=f"kvcli needs the module `{missing}`, which is not installed here "
-                                     "(sections a-c need only torch and triton)")
+                                     "(sections a-c and e need only torch and triton)")
+        return None
+    return sec
+
+
+def section_g(run: Run) -> None:
+    """Decode with and without CUDA graphs; rows measured before an error are kept."""
+    sec = _kvcli_section(run, "g")
+    if sec is None:
+        return
+    perf: dict[str, Any] = {}
+    sec["engine"] = perf
+    run.case("g", "cuda graphs speed", lambda: _engine_module().bench_graphs(run.args.cpu_smoke, out=perf,
+                                                                              progress=run.save),
+             lambda m: perf.update(error=m))
+
+
+def section_h(run: Run) -> None:
+    """transformers on (d)'s shapes and trace; modes measured before an error are kept."""
+    sec = _kvcli_section(run, "h")
+    if sec is None:
+        return
+    perf: dict[str, Any] = {}
+    sec["engine"] = perf
+    run.case("h", "transformers baselines", lambda: _engine_module().bench_hf(run.args.cpu_smoke, out=perf,
+                                                                               progress=run.save),
+             lambda m: perf.update(error=m))
+
+
+def section_d(run: Run) -> None:
+    """The engine: correctness rows join table (a); the speed part's partial results are kept on error."""
+    ge = _engine_module()
+    sec = _kvcli_section(run, "d")
+    if sec is None:
         return
     rows = sec["correct"]
 
@@ -914,6 +955,13 @@ def report_text(state: Path, args: argparse.Namespace, env: dict[str, str]) -> s
         text += "\n" + "\n".join(render_forms(sec["c"]["forms"], sec["c"].get("int4", []), args.cpu_smoke))
     if sec["e"].get("kvdtype"):
         text += "\n" + "\n".join(render_e(sec["e"]["kvdtype"], sec["e"].get("copy_bw") or copy_bw, args.cpu_smoke))
+    ge = _engine_module() if any(sec[k].get("engine") for k in "gdh") else None
+    if sec["g"].get("engine"):
+        text += "\n" + "\n".join(ge.render_graphs(sec["g"]["engine"]))
+    if sec["h"].get("engine"):
+        text += "\n" + "\n".join(ge.render_hf(sec["h"]["engine"]))
+    if ge is not None and not args.cpu_smoke:
+        text += "\n" + "\n".join(ge.engine_goals(sec["g"].get("engine"), sec["d"].get("engine"), sec["h"].get("engine")))
     return text
 
 
@@ -934,9 +982,10 @@ def failures(state: Path) -> list[str]:
     bad += [f"{r['form']} N={r['n']} K={r['k']}" for r in data.get("c", {}).get("forms", []) if r.get("error")]
     bad += [f"kv {r['kv']} B={r['batch']} ctx={r['ctx']}" for r in data.get("e", {}).get("kvdtype", []) if r.get("error")]
     bad += [f"({k}) {n}" for k, d in data.items() for n in d.get("notes", [])]
-    eng = data.get("d", {}).get("engine") or {}
-    if eng.get("error"):
-        bad.append(f"engine speed: {eng['error']}")
+    for letter in "gdh":
+        eng = data.get(letter, {}).get("engine") or {}
+        if eng.get("error"):
+            bad.append(f"({letter}) {SECTION_NAMES[letter]}: {eng['error']}")
     return bad
 
 
@@ -1099,6 +1148,23 @@ def dry_run(args: argparse.Namespace) -> int:
                     ld += attn([1] * batch, [ctx] * batch, heads, kvh, hd, 16, dtype, None)
                 ld += attn([1] * (batch - 1) + [200], [300] * batch, heads, kvh, hd, 16, dtype, None)
     sections["d"] = dict(launches=ld, bytes=0, work=f"capped by --engine-seconds {args.engine_seconds:g} + setup")
+    # (g): the 8B shapes at the two decode buckets (1 and 32) and the 512-token prefill chunks; (d)'s bound
+    # above covers its other shapes.
+    lg: list = []
+    c = PRESETS["llama-3-8b"]
+    h, heads, kvh = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
+    hd = c.get("head_dim") or h // heads
+    shapes = [(hd * (heads + 2 * kvh), h), (h, hd * heads), (2 * c["intermediate_size"], h), (h, c["intermediate_size"])]
+    for m in (1, 32, 512):
+        for n, k in shapes:
+            lg += int4(m, n, k, torch.bfloat16)
+        lg += write(m, kvh, hd, 16, 64, torch.bfloat16)
+    for batch in (1, 32):
+        for ctx in (600, 640):
+            lg += attn([1] * batch, [ctx] * batch, heads, kvh, hd, 16, torch.bfloat16, None)
+    lg += attn([512], [512], heads, kvh, hd, 16, torch.bfloat16, None)
+    sections["g"] = dict(launches=lg, bytes=0, work="random 8B weights, 4 x 5 generate calls, graph captures")
+    sections["h"] = dict(launches=[], bytes=0, work="transformers 8B bf16: decode + 3 modes, time-limited")
 
     # Compile seconds per variant, measured here on the first variant of each kernel.
     seen: set = set()
@@ -1122,7 +1188,7 @@ def dry_run(args: argparse.Namespace) -> int:
         seen |= set(keys)
         comp = sum(per_kernel[v] for v in new.values())
         data_s = sections[letter]["bytes"] / H200_BYTES_PER_S
-        extra = args.engine_seconds if letter == "d" else 0.0
+        extra = {"d": args.engine_seconds, "g": 30.0, "h": sum(_engine_module().HF_SECONDS.values())}.get(letter, 0.0)
         est = comp + data_s + extra
         total_var += len(new)
         total_est += est
@@ -1160,9 +1226,7 @@ def run_sections(args: argparse.Namespace, env: dict[str, str], state: Path) -> 
     run = Run(args, env, state)
     plan = plan_bc(args)
     for letter in args.sections:
-        print(f"({letter}) " + {"a": "correctness", "b": "decode attention", "c": "int4 gemm", "d": "engine",
-                                "e": "decode attention per KV dtype"}[letter],
-              flush=True)
+        print(f"({letter}) " + SECTION_NAMES[letter], flush=True)
         try:
             if letter == "a":
                 section_a(run, mods, device)
@@ -1172,7 +1236,7 @@ def run_sections(args: argparse.Namespace, env: dict[str, str], state: Path) -> 
                 print(f"copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
                 {"b": section_b, "c": section_c, "e": section_e}[letter](run, mods, device, bw)
             else:
-                section_d(run)
+                {"d": section_d, "g": section_g, "h": section_h}[letter](run)
             run.data[letter]["done"] = True
         except SectionAborted as exc:
             run.data[letter]["notes"].append(f"{exc}: the rest of the section was not run")

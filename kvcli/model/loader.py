@@ -100,14 +100,17 @@ def _load_dummy(name: str) -> LoadedWeights:
     return LoadedWeights(config, dummy_weights(config), ByteTokenizer(), f"dummy:{name}", {"random-int4": 1})
 
 
-def dummy_weights(config: ModelConfig, seed: int = 0) -> dict[str, QuantTensor | torch.Tensor]:
-    """Random INT4 linears and small dense norms/embeddings with a real architecture's shapes."""
-    g = torch.Generator().manual_seed(seed)
+def dummy_weights(config: ModelConfig, seed: int = 0, device: str | torch.device = "cpu"
+                  ) -> dict[str, QuantTensor | torch.Tensor]:
+    """Random INT4 linears and small dense norms/embeddings with a real architecture's shapes, drawn on
+    `device` (a GPU draws an 8B model's in a second; the CPU takes seconds per billion weights)."""
+    g = torch.Generator(device=device).manual_seed(seed)
     c = config
     h, d = c.hidden_size, c.head_dim
     w: dict[str, QuantTensor | torch.Tensor] = {}
     std = 0.02
-    w["model.embed_tokens.weight"] = (torch.randn(c.vocab_size, h, generator=g) * std).to(torch.float16)
+    w["model.embed_tokens.weight"] = (torch.randn(c.vocab_size, h, generator=g, device=g.device) * std).to(
+        torch.float16)
     if not c.tie_word_embeddings:
         w["lm_head.weight"] = random_q4(c.vocab_size, h, std, g)
     w["model.norm.weight"] = torch.ones(h)

@@ -243,10 +243,12 @@ def quantize_q8(w: torch.Tensor, group_size: int = 32) -> QuantTensor:
 
 
 def random_q4(n: int, k: int, std: float, generator: torch.Generator, group_size: int = 32) -> QuantTensor:
-    """Random INT4 weights with roughly `std` spread, for dummy models (no weights to download)."""
-    raw = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=generator)
+    """Random INT4 weights with roughly `std` spread, for dummy models (no weights to download), on the
+    generator's device."""
+    dev = generator.device
+    raw = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=generator, device=dev)
     # Uniform codes in 0..15 have std ~4.6, centred on 7.5.
-    scale = torch.full((n, k // group_size), std / 4.6, dtype=torch.float16)
+    scale = torch.full((n, k // group_size), std / 4.6, dtype=torch.float16, device=dev)
     mn = (-7.5 * scale.float()).to(torch.float16)
     return QuantTensor("q4", raw, scale, mn, group_size)
 
