@@ -118,6 +118,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def load_kernels() -> dict[str, ModuleType]:
     """Import kernels/ of this checkout as `kvcli_kernels` (works without pip install)."""
+    if str(REPO) not in sys.path:  # kernels/kv_formats.py reads kvcli's KV formats
+        sys.path.insert(0, str(REPO))
     if "kvcli_kernels" not in sys.modules:  # kernels/ is a namespace folder (no __init__.py): a package of its path
         pkg = ModuleType("kvcli_kernels")
         pkg.__path__ = [str(REPO / "kernels")]

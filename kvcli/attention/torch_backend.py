@@ -352,6 +352,10 @@ class TorchAttentionBackend:
         self._rows_recent = [*self._rows_recent[-3:], (meta, scale, heads, step)]
         return step
 
+    def decode_graph_key(self, *args: object) -> None:
+        """No CUDA graphs: a step loops over its requests on the host (the per-request lengths are read there)."""
+        return None
+
     def native_decode_plan(self, meta: AttentionMetadata, caches: list[LayerKV], heads: int,
                            scale: float) -> tuple[DecodeStep, list[CacheView]] | None:
         """For a caller that runs whole decoder layers in C (kernels/cpu_decode_layers.c): the decode
