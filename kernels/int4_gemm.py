@@ -10,13 +10,20 @@ offset held as int8).
            G in {32, 64, 128}, and 16 for 8-bit codes (Q6_K)
   out    : [M, N] in x's dtype, fp32 accumulation
 
-Two kernels, both with optional split-K over an fp32 workspace (deterministic, no atomics):
+Kernels, each with optional split-K over an fp32 workspace (deterministic, no atomics):
   * GEMV (M <= 8, decode): pure weight streaming, no tensor cores. A program owns BLOCK_N output
-    columns for all M rows; each [BLOCK_N, BLOCK_K] weight tile is loaded as K-contiguous 16-byte
-    vectors of codes, dequantized once in fp32 and reduced against every x row with tl.sum.
-  * GEMM (M > 8): tiled tl.dot with grouped tile ordering for L2 reuse. Per quantization group it
-    computes scale * (x_g @ q_g) + min * rowsum(x_g) (llama.cpp's Q4_1 dot), so the MMA consumes the
-    raw 0..15 codes (exact in 16-bit) and nothing is dequantized per weight.
+    columns for all M rows; each [BLOCK_N, BLOCK_K] tile of codes is loaded as K-contiguous 16-byte
+    vectors and reduced against every x row per quantization group on the raw codes, the group's
+    scale and min applied to the group sums: scale * (q_g . x_g) + min * sum(x_g) (three CUDA-core
+    operations per weight and row instead of five).
+  * GEMM (M > 8): tiled tl.dot with grouped tile ordering for L2 reuse. Each [BLOCK_N, BLOCK_K] weight
+    tile is dequantized in registers (fp32 FMA, rounded to the dot's 16-bit type) and fed to one
+    tl.dot that accumulates in place, so the tensor cores run whole BLOCK_K steps and the pipeline
+    stays full (the first GPU run measured the per-group form below at 17 % of copy bandwidth for
+    M = 16: a K = 32 dot per group and an fp32 rescale of the whole tile after each).
+  * GEMM "codes" form (kept for comparison, gemm="codes"): per quantization group
+    scale * (x_g @ q_g) + min * rowsum(x_g) (llama.cpp's Q4_1 dot) on the raw 0..15 codes, exact in
+    16-bit, nothing dequantized per weight.
 Split-K is picked when the output tiles alone cannot fill the SMs (small M and N); the partial
 sums are reduced and cast by _splitk_reduce_kernel.
 """
@@ -29,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["int4_matmul", "int4_launch_config"]
+__all__ = ["int4_matmul", "int4_launch_config", "GEMM_FORMS"]
 
 GEMV_MAX_M = 8
 _X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -97,17 +104,21 @@ def _int4_gemv_kernel(
             )
             q = tl.interleave(c & 0xF, c >> 4).to(tl.float32)  # [BLOCK_N, BLOCK_K] in k order
         g_mask = n_valid[:, None] & (offs_g[None, :] < tl.cdiv(k_hi, GROUP_SIZE))
-        s = tl.load(scale_ptr + n64[:, None] * stride_sn + offs_g[None, :] * stride_sg, mask=g_mask, other=0.0)
-        q = tl.reshape(q, [BLOCK_N, BLOCK_K // GROUP_SIZE, GROUP_SIZE])
-        w = q * s.to(tl.float32)[:, :, None]
+        s = tl.load(scale_ptr + n64[:, None] * stride_sn + offs_g[None, :] * stride_sg, mask=g_mask,
+                    other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_K // GROUP_SIZE]
         if HAS_MIN:
-            z = tl.load(min_ptr + n64[:, None] * stride_zn + offs_g[None, :] * stride_zg, mask=g_mask, other=0.0)
-            w = w + z.to(tl.float32)[:, :, None]
-        w = tl.reshape(w, [BLOCK_N, BLOCK_K])
+            z = tl.load(min_ptr + n64[:, None] * stride_zn + offs_g[None, :] * stride_zg, mask=g_mask,
+                        other=0.0).to(tl.float32)
         for m in tl.static_range(BLOCK_M):
             x_mask = k_valid & (tl.full([BLOCK_K], m, tl.int32) < M)  # rows past M read as 0 (vector form for the interpreter)
-            xm = tl.load(x_ptr + m * stride_xm + offs_k * stride_xk, mask=x_mask, other=0.0)
-            part = tl.sum(w * xm.to(tl.float32)[None, :], 1)  # [BLOCK_N]
+            xm = tl.load(x_ptr + m * stride_xm + offs_k * stride_xk, mask=x_mask, other=0.0).to(tl.float32)
+            # Per group: q_g . x_g on the raw codes, then the group's affine part on the sums.
+            dots = tl.sum(tl.reshape(q * xm[None, :], [BLOCK_N, BLOCK_K // GROUP_SIZE, GROUP_SIZE]), 2)
+            gsum = dots * s
+            if HAS_MIN:
+                xs = tl.sum(tl.reshape(xm, [BLOCK_K // GROUP_SIZE, GROUP_SIZE]), 1)  # sum(x_g)
+                gsum += z * xs[None, :]
+            part = tl.sum(gsum, 1)  # [BLOCK_N]
             acc = tl.where(offs_m[:, None] == m, acc + part[None, :], acc)
 
     mask = (offs_m[:, None] < M) & n_valid[None, :]
@@ -121,6 +132,97 @@ def _int4_gemv_kernel(
 
 @triton.jit
 def _int4_gemm_kernel(
+    x_ptr,
+    codes_ptr,
+    scale_ptr,
+    min_ptr,
+    out_ptr,  # [M, N] (SPLIT_K == False) or fp32 workspace [S, M, N]
+    M,
+    N,
+    K,
+    k_per_split,  # multiple of BLOCK_K
+    stride_xm,
+    stride_xk,
+    stride_cn,
+    stride_cj,
+    stride_sn,
+    stride_sg,
+    stride_zn,
+    stride_zg,
+    stride_om,
+    stride_on,
+    GROUP_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # a multiple of GROUP_SIZE
+    GROUP_M: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    COMPUTE_F32: tl.constexpr,  # fp32 x (or bf16 under the interpreter): fp32 operands, 3xTF32 dot
+    CODE_BITS: tl.constexpr = 4,  # 4: packed nibbles; 8: int8 codes
+    HAS_MIN: tl.constexpr = True,
+):
+    """acc += x_tile @ dequant(W_tile)^T over BLOCK_K steps: the [BLOCK_N, BLOCK_K] tile of codes is loaded
+    K-contiguous (16-byte vectors along each weight row), dequantized in fp32 (scale * q + min), rounded to
+    x's 16-bit type and consumed by one tl.dot that accumulates into acc."""
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    first_m = (pid // num_pid_in_group) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % num_pid_in_group) % group_rows
+    pid_n = (pid % num_pid_in_group) // group_rows
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_valid = offs_m < M
+    n_valid = offs_n < N
+    m64 = offs_m.to(tl.int64)
+    n64 = offs_n.to(tl.int64)
+    k_lo = pid_k * k_per_split
+    # Both bounds are multiples of GROUP_SIZE: the K masks are constant over each group's vectors.
+    k_hi = tl.multiple_of(tl.minimum(k_lo + k_per_split, K), GROUP_SIZE)
+    j_hi = tl.multiple_of(k_hi // 2, GROUP_SIZE // 2)
+    dot_ty = tl.float32 if COMPUTE_F32 else x_ptr.dtype.element_ty
+
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for kt in range(0, tl.cdiv(k_hi - k_lo, BLOCK_K)):
+        k0 = tl.multiple_of(k_lo + kt * BLOCK_K, BLOCK_K)
+        offs_k = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
+        k_valid = offs_k < k_hi
+        x = tl.load(x_ptr + m64[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+                    mask=m_valid[:, None] & k_valid[None, :], other=0.0)
+        if CODE_BITS == 8:
+            q = tl.load(codes_ptr + n64[:, None] * stride_cn + offs_k[None, :] * stride_cj,
+                        mask=n_valid[:, None] & k_valid[None, :], other=0).to(tl.float32)  # [BLOCK_N, BLOCK_K]
+        else:
+            offs_j = tl.max_contiguous(tl.multiple_of(k0 // 2 + tl.arange(0, BLOCK_K // 2), BLOCK_K // 2),
+                                       BLOCK_K // 2)
+            c = tl.load(codes_ptr + n64[:, None] * stride_cn + offs_j[None, :] * stride_cj,
+                        mask=n_valid[:, None] & (offs_j[None, :] < j_hi), other=0)
+            q = tl.interleave(c & 0xF, c >> 4).to(tl.float32)  # [BLOCK_N, BLOCK_K] in k order
+        offs_g = k0 // GROUP_SIZE + tl.arange(0, BLOCK_K // GROUP_SIZE)
+        g_mask = n_valid[:, None] & (offs_g[None, :] < tl.cdiv(k_hi, GROUP_SIZE))
+        s = tl.load(scale_ptr + n64[:, None] * stride_sn + offs_g[None, :] * stride_sg, mask=g_mask, other=0.0)
+        w = tl.reshape(q, [BLOCK_N, BLOCK_K // GROUP_SIZE, GROUP_SIZE]) * s.to(tl.float32)[:, :, None]
+        if HAS_MIN:
+            z = tl.load(min_ptr + n64[:, None] * stride_zn + offs_g[None, :] * stride_zg, mask=g_mask, other=0.0)
+            w = w + z.to(tl.float32)[:, :, None]
+        w = tl.reshape(w, [BLOCK_N, BLOCK_K]).to(dot_ty)
+        acc = tl.dot(x.to(dot_ty), tl.trans(w), acc, input_precision="tf32x3" if COMPUTE_F32 else "tf32")
+
+    mask = m_valid[:, None] & n_valid[None, :]
+    if SPLIT_K:
+        ws = out_ptr + (pid_k.to(tl.int64) * M + m64[:, None]) * N + n64[None, :]
+        tl.store(ws, acc, mask=mask)
+    else:
+        o = out_ptr + m64[:, None] * stride_om + n64[None, :] * stride_on
+        tl.store(o, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _int4_gemm_codes_kernel(
     x_ptr,
     codes_ptr,
     scale_ptr,
@@ -256,11 +358,15 @@ def _num_sms(device: torch.device) -> int:
     return 1
 
 
-def int4_launch_config(M: int, N: int, K: int, group_size: int, num_sms: int) -> dict[str, int | bool]:
-    """Tile shape and split-K count.
+GEMM_FORMS = ("dequant", "codes")  # the M > 8 kernels (module doc); "dequant" is the default
 
-    Chosen from sm_90 compiles (no spills, vectorised/async loads), not yet timed on a GPU; see
-    docs/kernels.md.
+
+def int4_launch_config(M: int, N: int, K: int, group_size: int, num_sms: int,
+                       gemm: str = "dequant") -> dict[str, int | bool]:
+    """Tile shape and split-K count (and, for M > 8, which GEMM kernel: GEMM_FORMS).
+
+    Chosen from sm_90 compiles (no spills, vectorised/async loads); the GEMV and the "codes" GEMM were
+    timed on an H200 (docs/kernels.md), the "dequant" GEMM's tiles not yet.
     """
     if M <= GEMV_MAX_M:
         block_m = triton.next_power_of_2(M)
@@ -272,7 +378,20 @@ def int4_launch_config(M: int, N: int, K: int, group_size: int, num_sms: int) ->
         tiles = triton.cdiv(N, block_n)
         target = 4 * num_sms  # pure streaming: several CTAs per SM keep enough bytes in flight
         min_iters = 2
-    else:
+    elif gemm == "dequant":
+        # Weight streaming up to M = 64 (one row tile covers M): 64 x 64 weight tiles keep the dequantized
+        # fp32 tile at 32 registers a thread over 4 warps; prefill-sized M gets 128 x 128 output tiles.
+        if M <= 64:
+            block_m, block_n, block_k, warps, stages = max(16, triton.next_power_of_2(M)), 64, 64, 4, 4
+        else:
+            block_m, block_n, block_k, warps, stages = 128, 128, 64, 8, 3
+        block_k = max(block_k, group_size)
+        cfg = dict(gemv=False, gemm=gemm, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
+                   num_warps=warps, num_stages=stages)
+        tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
+        target = 2 * num_sms
+        min_iters = 4
+    elif gemm == "codes":
         if M <= 16:
             block_m, block_n, block_k, warps = 16, 64, 128, 4
         elif M <= 32:
@@ -282,11 +401,13 @@ def int4_launch_config(M: int, N: int, K: int, group_size: int, num_sms: int) ->
         else:  # one group per iteration: 64 spills on triton 3.6 (as on the H200 image)
             block_m, block_n, block_k, warps = 128, 64, 32, 8
         block_k = max(block_k, group_size)
-        cfg = dict(gemv=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
+        cfg = dict(gemv=False, gemm=gemm, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
                    num_warps=warps, num_stages=3)
         tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
         target = 2 * num_sms
         min_iters = 4
+    else:
+        raise ValueError(f"gemm must be one of {', '.join(GEMM_FORMS)}; got {gemm!r}")
     k_iters = triton.cdiv(K, int(cfg["BLOCK_K"]))
     # Split K only when the output tiles alone leave SMs idle; keep a few K-iterations per split.
     split = 1 if tiles >= target else max(1, min(triton.cdiv(target, tiles), k_iters // min_iters, 32))
@@ -311,12 +432,16 @@ def int4_matmul(
     *,
     out: torch.Tensor | None = None,
     split_k: int | None = None,
+    gemm: str = "dequant",
+    config: dict[str, int] | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ W^T -> [M, N] in x's dtype, W dequantized on the fly from INT4 codes, or from int8
     codes when `codes` is int8 [N, K] (see module doc). min None: no min term.
 
     split_k: None = automatic, 1 = off, n = exactly n K-slices (rounded to whole BLOCK_K tiles).
     out: optional preallocated [M, N] output (x's dtype).
+    gemm: the M > 8 kernel (GEMM_FORMS); config: tile fields (BLOCK_N, BLOCK_K, num_warps, num_stages)
+    that replace the launch config's, for benchmark sweeps (BLOCK_K a multiple of the group size).
     """
     mins = min  # the parameter name follows the brief/GGUF; builtin min() is not used below
     if x.dim() != 2:
@@ -354,7 +479,13 @@ def int4_matmul(
     if K == 0:
         return out.zero_()
 
-    cfg = int4_launch_config(M, N, K, group_size, _num_sms(x.device))
+    cfg = int4_launch_config(M, N, K, group_size, _num_sms(x.device), gemm)
+    if config:
+        bad = set(config) - {"BLOCK_N", "BLOCK_K", "num_warps", "num_stages"}
+        if bad or config.get("BLOCK_K", group_size) % group_size:
+            raise ValueError(f"config takes BLOCK_N, BLOCK_K (a multiple of {group_size}), num_warps, num_stages; "
+                             f"got {config}")
+        cfg.update(config)
     if split_k is not None:
         if split_k < 1:
             raise ValueError(f"split_k must be >= 1 or None; got {split_k}")
@@ -378,7 +509,8 @@ def int4_matmul(
         )
     else:
         grid = (triton.cdiv(M, int(cfg["BLOCK_M"])) * triton.cdiv(N, int(cfg["BLOCK_N"])), split)
-        _int4_gemm_kernel[grid](
+        kernel = _int4_gemm_kernel if cfg["gemm"] == "dequant" else _int4_gemm_codes_kernel
+        kernel[grid](
             *args,
             GROUP_SIZE=group_size, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k,
             GROUP_M=cfg["GROUP_M"], SPLIT_K=use_ws,

@@ -223,7 +223,7 @@ class Run:
         self.data: dict[str, dict[str, Any]] = {}
 
     def section(self, letter: str) -> dict[str, Any]:
-        self.data[letter] = dict(correct=[], decode=[], int4=[], forms=[], kvdtype=[], engine=None, copy_bw=0.0,
+        self.data[letter] = dict(correct=[], decode=[], int4=[], forms=[], sweep=[], kvdtype=[], engine=None, copy_bw=0.0,
                                  notes=[], done=False)
         return self.data[letter]
 
@@ -298,11 +298,14 @@ def plan_a(tiny: bool) -> dict[str, Any]:
 
 def plan_bc(args: argparse.Namespace) -> dict[str, Any]:
     if args.cpu_smoke:  # walk the benchmark code at toy sizes; the numbers mean nothing
-        return dict(batches=(1, 2), contexts=(64,), shapes=((64, 128),), int4_m=(1, 16), copy_bytes=2**20)
+        return dict(batches=(1, 2), contexts=(64,), shapes=((64, 128),), int4_m=(1, 16), copy_bytes=2**20,
+                    sweep_shapes=((64, 128),))
     if args.quick:
-        return dict(batches=(1, 8), contexts=(1024, 8192), shapes=((4096, 4096),), int4_m=(1, 16), copy_bytes=2**30)
+        return dict(batches=(1, 8), contexts=(1024, 8192), shapes=((4096, 4096),), int4_m=(1, 16, 64),
+                    copy_bytes=2**30, sweep_shapes=((4096, 4096),))
     return dict(batches=(1, 8, 64), contexts=(1024, 8192, 32768),
-                shapes=((4096, 4096), (14336, 4096), (4096, 14336)), int4_m=(1, 16), copy_bytes=2**30)
+                shapes=((4096, 4096), (14336, 4096), (4096, 14336)), int4_m=(1, 16, 32, 64), copy_bytes=2**30,
+                sweep_shapes=((4096, 4096), (28672, 4096), (4096, 14336)))
 
 
 def plan_e(args: argparse.Namespace) -> dict[str, Any]:
@@ -648,6 +651,25 @@ def render_forms(forms: list[dict[str, Any]], int4: list[dict[str, Any]], smoke:
     return lines + [""]
 
 
+def render_sweep(rows: list[dict[str, Any]]) -> list[str]:
+    """Section (c)'s tile sweeps: each config's time and %BW, the best marked."""
+    lines = ["## (c) tile sweeps (Q4_1 weights, fp16 activations; 'default' = the launcher's choice)", "",
+             "| M | N | K | config | us | %BW | |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        ok = [t for t in r["times"] if "t" in t]
+        best = min(ok, key=lambda t: t["t"]) if ok else None
+        for t in r["times"]:
+            cfg = ", ".join(f"{k}={v}" for k, v in t["config"].items()) or "default"
+            if "t" not in t:
+                lines.append(f"| {r['m']} | {r['n']} | {r['k']} | {cfg} | | | **FAIL**: {t['error']} |")
+            else:
+                lines.append(f"| {r['m']} | {r['n']} | {r['k']} | {cfg} | {t['t']:.1f} | {t['bw']:.0f}% | "
+                             f"{'best' if t is best else ''} |")
+        if r.get("error"):
+            lines.append(f"| {r['m']} | {r['n']} | {r['k']} | | | | **FAIL**: {r['error']} |")
+    return lines + [""]
+
+
 def render_e(rows: list[dict[str, Any]], copy_bw: float, smoke: bool) -> list[str]:
     """Section (e)'s table and the issue goal's line (fp8 / int8 against fp16 at 8k+)."""
     lines = ["## (e) decode attention per KV cache dtype, fp16 queries, 32 q / 8 KV heads, head_dim 128, page 16",
@@ -711,7 +733,13 @@ def section_c(run: Run, mods: dict[str, ModuleType], device: Any, copy_bw: float
                 row.update(t_int4=t_int4, t_fp16=t_fp16, speedup=t_fp16 / t_int4, eager=not (g1 and g2),
                            bw_int4=100.0 * q_bytes / (t_int4 * 1e-6) / copy_bw,
                            bw_fp16=100.0 * n * k * 2 / (t_fp16 * 1e-6) / copy_bw)
-                print(f"  int4 M={m:<3d} N={n:<6d} K={k:<6d} int4 {t_int4:8.1f} us  fp16 {t_fp16:8.1f} us", flush=True)
+                run.save()
+                if m > ig.GEMV_MAX_M:  # the per-group "codes" GEMM (the first GPU run's) beside the default
+                    t_codes, _ = time_us([lambda c=c, s=s, z=z: ig.int4_matmul(x, c, s, z, 32, out=out, gemm="codes")
+                                          for c, s, z in qsets], torch, device)
+                    row.update(t_codes=t_codes)
+                print(f"  int4 M={m:<3d} N={n:<6d} K={k:<6d} int4 {t_int4:8.1f} us  fp16 {t_fp16:8.1f} us"
+                      + (f"  codes form {row['t_codes']:8.1f} us" if "t_codes" in row else ""), flush=True)
                 del qsets, wsets
 
             rows.append(row)
@@ -738,6 +766,45 @@ def section_c(run: Run, mods: dict[str, ModuleType], device: Any, copy_bw: float
 
             sec["forms"].append(row)
             run.case("c", f"{form} M=1 N={n} K={k}", form_case, lambda msg, row=row: row.update(error=msg))
+    # Tile sweeps: the GEMV at batch 1 and the default GEMM at M = 64 over a few tile shapes each, fp16
+    # activations, Q4_1 weights; the first config of each list is the launcher's default.
+    for n, k in plan["sweep_shapes"]:
+        for m, configs in ((1, SWEEP_GEMV), (64, SWEEP_GEMM)):
+            row = dict(m=m, n=n, k=k, times=[])
+            sec["sweep"].append(row)
+
+            def sweep_case(m: int = m, n: int = n, k: int = k, configs: tuple = configs, row: dict = row) -> None:
+                w = torch.randn(n, k, device=device) * 0.05
+                codes, scale, mins = ref.quantize_int4(w, 32)
+                q_bytes = codes.numel() + 2 * scale.numel() * scale.element_size()
+                qsets = [(codes.clone(), scale.clone(), mins.clone()) for _ in range(copies_for(q_bytes, device))]
+                del w
+                x = torch.randn(m, k, device=device, dtype=torch.float16)
+                out = torch.empty(m, n, device=device, dtype=torch.float16)
+                for cfg in configs:
+                    try:
+                        t, _ = time_us([lambda c=c, s=s, z=z, cfg=cfg: ig.int4_matmul(x, c, s, z, 32, out=out,
+                                                                                      config=cfg or None)
+                                        for c, s, z in qsets], torch, device)
+                        row["times"].append(dict(config=cfg, t=t, bw=100.0 * q_bytes / (t * 1e-6) / copy_bw))
+                        print(f"  sweep M={m:<3d} N={n:<6d} K={k:<6d} {cfg or 'default'}: {t:8.1f} us", flush=True)
+                    except Exception as exc:  # noqa: BLE001 - one config that fails to compile is a row, not the case
+                        row["times"].append(dict(config=cfg, error=_msg(exc)))
+                        _raise_if_cuda_lost(exc)
+                    run.save()
+                del qsets
+
+            run.case("c", f"sweep M={m} N={n} K={k}", sweep_case, lambda msg, row=row: row.update(error=msg))
+
+
+# Section (c)'s tile sweeps ({} = the launcher's default): GEMV (BLOCK_N, BLOCK_K, warps, stages) at M = 1 and
+# the dequantizing GEMM at M = 64.
+SWEEP_GEMV = ({}, dict(BLOCK_N=32, BLOCK_K=256, num_warps=4), dict(BLOCK_N=8, BLOCK_K=1024, num_warps=4),
+              dict(BLOCK_N=32, BLOCK_K=512, num_warps=8), dict(BLOCK_N=64, BLOCK_K=256, num_warps=8),
+              dict(BLOCK_N=16, BLOCK_K=512, num_warps=4, num_stages=4))
+SWEEP_GEMM = ({}, dict(BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3),
+              dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3),
+              dict(BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3), dict(BLOCK_N=32, BLOCK_K=64, num_warps=4))
 
 
 # The resident forms of K-quant GGUF linears on CUDA (kvcli.model.layers.Linear, modes triton and
@@ -809,15 +876,19 @@ def render(env: dict[str, str], correct: list[dict[str, Any]], decode: list[dict
             "",
             "W is [N, K] (out[M, N] = x @ W^T). %BW = weight bytes (codes + scales + mins, or fp16 W) / time.",
             "",
-            "| M | N | K | int4 us | int4 %BW | fp16 us | fp16 %BW | speedup | result |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+            "M > 8 runs the dequantizing GEMM (the default); 'codes form us' is the per-group GEMM of the first",
+            "GPU run on the same weights.",
+            "",
+            "| M | N | K | int4 us | int4 %BW | fp16 us | fp16 %BW | speedup | codes form us | result |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for r in int4:
             if "t_fp16" not in r:
-                lines.append(f"| {r['m']} | {r['n']} | {r['k']} | | | | | | **FAIL**: {r.get('error', 'not run')} |")
+                lines.append(f"| {r['m']} | {r['n']} | {r['k']} | | | | | | | **FAIL**: {r.get('error', 'not run')} |")
                 continue
+            codes = f"{r['t_codes']:.1f}" if "t_codes" in r else ""
             lines.append(f"| {r['m']} | {r['n']} | {r['k']} | {r['t_int4']:.1f} | {r['bw_int4']:.0f}% | "
-                         f"{r['t_fp16']:.1f} | {r['bw_fp16']:.0f}% | {r['speedup']:.2f}x | "
+                         f"{r['t_fp16']:.1f} | {r['bw_fp16']:.0f}% | {r['speedup']:.2f}x | {codes} | "
                          f"{'**FAIL**: ' + r['error'] if r.get('error') else 'eager' if r['eager'] else 'ok'} |")
         lines.append("")
     if engine is not None:
@@ -955,6 +1026,8 @@ def report_text(state: Path, args: argparse.Namespace, env: dict[str, str]) -> s
                   smoke=args.cpu_smoke, engine=sec["d"].get("engine"), notes=notes)
     if sec["c"].get("forms"):
         text += "\n" + "\n".join(render_forms(sec["c"]["forms"], sec["c"].get("int4", []), args.cpu_smoke))
+    if sec["c"].get("sweep"):
+        text += "\n" + "\n".join(render_sweep(sec["c"]["sweep"]))
     if sec["e"].get("kvdtype"):
         text += "\n" + "\n".join(render_e(sec["e"]["kvdtype"], sec["e"].get("copy_bw") or copy_bw, args.cpu_smoke))
     ge = _engine_module() if any(sec[k].get("engine") for k in "gdh") else None
@@ -982,6 +1055,7 @@ def failures(state: Path) -> list[str]:
     bad += [f"decode B={r['batch']} ctx={r['ctx']}" for r in data.get("b", {}).get("decode", []) if r.get("error")]
     bad += [f"int4 M={r['m']} N={r['n']}" for r in data.get("c", {}).get("int4", []) if r.get("error")]
     bad += [f"{r['form']} N={r['n']} K={r['k']}" for r in data.get("c", {}).get("forms", []) if r.get("error")]
+    bad += [f"sweep M={r['m']} N={r['n']}" for r in data.get("c", {}).get("sweep", []) if r.get("error")]
     bad += [f"kv {r['kv']} B={r['batch']} ctx={r['ctx']}" for r in data.get("e", {}).get("kvdtype", []) if r.get("error")]
     bad += [f"({k}) {n}" for k, d in data.items() for n in d.get("notes", [])]
     for letter in "gdh":

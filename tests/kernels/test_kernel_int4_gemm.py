@@ -9,7 +9,7 @@ pytest.importorskip("triton", reason="triton is not importable; the Triton kerne
 import torch  # noqa: E402
 from kernel_test_utils import DEVICE, ON_GPU, dtype_id, generator, requires_cuda  # noqa: E402
 
-from kvcli_kernels.int4_gemm import GEMV_MAX_M, int4_launch_config, int4_matmul  # noqa: E402
+from kvcli_kernels.int4_gemm import GEMM_FORMS, GEMV_MAX_M, int4_launch_config, int4_matmul  # noqa: E402
 from kvcli_kernels.reference import (  # noqa: E402
     dequantize_int4_ref,
     int4_matmul_ref,
@@ -31,9 +31,10 @@ def _problem(m: int, n: int, k: int, g: int, dtype: torch.dtype, symmetric: bool
     return [t.to(DEVICE) for t in (x, codes, scale, mins)]
 
 
-def _check(x, codes, scale, mins, g: int, split_k: int | None, what: str) -> None:
+def _check(x, codes, scale, mins, g: int, split_k: int | None, what: str, gemm: str = "dequant",
+           config: dict | None = None) -> None:
     out = torch.full((x.shape[0], codes.shape[0]), float("nan"), dtype=x.dtype, device=DEVICE)
-    ret = int4_matmul(x, codes, scale, mins, g, out=out, split_k=split_k)
+    ret = int4_matmul(x, codes, scale, mins, g, out=out, split_k=split_k, gemm=gemm, config=config)
     assert ret is out
     ref = int4_matmul_ref(x, codes, scale, mins, g)
     assert not out.isnan().any(), f"{what}: unwritten outputs"
@@ -53,6 +54,7 @@ def test_gemv_path(dtype: torch.dtype, m: int, n: int, k: int, g: int, split_k: 
     _check(*_problem(m, n, k, g, dtype), g, split_k, f"gemv M={m} N={n} K={k} G={g} split={split_k}")
 
 
+@pytest.mark.parametrize("gemm", GEMM_FORMS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=dtype_id)
 @pytest.mark.parametrize(("m", "n", "k", "g", "split_k"), [
     (9, 72, 96, 32, None),  # GEMM; K = 96 not a multiple of BLOCK_K = 64, N not of BLOCK_N
@@ -61,9 +63,29 @@ def test_gemv_path(dtype: torch.dtype, m: int, n: int, k: int, g: int, split_k: 
     (70, 24, 256, 128, 1),  # M > 64: BLOCK_M = 128 tile with a ragged edge, BLOCK_K widened to G
     (130, 16, 96, 32, 2),  # M > 64 with G = 32: one group per K step, split-K, two row tiles
 ])
-def test_gemm_path(dtype: torch.dtype, m: int, n: int, k: int, g: int, split_k: int | None) -> None:
+def test_gemm_path(gemm: str, dtype: torch.dtype, m: int, n: int, k: int, g: int, split_k: int | None) -> None:
     assert m > GEMV_MAX_M
-    _check(*_problem(m, n, k, g, dtype), g, split_k, f"gemm M={m} N={n} K={k} G={g} split={split_k}")
+    _check(*_problem(m, n, k, g, dtype), g, split_k, f"gemm {gemm} M={m} N={n} K={k} G={g} split={split_k}", gemm)
+
+
+@pytest.mark.parametrize(("m", "config"), [
+    (1, dict(BLOCK_N=32, BLOCK_K=256, num_warps=4)),  # GEMV sweep points (gpu_check section c)
+    (4, dict(BLOCK_N=8, BLOCK_K=1024, num_warps=8, num_stages=3)),
+    (24, dict(BLOCK_N=32, BLOCK_K=128, num_warps=4)),  # GEMM tiles other than the default
+    (33, dict(BLOCK_N=128, BLOCK_K=64, num_warps=8)),
+])
+def test_config_overrides_compute_the_same(m: int, config: dict) -> None:
+    _check(*_problem(m, 72, 384, 32, torch.float16), 32, None, f"M={m} {config}", config=config)
+
+
+def test_bad_gemm_form_or_config_is_refused() -> None:
+    x, codes, scale, mins = _problem(12, 16, 64, 32, torch.float16)
+    with pytest.raises(ValueError, match="gemm must be"):
+        int4_matmul(x, codes, scale, mins, gemm="marlin")
+    with pytest.raises(ValueError, match="config takes"):
+        int4_matmul(x, codes, scale, mins, config=dict(BLOCK_K=48))
+    with pytest.raises(ValueError, match="config takes"):
+        int4_matmul(x, codes, scale, mins, config=dict(BLOCK_M=64))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=dtype_id)
@@ -74,8 +96,9 @@ def test_gemm_path(dtype: torch.dtype, m: int, n: int, k: int, g: int, split_k: 
     (20, 80, 320, 32, -16, 15, True, 2),  # GEMM split-K with a min
     (70, 24, 256, 32, -128, 127, False, 1),  # M > 64: 128-row tile with a ragged edge (Q8_0)
 ])
+@pytest.mark.parametrize("gemm", GEMM_FORMS)
 def test_int8_codes(dtype: torch.dtype, m: int, n: int, k: int, g: int, lo: int, hi: int, has_min: bool,
-                    split_k: int | None) -> None:
+                    split_k: int | None, gemm: str) -> None:
     """5/6/8-bit GGUF codes held as int8 [N, K] (minus their offset) take both kernel paths, with a float
     scale per group of 16 or 32 and a min or none."""
     gen = generator("int8", m, n, k, g, dtype, has_min)
@@ -86,7 +109,9 @@ def test_int8_codes(dtype: torch.dtype, m: int, n: int, k: int, g: int, lo: int,
     x, codes, scale = x.to(DEVICE), codes.to(DEVICE), scale.to(DEVICE)
     mins = None if mins is None else mins.to(DEVICE)
     out = torch.full((m, n), float("nan"), dtype=dtype, device=DEVICE)
-    assert int4_matmul(x, codes, scale, mins, g, out=out, split_k=split_k) is out
+    if m <= GEMV_MAX_M and gemm != GEMM_FORMS[0]:
+        pytest.skip("the GEMV path has one form")
+    assert int4_matmul(x, codes, scale, mins, g, out=out, split_k=split_k, gemm=gemm) is out
     ref = int8_matmul_ref(x, codes, scale, mins, g)
     assert not out.isnan().any()
     tol = REL_TOL[dtype] * float(ref.float().abs().max())
