@@ -37,7 +37,7 @@ def test_exits_nonzero_without_cuda() -> None:
     assert len(lines) == 1 and "no CUDA device" in lines[0]
 
 
-NO_CAPS = ["--section-seconds", "a=900,b=900,c=900,d=900,e=900", "--engine-seconds", "300"]  # the interpreter is far slower than a GPU
+NO_CAPS = ["--section-seconds", "a=900,b=900,c=900,d=900,e=900,g=900,h=900", "--engine-seconds", "300"]  # the interpreter is far slower than a GPU
 
 
 @pytest.fixture(scope="module")
@@ -66,9 +66,13 @@ def test_cpu_smoke_writes_report(smoke_report: tuple[subprocess.CompletedProcess
     for needle in ("## (a) correctness", "## (b) decode attention", "## (c) INT4 GEMM", "--cpu-smoke",
                    "torch ", "triton ", "command: `python ", "## (d) the engine end to end",
                    "| engine | logits triton vs torch backend", "| engine | greedy tokens paged vs contiguous",
-                   "kvcli / transformers decode:", "| paged |", "| contiguous |",
-                   "== section (a), cap 900 s", "== section (d): done",
-                   "## (e) decode attention per KV cache dtype", "== section (e): done"):
+                   "| paged |", "| contiguous |", "== section (a), cap 900 s", "== section (d): done",
+                   "## (e) decode attention per KV cache dtype", "== section (e): done",
+                   "| cuda graphs | decode step of 3 requests (bucket 4), graph vs eager logits",
+                   "| cuda graphs | greedy tokens with vs without graphs", "## (g) decode with and without CUDA graphs",
+                   "| 1 | graphs |", "| 1 | eager |", "== section (g): done", "## (c) tile sweeps",
+                   "## (h) transformers on the same shapes", "| sequential |", "| static |", "== section (h): done",
+                   "four-way breakdown", "The live view during the paged run", "KV fragmentation"):
         assert needle in text or needle in r.stdout, needle
     assert "FAIL" not in text and "NOT met" not in text and "goals" not in text  # no verdicts on toy sizes
     assert "Partial result" not in text
@@ -84,16 +88,21 @@ def test_injected_failures_keep_every_other_row(tmp_path: Path,
     row of the clean run that belongs to another case is still in the report."""
     out = tmp_path / "report.md"
     cases = ["paged_attention GQA 4, D 32, page 16, splits=8 bfloat16", "decode B=2 ctx=64", "int4 M=16 N=64",
-             "engine correctness"]
+             "engine correctness", "cuda graphs speed", "transformers baselines"]
     r = _run("--cpu-smoke", "--out", str(out), *NO_CAPS, *[a for c in cases for a in ("--inject-failure", c)],
              env_extra={"CUDA_VISIBLE_DEVICES": ""}, timeout=900)
     assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
     text = out.read_text()
-    assert text.count("injected failure in") == 4, text
+    assert text.count("injected failure in") == len(cases), text
     for c in cases:
         assert f"injected failure in '{c}" in text, c
-    lost = {k for k in _table_keys(smoke_report[1]) - _table_keys(text) if not k.startswith("engine |")}
+    # (g) and (h) are one case each, and (d)'s correctness rows (engine, cuda graphs) one case: all injected.
+    clean = smoke_report[1].split("## (g)")[0]
+    lost = {k for k in _table_keys(clean) - _table_keys(text) if not k.startswith(("engine |", "cuda graphs |"))}
     assert not lost, f"rows of other cases missing after one case failed: {sorted(lost)}"
+    for section in ("(g) decode with and without CUDA graphs", "(h) transformers on the same shapes"):
+        part = text.split(f"## {section}")[1].split("\n## ")[0]
+        assert "Not completed" in part and "injected failure" in part, section
     assert "| paged |" in text and "| contiguous |" in text  # (d)'s speed part ran after its failed correctness
 
 
@@ -116,8 +125,8 @@ def test_dry_run_counts_variants_and_budget() -> None:
 
     total = re.search(r"total: (\d+) kernel variants; estimate (\d+) s against caps summing to (\d+) s", r.stdout)
     assert total, r.stdout
-    assert int(total.group(1)) > 0 and int(total.group(2)) > 0 and int(total.group(3)) == 400
-    for letter in "abced":
+    assert int(total.group(1)) > 0 and int(total.group(2)) > 0 and int(total.group(3)) == 475
+    for letter in "abcegdh":
         assert f"| ({letter}) |" in r.stdout
     assert "paged_attention_kernel" in r.stdout  # a compile time was measured for it
 
