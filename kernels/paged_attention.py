@@ -290,7 +290,7 @@ _INTERPRETED = not isinstance(_paged_attention_kernel, triton.runtime.JITFunctio
 
 
 def attention_launch_config(
-    group: int, head_dim: int, block_size: int, max_seqlen_q: int, kv_dtype: torch.dtype
+    group: int, head_dim: int, block_size: int, max_seqlen_q: int, kv_dtype: torch.dtype, quant: bool = False
 ) -> dict[str, int]:
     """Tile sizes: BLOCK_M rows (= BLOCK_Q tokens x GROUP heads), BLOCK_N KV tokens per iteration.
 
@@ -306,6 +306,11 @@ def attention_launch_config(
     # tiles (page 128 x D 256 in one tile needs ~288 KB of shared memory, over sm_90's 227 KB, and
     # page 128 x D 128 spills registers), a smaller one is gathered several pages per tile.
     block_n = 64 if block_d * (4 if kv_dtype == torch.float32 else 2) <= 256 else 32
+    if quant and max_seqlen_q <= 1:
+        # Quantized decode converts each V tile through fp32 (codes x scale): at 64 keys that tile alone is 64
+        # registers a thread, and Triton 3.6 compiled the split kernel at 255 registers with a spill (the
+        # 16-bit cache: 126), a quarter of the occupancy; the H200 measured it at 0.53-0.96x fp16's speed.
+        block_n = 32
     wide = block_d >= 256 or kv_dtype == torch.float32  # more live registers per row
     num_warps = 8 if block_m >= 128 or (block_m >= 64 and wide) else 4
     num_stages = 3 if block_d <= 128 and kv_dtype != torch.float32 else 2
@@ -359,7 +364,8 @@ def decode_num_splits(batch: int, num_q_heads: int, q_dtype: torch.dtype, k_cach
 def _auto_splits(num_tokens: int, num_q_heads: int, tile_dtype: torch.dtype, k_cache: torch.Tensor, batch: int,
                  max_seqlen_q: int, max_seq_len: int) -> int:
     _, block_size, num_kv_heads, head_dim = k_cache.shape
-    cfg = attention_launch_config(num_q_heads // num_kv_heads, head_dim, block_size, max_seqlen_q, tile_dtype)
+    cfg = attention_launch_config(num_q_heads // num_kv_heads, head_dim, block_size, max_seqlen_q, tile_dtype,
+                                  k_cache.dtype not in _FLOAT_DTYPES)
     # Programs that do work (the global q-block numbering also launches some that exit at once).
     q_blocks = min(num_tokens // cfg["BLOCK_Q"] + batch, batch * triton.cdiv(max(max_seqlen_q, 1), cfg["BLOCK_Q"]))
     return choose_num_splits(q_blocks * num_kv_heads, max_seq_len, _num_sms(k_cache.device), cfg["BLOCK_N"])
@@ -464,7 +470,7 @@ def paged_attention(
 
     group = num_q_heads // num_kv_heads
     tile_dtype = _tile_dtype(q, k_cache)
-    cfg = attention_launch_config(group, head_dim, block_size, max_seqlen_q, tile_dtype)
+    cfg = attention_launch_config(group, head_dim, block_size, max_seqlen_q, tile_dtype, k_scale is not None)
     num_q_blocks = num_tokens // cfg["BLOCK_Q"] + batch
     if num_splits is None:  # a window bounds the keys a program reads, whatever the context
         keys = min(max_seq_len, window + max_seqlen_q - 1) if window else max_seq_len

@@ -175,6 +175,15 @@ def test_launch_config_tile_independent_of_page_size() -> None:
                     assert cfg["BLOCK_Q"] * group <= cfg["BLOCK_M"]
 
 
+def test_quantized_decode_takes_half_tiles() -> None:
+    """A decode step over an int8 / fp8 cache walks 32 keys per tile (its V tile goes through fp32: at 64 keys the
+    split kernel needed 255 registers and spilled under Triton 3.6); prefill and 16-bit caches keep 64."""
+    for head_dim in (64, 128):
+        assert attention_launch_config(4, head_dim, 16, 1, torch.bfloat16, quant=True)["BLOCK_N"] == 32
+        assert attention_launch_config(4, head_dim, 16, 1, torch.bfloat16)["BLOCK_N"] == 64
+        assert attention_launch_config(4, head_dim, 16, 300, torch.bfloat16, quant=True)["BLOCK_N"] == 64
+
+
 def test_validation_errors() -> None:
     gen = generator("validation")
     b = PagedBatch([1], [5], 4, 2, 32, 16, torch.float16, gen)
