@@ -163,6 +163,7 @@ def _compile(fn: Any, args: tuple, kwargs: dict, cc: int) -> dict[str, Any]:
         shared_limit=SHARED_LIMIT[cc],
         regs=None,
         spill=None,
+        i2f=None,  # int-to-float conversions in the SASS (cuobjdump), None where it cannot be read
         ptxas=None,  # why there is no spill count, when there is none
         options=options,
         flags={k: v for k, v in values.items() if k in ("COMPUTE_F32", "SPLIT", "SPLIT_K", "DOT_PRECISION", "QUANT")},
@@ -176,8 +177,13 @@ def _compile(fn: Any, args: tuple, kwargs: dict, cc: int) -> dict[str, Any]:
             path = Path(tmp) / "k.ptx"
             path.write_text(ptx)
             arch = f"sm_{cc}a" if cc == 90 else f"sm_{cc}"
-            r = subprocess.run([str(ptxas), "-v", f"-arch={arch}", str(path), "-o", os.devnull],
+            cubin = Path(tmp) / "k.cubin"
+            r = subprocess.run([str(ptxas), "-v", f"-arch={arch}", str(path), "-o", str(cubin)],
                                capture_output=True, text=True)
+            if r.returncode == 0 and (_NVBIN / "cuobjdump").exists():
+                sass = subprocess.run([str(_NVBIN / "cuobjdump"), "--dump-sass", str(cubin)], capture_output=True,
+                                      text=True).stdout
+                facts["i2f"] = len(re.findall(r"\bI2F(?:\.|\s)", sass)) if sass else None
         out = r.stdout + r.stderr
         if r.returncode != 0:
             facts["ptxas"] = f"failed: {ptxas.name} exit {r.returncode}: {out.strip()[-500:]}"
