@@ -58,6 +58,18 @@ def _codes_f32(c, CODE_BITS: tl.constexpr):
 
 
 @triton.jit
+def _grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of program pid in grouped order: GROUP_M row tiles sweep the same weight
+    columns back to back, so a weight tile is read once from HBM and then from L2."""
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    first_m = (pid // num_pid_in_group) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    return first_m + (pid % num_pid_in_group) % group_rows, (pid % num_pid_in_group) // group_rows
+
+
+@triton.jit
 def _int4_gemv_kernel(
     x_ptr,
     codes_ptr,
@@ -179,15 +191,8 @@ def _int4_gemm_kernel(
     """acc += x_tile @ dequant(W_tile)^T over BLOCK_K steps: the [BLOCK_N, BLOCK_K] tile of codes is loaded
     K-contiguous (16-byte vectors along each weight row), dequantized in fp32 (scale * q + min), rounded to
     x's 16-bit type and consumed by one tl.dot that accumulates into acc."""
-    pid = tl.program_id(0)
+    pid_m, pid_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     pid_k = tl.program_id(1)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_pid_in_group = GROUP_M * num_pid_n
-    first_m = (pid // num_pid_in_group) * GROUP_M
-    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % num_pid_in_group) % group_rows
-    pid_n = (pid % num_pid_in_group) // group_rows
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -273,16 +278,8 @@ def _int4_gemm_codes_kernel(
     and the affine part is applied to the [BLOCK_M, BLOCK_N] partial in fp32: no per-weight
     dequantization and no rounding of dequantized weights to 16 bits.
     """
-    # Grouped ordering: GROUP_M row-tiles sweep the same weight columns back to back (L2 reuse).
-    pid = tl.program_id(0)
+    pid_m, pid_n = _grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     pid_k = tl.program_id(1)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_pid_in_group = GROUP_M * num_pid_n
-    first_m = (pid // num_pid_in_group) * GROUP_M
-    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % num_pid_in_group) % group_rows
-    pid_n = (pid % num_pid_in_group) // group_rows
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

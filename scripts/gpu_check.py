@@ -987,28 +987,26 @@ def _kvcli_section(run: Run, letter: str) -> dict[str, Any] | None:
     return sec
 
 
-def section_g(run: Run) -> None:
-    """Decode with and without CUDA graphs; rows measured before an error are kept."""
-    sec = _kvcli_section(run, "g")
+def _engine_bench(run: Run, letter: str, case: str, bench: str) -> None:
+    """A section that is one engine benchmark of gpu_engine_check (its function `bench`), filling the
+    section's engine record step by step: rows measured before an error are kept, the error beside them."""
+    sec = _kvcli_section(run, letter)
     if sec is None:
         return
     perf: dict[str, Any] = {}
     sec["engine"] = perf
-    run.case("g", "cuda graphs speed", lambda: _engine_module().bench_graphs(run.args.cpu_smoke, out=perf,
-                                                                              progress=run.save),
+    run.case(letter, case, lambda: getattr(_engine_module(), bench)(run.args.cpu_smoke, out=perf, progress=run.save),
              lambda m: perf.update(error=m))
+
+
+def section_g(run: Run) -> None:
+    """Decode with and without CUDA graphs."""
+    _engine_bench(run, "g", "cuda graphs speed", "bench_graphs")
 
 
 def section_h(run: Run) -> None:
-    """transformers on (d)'s shapes and trace; modes measured before an error are kept."""
-    sec = _kvcli_section(run, "h")
-    if sec is None:
-        return
-    perf: dict[str, Any] = {}
-    sec["engine"] = perf
-    run.case("h", "transformers baselines", lambda: _engine_module().bench_hf(run.args.cpu_smoke, out=perf,
-                                                                               progress=run.save),
-             lambda m: perf.update(error=m))
+    """transformers on (d)'s shapes and trace."""
+    _engine_bench(run, "h", "transformers baselines", "bench_hf")
 
 
 def section_d(run: Run) -> None:

@@ -276,12 +276,21 @@ def bench_graphs(smoke: bool, out: dict[str, Any] | None = None, progress: Calla
     return out
 
 
-def render_graphs(perf: dict[str, Any]) -> list[str]:
-    lines = [f"## (g) decode with and without CUDA graphs (random INT4 weights of {perf.get('model', '?')})", ""]
+def _head(title: str, perf: dict[str, Any]) -> tuple[list[str], bool]:
+    """A section's heading and, where it did not finish, why: (lines, whether it was skipped altogether)."""
+    lines = [f"## {title}", ""]
     if perf.get("skipped"):
-        return lines + [f"Skipped: {perf['skipped']}", ""]
+        return lines + [f"Skipped: {perf['skipped']}", ""], True
     if perf.get("error"):
         lines += [f"**Not completed** (rows below were measured before it): {perf['error']}", ""]
+    return lines, False
+
+
+def render_graphs(perf: dict[str, Any]) -> list[str]:
+    lines, skipped = _head(f"(g) decode with and without CUDA graphs (random INT4 weights of {perf.get('model', '?')})",
+                           perf)
+    if skipped:
+        return lines
     if not perf.get("rows"):
         return lines + ["No rows measured.", ""]
     n = perf["new"]
@@ -534,11 +543,9 @@ def bench_hf(smoke: bool, out: dict[str, Any] | None = None, progress: Callable[
 
 
 def render_hf(perf: dict[str, Any]) -> list[str]:
-    lines = [f"## (h) transformers on the same shapes (random bf16 weights of {perf.get('model', '?')})", ""]
-    if perf.get("skipped"):
-        return lines + [f"Skipped: {perf['skipped']}", ""]
-    if perf.get("error"):
-        lines += [f"**Not completed** (rows below were measured before it): {perf['error']}", ""]
+    lines, skipped = _head(f"(h) transformers on the same shapes (random bf16 weights of {perf.get('model', '?')})", perf)
+    if skipped:
+        return lines
     if perf.get("decode"):
         d = perf["decode"]
         lines += [f"transformers {perf.get('version', '?')}, attention `{perf.get('attn', '?')}`, weights "
