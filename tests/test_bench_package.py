@@ -20,7 +20,7 @@ from kvcli.bench.figures import FIGURES
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "docs" / "results"
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
-ENTRY_POINTS = {"setup.sh", "figures.sh", "gpu_check.py", "gpu_engine_check.py", "triton_matrix.sh",
+ENTRY_POINTS = {"setup.sh", "figures.sh", "gpu_check.py", "gpu_engine_check.py", "gpu_env.sh", "triton_matrix.sh",
                 "build_llama_cpp.sh", "build_llama_server.sh", "build_llama_cpp_python.sh", "build_lm_eval.sh"}
 # gpu_check.py runs on a GPU machine from a plain `python3` with only torch and triton (kvcli not installed):
 # it finds gpu_engine_check.py and kvcli beside itself through sys.path, on purpose (tests/kernels checks it).

@@ -55,6 +55,10 @@ for _cmd in ("chat", "continue"):
 for _cmd in ("profile", "watch"):
     FLAGS_BEFORE[_cmd] |= {'--api-key'}
 
+# Decode steps from CUDA graphs (issue #28), on the commands that generate, added since.
+for _cmd in ("chat", "continue", "profile", "serve"):
+    FLAGS_BEFORE[_cmd] |= {'--cuda-graphs', '--no-cuda-graphs'}
+
 # The engine flags' defaults per command, as declared before (enums by value).
 DEFAULTS_BEFORE = {
     "chat": {'--model': None, '--block-size': 16, '--kv-budget': None, '--quant': 'auto', '--dequantize': False,

@@ -113,4 +113,11 @@ FIGURES: dict[str, Figure] = {f.name: f for f in [
            in_make_figures=False),
     Figure("gpu-check-dry-run", "script:python3 scripts/gpu_check.py --dry-run",
            "the GPU check's plan and time budget, without a GPU", in_make_figures=False),
+    # On a lent GPU (docs/kernels.md, "GPU check"): each file is the run's log, the report printed at its end.
+    Figure("gpu-check", "script:python3 scripts/gpu_check.py --sections acgdh --section-seconds "
+           "a=50,c=60,g=80,d=130,h=95", "the GPU check on an H200: kernels, INT4 sweeps, CUDA graphs, the engine, "
+           "transformers (run on the device machine)", in_make_figures=False),
+    Figure("gpu-attention", "script:python3 scripts/gpu_check.py", "the first full GPU check on an H200: its decode "
+           "attention (b) and KV-dtype (e) tables are current, the rest superseded by gpu-check", in_make_figures=False),
+    Figure("gpu-env", "script:bash scripts/gpu_env.sh", "the GPU machine of the gpu-check runs", in_make_figures=False),
 ]}
