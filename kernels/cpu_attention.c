@@ -18,7 +18,13 @@
  *
  * Work items are (request, KV head, span of keys): the q heads of one KV head (the GQA group) share
  * every K/V row read; long contexts are split into spans so that threads have work even for one
- * request, and the spans are merged with their maxima and sums (log-sum-exp). Keys are processed in
+ * request, and the spans are merged with their maxima and sums (log-sum-exp).
+ * Query groups (kva_step.group, a speculative verification's rows): group[r] = k > 1 says queries r ..
+ * r + k - 1 are consecutive positions of one request (the same table row, lengths L - k + 1 .. L, no
+ * sliding window) and are computed as one item: their k x g heads share every K/V row read, each head
+ * masked past its own row's length (a row's keys beyond its length get probability 0 and leave its
+ * running maximum, sum and accumulator exactly as they were: the row's result is bit for bit what it
+ * would be alone, wherever the spans are the same). group[r] = 0 marks the queries a group covers. Keys are processed in
  * tiles of at most TILE tokens of one block (contiguous rows). Non-fp32 caches are converted in
  * registers (fp16 by F16C, bf16 by a shift, int8 / fp8 by integer widening) into an fp32 tile in L1,
  * once per tile: the scores then read each K row once per q head of the group, and P @ V reads V again,
@@ -41,6 +47,7 @@ enum { DT_F32 = 0, DT_F16 = 1, DT_BF16 = 2, DT_I8 = 3, DT_FP8 = 4 };
 #define TILE 32       /* keys per tile (fewer at block ends); a multiple of 8 */
 #define MAX_D 256     /* head_dim limit of the stack buffers (the launcher falls back above) */
 #define MAX_G 16      /* GQA group limit, likewise */
+#define MAX_QG 64     /* heads of one work item: a query group's rows x the GQA group (the launcher splits above) */
 #define MIN_SPAN 128  /* keys: shorter contexts are not split (merging costs more than it saves) */
 #define SERIAL_MACS (1 << 17)  /* below this many q.k products a call stays on one thread */
 
@@ -52,6 +59,7 @@ typedef struct { /* per step: the decode requests, their block tables and length
     int64_t t_row;
     const void *lens;
     const int64_t *reqs, *rows;
+    const int64_t *group; /* NULL, or per query: rows in the group it starts (0: covered by an earlier one) */
     int64_t n, heads, window;
     float scale, softcap; /* softcap > 0: scores s become softcap * tanh(s / softcap) (Gemma 2) */
     int32_t tables64, lens64;
@@ -191,10 +199,12 @@ static inline __attribute__((always_inline)) void v_accumulate(const int GJ, flo
 
 /* One tile of n keys (rows kr / vr, fp32; kr padded to a multiple of 8 with zero rows) for the g q heads
  * of one KV head: scores, online-softmax update of m, l and acc [g][D]. sc: per-key score factor,
- * wv: per-key probability factor (both padded). */
+ * wv: per-key probability factor (both padded). nv[j] <= n: the keys head j sees (a query group's rows
+ * see different lengths); a head that sees none keeps m, l and acc as they are. */
 static void tile_update(const float *q, int64_t g, int64_t D, const float *const *kr, const float *const *vr,
-                        int n, const float *sc, const float *wv, const float cap, float *m, float *l, float *acc) {
-    float s[MAX_G * TILE] __attribute__((aligned(32))), p[MAX_G * TILE] __attribute__((aligned(32)));
+                        int n, const int *nv, const float *sc, const float *wv, const float cap, float *m, float *l,
+                        float *acc) {
+    float s[MAX_QG * TILE] __attribute__((aligned(32))), p[MAX_QG * TILE] __attribute__((aligned(32)));
     const int n8 = (n + 7) & ~7;
 #ifdef KVA_AVX2
     const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
@@ -216,12 +226,16 @@ static void tile_update(const float *q, int64_t g, int64_t D, const float *const
                 const __m256 e = exp8(t), one = _mm256_set1_ps(1.0f);
                 sv = _mm256_mul_ps(_mm256_set1_ps(cap), _mm256_div_ps(_mm256_sub_ps(e, one), _mm256_add_ps(e, one)));
             }
-            const __m256 valid = _mm256_cmp_ps(_mm256_add_ps(lane, _mm256_set1_ps((float)c)), _mm256_set1_ps((float)n), _CMP_LT_OQ);
+            const __m256 valid = _mm256_cmp_ps(_mm256_add_ps(lane, _mm256_set1_ps((float)c)), _mm256_set1_ps((float)nv[j]), _CMP_LT_OQ);
             sv = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), sv, valid);
             _mm256_store_ps(s + j * TILE + c, sv);
             vmax = _mm256_max_ps(vmax, sv);
         }
         const float mx = hmax8(vmax), m_new = mx > m[j] ? mx : m[j];
+        if (m_new == -INFINITY) { /* nothing seen yet, nothing in this tile: probabilities 0, state as it is */
+            for (int c = 0; c < n8; c += 8) _mm256_store_ps(p + j * TILE + c, _mm256_setzero_ps());
+            continue;
+        }
         const float corr = expf(m[j] - m_new);
         __m256 vsum = _mm256_setzero_ps();
         const __m256 mv = _mm256_set1_ps(m_new);
@@ -250,7 +264,8 @@ static void tile_update(const float *q, int64_t g, int64_t D, const float *const
     for (int64_t j = 0; j < g; j++) {
         const float *qj = q + j * D;
         float mx = -INFINITY;
-        for (int u = 0; u < n; u++) {
+        for (int u = nv[j]; u < n; u++) p[j * TILE + u] = 0.0f;
+        for (int u = 0; u < nv[j]; u++) {
             /* 8 partial sums, as the vector path: the compiler can vectorize them, and the rounding
              * error stays that of 8 interleaved D / 8-term sums, not of one D-term sum */
             float part[8] = {0};
@@ -260,9 +275,10 @@ static void tile_update(const float *q, int64_t g, int64_t D, const float *const
             s[j * TILE + u] = cap > 0.0f ? cap * tanhf(dot * sc[u] / cap) : dot * sc[u];
             mx = s[j * TILE + u] > mx ? s[j * TILE + u] : mx;
         }
+        if (nv[j] == 0) continue;
         const float m_new = mx > m[j] ? mx : m[j], corr = expf(m[j] - m_new);
         float sum = 0.0f;
-        for (int u = 0; u < n; u++) {
+        for (int u = 0; u < nv[j]; u++) {
             const float e = expf(s[j * TILE + u] - m_new);
             sum += e;
             p[j * TILE + u] = e * wv[u];
@@ -271,7 +287,7 @@ static void tile_update(const float *q, int64_t g, int64_t D, const float *const
         m[j] = m_new;
         float *aj = acc + j * D;
         for (int64_t i = 0; i < D; i++) aj[i] *= corr;
-        for (int u = 0; u < n; u++)
+        for (int u = 0; u < nv[j]; u++)
             for (int64_t i = 0; i < D; i++) aj[i] += p[j * TILE + u] * vr[u][i];
     }
 #endif
@@ -297,17 +313,31 @@ static inline int64_t len_at(const kva_step *s, int64_t req) {
     return s->lens64 ? ((const int64_t *)s->lens)[req] : ((const int32_t *)s->lens)[req];
 }
 
-/* Keys [t0, t1) of request r (table row req) for KV head h: unnormalised acc [g][D], maxima m and sums l. */
-static inline __attribute__((always_inline)) void span(const kva_args *a, const int dt, int64_t r, int64_t req, int64_t h,
-                                                       int64_t t0, int64_t t1, float *acc, float *m, float *l) {
+static inline int64_t row_of(const kva_step *s, int64_t r) { return s->rows ? s->rows[r] : r; }
+
+/* Keys [t0, t1) of queries r .. r + nq - 1 (one request: table row req) for KV head h: unnormalised acc
+ * [nq g][D], maxima m and sums l; head i g + j is row r + i's q head h g + j and sees its row's keys only. */
+static inline __attribute__((always_inline)) void span(const kva_args *a, const int dt, int64_t r, int64_t nq,
+                                                       int64_t req, int64_t h, int64_t t0, int64_t t1, float *acc,
+                                                       float *m, float *l) {
     const kva_cache *c = a->c;
-    const int64_t D = c->d, g = a->s->heads / c->kv_heads, bs = c->block_size, esz = elem_size(dt);
-    const float *q = a->q + (a->s->rows ? a->s->rows[r] : r) * a->q_row + h * g * D;
+    const int64_t D = c->d, g = a->s->heads / c->kv_heads, G = nq * g, bs = c->block_size, esz = elem_size(dt);
+    float qg[MAX_QG * MAX_D] __attribute__((aligned(32)));
+    const float *q = a->q + row_of(a->s, r) * a->q_row + h * g * D;
+    int64_t lim[MAX_QG];
+    for (int64_t i = 0; i < nq; i++)
+        for (int64_t j = 0; j < g; j++) lim[i * g + j] = nq > 1 ? len_at(a->s, a->s->reqs ? a->s->reqs[r + i] : r + i) : t1;
+    if (nq > 1) { /* the group's q heads side by side, as one GQA group of nq g heads */
+        for (int64_t i = 0; i < nq; i++)
+            memcpy(qg + i * g * D, a->q + row_of(a->s, r + i) * a->q_row + h * g * D, sizeof(float) * (size_t)(g * D));
+        q = qg;
+    }
     float kt[TILE * MAX_D] __attribute__((aligned(32))), vt[TILE * MAX_D] __attribute__((aligned(32)));
     float sc[TILE], wv[TILE];
+    int nv[MAX_QG];
     const float *kr[TILE], *vr[TILE];
-    for (int64_t j = 0; j < g; j++) m[j] = -INFINITY, l[j] = 0.0f;
-    memset(acc, 0, sizeof(float) * (size_t)(g * D));
+    for (int64_t j = 0; j < G; j++) m[j] = -INFINITY, l[j] = 0.0f;
+    memset(acc, 0, sizeof(float) * (size_t)(G * D));
     /* Tiles are runs of one block's rows; the next tile's rows are prefetched while this one is
      * computed: blocks sit anywhere in the pool, and a block of one head is often one whole page
      * (16 x 64 fp32), where hardware prefetchers stop. */
@@ -339,19 +369,33 @@ static inline __attribute__((always_inline)) void span(const kva_args *a, const 
             wv[u] = c->vs ? c->vs[h * c->vs_sh + cur * c->vs_sb + (off + u) * c->vs_st] * c->unit : 1.0f;
         }
         for (int u = n; u < ((n + 7) & ~7); u++) kr[u] = zero_row, sc[u] = 0.0f, wv[u] = 0.0f;
-        tile_update(q, g, D, kr, vr, n, sc, wv, a->s->softcap, m, l, acc);
+        for (int64_t j = 0; j < G; j++) nv[j] = lim[j] - t >= n ? n : lim[j] - t > 0 ? (int)(lim[j] - t) : 0;
+        tile_update(q, G, D, kr, vr, n, nv, sc, wv, a->s->softcap, m, l, acc);
         t += n;
     }
 }
 
-static void run_span(const kva_args *a, int64_t r, int64_t req, int64_t h, int64_t t0, int64_t t1, float *acc, float *m,
-                     float *l) {
+static void run_span(const kva_args *a, int64_t r, int64_t nq, int64_t req, int64_t h, int64_t t0, int64_t t1,
+                     float *acc, float *m, float *l) {
     switch (a->c->dtype) { /* constant dtypes: each case its own conversion loop */
-    case DT_F32: span(a, DT_F32, r, req, h, t0, t1, acc, m, l); break;
-    case DT_F16: span(a, DT_F16, r, req, h, t0, t1, acc, m, l); break;
-    case DT_BF16: span(a, DT_BF16, r, req, h, t0, t1, acc, m, l); break;
-    case DT_I8: span(a, DT_I8, r, req, h, t0, t1, acc, m, l); break;
-    default: span(a, DT_FP8, r, req, h, t0, t1, acc, m, l);
+    case DT_F32: span(a, DT_F32, r, nq, req, h, t0, t1, acc, m, l); break;
+    case DT_F16: span(a, DT_F16, r, nq, req, h, t0, t1, acc, m, l); break;
+    case DT_BF16: span(a, DT_BF16, r, nq, req, h, t0, t1, acc, m, l); break;
+    case DT_I8: span(a, DT_I8, r, nq, req, h, t0, t1, acc, m, l); break;
+    default: span(a, DT_FP8, r, nq, req, h, t0, t1, acc, m, l);
+    }
+}
+
+/* Rows r .. r + nq - 1's outputs for KV head h from unnormalised acc [nq g][D] and sums l. */
+static void write_rows(const kva_args *a, int64_t r, int64_t nq, int64_t h, int64_t g, int64_t D, const float *acc,
+                       const float *l) {
+    for (int64_t i = 0; i < nq; i++) {
+        float *o = a->out + row_of(a->s, r + i) * a->out_row + h * g * D;
+        for (int64_t j = 0; j < g; j++) {
+            const int64_t hj = i * g + j;
+            const float inv = l[hj] > 0.0f ? 1.0f / l[hj] : 0.0f;
+            for (int64_t e = 0; e < D; e++) o[j * D + e] = acc[hj * D + e] * inv;
+        }
     }
 }
 
@@ -365,33 +409,46 @@ int kva_decode(const kva_step *st, const kva_cache *c, const float *q, int64_t q
     if (kvh <= 0 || st->heads % kvh || st->heads / kvh > MAX_G || D % 8 || D > MAX_D || D <= 0) return -2;
     const int64_t g = st->heads / kvh;
     if (n == 0) return 0;
-    /* per request: first key, key count, spans, span length, first item */
-    int64_t *plan = (int64_t *)malloc(sizeof(int64_t) * (size_t)(5 * n + 1));
+    /* per query: rows in its unit (0: covered by a group), first key, key count, spans, span length, first item */
+    int64_t *plan = (int64_t *)malloc(sizeof(int64_t) * (size_t)(6 * n + 1));
     if (!plan) return -1;
-    int64_t *lo = plan, *cnt = plan + n, *nsp = plan + 2 * n, *slen = plan + 3 * n, *first = plan + 4 * n;
-    int64_t keys = 0;
+    int64_t *nq = plan, *lo = plan + n, *cnt = plan + 2 * n, *nsp = plan + 3 * n, *slen = plan + 4 * n, *first = plan + 5 * n;
+    int64_t keys = 0, units = 0, gmax = 1;
     for (int64_t r = 0; r < n; r++) {
-        const int64_t L = len_at(st, st->reqs ? st->reqs[r] : r), w = st->window;
+        nq[r] = st->group ? st->group[r] : 1;
+        if (nq[r] < 0 || r + nq[r] > n || nq[r] * g > MAX_QG || (nq[r] > 1 && st->window > 0)) {
+            free(plan);
+            return -2;
+        }
+        cnt[r] = lo[r] = 0;
+        if (nq[r] == 0) continue;
+        const int64_t last = r + nq[r] - 1, L = len_at(st, st->reqs ? st->reqs[last] : last), w = st->window;
         lo[r] = w > 0 && L - w > 0 ? L - w : 0;
         cnt[r] = L > lo[r] ? L - lo[r] : 0;
-        keys += cnt[r];
+        keys += cnt[r] * nq[r];
+        units += 1;
+        gmax = nq[r] > gmax ? nq[r] : gmax;
     }
     const int nt = keys * st->heads * D < SERIAL_MACS || nthreads < 1 ? 1 : nthreads;
     /* about 4 items per thread, so that ragged spans still balance under dynamic scheduling */
-    const int64_t want = nt > 1 ? (4 * nt + n * kvh - 1) / (n * kvh) : 1;
+    const int64_t want = nt > 1 ? (4 * nt + units * kvh - 1) / (units * kvh) : 1;
     int64_t items = 0, split = 0;
     for (int64_t r = 0; r < n; r++) {
+        first[r] = items;
+        if (nq[r] == 0) {
+            nsp[r] = slen[r] = 0;
+            continue;
+        }
         int64_t s = cnt[r] / MIN_SPAN < want ? cnt[r] / MIN_SPAN : want;
         s = s < 1 ? 1 : s;
         slen[r] = (cnt[r] + s - 1) / s;
         slen[r] = (slen[r] + TILE - 1) / TILE * TILE;  /* whole tiles (where blocks allow) */
         nsp[r] = slen[r] > 0 ? (cnt[r] + slen[r] - 1) / slen[r] : 1;
-        first[r] = items;
         items += kvh * nsp[r];
         split |= nsp[r] > 1;
     }
-    int64_t *item_req = (int64_t *)malloc(sizeof(int64_t) * (size_t)items);
-    const int64_t part = g * (D + 2);  /* per item: acc [g][D], m [g], l [g] */
+    int64_t *item_req = (int64_t *)malloc(sizeof(int64_t) * (size_t)(items > 0 ? items : 1));
+    const int64_t part = gmax * g * (D + 2);  /* per item: acc [G][D], m [G], l [G] (G = the unit's heads) */
     float *parts = split ? (float *)malloc(sizeof(float) * (size_t)(items * part)) : NULL;
     if (!item_req || (split && !parts)) {
         free(plan), free(item_req), free(parts);
@@ -402,7 +459,7 @@ int kva_decode(const kva_step *st, const kva_cache *c, const float *q, int64_t q
 
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
-        float acc[MAX_G * MAX_D], m[MAX_G], l[MAX_G];
+        float acc[MAX_QG * MAX_D], m[MAX_QG], l[MAX_QG];
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; it++) {
             const int64_t r = item_req[it], local = it - first[r], h = local / nsp[r], s = local % nsp[r];
@@ -410,39 +467,37 @@ int kva_decode(const kva_step *st, const kva_cache *c, const float *q, int64_t q
             const int64_t t0 = lo[r] + s * slen[r], t1 = t0 + slen[r] < lo[r] + cnt[r] ? t0 + slen[r] : lo[r] + cnt[r];
             if (nsp[r] > 1) {
                 float *pa = parts + it * part;
-                run_span(a, r, req, h, t0, t1, pa, pa + g * D, pa + g * D + g);
+                const int64_t G = nq[r] * g;
+                run_span(a, r, nq[r], req, h, t0, t1, pa, pa + G * D, pa + G * D + G);
                 continue;
             }
-            run_span(a, r, req, h, t0, t1, acc, m, l);
-            float *o = out + (st->rows ? st->rows[r] : r) * out_row + h * g * D;
-            for (int64_t j = 0; j < g; j++) {
-                const float inv = l[j] > 0.0f ? 1.0f / l[j] : 0.0f;
-                for (int64_t i = 0; i < D; i++) o[j * D + i] = acc[j * D + i] * inv;
-            }
+            run_span(a, r, nq[r], req, h, t0, t1, acc, m, l);
+            write_rows(a, r, nq[r], h, g, D, acc, l);
         }
         if (split) {
 #pragma omp for schedule(static)
             for (int64_t rh = 0; rh < n * kvh; rh++) {
                 const int64_t r = rh / kvh, h = rh % kvh;
                 if (nsp[r] < 2) continue;
+                const int64_t G = nq[r] * g;
                 const float *p0 = parts + (first[r] + h * nsp[r]) * part;
-                float *o = out + (st->rows ? st->rows[r] : r) * out_row + h * g * D;
-                for (int64_t j = 0; j < g; j++) {
+                for (int64_t j = 0; j < G; j++) {
                     float mx = -INFINITY, sum = 0.0f;
                     for (int64_t s = 0; s < nsp[r]; s++) {
-                        const float ms = p0[s * part + g * D + j];
+                        const float ms = p0[s * part + G * D + j];
                         mx = ms > mx ? ms : mx;
                     }
-                    for (int64_t i = 0; i < D; i++) o[j * D + i] = 0.0f;
+                    float *o = acc + j * D; /* merged, unnormalised, then written by write_rows */
+                    for (int64_t i = 0; i < D; i++) o[i] = 0.0f;
                     for (int64_t s = 0; s < nsp[r]; s++) {
                         const float *ps = p0 + s * part;
-                        const float w = expf(ps[g * D + j] - mx);
-                        sum += ps[g * D + g + j] * w;
-                        for (int64_t i = 0; i < D; i++) o[j * D + i] += ps[j * D + i] * w;
+                        const float w = ps[G * D + j] == -INFINITY ? 0.0f : expf(ps[G * D + j] - mx);
+                        sum += ps[G * D + G + j] * w;
+                        for (int64_t i = 0; i < D; i++) o[i] += ps[j * D + i] * w;
                     }
-                    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-                    for (int64_t i = 0; i < D; i++) o[j * D + i] *= inv;
+                    l[j] = sum;
                 }
+                write_rows(a, r, nq[r], h, g, D, acc, l);
             }
         }
     }

@@ -20,6 +20,7 @@ from kvcli_kernels.cpu_build import build, build_error, check_structs
 _SOURCE = "cpu_attention.c"
 MAX_HEAD_DIM = 256  # cpu_attention.c MAX_D
 MAX_GROUP = 16  # cpu_attention.c MAX_G
+MAX_UNIT_HEADS = 64  # cpu_attention.c MAX_QG: a query group's rows x the GQA group
 FP8_UNIT = 256.0  # the kernel reads fp8 codes as fp16 holding code / 256 (as torch_backend.py does)
 DTYPE_CODES = kv_formats.DTYPE_CODES  # cache storage dtype -> DT_* of cpu_attention.c (kv_formats.py)
 
@@ -29,7 +30,7 @@ _i64, _f32, _i32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_int32, ctypes.
 class _Step(ctypes.Structure):
     """cpu_attention.c's kva_step, field for field."""
 
-    _fields_ = [("tables", _ptr), ("t_row", _i64), ("lens", _ptr), ("reqs", _ptr), ("rows", _ptr),
+    _fields_ = [("tables", _ptr), ("t_row", _i64), ("lens", _ptr), ("reqs", _ptr), ("rows", _ptr), ("group", _ptr),
                 ("n", _i64), ("heads", _i64), ("window", _i64), ("scale", _f32), ("softcap", _f32),
                 ("tables64", _i32), ("lens64", _i32)]
 
@@ -72,18 +73,24 @@ class DecodeStep:
     block_tables int32/int64 [batch, max_blocks], lens int32/int64 [batch]; reqs, rows (int64 [n],
     optional): the n decode requests' indices into block_tables / lens and their rows of q / out
     (default: request i is row i, n = len(lens)). window > 0: a query sees only the last `window` keys.
-    softcap > 0: scores s become softcap * tanh(s / softcap) (Gemma 2's attention logit soft-capping)."""
+    softcap > 0: scores s become softcap * tanh(s / softcap) (Gemma 2's attention logit soft-capping).
+    group (int64 [n], optional; no window): group[r] = k > 1 makes queries r .. r + k - 1 one work item,
+    consecutive positions of one request (equal table rows, lengths L - k + 1 .. L) reading its K/V once for
+    all k rows; 0 marks the queries a group covers; k x heads / kv_heads <= MAX_UNIT_HEADS."""
 
     def __init__(self, block_tables: torch.Tensor, lens: torch.Tensor, heads: int, scale: float, window: int = 0,
-                 reqs: torch.Tensor | None = None, rows: torch.Tensor | None = None, softcap: float = 0.0) -> None:
+                 reqs: torch.Tensor | None = None, rows: torch.Tensor | None = None, softcap: float = 0.0,
+                 group: torch.Tensor | None = None) -> None:
         assert block_tables.dtype in (torch.int32, torch.int64) and lens.dtype in (torch.int32, torch.int64)
         assert block_tables.device.type == "cpu" and block_tables.stride(-1) == 1 and lens.is_contiguous()
-        for t in (reqs, rows):
+        for t in (reqs, rows, group):
             assert t is None or (t.dtype == torch.int64 and t.is_contiguous())
+        assert group is None or window == 0
         self.heads = heads
-        self._keep = (block_tables, lens, reqs, rows)
+        self._keep = (block_tables, lens, reqs, rows, group)
         self.args = _Step(block_tables.data_ptr(), block_tables.stride(0), lens.data_ptr(),
                           None if reqs is None else reqs.data_ptr(), None if rows is None else rows.data_ptr(),
+                          None if group is None else group.data_ptr(),
                           lens.shape[0] if reqs is None else reqs.shape[0], heads, window, scale, softcap,
                           int(block_tables.dtype == torch.int64), int(lens.dtype == torch.int64))
         self.ref = ctypes.byref(self.args)
@@ -150,10 +157,10 @@ def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, k_heads: torch.Tensor, v
                      k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                      out: torch.Tensor | None = None, reqs: torch.Tensor | None = None,
                      rows: torch.Tensor | None = None, nthreads: int | None = None,
-                     softcap: float = 0.0) -> torch.Tensor:
+                     softcap: float = 0.0, group: torch.Tensor | None = None) -> torch.Tensor:
     """One call (DecodeStep, CacheView and run together): attention of the decode rows of q (fp32
     [tokens, heads, D]) over paged K/V, written into `out` (a new tensor like q when None)."""
-    step = DecodeStep(block_tables, lens, q.shape[1], scale, window, reqs, rows, softcap)
+    step = DecodeStep(block_tables, lens, q.shape[1], scale, window, reqs, rows, softcap, group)
     cache = CacheView(k_heads, v_heads, k_scale, v_scale)
     out = torch.empty_like(q) if out is None else out
     assert query_supported(q, step, cache) and out.dtype == torch.float32 and out.shape == q.shape

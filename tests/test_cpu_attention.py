@@ -147,6 +147,47 @@ def test_long_contexts_split_across_threads(kernel, threads, kv):
     assert got[[1, 3]].isnan().all()  # rows that are not decode rows are left alone
 
 
+@pytest.mark.parametrize("kv", list(DTYPES))
+@pytest.mark.parametrize("g", [1, 3])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_query_groups_give_each_row_its_own_answer(kernel, kv, g, threads):
+    """A speculative verification's rows as query groups (group[r] = k: queries r .. r + k - 1 of one request,
+    lengths L - k + 1 .. L) read the request's K/V once; each row sees only its own keys and gets what it gets
+    alone: bit for bit on one thread (no spans), within rounding of the dense reference when long contexts
+    are split across threads. A group wider than the kernel's buffers is refused."""
+    from kvcli_kernels.cpu_attention import MAX_UNIT_HEADS, decode_attention
+
+    gen = torch.Generator().manual_seed(11 * g + threads)
+    kvh, d, bs = 2, 64, 16
+    ctx, rows_per = [40, 7, 600], [6, 1, 3]
+    kc, vc, ks, vs, tables, per_req = paged_cache(ctx, kvh, d, bs, kv, gen)
+    req = torch.repeat_interleave(torch.arange(3), torch.tensor(rows_per))
+    lens = torch.cat([torch.arange(n - k + 1, n + 1) for n, k in zip(ctx, rows_per)])
+    group = torch.tensor([6, 0, 0, 0, 0, 0, 1, 3, 0, 0])
+    q = torch.randn(len(lens), kvh * g, d, generator=gen)
+    rows_tables = tables.index_select(0, req).contiguous()
+    got = torch.full_like(q, float("nan"))
+    decode_attention(kernel, q, kc, vc, rows_tables, lens, 0.125, 0, ks, vs, out=got, nthreads=threads, group=group)
+    alone = torch.full_like(q, float("nan"))
+    decode_attention(kernel, q, kc, vc, rows_tables, lens, 0.125, 0, ks, vs, out=alone, nthreads=threads)
+    want = dense_decode(q, [tuple(t[:, :n] for t in per_req[r]) for r, n in zip(req.tolist(), lens.tolist())],
+                        0.125, 0)
+    # spans merged by log-sum-exp round once more than one pass (fp8's 1/256 unit: ~1e-6 absolute)
+    torch.testing.assert_close(got, want, **(TOL if threads == 1 else dict(rtol=1e-5, atol=2e-6)))
+    if threads == 1:
+        assert torch.equal(got, alone)
+    past_end = group.clone()
+    past_end[7] = 5  # queries 7 .. 11 of 10
+    with pytest.raises(ValueError, match="unsupported"):
+        decode_attention(kernel, q, kc, vc, rows_tables, lens, 0.125, 0, ks, vs, group=past_end)
+    wide = torch.zeros(MAX_UNIT_HEADS + 1, dtype=torch.int64)
+    wide[0] = MAX_UNIT_HEADS // g + 1  # more heads than one work item holds
+    q_wide = torch.randn(len(wide), kvh * g, d, generator=gen)
+    with pytest.raises(ValueError, match="unsupported"):
+        decode_attention(kernel, q_wide, kc, vc, tables[:1].expand(len(wide), -1).contiguous(),
+                         torch.full((len(wide),), 40), 0.125, 0, ks, vs, group=wide)
+
+
 def backend_cache(kv: str, kc: torch.Tensor, vc: torch.Tensor) -> LayerKV:
     if kv in ("int8", "fp8"):
         (kq, ks), (vq, vs) = quantize(kc.nan_to_num(), DTYPES[kv]), quantize(vc.nan_to_num(), DTYPES[kv])

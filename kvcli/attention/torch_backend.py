@@ -326,14 +326,16 @@ class TorchAttentionBackend:
             self._native_recent = [*self._native_recent[-3:], (meta, scale, heads, self._native_ids, self._native_step)]
         return self._native_step
 
-    def _native_rows_step(self, meta: AttentionMetadata, heads: int, scale: float) -> DecodeStep | None:
+    def _native_rows_step(self, meta: AttentionMetadata, heads: int, scale: float, group: int) -> DecodeStep | None:
         """The decode kernel's arguments for a step whose requests bring several query rows each: row j of a
         request of n rows and L keys (its own K/V among them, written before attention) is a decode query
         over the first L - (n - 1 - j) keys, through the request's own block table: the causal mask of a
         chunk, row by row, and each row computed as a plain decode step would compute it (bit for bit where
         the kernel does not split a row's keys into spans for threads, under 256 keys: past that the spans
-        follow the step's total work, so the merge order may differ from a 1-row step's). Cached per step
-        like _native_decode_step; None where the kernel does not load."""
+        follow the step's total work, so the merge order may differ from a 1-row step's). Without a sliding
+        window a request's rows form one query group (at most MAX_UNIT_HEADS // group rows each): the kernel
+        reads its K/V once for all of them instead of once per row. Cached per step like
+        _native_decode_step; None where the kernel does not load."""
         if self._lib is False:
             self._lib = native_attention()
         if self._lib is None or meta.block_tables.device.type != "cpu":
@@ -341,14 +343,22 @@ class TorchAttentionBackend:
         for entry in self._rows_recent:
             if entry[0] is meta and entry[1] == scale and entry[2] == heads:
                 return entry[3]
-        from kvcli_kernels.cpu_attention import DecodeStep
+        from kvcli_kernels.cpu_attention import MAX_UNIT_HEADS, DecodeStep
 
         req = torch.repeat_interleave(torch.arange(len(meta.query_lens_list)),
                                       torch.tensor(meta.query_lens_list))
         lens = torch.cat([torch.arange(length - n + 1, length + 1, dtype=torch.int64)
                           for n, length in zip(meta.query_lens_list, meta.seq_lens_list)])
         tables = meta.block_tables.index_select(0, req).contiguous()
-        step = DecodeStep(tables, lens, heads, scale, meta.sliding_window, softcap=meta.softcap)
+        units = None
+        if not meta.sliding_window:  # consecutive rows of a request: one work item per at most `most` rows
+            most, sizes = max(1, MAX_UNIT_HEADS // group), []
+            for n in meta.query_lens_list:
+                for start in range(0, n, most):
+                    k = min(most, n - start)
+                    sizes += [k] + [0] * (k - 1)
+            units = torch.tensor(sizes, dtype=torch.int64)
+        step = DecodeStep(tables, lens, heads, scale, meta.sliding_window, softcap=meta.softcap, group=units)
         self._rows_recent = [*self._rows_recent[-3:], (meta, scale, heads, step)]
         return step
 
@@ -366,7 +376,7 @@ class TorchAttentionBackend:
         if not self.native or not lens or any(n < 1 or n > self.ROWS_STEP_MAX for n in lens):
             return None
         if any(n != 1 for n in lens):
-            step = self._native_rows_step(meta, heads, scale)
+            step = self._native_rows_step(meta, heads, scale, heads // caches[0].k.shape[2])
         else:
             step = self._native_decode_step(meta, heads, scale)
         if step is None:

@@ -89,6 +89,12 @@ AB: dict[str, ABSpec] = {
         "kvcli decode tok/s at 4096": _cpu_row(4096, "kvcli", 2),
     }, "kvcli decode tok/s at 512"),
 }
+AB["verify-step"] = ABSpec("", {  # a verification step of n rows against a 1-row step (lower is better)
+    "6 rows vs 1 at 512": _row("512 | 6", 2),
+    "6 rows vs 1 at 4096": _row("4096 | 6", 2),
+    "8 rows vs 1 at 4096": _row("4096 | 8", 2),
+    "1-row step ms at 4096": _row("4096 | 1", 1),
+}, "6 rows vs 1 at 4096")
 AB["throughput-avx2"] = AB["throughput"]
 AB["cpu-avx2"] = ABSpec("scripts/bench_cpu.py", AB["cpu"].numbers, AB["cpu"].headline)
 

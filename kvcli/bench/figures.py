@@ -109,6 +109,10 @@ FIGURES: dict[str, Figure] = {f.name: f for f in [
     Figure("ab-throughput", "ab:main", "before/after: the throughput trace at efe4681 and in this tree, interleaved",
            ("--before", "efe4681", "throughput", "--rounds", "3", "--", "--modes", "static,generate_batch"),
            in_make_figures=False),
+    # Query groups in the C decode kernel (issue #30, item 4): c5dfea2 is the tree before them.
+    Figure("ab-verify-step", "ab:main", "before/after: the verify-step figure at c5dfea2 (a verification's rows read "
+           "the KV once each) and in this tree (once per request), interleaved",
+           ("--before", "c5dfea2", "verify-step", "--rounds", "3", "--", "--rounds", "5"), in_make_figures=False),
     Figure("triton-matrix", "script:bash scripts/triton_matrix.sh", "kernel tests under older Triton releases",
            in_make_figures=False),
     Figure("gpu-check-dry-run", "script:python3 scripts/gpu_check.py --dry-run",
