@@ -56,6 +56,7 @@ typedef struct {
     const float *attn_post_norm, *ffn_post_norm; /* on the attention / MLP output before the add (Gemma 3), or NULL */
     const float *cos, *sin_signed; /* this layer's rotary tables (Gemma 3's local layers), or NULL: the model's */
     const void *step;              /* this layer's attention step (its window), or NULL: the call's */
+    const int64_t *slots;          /* this layer's KV slots (its KV group's block table), or NULL: the call's */
 } kvd_layer;
 
 typedef struct {
@@ -114,7 +115,7 @@ int kvd_decode_layers(const kvd_model *m, const kvd_layer *layers, int64_t n_lay
                 m->rmsnorm(r + qd, L->k_norm, r + qd, m->kv_heads, m->head_dim, m->eps, 1);
             }
         if (m->rope_kv(qkv, T, nqkv, m->heads, m->kv_heads, m->head_dim, L->cos ? L->cos : m->cos,
-                       L->cos ? L->sin_signed : m->sin_signed, m->table_rows, positions, slots, q, L->k, L->v,
+                       L->cos ? L->sin_signed : m->sin_signed, m->table_rows, positions, L->slots ? L->slots : slots, q, L->k, L->v,
                        (int)m->kv_dtype, m->block_size, m->num_slots, m->k_sb, m->k_st, m->k_sh, m->v_sb, m->v_st,
                        m->v_sh, nthreads))
             return fail + 2;

@@ -138,6 +138,9 @@ class EngineOptions:
     kv_dtype: str | None = None  # auto | fp32 | fp16 | bf16 | int8 | fp8; auto (None): see resolve_kv_dtype
     prefix_caching: bool = True  # reuse full blocks of shared prefixes across requests
     watermark: float = 0.01  # paged admission keeps this share of blocks free for running requests
+    # Paged layout, a model whose layers attend over different spans (Gemma 2 / 3): one block table per group of
+    # layers (kvcache/kv_groups.py), so windowed layers hold only their window. False: one table for every layer.
+    kv_groups: bool = True
     # Speculative decoding: guess up to num_speculative_tokens by prompt lookup (the last n tokens,
     # ngram_max down to ngram_min, matched in the request's own context), verify them in one step.
     speculate: str = "none"  # none | ngram

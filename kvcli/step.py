@@ -39,6 +39,9 @@ class ScheduledChunk:
     # A request that asked for its prompt's log probabilities: the prompt token after each of the first
     # len() entries of token_ids (the chunk's rows to score; the last prompt token has none of its own).
     prompt_targets: tuple[int, ...] = ()
+    # KV groups past the first (kvcache/kv_groups.py: Gemma's windowed layers): their tables, the same length as
+    # block_table, in group order. Empty with one table for every layer.
+    group_tables: tuple[list[int], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvcli.llm import LLM
-from kvcli.step import ScheduledChunk, SchedulerOutput
+from engine_steps import teacher_forced
 
 pytestmark = pytest.mark.slow
 
@@ -23,21 +23,6 @@ def save_folder(out, gguf_path, model) -> None:
 
     AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name).save_pretrained(str(out))
     model.save_pretrained(str(out))
-
-
-def teacher_forced(engine, ids: list[int], prefill: int, chunk: int) -> torch.Tensor:
-    rows, pos, seen = [], 0, set()
-    while pos < len(ids):
-        n = min(chunk, prefill - pos) if pos < prefill else 1
-        assert engine.kv.allocate("tf", pos + n, pos)
-        table = engine.kv.block_table("tf")
-        engine.kv_cache.zero_blocks([b for b in table if b not in seen])
-        seen.update(table)
-        step = SchedulerOutput([ScheduledChunk("tf", ids[pos:pos + n], pos, table, True)])
-        rows.append(engine.runner.execute(step, all_logits=True).logits)
-        pos += n
-    engine.kv.free("tf")
-    return torch.cat(rows)
 
 
 def compare(path, ref, backend: str, n: int = 40) -> float:
@@ -116,27 +101,8 @@ def test_phi3_matches_transformers(tmp_path, gguf_path, max_positions):
 
 
 @pytest.fixture(scope="module")
-def gemma3(tmp_path_factory, gguf_path):
-    """A tiny random Gemma 3 text model: 6 layers, 5 sliding (window 8) per global one, local and global rotary
-    bases, linear scaling on the global layers, GeGLU, sandwich norms with weights away from 0 (transformers
-    adds 1), query_pre_attn_scalar unlike head_dim, tied embeddings scaled by sqrt(hidden)."""
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    out = tmp_path_factory.mktemp("gemma3")
-    cfg = Gemma3TextConfig(**{**BASE, "num_hidden_layers": 6, "tie_word_embeddings": True}, head_dim=16,
-                           sliding_window=8, query_pre_attn_scalar=24, final_logit_softcapping=None,
-                           rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0,
-                                                               "rope_theta": 1e6},
-                                            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
-                           pad_token_id=0, bos_token_id=1, eos_token_id=2, attn_implementation="eager")
-    torch.manual_seed(0)
-    model = Gemma3ForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(-0.5, 0.5)
-    save_folder(out, gguf_path, model)
-    return out, model
+def gemma3(gemma3_folder):
+    return gemma3_folder  # (conftest.py: tests/test_kv_groups.py runs it too)
 
 
 @pytest.mark.parametrize("backend", ["torch", "invariant"])
@@ -218,8 +184,9 @@ def test_gemma2_without_its_attention_softcap_is_caught(gemma2):
 
 
 def test_inspect_counts_what_gemma3_windows_would_hold(tmp_path):
-    """inspect: the layer kinds, and a request's KV held today (every layer, every token) against what the
-    sliding layers' windows alone would need; dummy: weights of the shape run through the engine."""
+    """inspect: the layer kinds, and a request's KV as the paged layout holds it (per-group block tables: the
+    windowed layers their window's blocks) against every layer every token and the windows' tokens alone;
+    dummy: weights of the shape run through the engine."""
     import json
 
     from typer.testing import CliRunner
@@ -235,6 +202,10 @@ def test_inspect_counts_what_gemma3_windows_would_hold(tmp_path):
     rep = json.loads(r.output)
     per_layer_token = 2 * 1 * 64 * 2  # K and V, one KV head of 64, fp16
     assert rep["layer_kinds"] == "5 sliding (window 32) and 1 global of 6 layers"
-    assert rep["kv_request_held"] == 6 * 1024 * per_layer_token
+    # The paged layout's per-group tables: the global layer every block, each windowed layer at most
+    # ceil((W - 1 + 512-token steps) / 16) + 1 = 35 blocks.
+    assert rep["kv_request_held"] == (1024 + 5 * 35 * 16) * per_layer_token
+    assert rep["kv_request_every"] == 6 * 1024 * per_layer_token
+    assert rep["kv_groups"].startswith("6 block tables per request, 1 layer each")
     assert rep["kv_request_windowed"] == (5 * 32 + 1024) * per_layer_token
     assert any(how.startswith("yes") for what, how in rep["weight_plan"] if what == "one-call decode")

@@ -243,7 +243,7 @@ def test_windowed_equals_plain_before_any_drop(loaded_model, text_ids):
 def layer_cache(engine: LLMEngine, req_id: str, n: int, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """A request's first n cache slots of one layer, fp32 [n, kv_heads, D] (K, V)."""
     L = engine.kv_cache.layers[layer]
-    table = torch.tensor(engine.kv.block_table(req_id))
+    table = torch.tensor(engine.kv.group_tables(req_id)[engine.kv_cache.groups.group_of[layer]])
 
     def read(t, s):
         x = dequantize(t[table], None if s is None else s[table], torch.float32)
@@ -324,7 +324,7 @@ def test_gemma3_local_layers_shift_by_their_own_rotary(tmp_path):
         d = w.kv.dropped_tokens(req.req_id)
         held = req.num_computed_tokens - d
         kept = req.all_token_ids[:16] + req.all_token_ids[16 + d:req.num_computed_tokens]
-        p = LLMEngine(loaded, EngineOptions(**opts), model=model)
+        p = LLMEngine(loaded, EngineOptions(**opts, kv_groups=False), model=model)  # every key kept, every layer
         ref = p.add_request(kept, SamplingParams(max_tokens=2, ignore_eos=True))
         run_until_prefilled(p, ref)
         assert d >= 200

@@ -18,7 +18,7 @@ from kvcli.config import ModelConfig
 from kvcli.llm import LLM
 from kvcli.model.gguf_file import GGUFFile
 from kvcli.model.gguf_loader import read_config
-from kvcli.step import ScheduledChunk, SchedulerOutput
+from engine_steps import teacher_forced
 
 WINDOW = 8
 BASE = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -92,24 +92,6 @@ def mistral(tmp_path_factory, gguf_path):
     model = MistralForCausalLM(cfg).eval()
     model.save_pretrained(str(out))
     return out, model
-
-
-def teacher_forced(engine, ids: list[int], prefill: int, chunk: int) -> torch.Tensor:
-    """Logits at every position: `prefill` tokens in chunks of `chunk`, then one decode step per token."""
-    rows, pos, seen = [], 0, set()
-    while pos < len(ids):
-        n = min(chunk, prefill - pos) if pos < prefill else 1
-        assert engine.kv.allocate("tf", pos + n, pos)
-        table = engine.kv.block_table("tf")
-        # Zero blocks on first use, as the scheduler has the runner do (new_blocks): attention reads
-        # past a request's last token inside its last block (masked), which must not hold NaN.
-        engine.kv_cache.zero_blocks([b for b in table if b not in seen])
-        seen.update(table)
-        step = SchedulerOutput([ScheduledChunk("tf", ids[pos:pos + n], pos, table, True)])
-        rows.append(engine.runner.execute(step, all_logits=True).logits)
-        pos += n
-    engine.kv.free("tf")
-    return torch.cat(rows)
 
 
 @pytest.mark.slow

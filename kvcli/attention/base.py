@@ -42,6 +42,17 @@ class AttentionMetadata:
     sliding_window: int = 0  # w > 0: position p sees keys [p - w + 1, p]; 0 = full causal (set by the model)
     softcap: float = 0.0  # c > 0: scores s = scale q.k become c * tanh(s / c) before the mask (Gemma 2; the model)
     num_splits: int | None = None  # split-K count fixed by the caller (a CUDA graph's); None: the backend's choice
+    # KV groups past the first (kvcache/kv_groups.py: Gemma's windowed layers keep their own block tables): each
+    # group's metadata, its slot_mapping and block_tables its own, the rest as here. Empty: one table for all.
+    groups: tuple["AttentionMetadata", ...] = ()
+
+    def for_group(self, group: int) -> "AttentionMetadata":
+        """The metadata of a layer in KV group `group` (0: this one)."""
+        if group == 0:
+            return self
+        if group > len(self.groups):  # never the first group's slots: they name another layer's KV in that page
+            raise ValueError(f"a step without the block tables of KV group {group} (ScheduledChunk.group_tables)")
+        return self.groups[group - 1]
 
     @property
     def batch_size(self) -> int:

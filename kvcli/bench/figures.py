@@ -51,6 +51,8 @@ FIGURES: dict[str, Figure] = {f.name: f for f in [
            "(StreamingLLM's comparison, kvcli perplexity)"),
     Figure("window-cost", "streaming:cost", "bounded KV cache speed: decode at 4x the context, prefill through "
            "the window"),
+    Figure("kv-groups", "kv_groups:main", "KV groups: a Gemma-3-shaped model's KV held at 32k context with per-group "
+           "block tables vs one table, logits compared"),
     Figure("profile", "cli:main", "paged vs contiguous KV on the bundled model (kvcli profile)", _PROFILE),
     Figure("simulate", "cli:main", "paged vs contiguous KV, simulated 13B (kvcli profile --simulate)", _SIMULATE),
     Figure("live", "live:main", "cost of the live dashboard on decode"),

@@ -15,9 +15,10 @@ from rich.console import Console
 from rich.table import Table
 
 from kvcli.commands.common import Fail
-from kvcli.commands.plan_cmd import USABLE, KVFit, kv_fits, paged_tokens_held
+from kvcli.commands.plan_cmd import USABLE, KVFit, kv_fits, paged_kv_held
 from kvcli.config import ModelConfig
 from kvcli.kvcache.block_manager import sliding_window_of
+from kvcli.kvcache.kv_groups import kv_groups_of
 from kvcli.model.loader import ModelLoadError, bundled_gguf_path, load_config
 from kvcli.options import ConfigError, EngineOptions
 from kvcli.view.plain_log import human_bytes
@@ -62,12 +63,13 @@ class InspectReport:
     fits: list[KVFit] = field(default_factory=list)  # per KV dtype, at `context_length`
     kv_dtype: str | None = None  # what the engine picks here for these flags (needs the load: --no-load, None)
     layer_kinds: str | None = None  # per-layer attention (Gemma 3: "5 sliding of 512 per global layer")
-    # K and V of one request of context_length tokens (fp16): as the paged layout holds it (every layer's
-    # window when every layer slides, else every token), every layer every token, and if each sliding layer
-    # held only its window's blocks (what per-layer-group block tables would hold: Gemma 3).
+    # K and V of one request of context_length tokens (fp16): as the paged layout holds it in whole blocks (a
+    # window's blocks in every sliding layer: Mistral's, or Gemma's through per-group block tables, else every
+    # token), every layer every token, and the sliding layers' window tokens alone (no block rounding).
     kv_request_held: int | None = None
     kv_request_every: int | None = None
     kv_request_windowed: int | None = None
+    kv_groups: str | None = None  # the paged layout's block tables per request (kvcache/kv_groups.py)
 
 
 def _resolve(spec: str | None) -> str | None:
@@ -166,11 +168,12 @@ def inspect_model(spec: str | None, options: EngineOptions, load: bool, context:
                            f"{config.num_layers} layers")
     if config.layer_types is not None or config.sliding_window is not None:
         ctx_kv = context or config.max_position_embeddings
-        held = paged_tokens_held(config, ctx_kv, options.block_size, options.max_num_batched_tokens)
-        rep.kv_request_held = config.kv_bytes_of_request("fp16", held, windowed=False)
+        rep.kv_request_held = paged_kv_held(config, "fp16", ctx_kv, options.block_size, options.max_num_batched_tokens)
         rep.kv_request_every = config.kv_bytes_of_request("fp16", ctx_kv, windowed=False)
         rep.kv_request_windowed = config.kv_bytes_of_request("fp16", ctx_kv)
-        rep.window_released = sliding_window_of(config) > 0
+        kv_groups = kv_groups_of(config)
+        rep.window_released = sliding_window_of(config) > 0 or kv_groups.hybrid
+        rep.kv_groups = kv_groups.describe() if kv_groups.hybrid else None
     weights = rep.file_tensor_bytes
     if load:
         from kvcli.engine.llm_engine import LLMEngine
@@ -242,15 +245,12 @@ def render(rep: InspectReport, context: int) -> None:
     t.add_row("context length", f"{rep.context_length:,} tokens")
     if rep.kv_request_held is not None and rep.kv_request_windowed is not None:
         every = rep.kv_request_every or rep.kv_request_held
-        if rep.window_released:
-            t.add_row("KV of one request", f"{human_bytes(rep.kv_request_held)} held at {context:,} tokens (fp16; "
-                      f"the paged layout gives back the blocks before the window) · {human_bytes(every)} if every "
-                      f"token were kept ({rep.kv_request_held / every:.2f}x)")
-        else:
-            t.add_row("KV of one request", f"{human_bytes(rep.kv_request_held)} at {context:,} tokens (fp16, every "
-                      f"layer every token: what kvcli holds today) · {human_bytes(rep.kv_request_windowed)} if the "
-                      f"windowed layers kept only their window "
-                      f"({rep.kv_request_windowed / rep.kv_request_held:.2f}x)")
+        t.add_row("KV of one request", f"{human_bytes(rep.kv_request_held)} held at {context:,} tokens (fp16, whole "
+                  f"blocks; the paged layout gives back the blocks before each window) · {human_bytes(every)} if "
+                  f"every layer kept every token ({rep.kv_request_held / every:.2f}x) · "
+                  f"{human_bytes(rep.kv_request_windowed)} the windows' tokens alone")
+        if rep.kv_groups:
+            t.add_row("KV groups", rep.kv_groups)
     for g in rep.tensors:
         t.add_row(f"tensors {g.type}", f"{g.count} · {human_bytes(g.bytes)}")
     t.add_row("file tensors", human_bytes(rep.file_tensor_bytes))

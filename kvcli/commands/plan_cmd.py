@@ -10,7 +10,9 @@ from rich.table import Table
 
 from kvcli.commands.common import Fail
 from kvcli.engine.llm_engine import native_attention_available, pick_backend
-from kvcli.kvcache.block_manager import sliding_window_blocks, sliding_window_of
+from kvcli.kvcache.block_manager import sliding_window_of
+from kvcli.kvcache.kv_dtype import kv_dtype_of
+from kvcli.kvcache.kv_groups import kv_groups_of
 from kvcli.kvcache.interface import blocks_for
 from kvcli.model.loader import ModelLoadError, load_config
 from kvcli.options import ConfigError, EngineOptions, parse_bytes
@@ -63,14 +65,17 @@ def kv_fit(config, kv_dtype: str, kv_budget: int, context: int, mean: int, block
     budget = max(kv_budget, 0)
     return KVFit(str(kv_dtype), per_tok, budget // per_tok,
                  budget // (per_tok * blocks_for(context, block_size) * block_size),
-                 budget // (per_tok * blocks_for(mean, block_size) * block_size))
+                 budget // paged_kv_held(config, kv_dtype, mean, block_size, EngineOptions.max_num_batched_tokens))
 
 
-def paged_tokens_held(config, tokens: int, block_size: int, step_tokens: int) -> int:
-    """KV tokens the paged layout holds for one request of `tokens` tokens: all of them, unless every layer
-    slides (Mistral): then the blocks before the window go back as it advances (kvcache/block_manager.py)."""
-    w = sliding_window_of(config)
-    return min(tokens, block_size * sliding_window_blocks(w, step_tokens, block_size)) if w else tokens
+def paged_kv_held(config, kv_dtype: str, tokens: int, block_size: int, step_tokens: int) -> int:
+    """KV bytes the paged layout holds for one request of `tokens` tokens, in whole blocks: every block of every
+    layer, unless layers slide: where every layer slides (Mistral) the blocks before the window go back as the
+    request advances; where some do (Gemma 2 / 3) each group of layers keeps its own table and the windowed
+    groups hold only their window's blocks (kvcache/kv_groups.py)."""
+    groups = kv_groups_of(config)
+    per_layer_token = kv_dtype_of(kv_dtype).bytes_per_token(1, config.num_kv_heads, config.head_dim)
+    return groups.pages_held(tokens, block_size, step_tokens) * groups.slots * block_size * per_layer_token
 
 
 KV_DTYPE_NAMES = ("fp32", "fp16", "bf16", "int8", "fp8")
@@ -131,15 +136,18 @@ def run_plan(a: PlanArgs, fail: Fail) -> int:
     t.add_row("KV per token", human_bytes(per_tok),
               f"2 x {config.num_layers} layers x {config.num_kv_heads} KV heads x {config.head_dim}")
     t.add_row("KV per request", human_bytes(per_tok * context), f"at --context {context:,}")
-    held = paged_tokens_held(config, context, block_size, EngineOptions.max_num_batched_tokens)
+    step = EngineOptions.max_num_batched_tokens
     if sliding_window_of(config):  # every layer slides: the paged layout gives back what is before the window
+        held = paged_kv_held(config, dtype_name, context, block_size, step) // per_tok
         t.add_row("  held, paged", human_bytes(per_tok * held),
                   f"{held:,} tokens at most: the blocks before the {sliding_window_of(config):,}-token window go back")
         mean = min(mean, held)
-    elif config.layer_types is not None or config.sliding_window is not None:  # mixed layers keep every token
-        windowed = config.kv_bytes_of_request(dtype_name, context)
-        t.add_row("  if windows freed", human_bytes(windowed),
-                  f"{windowed / max(per_tok * context, 1):.2f}x: windowed layers holding only their window")
+    elif kv_groups_of(config).hybrid:  # some layers slide: their groups' tables hold only the window
+        held = paged_kv_held(config, dtype_name, context, block_size, step)
+        windowed = sum(len(g.layers) for g in kv_groups_of(config).groups if g.window)
+        t.add_row("  held, paged", human_bytes(held),
+                  f"{held / max(per_tok * context, 1):.2f}x: the {windowed} windowed layers keep their own block "
+                  f"tables and hold only their window")
     if kv_budget <= 0:
         t.add_row("KV budget", "none", "the weights alone exceed 90% of memory")
         Console().print(t)

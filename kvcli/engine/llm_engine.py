@@ -16,6 +16,8 @@ from kvcli.engine.outputs import CompletionOutput, RequestOutput
 from kvcli.engine.request import Request
 from kvcli.engine.scheduler import Scheduler
 from kvcli.kvcache.block_manager import PagedKVManager, sliding_window_of
+from kvcli.kvcache.hybrid import HybridKVManager
+from kvcli.kvcache.kv_groups import kv_groups_of, single_group
 from kvcli.kvcache.contiguous import ContiguousArena, reservation_split
 from kvcli.kvcache.interface import KVLayout, blocks_for
 from kvcli.kvcache.kv_cache import KVCache, bytes_per_block, usable_blocks_for_budget
@@ -138,18 +140,25 @@ class LLMEngine:
             native_attention=native_attention_available)
 
         bs = options.block_size
-        self.bytes_per_block = bytes_per_block(c, bs, self.kv_dtype)
+        self.retention = self._retention(options, c)
+        # KV groups (kvcache/kv_groups.py): where some layers slide and some attend to everything (Gemma 2 / 3),
+        # the paged layout keeps one table per group, so the windowed layers hold only their window's blocks.
+        # A bounded cache (--kv-window) bounds every layer alike, and the contiguous layout reserves every
+        # layer's max-length region, as engines without per-layer caches do: one table there.
+        self.kv_groups = kv_groups_of(c) if options.kv_layout == "paged" and self.retention is None \
+            and options.kv_groups else single_group(c.num_layers)
+        self.bytes_per_block = bytes_per_block(c, bs, self.kv_dtype, self.kv_groups)
         budget = self._kv_budget_bytes()
-        num_blocks = usable_blocks_for_budget(c, bs, self.kv_dtype, budget)
+        num_blocks = usable_blocks_for_budget(c, bs, self.kv_dtype, budget, self.kv_groups)
         if num_blocks < 1:
             raise ConfigError(f"--kv-budget {budget:,} B holds no KV block: one block of {bs} tokens over "
-                              f"{c.num_layers} layers needs {self.bytes_per_block:,} B, and the pool needs two "
+                              f"{self.kv_groups.slots} layers needs {self.bytes_per_block:,} B, and the pool needs two "
                               f"(one pads block tables)")
         self.num_blocks = num_blocks
         self.kv_cache: KVCache | None = None
         if loaded is not None:
             try:
-                self.kv_cache = KVCache(c, num_blocks, bs, self.kv_dtype, self.device)
+                self.kv_cache = KVCache(c, num_blocks, bs, self.kv_dtype, self.device, self.kv_groups)
             except (torch.OutOfMemoryError, MemoryError, RuntimeError) as e:
                 raise ConfigError(f"--kv-budget: cannot allocate {budget:,} B of KV cache on {self.device} "
                                   f"({type(e).__name__}); try a smaller budget") from None
@@ -157,9 +166,11 @@ class LLMEngine:
                                                                      self._decode_graphs(options))
         else:
             self.runner = SimulatedRunner()
-        self.retention = self._retention(options, c)
         self.kv: KVLayout
-        if options.kv_layout == "paged":
+        if self.kv_groups.hybrid:
+            self.kv = HybridKVManager(num_blocks, bs, self.kv_groups, prefix_caching=options.prefix_caching,
+                                      watermark=options.watermark)
+        elif options.kv_layout == "paged":
             self.kv = PagedKVManager(num_blocks, bs, prefix_caching=options.prefix_caching,
                                      watermark=options.watermark, retention=self.retention,
                                      sliding_window=0 if self.retention else sliding_window_of(c))
@@ -220,7 +231,7 @@ class LLMEngine:
     def _decode_graphs(self, options: EngineOptions) -> DecodeGraphs | None:
         """CUDA graphs for decode steps (runner/cuda_graphs.py) where they can run: --cuda-graphs, a CUDA
         device, a backend whose decode steps can be captured (Triton)."""
-        if not options.cuda_graphs or self.device.type != "cuda" or self.backend.decode_graph_key(
+        if not options.cuda_graphs or self.device.type != "cuda" or self.kv_groups.hybrid or self.backend.decode_graph_key(
                 1, 1, self.kv_cache.layers[0], self.config.num_heads, self.model.dtype) is None:
             return None
         return DecodeGraphs(self.model, self.kv_cache, self.backend, options.max_num_seqs,
@@ -234,7 +245,9 @@ class LLMEngine:
             return graphs.status
         if self.device.type != "cuda":
             return "n/a (CPU)"
-        return "off (--no-cuda-graphs)" if not self.options.cuda_graphs else f"off ({self.backend.name} backend)"
+        if not self.options.cuda_graphs:
+            return "off (--no-cuda-graphs)"
+        return "off (per-group KV tables)" if self.kv_groups.hybrid else f"off ({self.backend.name} backend)"
 
     @staticmethod
     def _speculation(options: EngineOptions) -> dict:

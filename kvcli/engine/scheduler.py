@@ -57,7 +57,7 @@ import time
 from collections import deque
 
 from kvcli.engine.request import Request, RequestStatus
-from kvcli.kvcache.interface import NULL_BLOCK, KVLayout
+from kvcli.kvcache.interface import KVLayout
 from kvcli.metrics.snapshot import RequestTiming
 from kvcli.metrics.stats import RequestExtent, SchedulerStats, SpecStats
 from kvcli.spec_decode.backoff import AdaptiveBackoff
@@ -157,7 +157,7 @@ class Scheduler:
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         if self.preempt_mode == "swap" and getattr(self.kv, "sliding_window", 0):
             self.kv.trim(req.req_id, req.num_computed_tokens)  # blocks before the window: not worth a copy
-        table = [b for b in self.kv.block_table(req.req_id) if b != NULL_BLOCK]
+        table = self.kv.held_blocks(req.req_id)
         req.num_preemptions += 1
         self.num_preemptions += 1
         out.preempted.append(req.req_id)
@@ -200,7 +200,7 @@ class Scheduler:
                 break
             self.swapped.popleft()
             self.swap_blocks_free += req.swapped_blocks
-            held = [b for b in self.kv.block_table(req.req_id) if b != NULL_BLOCK]
+            held = self.kv.held_blocks(req.req_id)
             out.swap_in.append((req.req_id, held[:req.swapped_blocks]))
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -290,11 +290,13 @@ class Scheduler:
         targets: tuple[int, ...] = ()
         if req.scores_prompt and start == len(req.prompt_logprobs):  # rows start..: their next prompt token
             targets = tuple(req.prompt_token_ids[start + 1:min(start + n + 1, req.num_prompt_tokens)])
+        tables = self.kv.group_tables(req.req_id)
         return ScheduledChunk(
             req_id=req.req_id,
             token_ids=req.token_slice(start, start + n) + list(guesses),
             start_pos=start if self.retention is None else self.kv.cache_position(req.req_id, start),
-            block_table=list(self.kv.block_table(req.req_id)),
+            block_table=list(tables[0]),
+            group_tables=tuple(list(t) for t in tables[1:]),
             sample=sample,
             fork_ids=tuple(c.req_id for c in self._forks.get(req.req_id, ())) if sample else (),
             spec_token_ids=tuple(guesses),
@@ -434,7 +436,9 @@ class Scheduler:
         if not self.kv.allocate(req_id, pos + n, pos):
             return None
         start = pos if self.retention is None else self.kv.cache_position(req_id, pos)
-        return SchedulerOutput([ScheduledChunk(req_id, token_ids[pos:pos + n], start, self.kv.block_table(req_id), True)],
+        tables = self.kv.group_tables(req_id)
+        chunk = ScheduledChunk(req_id, token_ids[pos:pos + n], start, tables[0], True, group_tables=tables[1:])
+        return SchedulerOutput([chunk],
                                new_blocks=self.kv.take_new_blocks(), block_copies=self.kv.take_copies(),
                                key_shifts=self.kv.take_shifts() if self.retention is not None else [])
 

@@ -60,12 +60,14 @@ class PagedKVManager:
     supports_sharing = True
 
     def __init__(self, num_blocks: int, block_size: int, *, prefix_caching: bool = True,
-                 watermark: float = 0.01, retention: Retention | None = None, sliding_window: int = 0) -> None:
+                 watermark: float = 0.01, retention: Retention | None = None, sliding_window: int = 0,
+                 pool: BlockPool | None = None, hash_seed: int = 0) -> None:
         if sliding_window and retention is not None:
             raise ValueError("a bounded cache (retention) and a model's sliding window do not combine")
         if sliding_window < 0:
             raise ValueError(f"sliding_window must be >= 0 (got {sliding_window})")
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks) if pool is None else pool  # a pool shared by KV groups (hybrid.py)
+        self.hash_seed = hash_seed  # the first block's parent hash: groups sharing a pool index apart
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.prefix_caching = prefix_caching
@@ -91,6 +93,9 @@ class PagedKVManager:
 
     def block_table(self, req_id: str) -> list[int]:
         return self.tables.get(req_id, [])
+
+    def group_tables(self, req_id: str) -> tuple[list[int], ...]:
+        return (self.tables.get(req_id, []),)
 
     def _needed(self, req_id: str, num_tokens: int, num_computed: int = 0) -> int:
         """New blocks a step to `num_tokens` takes (table entries before the window are the null block)."""
@@ -129,6 +134,19 @@ class PagedKVManager:
         table = self.tables.get(req_id)
         if table:
             self._release_before(table, self._window_start(num_computed))
+
+    def blocks_needed(self, req_id: str, num_tokens: int, num_computed: int) -> int:
+        """Blocks `allocate(req_id, num_tokens, num_computed)` takes from the pool, net of those its window gives
+        back (no retention rule: a KV group's manager, kvcache/hybrid.py, asks before any group allocates)."""
+        bs = self.block_size
+        table = self.tables.get(req_id, [])
+        start = self._window_start(num_computed)
+        freed = sum(1 for b in table[:start] if b != NULL_BLOCK and self.pool.blocks[b].ref_cnt == 1)
+        need = max(0, blocks_for(num_tokens, bs) - max(len(table), start))
+        first = num_computed // bs
+        cow = first < len(table) and num_computed % bs and table[first] != NULL_BLOCK \
+            and self.pool.blocks[table[first]].ref_cnt > 1
+        return need + (1 if cow else 0) - freed
 
     def held_blocks(self, req_id: str) -> list[int]:
         """The request's blocks that hold KV (its table without the null entries)."""
@@ -274,7 +292,7 @@ class PagedKVManager:
         bs = self.block_size
         self.prefix_query_tokens += len(prompt)
         hits: list[int] = []
-        parent = 0
+        parent = self.hash_seed
         for i in range((len(prompt) - 1) // bs):
             tokens = tuple(prompt[i * bs:(i + 1) * bs])
             h = hash((parent, tokens))
@@ -300,7 +318,7 @@ class PagedKVManager:
             limit = min(limit, self.retention.sink_blocks)
         for i in range(len(hashes), limit):
             block_tokens = tuple(tokens(i * bs, (i + 1) * bs))
-            h = hash((hashes[-1] if hashes else 0, block_tokens))
+            h = hash((hashes[-1] if hashes else self.hash_seed, block_tokens))
             hashes.append(h)
             if table[i] != NULL_BLOCK:  # (a block released by a sliding window was registered before)
                 self.pool.register(table[i], h, block_tokens)

@@ -83,6 +83,12 @@ class ContiguousArena:
         r = self.regions.get(req_id)
         return list(range(r[0], r[0] + r[1])) if r else []
 
+    def group_tables(self, req_id: str) -> tuple[list[int], ...]:
+        return (self.block_table(req_id),)
+
+    def held_blocks(self, req_id: str) -> list[int]:
+        return self.block_table(req_id)
+
     def _region_tokens(self, num_tokens: int, final_tokens: int) -> int:
         if self.retention is not None:
             num_tokens = min(num_tokens, self.retention.max_slots)

@@ -6,6 +6,9 @@ Each owns its admission rule (the paged watermark; the contiguous reservation an
 failures are external fragmentation) and produces its own statistics. Both hand the runner the same
 thing, a block table per request, so one set of attention kernels reads either.
 
+With KV groups (kvcache/hybrid.py: Gemma's windowed layers) a request has one table per group over one
+pool of equal pages; block operations name pages, whatever their group.
+
 Block 0 of the pool is the null block: never handed to a request, zeroed once, and the value that
 pads block tables, so a padded read lands on finite data that belongs to nobody.
 
@@ -44,6 +47,13 @@ class KVLayout(Protocol):
     def num_free_blocks(self) -> int: ...
 
     def block_table(self, req_id: str) -> list[int]: ...
+
+    def group_tables(self, req_id: str) -> tuple[list[int], ...]:
+        """Every KV group's table (kvcache/kv_groups.py), the first being `block_table`; one without groups."""
+
+    def held_blocks(self, req_id: str) -> list[int]:
+        """The blocks the request holds (null entries left out), every group's: what a swap-out copies and
+        what a swap-in's fresh blocks are, in this order."""
 
     def blocks_to_admit(self, num_tokens: int, final_tokens: int) -> int:
         """Blocks a request of this size takes at admission (compared with num_blocks: can it ever run?)."""

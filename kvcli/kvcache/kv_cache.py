@@ -25,6 +25,7 @@ import torch
 
 from kvcli.kvcache.interface import NULL_BLOCK
 from kvcli.kvcache.kv_dtype import KVDtype, dequantize, kv_dtype_of, quantize
+from kvcli.kvcache.kv_groups import KVGroups, single_group
 
 
 class KVShape(Protocol):
@@ -84,7 +85,7 @@ class HostBlocks:
 
 class KVCache:
     def __init__(self, config: KVShape, num_blocks: int, block_size: int,
-                 kv_dtype: "KVDtype | torch.dtype | str", device: torch.device) -> None:
+                 kv_dtype: "KVDtype | torch.dtype | str", device: torch.device, groups: KVGroups | None = None) -> None:
         self.num_blocks = num_blocks  # usable blocks; one more (the null block) is allocated
         self.kv_dtype = kv_dtype_of(kv_dtype)
         self.dtype = self.kv_dtype.storage
@@ -104,7 +105,11 @@ class KVCache:
                 return LayerKV(k, v)
             return LayerKV(k, v, alloc(stored[:-1], sdt), alloc(stored[:-1], sdt))
 
-        self.layers = [layer() for _ in range(config.num_layers)]
+        # KV groups (kv_groups.py): one tensor pair per slot, layer i reading slot_of[i] through its group's
+        # block table; without groups every layer is its own slot.
+        self.groups = groups if groups is not None else single_group(config.num_layers)
+        self.slots = [layer() for _ in range(self.groups.slots)]
+        self.layers = [self.slots[j] for j in self.groups.slot_of]
         self.zero_blocks([NULL_BLOCK])
 
     @property
@@ -114,7 +119,7 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for layer in self.layers for t in layer.tensors())
+        return sum(t.numel() * t.element_size() for layer in self.slots for t in layer.tensors())
 
     def _index(self, blocks: list[int]) -> torch.Tensor:
         return torch.tensor(blocks, dtype=torch.int64, device=self.device)
@@ -122,14 +127,14 @@ class KVCache:
     def zero_blocks(self, blocks: list[int]) -> None:
         """Padded attention reads of a partly used block must see finite values (NaN * 0 is NaN)."""
         idx = self._index(blocks)
-        for layer in self.layers:
+        for layer in self.slots:
             for t in layer.tensors():
                 LayerKV.heads(t).index_fill_(1, idx, 0)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         src = self._index([s for s, _ in pairs])
         dst = self._index([d for _, d in pairs])
-        for layer in self.layers:
+        for layer in self.slots:
             for t in layer.tensors():
                 h = LayerKV.heads(t)  # block ids index dim 1 of the head-major storage
                 h.index_copy_(1, dst, h.index_select(1, src))
@@ -140,6 +145,8 @@ class KVCache:
         layer, in place: a retention rule's position shift (kvcache/retention.py). Quantized formats are
         dequantized, rotated and quantized again (kv_dtype.quantize: one more rounding); 16-bit formats round
         once to their storage. Values never move."""
+        if self.groups.hybrid:
+            raise ValueError("key shifts need one block table for every layer (a bounded cache keeps no KV groups)")
         idx = self._index(blocks)
         n, bs = len(blocks), self.block_size
         for i, layer in enumerate(self.layers):
@@ -165,20 +172,23 @@ class KVCache:
         idx = self._index(blocks)
         # Host copies are indexed like the cache ([n, block_size, kv_heads, ...]), whatever its storage.
         return HostBlocks([tuple(LayerKV.heads(t).index_select(1, idx).movedim(0, 2).view(t.dtype).to("cpu")
-                                 for t in layer.tensors()) for layer in self.layers])
+                                 for t in layer.tensors()) for layer in self.slots])
 
     def swap_in(self, blocks: list[int], host: HostBlocks) -> None:
         idx = self._index(blocks)
-        for layer, saved in zip(self.layers, host.layers):
+        for layer, saved in zip(self.slots, host.layers):
             for t, h in zip(layer.tensors(), saved):
                 LayerKV.heads(t).index_copy_(1, idx, LayerKV.heads(h.to(self.device)))  # fp8 as bytes
 
 
-def bytes_per_block(config: KVShape, block_size: int, dtype: "KVDtype | torch.dtype | str") -> int:
-    return kv_dtype_of(dtype).bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim) * block_size
+def bytes_per_block(config: KVShape, block_size: int, dtype: "KVDtype | torch.dtype | str",
+                    groups: KVGroups | None = None) -> int:
+    """One block of every layer, or with KV groups one page: `groups.slots` layers."""
+    layers = config.num_layers if groups is None else groups.slots
+    return kv_dtype_of(dtype).bytes_per_token(layers, config.num_kv_heads, config.head_dim) * block_size
 
 
 def usable_blocks_for_budget(config: KVShape, block_size: int, dtype: "KVDtype | torch.dtype | str",
-                             budget_bytes: int) -> int:
+                             budget_bytes: int, groups: KVGroups | None = None) -> int:
     """Blocks requests can get from a budget: the null block comes out of the same budget."""
-    return budget_bytes // bytes_per_block(config, block_size, dtype) - 1
+    return budget_bytes // bytes_per_block(config, block_size, dtype, groups) - 1

@@ -66,6 +66,10 @@ class BlockMap:
     # Per block: True if a bounded cache's retention rule gave it back to the pool this run (it may be free
     # again, or held once more: recycled). Empty when nothing is tracked (no --kv-window).
     recycled: tuple[bool, ...] = ()
+    # Per block: the KV group whose table holds it (kvcache/kv_groups.py: Gemma's windowed layers keep their own
+    # tables), an index into group_names. Empty with one table for every layer.
+    group: tuple[int, ...] = ()
+    group_names: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

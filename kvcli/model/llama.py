@@ -193,7 +193,8 @@ class LlamaModel:
         c = self.config
         window, softcap = c.sliding_window or 0, c.attn_logit_softcap or 0.0
         if meta.sliding_window != window or meta.softcap != softcap:  # the model's, whoever built the metadata
-            meta = replace(meta, sliding_window=window, softcap=softcap)
+            meta = replace(meta, sliding_window=window, softcap=softcap,
+                           groups=tuple(replace(g, softcap=softcap) for g in meta.groups))
         h = self.embed(input_ids)
         if c.embed_scale != 1.0:  # Gemma: sqrt(hidden) (rounded by the reader as its reference rounds it)
             h.mul_(c.embed_scale)
@@ -234,11 +235,15 @@ class LlamaModel:
         sel = [ends[r] for r in rows]
         sel_t = torch.tensor(sel, dtype=torch.int64, device=device)
         lens = tuple(meta.seq_lens_list[b] for b in sel)
-        return wanted, AttentionMetadata(
-            slot_mapping=meta.slot_mapping[wanted], cu_seqlens_q=torch.arange(len(sel) + 1, dtype=torch.int32),
-            seq_lens=meta.seq_lens[sel_t], block_tables=meta.block_tables[sel_t], max_seqlen_q=1,
-            max_seq_len=max(lens), seq_lens_list=lens, query_lens_list=(1,) * len(sel),
-            sliding_window=meta.sliding_window, softcap=meta.softcap)
+
+        def rows_of(m: AttentionMetadata) -> AttentionMetadata:
+            return AttentionMetadata(
+                slot_mapping=m.slot_mapping[wanted], cu_seqlens_q=torch.arange(len(sel) + 1, dtype=torch.int32),
+                seq_lens=m.seq_lens[sel_t], block_tables=m.block_tables[sel_t], max_seqlen_q=1,
+                max_seq_len=max(lens), seq_lens_list=lens, query_lens_list=(1,) * len(sel),
+                sliding_window=m.sliding_window, softcap=m.softcap)
+
+        return wanted, replace(rows_of(meta), groups=tuple(rows_of(g) for g in meta.groups))
 
     def _qk_norm(self, qkv: torch.Tensor, layer: DecoderLayer) -> None:
         """Qwen3's RMSNorm over every q head and every k head of the fused qkv output, in place (so the
@@ -255,35 +260,41 @@ class LlamaModel:
         `cut` (_last_layer_rows) only its rows, the last layer computed for them alone."""
         c = self.config
         t = h.shape[0]
-        last = kv_cache.layers[-1]
+        last = len(self.layers) - 1  # (by index: layers of different KV groups share a cache slot)
         # Rotary + KV store as one C call per layer where the backend offers it (fp32 compute on the CPU); one
         # writer and one table gather per rotary (Gemma 3's local and global layers rotate differently).
-        rope_kv: dict[int, object] = {}
+        # (KV groups, kvcache/kv_groups.py: each group's layers write through its own slots, so one writer per
+        # rotary and group.)
+        group_of = kv_cache.groups.group_of
+        rope_kv: dict[tuple[int, int], object] = {}
         cos_sin: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        for rot in {id(l.rotary): l.rotary for l in self.layers}.values():
+        for key, (rot, g) in {(id(l.rotary), g): (l.rotary, g) for l, g in zip(self.layers, group_of)}.items():
             writer = None if h.dtype != torch.float32 else backend.rope_kv_writer(
-                rot.cos, rot.sin_signed, positions, meta, kv_cache.layers[0], c.num_heads, c.num_kv_heads)
+                rot.cos, rot.sin_signed, positions, meta.for_group(g), kv_cache.layers[0], c.num_heads,
+                c.num_kv_heads)
             if writer is not None:
-                rope_kv[id(rot)] = writer
-            else:
+                rope_kv[key] = writer
+            elif id(rot) not in cos_sin:
                 cos_sin[id(rot)] = rot.at(positions, h.dtype)
-        windows: dict[int, AttentionMetadata] = {}  # this step's metadata per window (layers of several kinds)
+        # This step's metadata per (KV group, window): layers of several kinds.
+        windows: dict[tuple[int, int], AttentionMetadata] = {}
 
-        def with_window(m: AttentionMetadata, w: int) -> AttentionMetadata:
+        def with_window(m: AttentionMetadata, g: int, w: int) -> AttentionMetadata:
+            m = m.for_group(g)
             if m.sliding_window == w:
                 return m
-            if w not in windows:
-                windows[w] = replace(m, sliding_window=w)
-            return windows[w]
+            if (g, w) not in windows:
+                windows[g, w] = replace(m, sliding_window=w)
+            return windows[g, w]
 
         qk_size = self.q_size + self.kv_size
-        for layer, cache in zip(self.layers, kv_cache.layers):
-            lmeta = with_window(meta, layer.window)
+        for i, (layer, cache, g) in enumerate(zip(self.layers, kv_cache.layers, group_of)):
+            lmeta = with_window(meta, g, layer.window)
             x = layer.attn_norm(h)
             qkv = layer.qkv(x)
             if layer.q_norm is not None:
                 self._qk_norm(qkv, layer)
-            writer = rope_kv.get(id(layer.rotary))
+            writer = rope_kv.get((id(layer.rotary), g))
             if writer is not None:
                 q = writer(qkv, cache)
             else:
@@ -293,13 +304,13 @@ class LlamaModel:
                 q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
                 v = qkv[:, qk_size:].view(t, c.num_kv_heads, c.head_dim)
                 backend.write_kv(k, v, cache, lmeta)
-            if cut is not None and cache is last:  # K/V of every row are stored; the rest only for these
+            if cut is not None and i == last:  # K/V of every row are stored; the rest only for these
                 rows, meta = cut
                 h = h[rows]
                 if meta is None:
                     return h
                 windows.clear()
-                lmeta = with_window(meta, layer.window)
+                lmeta = with_window(meta, g, layer.window)
                 q, t = q[rows], h.shape[0]
             attn = backend.forward(q, cache, lmeta, self.scale)
             # In place: h is this forward's own tensor (the embedding rows, then its own sums).

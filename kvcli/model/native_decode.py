@@ -76,7 +76,6 @@ class NativeDecode:
         self.desc = desc
         self.lib = lib
         self.max_rows = desc.max_rows or 1 << 30  # below the linears' float-GEMM threshold
-        self.windows = sorted({l.window for l in desc.layers} - {0})  # windows of layers that slide
         self._keep: dict = {}
         self._plans: dict[int, tuple[weakref.ref, object, ctypes.Array, list]] = {}
 
@@ -104,19 +103,25 @@ class NativeDecode:
         from kvcli_kernels.cpu_decode_layers import decode_layers, scratch_floats
 
         model_args, layers = entry[1], entry[2]
-        others = [w for w in self.windows if w != meta.sliding_window]
-        if others:  # layers of another window than the step's (Gemma 3's local ones): their own attention step
+        group_of = kv_cache.groups.group_of
+        kinds = {(g, layer.window) for g, layer in zip(group_of, d.layers)} - {(0, meta.sliding_window)}
+        if kinds:  # layers of another window or KV group than the step's (Gemma's local ones): their own step
             from dataclasses import replace
 
-            steps = {}
-            for w in others:
-                other = backend.native_decode_plan(replace(meta, sliding_window=w), kv_cache.layers, d.heads, d.scale)
+            steps, slots_of = {}, {}
+            for g, w in kinds:
+                gm = meta.for_group(g)
+                other = backend.native_decode_plan(replace(gm, sliding_window=w), kv_cache.layers, d.heads, d.scale)
                 if other is None:
                     return False
-                steps[w] = other[0]
-            for i, layer in enumerate(d.layers):
-                layers[i].step = ctypes.addressof(steps[layer.window].args) if layer.window in steps else None
-            self._keep = steps  # the steps' buffers live until the next call
+                steps[g, w] = other[0]
+                if g:
+                    slots_of[g] = gm.slot_mapping.to(torch.int64).contiguous()
+            for i, (g, layer) in enumerate(zip(group_of, d.layers)):
+                step_i = steps.get((g, layer.window))
+                layers[i].step = None if step_i is None else ctypes.addressof(step_i.args)
+                layers[i].slots = slots_of[g].data_ptr() if g else None
+            self._keep = (steps, slots_of)  # the steps' buffers and the slots live until the next call
         buf = scratch("native-decode", (scratch_floats(t, model_args),), torch.float32)
         pos = positions.to(torch.int64).contiguous()
         slots = meta.slot_mapping.to(torch.int64).contiguous()
@@ -153,7 +158,7 @@ class NativeDecode:
                                 *(D.linear_args(list(parts)) for parts in (layer.qkv, layer.o, layer.gate_up, layer.down)),
                                 cache.k.data_ptr(), cache.v.data_ptr(), ctypes.addressof(view.args),
                                 *(_ptrs(layer.q_norm, layer.k_norm, layer.attn_post_norm, layer.ffn_post_norm,
-                                        layer.cos, layer.sin_signed)), None)
+                                        layer.cos, layer.sin_signed)), None, None)
         # views hold the cache tensors and the kva_cache structs the layer array points into
         entry = (weakref.ref(kv_cache, lambda _, key=key: self._plans.pop(key, None)), model_args, layers, list(views))
         self._plans[key] = entry

@@ -5,6 +5,8 @@ the runner returns the accepted guesses followed by the model's own next token."
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from kvcli.attention.base import AttentionBackend, AttentionMetadata
@@ -24,31 +26,25 @@ def build_metadata(out: SchedulerOutput, block_size: int, device: torch.device, 
     """The step's tensors, each made by one torch.tensor call from Python lists (per-row tensors and
     per-token generators cost more than the lists at decode batch sizes), and the rows that get logits:
     first every scoring chunk's prompt rows (`prompt_targets`), then each sampling chunk's last token and
-    guesses."""
+    guesses. With KV groups (chunks carrying `group_tables`) each further group gets its own slots and
+    tables in `meta.groups`, the rest shared."""
     chunks = out.chunks
     ids: list[int] = []
     positions: list[int] = []
-    slots: list[int] = []
     cu = [0]
     seq_lens: list[int] = []
     q_lens: list[int] = []
     logit_rows: list[int] = []
     prompt_rows: list[int] = []
-    max_blocks = max(len(c.block_table) for c in chunks)
-    pad = [NULL_BLOCK] * max_blocks
-    tables: list[list[int]] = []
     for c in chunks:
         n = len(c.token_ids)
-        start, table = c.start_pos, c.block_table
+        start = c.start_pos
         end = start + n
         ids.extend(c.token_ids)
-        if n == 1:  # a decode: one position, one slot
+        if n == 1:  # a decode: one position
             positions.append(start)
-            slots.append(table[start // block_size] * block_size + start % block_size)
         else:
             positions.extend(range(start, end))
-            slots.extend([table[p // block_size] * block_size + p % block_size for p in range(start, end)])
-        tables.append([*table, *pad[len(table):]])
         cu.append(cu[-1] + n)
         seq_lens.append(end)
         q_lens.append(n)
@@ -56,19 +52,44 @@ def build_metadata(out: SchedulerOutput, block_size: int, device: torch.device, 
             prompt_rows.extend(range(cu[-2], cu[-2] + len(c.prompt_targets)))
         if c.sample:  # the last real token, then each guess
             logit_rows.extend(range(cu[-1] - 1 - len(c.spec_token_ids), cu[-1]))
+    slots, tables = _slots_and_tables(chunks, [c.block_table for c in chunks], block_size, device)
     meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        slot_mapping=slots,
         cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
+        block_tables=tables,
         max_seqlen_q=max(q_lens),
         max_seq_len=max(seq_lens),
         seq_lens_list=tuple(seq_lens),
         query_lens_list=tuple(q_lens),
         sliding_window=sliding_window,
     )
+    if chunks[0].group_tables:
+        groups = []
+        for g in range(len(chunks[0].group_tables)):
+            gs, gt = _slots_and_tables(chunks, [c.group_tables[g] for c in chunks], block_size, device)
+            groups.append(replace(meta, slot_mapping=gs, block_tables=gt))
+        meta = replace(meta, groups=tuple(groups))
     return (torch.tensor(ids, dtype=torch.int64, device=device),
             torch.tensor(positions, dtype=torch.int64, device=device), meta, prompt_rows + logit_rows)
+
+
+def _slots_and_tables(chunks, tables: list[list[int]], block_size: int, device: torch.device
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each step token's cache slot through its request's table, and the tables padded with the null block."""
+    slots: list[int] = []
+    width = max(len(t) for t in tables)
+    pad = [NULL_BLOCK] * width
+    padded: list[list[int]] = []
+    for c, table in zip(chunks, tables):
+        start, n = c.start_pos, len(c.token_ids)
+        if n == 1:
+            slots.append(table[start // block_size] * block_size + start % block_size)
+        else:
+            slots.extend([table[p // block_size] * block_size + p % block_size for p in range(start, start + n)])
+        padded.append([*table, *pad[len(table):]])
+    return (torch.tensor(slots, dtype=torch.int64, device=device),
+            torch.tensor(padded, dtype=torch.int32, device=device))
 
 
 class ModelRunner:

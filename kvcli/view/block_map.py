@@ -5,6 +5,9 @@ under NO_COLOR; color only adds which request owns it (the legend also counts bl
 Under a bounded cache (--kv-window) the map also shows the blocks cycling: a block the retention rule gave
 back this run is `∘` while free and `▚` once a request holds it again (re-used), so a long request reads as
 its sink blocks, a band of window blocks moving through the pool, and the trail it recycled behind it.
+
+With KV groups (a Gemma model: its windowed layers keep their own block tables, kvcache/kv_groups.py) a full
+block of a windowed group's table is `▒`, the global group's `█`, and the legend counts blocks per group.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from kvcli.metrics.snapshot import BlockMap
 
 FULL, PARTIAL, SHARED, CACHED, FREE = "█", "▄", "▓", "░", "·"
 REUSED, RECYCLED = "▚", "∘"  # held again after a window drop gave it back; given back and free now
+WINDOWED = "▒"  # a full block of a windowed KV group's table (per-group block tables)
 
 # Plain ANSI names: they survive 8/16-color terminals, unlike hex colors which rich would
 # approximate into near-duplicates. Owner i always gets PALETTE[i % len], so a request keeps its
@@ -31,12 +35,13 @@ PALETTE: tuple[str, ...] = (
 DIM = "dim"
 MAX_LEGEND_OWNERS = 12
 
-# A block's state is one int: owner * 4 + kind for owned blocks, -1 free, -2 cached-free, -3 recycled (free).
-_K_FULL, _K_PARTIAL, _K_SHARED, _K_REUSED = 0, 1, 2, 3
+# A block's state is one int: owner * 8 + kind for owned blocks, -1 free, -2 cached-free, -3 recycled (free).
+_K_FULL, _K_PARTIAL, _K_SHARED, _K_REUSED, _K_WINDOWED = 0, 1, 2, 3, 4
 _KEY_FREE, _KEY_CACHED, _KEY_RECYCLED = -1, -2, -3
-_KIND_GLYPH = (FULL, PARTIAL, SHARED, REUSED)
+_KIND_GLYPH = (FULL, PARTIAL, SHARED, REUSED, WINDOWED)
+_KIND_NAMES = ("full", "partial", "shared", "re-used", "windowed")
 # Ties inside an aggregated cell go to the most informative state.
-_KIND_PRIORITY = (3, 5, 6, 4)  # full, partial, shared, re-used; cached-free 2, recycled 1, free 0
+_KIND_PRIORITY = (3, 5, 6, 4, 3)  # full, partial, shared, re-used, windowed; cached-free 2, recycled 1, free 0
 
 
 def owner_style(owner: int) -> str:
@@ -47,14 +52,21 @@ def _block_keys(bm: BlockMap) -> list[int]:
     bs = bm.block_size
     # Shared wins over partial: a shared block's fill is the common prefix, not "this request's
     # unfinished tail". Partial wins over re-used: the window's head block is where the request writes.
+    if bm.group:  # KV groups: a full block of a windowed group's table is drawn apart
+        windowed = [name != "global" for name in bm.group_names]
+        return [
+            o if o < 0 else o * 8 + (_K_SHARED if r > 1 else _K_PARTIAL if f < bs else
+                                     _K_WINDOWED if windowed[g] else _K_FULL)
+            for o, f, r, g in zip(bm.owner, bm.fill, bm.ref, bm.group)
+        ]
     if not bm.recycled:
         return [
-            o if o < 0 else o * 4 + (_K_SHARED if r > 1 else _K_PARTIAL if f < bs else _K_FULL)
+            o if o < 0 else o * 8 + (_K_SHARED if r > 1 else _K_PARTIAL if f < bs else _K_FULL)
             for o, f, r in zip(bm.owner, bm.fill, bm.ref)
         ]
     return [
         (_KEY_RECYCLED if o == _KEY_FREE and rc else o) if o < 0 else
-        o * 4 + (_K_SHARED if r > 1 else _K_PARTIAL if f < bs else _K_REUSED if rc else _K_FULL)
+        o * 8 + (_K_SHARED if r > 1 else _K_PARTIAL if f < bs else _K_REUSED if rc else _K_FULL)
         for o, f, r, rc in zip(bm.owner, bm.fill, bm.ref, bm.recycled)
     ]
 
@@ -66,7 +78,7 @@ def _priority(key: int) -> int:
         return 1
     if key == _KEY_CACHED:
         return 2
-    return _KIND_PRIORITY[key & 3]
+    return _KIND_PRIORITY[key & 7]
 
 
 def blocks_per_cell(num_blocks: int, width: int, height: int) -> int:
@@ -101,7 +113,7 @@ def _glyph_style(key: int) -> tuple[str, str]:
         return CACHED, DIM
     if key == _KEY_RECYCLED:
         return RECYCLED, DIM
-    owner, kind = divmod(key, 4)
+    owner, kind = divmod(key, 8)
     style = owner_style(owner)
     return _KIND_GLYPH[kind], (f"bold {style}" if kind == _K_SHARED else style)
 
@@ -134,9 +146,10 @@ def render_grid(bm: BlockMap, width: int, height: int,
 
 
 def state_counts(bm: BlockMap, keys: list[int] | None = None) -> dict[str, int]:
-    """Blocks per state, as named in the legend ("re-used" and "recycled" only count under a bounded cache)."""
-    counts = {"full": 0, "partial": 0, "shared": 0, "re-used": 0, "cached-free": 0, "recycled": 0, "free": 0}
-    names = ("full", "partial", "shared", "re-used")
+    """Blocks per state, as named in the legend ("re-used" and "recycled" only count under a bounded cache,
+    "windowed", there only with KV groups)."""
+    counts = {"full": 0, "partial": 0, "shared": 0, "re-used": 0, "windowed": 0, "cached-free": 0, "recycled": 0,
+              "free": 0}
     for key, n in Counter(_block_keys(bm) if keys is None else keys).items():
         if key == _KEY_FREE:
             counts["free"] += n
@@ -145,7 +158,9 @@ def state_counts(bm: BlockMap, keys: list[int] | None = None) -> dict[str, int]:
         elif key == _KEY_RECYCLED:
             counts["recycled"] += n
         else:
-            counts[names[key & 3]] += n
+            counts[_KIND_NAMES[key & 7]] += n
+    if not bm.group:  # "windowed" names a state only with KV groups
+        del counts["windowed"]
     return counts
 
 
@@ -156,12 +171,16 @@ def _legend(bm: BlockMap, k: int, keys: list[int], owner_blocks: Sequence[int]) 
     if bm.recycled:  # a bounded cache: the blocks its window gave back, held again or free
         states[3:3] = [(REUSED, "re-used")]
         states[-1:-1] = [(RECYCLED, "recycled")]
+    if bm.group:  # KV groups: full blocks of the windowed layers' tables
+        states[1:1] = [(WINDOWED, "windowed")]
     for glyph, name in states:
         legend.append(glyph, style=DIM if glyph in (CACHED, RECYCLED, FREE) else "bold")
         legend.append(f" {name} {counts[name]:,}   ")
     legend.rstrip()
     size = f"{len(bm.owner):,} blocks x {bm.block_size} tokens"
     legend.append("\n" + size + (f" · 1 cell = {k:,} blocks (dominant state)" if k > 1 else ""))
+    if bm.group:
+        legend.append(" · held per KV group: " + _group_counts(bm))
     # Busiest requests first: with many requests the legend shows the ones that fill the map.
     order = sorted((i for i, n in enumerate(owner_blocks) if n), key=lambda i: -owner_blocks[i])
     if order:
@@ -173,6 +192,19 @@ def _legend(bm: BlockMap, k: int, keys: list[int], owner_blocks: Sequence[int]) 
         legend.append(f"+{len(order) - MAX_LEGEND_OWNERS} more requests")
     legend.rstrip()
     return legend
+
+
+def _group_counts(bm: BlockMap) -> str:
+    """Held blocks per KV group, groups of one window counted together: "global 2,048 · W 512 (6 tables) 396"."""
+    held = Counter(g for g, o in zip(bm.group, bm.owner) if o >= 0)
+    names: dict[str, list[int]] = {}
+    for i, name in enumerate(bm.group_names):
+        names.setdefault(name, []).append(i)
+    parts = []
+    for name, ids in names.items():
+        tables = f" ({len(ids)} tables)" if len(ids) > 1 else ""
+        parts.append(f"{name}{tables} {sum(held[i] for i in ids):,}")
+    return " · ".join(parts)
 
 
 def render_block_map(bm: BlockMap, width: int = 96, height: int = 16) -> Group:

@@ -56,29 +56,18 @@ def kvcli_logits(model: Path, tokens: list[int], *, prefill_chunk: int = 48, dec
 
     from kvcli.config import SamplingParams
     from kvcli.llm import LLM
-    from kvcli.step import ScheduledChunk, SchedulerOutput
+    from engine_steps import teacher_forced
 
     opts = {"kv_dtype": "fp32", "kv_budget": "64MiB", "block_size": 16, "max_num_batched_tokens": 512} | options
     llm = LLM(str(model), **opts)
     engine = llm.engine
-    rows, pos, seen, n = [], 0, set(), len(tokens)
-    prefill = n - decode_tail
     with torch.no_grad():
-        while pos < n:
-            step = min(prefill_chunk, prefill - pos) if pos < prefill else 1
-            assert engine.kv.allocate("tf", pos + step, pos)
-            table = engine.kv.block_table("tf")
-            engine.kv_cache.zero_blocks([b for b in table if b not in seen])
-            seen.update(table)
-            out = SchedulerOutput([ScheduledChunk("tf", tokens[pos:pos + step], pos, table, True)])
-            rows.append(engine.runner.execute(out, all_logits=True).logits.float())
-            pos += step
-    engine.kv.free("tf")
+        logits = teacher_forced(engine, list(tokens), len(tokens) - decode_tail, prefill_chunk).float()
     gen: list[int] = []
     if greedy:
         res = llm.generate([list(tokens)], SamplingParams(max_tokens=greedy, temperature=0.0, ignore_eos=True))
         gen = list(res[0].token_ids)
-    return torch.cat(rows).numpy(), gen
+    return logits.numpy(), gen
 
 
 def relative_error(got: np.ndarray, want: np.ndarray) -> float:
