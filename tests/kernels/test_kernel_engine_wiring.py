@@ -68,10 +68,11 @@ ARCH_CONFIGS = {  # tiny shapes of each architecture beyond Llama (issue #29: ev
 @pytest.mark.parametrize("arch", list(ARCH_CONFIGS))
 def test_architectures_through_the_triton_backend(tmp_path, arch):
     """Each architecture's logits at every position of a chunked prompt (chunks past Gemma's window of 8), the
-    Triton backend against the torch backend: q/k norms, sliding layers, Gemma 2's attention soft-cap."""
+    Triton backend against the torch backend: q/k norms, sliding layers, Gemma 2's attention soft-cap, and
+    Gemma's KV groups (its sliding layer's own block table, whose blocks before the window go back)."""
     import torch
 
-    from kvcli.step import ScheduledChunk, SchedulerOutput
+    from engine_steps import forced_step
 
     cfg = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6,
@@ -84,12 +85,13 @@ def test_architectures_through_the_triton_backend(tmp_path, arch):
         eng = LLM(f"dummy:{f}", kv_budget="4MiB", attention_backend=backend, dequantize=True).engine
         assert eng.config.architecture == arch
         rows, pos = [], 0
+        assert eng.kv_groups.hybrid == arch.startswith("gemma")
         while pos < len(ids):  # two chunks of 20, then one-token decode steps
             part = ids[pos:pos + (20 if pos < 40 else 1)]
-            assert eng.kv.allocate("x", pos + len(part), pos)
-            step = SchedulerOutput([ScheduledChunk("x", part, pos, eng.kv.block_table("x"), True)])
-            rows.append(eng.runner.execute(step, all_logits=True).logits)
+            rows.append(eng.runner.execute(forced_step(eng, "x", part, pos), all_logits=True).logits)
             pos += len(part)
+        if eng.kv_groups.hybrid:  # the sliding layer's table gave back the blocks before its window
+            assert eng.kv.group_tables("x")[1][:2] == [0, 0] and 0 not in eng.kv.group_tables("x")[0]
         logits[backend] = torch.cat(rows)
     assert logits["torch"].std() > 0.01
     torch.testing.assert_close(logits["triton"], logits["torch"], atol=1e-4, rtol=1e-4)
