@@ -231,7 +231,7 @@ class LLMEngine:
     def _decode_graphs(self, options: EngineOptions) -> DecodeGraphs | None:
         """CUDA graphs for decode steps (runner/cuda_graphs.py) where they can run: --cuda-graphs, a CUDA
         device, a backend whose decode steps can be captured (Triton)."""
-        if not options.cuda_graphs or self.device.type != "cuda" or self.kv_groups.hybrid or self.backend.decode_graph_key(
+        if not options.cuda_graphs or self.device.type != "cuda" or self.backend.decode_graph_key(
                 1, 1, self.kv_cache.layers[0], self.config.num_heads, self.model.dtype) is None:
             return None
         return DecodeGraphs(self.model, self.kv_cache, self.backend, options.max_num_seqs,
@@ -245,9 +245,7 @@ class LLMEngine:
             return graphs.status
         if self.device.type != "cuda":
             return "n/a (CPU)"
-        if not self.options.cuda_graphs:
-            return "off (--no-cuda-graphs)"
-        return "off (per-group KV tables)" if self.kv_groups.hybrid else f"off ({self.backend.name} backend)"
+        return "off (--no-cuda-graphs)" if not self.options.cuda_graphs else f"off ({self.backend.name} backend)"
 
     @staticmethod
     def _speculation(options: EngineOptions) -> dict:

@@ -25,6 +25,7 @@ static-buffer path eagerly (tests).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
@@ -65,6 +66,10 @@ class DecodeGraphs:
         self.seq_lens = torch.zeros(b, dtype=torch.int32, device=device)
         self.cu = torch.arange(b + 1, dtype=torch.int32, device=device)  # one query row per request, always
         self.tables = torch.zeros(b, max_blocks, dtype=torch.int32, device=device)  # null block everywhere
+        # KV groups past the first (kvcache/kv_groups.py: Gemma's windowed layers): their own slots and tables.
+        extra = len(kv_cache.groups.groups) - 1
+        self.group_slots = [torch.full((b,), -1, dtype=torch.int64, device=device) for _ in range(extra)]
+        self.group_tables = [torch.zeros(b, max_blocks, dtype=torch.int32, device=device) for _ in range(extra)]
         self.logits = torch.empty(b, model.config.vocab_size, dtype=torch.float32, device=device) if capture else None
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.pool = None
@@ -98,21 +103,24 @@ class DecodeGraphs:
         if b is None or width > self.max_blocks:
             return None
         bs = self.kv_cache.block_size
-        ids, pos, slots, lens, tables = [], [], [], [], []
-        for c in chunks:
-            p = c.start_pos
-            ids.append(c.token_ids[0])
-            pos.append(p)
-            slots.append(c.block_table[p // bs] * bs + p % bs)
-            lens.append(p + 1)
-            tables.append(c.block_table + [0] * (width - len(c.block_table)))
+        ids = [c.token_ids[0] for c in chunks]
+        pos = [c.start_pos for c in chunks]
+        lens = [p + 1 for p in pos]
         pad = b - n
         self.ids[:b].copy_(torch.tensor(ids + [0] * pad, dtype=torch.int64), non_blocking=True)
         self.positions[:b].copy_(torch.tensor(pos + [0] * pad, dtype=torch.int64), non_blocking=True)
-        self.slots[:b].copy_(torch.tensor(slots + [-1] * pad, dtype=torch.int64), non_blocking=True)
         self.seq_lens[:b].copy_(torch.tensor(lens + [0] * pad, dtype=torch.int32), non_blocking=True)
-        # Entries past a request's own blocks may be stale: attention reads only the blocks its length covers.
-        self.tables[:n, :width].copy_(torch.tensor(tables, dtype=torch.int32), non_blocking=True)
+
+        def fill(slots_buf: torch.Tensor, tables_buf: torch.Tensor, tables: list[list[int]]) -> None:
+            slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, pos)]
+            slots_buf[:b].copy_(torch.tensor(slots + [-1] * pad, dtype=torch.int64), non_blocking=True)
+            # Entries past a request's own blocks may be stale: attention reads only the blocks its length covers.
+            tables_buf[:n, :width].copy_(torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+                                         non_blocking=True)
+
+        fill(self.slots, self.tables, [c.block_table for c in chunks])
+        for g, (gs, gt) in enumerate(zip(self.group_slots, self.group_tables)):
+            fill(gs, gt, [c.group_tables[g] for c in chunks])
         max_len = max(lens)
         split = self.backend.decode_graph_key(b, max_len, self.kv_cache.layers[0], self.model.config.num_heads,
                                               self.model.dtype)
@@ -123,6 +131,9 @@ class DecodeGraphs:
                                  seq_lens=self.seq_lens[:b], block_tables=self.tables[:b], max_seqlen_q=1,
                                  max_seq_len=max_len, query_lens_list=(1,) * b, sliding_window=self.sliding_window,
                                  num_splits=split)
+        if self.group_slots:
+            meta = replace(meta, groups=tuple(replace(meta, slot_mapping=gs[:b], block_tables=gt[:b])
+                                              for gs, gt in zip(self.group_slots, self.group_tables)))
         if not self.capture:
             return self._forward(b, meta)[:n]
         graph = self.graphs.get(key)

@@ -36,8 +36,13 @@ def test_only_plain_decode_steps_are_graphed():
     assert not graphable([ScheduledChunk("a", [5], 9, [1], True, spec_token_ids=(3, 4))])  # guesses to verify
 
 
-def _tiny_llm(tmp_path, **kw) -> LLM:
-    cfg = dict(PRESETS["smollm2-135m"], num_hidden_layers=2, vocab_size=512)
+GEMMA3 = dict(model_type="gemma3_text", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+              sliding_window=8, sliding_window_pattern=2, query_pre_attn_scalar=24)
+
+
+def _tiny_llm(tmp_path, config: dict | None = None, **kw) -> LLM:
+    cfg = config or dict(PRESETS["smollm2-135m"], num_hidden_layers=2, vocab_size=512)
     f = tmp_path / "tiny.json"
     f.write_text(json.dumps(cfg))
     return LLM(f"dummy:{f}", kv_budget="4MiB", attention_backend="triton", max_num_batched_tokens=64,
@@ -87,18 +92,23 @@ def test_steps_the_buffers_cannot_take_run_eagerly(tmp_path):
     assert graphs.run([ScheduledChunk("r", [5], 0, list(range(1, wide + 1)), True)]) is None  # a longer table
 
 
-def test_generation_through_the_static_buffers_matches_eager(tmp_path):
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_generation_through_the_static_buffers_matches_eager(tmp_path, arch):
     """The engine with the graph path wired in (as on a GPU, minus the capture) generates the same greedy
-    tokens for a ragged batch whose size shrinks as requests finish (buckets 4, then 2, then 1)."""
+    tokens for a ragged batch whose size shrinks as requests finish (buckets 4, then 2, then 1); a Gemma 3
+    (one sliding layer of window 8, one global) fills its sliding layer's own slots and block tables too."""
     prompts = [[5, 9, 200, 31, 7, 88, 100, 3, 41, 17, 250, 66, 12, 19, 23, 45, 301, 11], [400, 401, 402],
                [7] * 21]
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (4, 2, 3)]
-    plain = _tiny_llm(tmp_path)
+    cfg = GEMMA3 if arch == "gemma3" else None
+    plain = _tiny_llm(tmp_path, cfg)
     want = [o.token_ids for o in plain.generate(prompts, params)]
-    graphed = _tiny_llm(tmp_path)
-    graphed.engine.runner.graphs = _graphs(graphed)
+    graphed = _tiny_llm(tmp_path, cfg)
+    assert graphed.engine.kv_groups.hybrid == (arch == "gemma3")
+    graphed.engine.runner.graphs = graphs = _graphs(graphed)
     got = [o.token_ids for o in graphed.generate(prompts, params)]
     assert got == want
+    assert graphs.status.startswith("static buffers")
     assert [len(t) for t in got] == [4, 2, 3]
 
 
