@@ -126,7 +126,15 @@ def test_block_map_marks_the_groups():
     req = e.add_request(list(range(1, 600)), SamplingParams(max_tokens=4, ignore_eos=True))
     while req.num_computed_tokens < 599:
         e.step()
-    bm = e.snapshot(block_map=True).blocks
+    snap = e.snapshot(block_map=True)
+    bm = snap.blocks
+    # The views' bytes: a token's K/V over every layer (a block here is a page of one layer), and the what-if of
+    # max-length contiguous preallocation priced per token of every layer in the same pool's bytes.
+    assert snap.kv_bytes_per_token == cfg.kv_bytes_per_token("fp16") == 6 * snap.bytes_per_block // 16
+    region = e.max_model_len * cfg.kv_bytes_per_token("fp16")
+    assert snap.whatif_fits == e.num_blocks * e.bytes_per_block // region
+    assert snap.kv.token_bytes == sum(m._token_slots(e.scheduler.stats().running) for m in e.kv.managers) \
+        * snap.bytes_per_block // 16
     counts = state_counts(bm)
     assert counts["windowed"] > 0 and counts["full"] == 599 // 16  # the global table: every full block
     windowed_held = sum(len(m.held_blocks(req.req_id)) for m in e.kv.managers[1:])

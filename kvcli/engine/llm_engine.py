@@ -194,6 +194,7 @@ class LLMEngine:
         self.decode_seconds = 0.0
         self.metrics = MetricsCollector(EngineFacts(
             block_size=bs, bytes_per_block=self.bytes_per_block, kv_pool_bytes=self.kv_pool_bytes,
+            token_bytes=c.kv_bytes_per_token(self.kv_dtype),
             kv_dtype=str(self.kv_dtype).removeprefix("torch."), max_model_len=self.max_model_len,
             weight_bytes=tuple(self.weight_bytes().items()), speculate=options.speculate,
             num_speculative_tokens=options.num_speculative_tokens))
@@ -451,8 +452,8 @@ class LLMEngine:
         kv = self.kv.stats(s.running, s.next_waiting)
         whatif = None
         if kv.layout == "paged":
-            whatif = contiguous_whatif(s.running, kv.num_blocks, kv.block_size, self.max_model_len,
-                                       self.metrics.bytes_per_slot)
+            whatif = contiguous_whatif(s.running, kv.num_blocks * self.bytes_per_block, kv.block_size,
+                                       self.max_model_len, self.config.kv_bytes_per_token(self.kv_dtype))
         return self.metrics.snapshot(self.stats(), s, kv, sched.spec_stats(), sched.request_timings(), whatif=whatif,
                                      blocks=self.kv.block_map(s.running) if block_map else None, memory=memory)
 
@@ -461,10 +462,10 @@ class LLMEngine:
         return self.metrics.spec_summary(self.scheduler.spec_stats())
 
 
-def contiguous_whatif(running: Sequence[RequestExtent], num_blocks: int, block_size: int, max_model_len: int,
-                      bytes_per_slot: int) -> tuple[KVBreakdown, int]:
-    """The given live requests under max-length contiguous preallocation in a pool of the same size,
-    and how many max-length regions that pool holds at once."""
+def contiguous_whatif(running: Sequence[RequestExtent], pool_bytes: int, block_size: int, max_model_len: int,
+                      token_bytes: int) -> tuple[KVBreakdown, int]:
+    """The given live requests under max-length contiguous preallocation in a pool of the same bytes (every
+    layer's K/V for each reserved token: `token_bytes`), and how many max-length regions that pool holds."""
     region = blocks_for(max_model_len, block_size) * block_size
     tokens = reserved = internal = 0
     for r in running:
@@ -472,7 +473,6 @@ def contiguous_whatif(running: Sequence[RequestExtent], num_blocks: int, block_s
         tokens += r.num_tokens
         reserved += res
         internal += inter
-    pool = num_blocks * block_size
-    used = tokens + reserved + internal
-    return KVBreakdown(tokens * bytes_per_slot, reserved * bytes_per_slot, internal * bytes_per_slot, 0,
-                       max(0, pool - used) * bytes_per_slot), pool // region
+    used = (tokens + reserved + internal) * token_bytes
+    return KVBreakdown(tokens * token_bytes, reserved * token_bytes, internal * token_bytes, 0,
+                       max(0, pool_bytes - used)), pool_bytes // (region * token_bytes)

@@ -21,6 +21,7 @@ layout: `slots` = every layer, each layer its own slot.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from kvcli.kvcache.block_manager import sliding_window_blocks
 from kvcli.kvcache.interface import blocks_for
@@ -42,7 +43,7 @@ class KVGroups:
     def hybrid(self) -> bool:
         return len(self.groups) > 1
 
-    @property
+    @cached_property  # (read at every forward: computed once)
     def group_of(self) -> tuple[int, ...]:
         """Per layer: its group's index."""
         out = [0] * self.num_layers
@@ -51,7 +52,7 @@ class KVGroups:
                 out[i] = g
         return tuple(out)
 
-    @property
+    @cached_property
     def slot_of(self) -> tuple[int, ...]:
         """Per layer: the KV tensor (slot) it reads and writes; one per layer without groups."""
         out = [0] * self.num_layers

@@ -90,7 +90,8 @@ class MetricsCollector:
             bytes_per_block=f.bytes_per_block, kv_pool_bytes=f.kv_pool_bytes,
             kv_dtype=f.kv_dtype, max_model_len=f.max_model_len,
             weight_bytes=dict(f.weight_bytes), prefill_seconds=run.prefill_seconds,
-            decode_seconds=run.decode_seconds, decode_tokens=run.decode_tokens, spec=self.spec_summary(spec))
+            decode_seconds=run.decode_seconds, decode_tokens=run.decode_tokens, spec=self.spec_summary(spec),
+            token_kv_bytes=f.token_bytes)
 
     def spec_summary(self, sp: SpecStats) -> SpecSummary:
         if not sp.enabled:

@@ -157,6 +157,7 @@ class Snapshot:
     decode_tokens: int = 0  # tokens sampled in decode-only steps
     spec: SpecSummary = field(default_factory=lambda: SpecSummary())
     window: WindowSummary | None = None  # None: every request keeps all its KV (no --kv-window)
+    token_kv_bytes: int = 0  # one token's K/V over every layer (0: a block's bytes over its slots)
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -164,7 +165,9 @@ class Snapshot:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """Scales included (a block's bytes over its slots)."""
+        """One token's K/V over every layer, scales included (without KV groups: a block's bytes over its slots)."""
+        if self.token_kv_bytes:
+            return self.token_kv_bytes
         return self.bytes_per_block // self.block_size if self.block_size else 0
 
     @property

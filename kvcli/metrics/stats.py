@@ -84,6 +84,9 @@ class EngineFacts:
     kv_pool_bytes: int  # the usable blocks and the null block
     kv_dtype: str  # e.g. "float16", "fp8"
     max_model_len: int
-    weight_bytes: tuple[tuple[str, int], ...] = ()  # (part, resident bytes), e.g. ("layers", ...)
+    weight_bytes: tuple[tuple[str, int], ...] = ()
+    # One token's K/V over every layer (0: bytes_per_block / block_size; with KV groups a block is a page of
+    # fewer layers, kvcache/kv_groups.py).
+    token_bytes: int = 0  # (part, resident bytes), e.g. ("layers", ...)
     speculate: str = "none"  # the speculation method
     num_speculative_tokens: int = 0
