@@ -199,3 +199,48 @@ def test_gemma3_generation_with_groups_equals_one_table(gemma3_folder):
         if not groups:
             assert llm.engine.scheduler.num_preemptions > 0
     assert outs[True] == outs[False]
+
+
+def test_continue_keeps_kv_groups_for_a_text_that_fits():
+    """--kv-window auto (continue's and chat's default) builds a bounded cache, whose one table keeps every
+    layer's tokens; for a text that fits with its generation, continue rebuilds the KV side without it, so a
+    Gemma keeps its per-group tables. Nothing changes once a request exists, nor on a model without groups."""
+    from kvcli.config import PRESETS
+
+    e = LLMEngine(None, EngineOptions(kv_window="auto", kv_dtype="fp16"), config=_gemma3())
+    assert e.retention is not None and not e.kv_groups.hybrid
+    assert e.unbounded_for_kv_groups()
+    assert e.retention is None and isinstance(e.kv, HybridKVManager) and e.options.kv_window is None
+    assert not e.unbounded_for_kv_groups()  # nothing left to do
+    llama = LLMEngine(None, EngineOptions(kv_window="auto"), config=ModelConfig.from_hf_dict(PRESETS["smollm2-135m"]))
+    assert not llama.unbounded_for_kv_groups() and llama.retention is not None
+    busy = LLMEngine(None, EngineOptions(kv_window="auto", kv_dtype="fp16"), config=_gemma3())
+    busy.add_request([5, 6, 7], SamplingParams(max_tokens=2))
+    assert not busy.unbounded_for_kv_groups() and busy.retention is not None
+
+
+@pytest.mark.slow
+def test_continue_cli_on_a_gemma3_uses_kv_groups(gemma3_folder, tmp_path):
+    """`kvcli continue` on the tiny Gemma 3: a short text runs with per-group tables (--json names them); one
+    longer than the context streams through the bounded cache's one table, as before."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from kvcli.cli import app
+
+    path, _ = gemma3_folder
+    text = tmp_path / "t.txt"
+    text.write_text("The keeper climbed the stairs and lit the lamp. " * 4, encoding="utf-8")
+    r = CliRunner().invoke(app, ["continue", str(text), "--model", str(path), "--quant", "none", "-n", "8",
+                                 "--temperature", "0", "--json", "--no-live"])
+    assert r.exit_code == 0, r.output
+    rep = json.loads(r.stdout)
+    assert rep["kv_groups"].startswith("6 block tables per request") and rep["kv_window"] is None
+    assert len(rep["generated_token_ids"]) == 8
+    text.write_text("The keeper climbed the stairs and lit the lamp. " * 60, encoding="utf-8")  # > 512 tokens
+    r = CliRunner().invoke(app, ["continue", str(text), "--model", str(path), "--quant", "none", "-n", "8",
+                                 "--temperature", "0", "--json", "--no-live"])
+    assert r.exit_code == 0, r.output
+    rep = json.loads(r.stdout)
+    assert rep["kv_groups"] is None and rep["kv_window"] is not None and rep["dropped_tokens"] > 0

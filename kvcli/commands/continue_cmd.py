@@ -88,6 +88,8 @@ def run_continue(a: ContinueArgs, fail: Fail) -> int:
     with err.status("loading model…", spinner="dots"):
         engine = build_engine(a.model, a.quant, a.options, fail)
     ids = document_ids(engine.tokenizer, text)
+    if len(ids) + params.max_tokens <= engine.max_model_len:
+        engine.unbounded_for_kv_groups()  # Gemma: per-group tables hold less than the bounded cache's one table
     try:
         c = engine.config
         prompt = fit_prompt(ids, engine.max_model_len, params.max_tokens, a.truncate, engine.retention is not None,
@@ -149,6 +151,8 @@ def run_continue(a: ContinueArgs, fail: Fail) -> int:
             "kv_window": engine.retention.window if engine.retention else None,
             "sink_tokens": engine.retention.sink_tokens if engine.retention else None,
             "dropped_tokens": engine.scheduler.dropped_tokens(req),
+            # KV groups (Gemma): the paged layout's block tables per request, or null with one table
+            "kv_groups": engine.kv_groups.describe() if engine.kv_groups.hybrid else None,
             "wall_seconds": round(wall, 3),
             "load_seconds": round(engine.load_seconds, 3),
             "weights_format": engine.linear_mode,

@@ -6,6 +6,7 @@ import itertools
 import os
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import torch
 
@@ -139,8 +140,26 @@ class LLMEngine:
             quantized_weights=self.model is not None and self.model.plan.kvcli_quantized,
             native_attention=native_attention_available)
 
+        self._build_kv()
+        self.output = OutputProcessor(self.tokenizer)  # detokenizers and output text, per request
+        self._ids = itertools.count()
+        # Run counters (the engine's own statistics, published through stats()).
+        self.step_count = 0
+        self.prompt_tokens = 0
+        self.generated_tokens = 0
+        self.decode_tokens = 0
+        self.prefill_seconds = 0.0
+        self.decode_seconds = 0.0
+        # What a user waits for: reading the file and tokenizer, then the model build (weight packing)
+        # and the KV pool allocation here.
+        self.load_seconds += time.perf_counter() - t_build
+
+    def _build_kv(self) -> None:
+        """The KV side, from the options: the retention rule, the KV groups, the pool (its budget, the KVCache
+        on the device), the runner over it, the layout, the scheduler and the metrics' fixed figures."""
+        c, options = self.config, self.options
         bs = options.block_size
-        self.retention = self._retention(options, c)
+        self.retention = self._retention(self.options, c)
         # KV groups (kvcache/kv_groups.py): where some layers slide and some attend to everything (Gemma 2 / 3),
         # the paged layout keeps one table per group, so the windowed layers hold only their window's blocks.
         # A bounded cache (--kv-window) bounds every layer alike, and the contiguous layout reserves every
@@ -156,14 +175,14 @@ class LLMEngine:
                               f"(one pads block tables)")
         self.num_blocks = num_blocks
         self.kv_cache: KVCache | None = None
-        if loaded is not None:
+        if not self.simulated:
             try:
                 self.kv_cache = KVCache(c, num_blocks, bs, self.kv_dtype, self.device, self.kv_groups)
             except (torch.OutOfMemoryError, MemoryError, RuntimeError) as e:
                 raise ConfigError(f"--kv-budget: cannot allocate {budget:,} B of KV cache on {self.device} "
                                   f"({type(e).__name__}); try a smaller budget") from None
             self.runner: ModelRunner | SimulatedRunner = ModelRunner(self.model, self.kv_cache, self.backend,
-                                                                     self._decode_graphs(options))
+                                                                     self._decode_graphs(self.options))
         else:
             self.runner = SimulatedRunner()
         self.kv: KVLayout
@@ -182,25 +201,28 @@ class LLMEngine:
             self.kv, max_num_seqs=options.max_num_seqs, max_num_batched_tokens=options.max_num_batched_tokens,
             max_model_len=self.max_model_len, preempt=options.preempt, swap_blocks=swap_blocks,
             eos_token_ids=tuple(self.tokenizer.eos_token_ids) if self.tokenizer is not None else (),
-            **self._speculation(options))
-        self.output = OutputProcessor(self.tokenizer)  # detokenizers and output text, per request
-        self._ids = itertools.count()
-        # Run counters (the engine's own statistics, published through stats()).
-        self.step_count = 0
-        self.prompt_tokens = 0
-        self.generated_tokens = 0
-        self.decode_tokens = 0
-        self.prefill_seconds = 0.0
-        self.decode_seconds = 0.0
+            **self._speculation(self.options))
         self.metrics = MetricsCollector(EngineFacts(
             block_size=bs, bytes_per_block=self.bytes_per_block, kv_pool_bytes=self.kv_pool_bytes,
             token_bytes=c.kv_bytes_per_token(self.kv_dtype),
             kv_dtype=str(self.kv_dtype).removeprefix("torch."), max_model_len=self.max_model_len,
             weight_bytes=tuple(self.weight_bytes().items()), speculate=options.speculate,
             num_speculative_tokens=options.num_speculative_tokens))
-        # What a user waits for: reading the file and tokenizer, then the model build (weight packing)
-        # and the KV pool allocation here.
-        self.load_seconds += time.perf_counter() - t_build
+
+    def unbounded_for_kv_groups(self) -> bool:
+        """--kv-window auto on a model with KV groups (Gemma 2 / 3), before any request, for a run whose text and
+        generation fit the context (continue knows it once the text is tokenized): the bounded cache's one table
+        would keep every layer's tokens, the KV groups only the windows' in the windowed layers. Rebuilds the KV
+        side without the bounded cache and returns True; False (nothing changed) where it does not apply."""
+        if self.options.kv_window != "auto" or self.retention is None or self.scheduler.requests \
+                or self.options.kv_layout != "paged" or not self.options.kv_groups or not kv_groups_of(self.config).hybrid:
+            return False
+        self.options = replace(self.options, kv_window=None)
+        self.kv_cache = self.runner = None  # the old pool goes before the new one is allocated
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self._build_kv()
+        return True
 
     def _retention(self, options: EngineOptions, c: ModelConfig) -> Retention | None:
         """The bounded cache's rule (kvcache/retention.py), checked against this context."""

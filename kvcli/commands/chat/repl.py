@@ -292,7 +292,7 @@ class ChatRepl:
                     while not req.finished and not latch.hit:
                         outs = e.step()
                         if not req.finished:
-                            table = list(e.kv.block_table(rid))  # a copy: the layout reuses its list
+                            table = e.kv.held_blocks(rid)  # every KV group's (Gemma: its windowed layers' too)
                         view.update()
                         for o in outs:
                             if o.req_id != rid or not o.new_text or latch.hit:
