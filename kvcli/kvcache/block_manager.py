@@ -358,36 +358,11 @@ class PagedKVManager:
         return sum(fill.values())
 
     def stats(self, running: Sequence[RequestExtent], next_waiting: int | None) -> KVLayoutStats:
-        bs = self.block_size
-        used = self.num_blocks - self.pool.num_free
-        tokens = self._token_slots(running)
-        # Paging reserves nothing ahead and every free block is usable by anyone: no reserved
-        # slots, no external fragmentation; internal = unused tails of partly filled blocks.
-        return KVLayoutStats(
-            layout=self.name, block_size=bs, num_blocks=self.num_blocks, used_blocks=used,
-            shared_saved_blocks=self.pool.extra_refs, prefix_query_tokens=self.prefix_query_tokens,
-            prefix_hit_tokens=self.prefix_hit_tokens, token_slots=tokens, reserved_slots=0,
-            internal_slots=used * bs - tokens, external_slots=0, free_slots=self.pool.num_free * bs)
+        return pool_stats(self.name, self.pool, self.block_size, self._token_slots(running), self.prefix_query_tokens,
+                          self.prefix_hit_tokens)
 
     def block_map(self, running: Sequence[RequestExtent]) -> BlockMap:
-        bs = self.block_size
-        n = self.num_blocks + 1
-        owner, fill, ref = [-1] * n, [0] * n, [0] * n
-        for bid in self.pool.cached_free_ids():
-            owner[bid], fill[bid] = -2, bs
-        owners: list[str] = []
-        for r in running:
-            idx = len(owners)
-            owners.append(r.req_id)
-            for i, b in enumerate(self.block_table(r.req_id)):
-                if b == NULL_BLOCK:
-                    continue
-                if owner[b] == -1:
-                    owner[b] = idx
-                fill[b] = max(fill[b], min(bs, max(0, r.num_tokens - i * bs)))
-                ref[b] += 1
-        # Entry 0 is the null block: not part of the map.
-        return BlockMap(bs, tuple(owner[1:]), tuple(fill[1:]), tuple(ref[1:]), tuple(owners))
+        return pool_block_map(self.pool, self.block_size, running, [self.block_table])
 
     def check_invariants(self) -> None:
         self.pool.check_invariants({rid: [b for b in t if b != NULL_BLOCK] for rid, t in self.tables.items()})
@@ -418,3 +393,42 @@ class PagedKVManager:
                 raise AssertionError(f"{sh.req_id}: a key shift names blocks outside its window")
             if any(self.pool.blocks[b].ref_cnt != 1 or self.pool.blocks[b].block_hash is not None for b in sh.blocks):
                 raise AssertionError(f"{sh.req_id}: a key shift would rotate a shared or indexed block")
+
+
+def pool_stats(name: str, pool: BlockPool, block_size: int, token_slots: int, prefix_query_tokens: int,
+               prefix_hit_tokens: int) -> KVLayoutStats:
+    """A paged pool's statistics. Paging reserves nothing ahead and every free block is usable by anyone: no
+    reserved slots, no external fragmentation; internal = unused tails of partly filled blocks."""
+    used = pool.num_blocks - pool.num_free
+    return KVLayoutStats(
+        layout=name, block_size=block_size, num_blocks=pool.num_blocks, used_blocks=used,
+        shared_saved_blocks=pool.extra_refs, prefix_query_tokens=prefix_query_tokens,
+        prefix_hit_tokens=prefix_hit_tokens, token_slots=token_slots, reserved_slots=0,
+        internal_slots=used * block_size - token_slots, external_slots=0, free_slots=pool.num_free * block_size)
+
+
+def pool_block_map(pool: BlockPool, block_size: int, running: Sequence[RequestExtent],
+                   tables: Sequence[Callable[[str], list[int]]], group_names: tuple[str, ...] = ()) -> BlockMap:
+    """The map of a paged pool: `tables`, one per KV group (kvcache/kv_groups.py), a request's table in it; with
+    `group_names`, each held block marked with its group."""
+    bs = block_size
+    n = pool.num_blocks + 1
+    owner, fill, ref, group = [-1] * n, [0] * n, [0] * n, [0] * n
+    for bid in pool.cached_free_ids():
+        owner[bid], fill[bid] = -2, bs
+    owners: list[str] = []
+    for r in running:
+        idx = len(owners)
+        owners.append(r.req_id)
+        for g, table_of in enumerate(tables):
+            for i, b in enumerate(table_of(r.req_id)):
+                if b == NULL_BLOCK:
+                    continue
+                if owner[b] < 0:
+                    owner[b] = idx
+                fill[b] = max(fill[b], min(bs, max(0, r.num_tokens - i * bs)))
+                ref[b] += 1
+                group[b] = g
+    # Entry 0 is the null block: not part of the map.
+    return BlockMap(bs, tuple(owner[1:]), tuple(fill[1:]), tuple(ref[1:]), tuple(owners),
+                    group=tuple(group[1:]) if group_names else (), group_names=group_names)

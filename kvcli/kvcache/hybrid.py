@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from kvcli.kvcache.block_manager import PagedKVManager, sliding_window_blocks
+from kvcli.kvcache.block_manager import PagedKVManager, pool_block_map, pool_stats, sliding_window_blocks
 from kvcli.kvcache.block_pool import BlockPool
 from kvcli.kvcache.interface import NULL_BLOCK
 from kvcli.kvcache.kv_groups import KVGroups
@@ -175,39 +175,15 @@ class HybridKVManager:
     def stats(self, running: Sequence[RequestExtent], next_waiting: int | None) -> KVLayoutStats:
         """As the plain paged layout's, over the one pool: every group's token slots (each a page of `slots`
         layers, so slots and bytes stay proportional)."""
-        bs = self.block_size
-        used = self.num_blocks - self.pool.num_free
         tokens = sum(m._token_slots(running) for m in self.managers)
-        return KVLayoutStats(
-            layout=self.name, block_size=bs, num_blocks=self.num_blocks, used_blocks=used,
-            shared_saved_blocks=self.pool.extra_refs, prefix_query_tokens=self.prefix_query_tokens,
-            prefix_hit_tokens=self.prefix_hit_tokens, token_slots=tokens, reserved_slots=0,
-            internal_slots=used * bs - tokens, external_slots=0, free_slots=self.pool.num_free * bs)
+        return pool_stats(self.name, self.pool, self.block_size, tokens, self.prefix_query_tokens,
+                          self.prefix_hit_tokens)
 
     def block_map(self, running: Sequence[RequestExtent]) -> BlockMap:
-        """The plain map over the one pool, each held block marked with its group (`group`; the view draws
-        the windowed groups' blocks apart from the global ones)."""
-        bs = self.block_size
-        n = self.num_blocks + 1
-        owner, fill, ref, group = [-1] * n, [0] * n, [0] * n, [0] * n
-        for bid in self.pool.cached_free_ids():
-            owner[bid], fill[bid] = -2, bs
-        owners: list[str] = []
-        for r in running:
-            idx = len(owners)
-            owners.append(r.req_id)
-            for g, m in enumerate(self.managers):
-                for i, b in enumerate(m.block_table(r.req_id)):
-                    if b == NULL_BLOCK:
-                        continue
-                    if owner[b] < 0:
-                        owner[b] = idx
-                    fill[b] = max(fill[b], min(bs, max(0, r.num_tokens - i * bs)))
-                    ref[b] += 1
-                    group[b] = g
+        """The plain map over the one pool, each held block marked with its group (the view draws the windowed
+        groups' blocks apart from the global ones)."""
         names = tuple(f"W {g.window:,}" if g.window else "global" for g in self.kv_groups.groups)
-        return BlockMap(bs, tuple(owner[1:]), tuple(fill[1:]), tuple(ref[1:]), tuple(owners),
-                        group=tuple(group[1:]), group_names=names)
+        return pool_block_map(self.pool, self.block_size, running, [m.block_table for m in self.managers], names)
 
     def check_invariants(self) -> None:
         owners = {f"{rid} (group {g})": [b for b in t if b != NULL_BLOCK]
