@@ -366,6 +366,10 @@ class PagedKVManager:
 
     def check_invariants(self) -> None:
         self.pool.check_invariants({rid: [b for b in t if b != NULL_BLOCK] for rid, t in self.tables.items()})
+        self.check_tables()
+
+    def check_tables(self) -> None:
+        """The tables' own shape (the pool's ref counts are checked by its owner: a shared pool's, hybrid.py)."""
         for rid, table in self.tables.items():
             held = [i for i, b in enumerate(table) if b != NULL_BLOCK]
             if held and NULL_BLOCK in table[held[0]:]:

@@ -193,12 +193,7 @@ class HybridKVManager:
         for g, m in enumerate(self.managers):
             if set(m.tables) != rids:
                 raise AssertionError(f"group {g} holds tables for {sorted(set(m.tables) ^ rids)} and group 0 not")
-            for rid, table in m.tables.items():
-                held = [i for i, b in enumerate(table) if b != NULL_BLOCK]
-                if held and NULL_BLOCK in table[held[0]:]:
-                    raise AssertionError(f"{rid}, group {g}: a null entry after a held block")
-                if NULL_BLOCK in table and not m.sliding_window:
-                    raise AssertionError(f"{rid}, group {g}: null entries in a global group's table")
+            m.check_tables()
         for rid in rids:  # windowed tables keep their length (null entries lead): all cover the same tokens
             lens = {len(m.tables[rid]) for m in self.managers}
             if len(lens) > 1:
