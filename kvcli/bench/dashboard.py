@@ -2,7 +2,10 @@
 captured 5 s into decode (once the prefill bar is gone and the dashboard is up); `window` (the
 dashboard-window figure): `kvcli continue samples/lunyu-zh.txt --kv-window 1024` on a text of 2.5x the
 context, captured while its blocks recycle (the bounded-KV line counting dropped tokens) and again during
-decode. Skipped without tmux."""
+decode; `groups` (the dashboard-groups figure): `kvcli continue samples/keepers-log.txt --model dummy:gemma-3-270m`,
+Gemma 3 270M's shape with random weights (its byte-level tokenizer makes the text ~17k tokens), captured
+during decode: the block map draws the windowed layers' blocks (KV groups) apart from the global ones.
+Skipped without tmux."""
 
 from __future__ import annotations
 
@@ -94,6 +97,29 @@ def window(argv: list[str] | None = None) -> int:
             time.sleep(5)
         print("-- during decode, 5 s in --")
         print(_pane())
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", SESSION], capture_output=True)
+    return 0
+
+
+def groups(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kvcli.bench dashboard-groups", description=__doc__)
+    ap.add_argument("-n", type=int, default=200, help="tokens to generate (default 200)")
+    ap.add_argument("--model", default="dummy:gemma-3-270m", help="a model with KV groups (default dummy:gemma-3-270m)")
+    ap.add_argument("--wait", type=float, default=600, help="seconds to wait for the dashboard (default 600)")
+    a = ap.parse_args(argv)
+    if shutil.which("tmux") is None:
+        print("dashboard-groups skipped (no tmux)")
+        return 0
+    kvcli = [sys.executable, "-m", "kvcli.cli", "continue", "samples/keepers-log.txt", "--model", a.model,
+             "-n", str(a.n)]
+    print(f"tmux (120x50): {shlex.join(kvcli)}, captured 5 s into decode\n", flush=True)
+    _start(kvcli)
+    try:
+        pane = _wait(lambda p: "KV fragmentation" in p and "prefill " not in p, a.wait)
+        if pane is not None:
+            time.sleep(5)
+        print(_pane() if pane is not None else "(no capture: no decode in time)\n" + _pane())
     finally:
         subprocess.run(["tmux", "kill-session", "-t", SESSION], capture_output=True)
     return 0

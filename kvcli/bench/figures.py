@@ -51,6 +51,8 @@ FIGURES: dict[str, Figure] = {f.name: f for f in [
            "(StreamingLLM's comparison, kvcli perplexity)"),
     Figure("window-cost", "streaming:cost", "bounded KV cache speed: decode at 4x the context, prefill through "
            "the window"),
+    Figure("dashboard-groups", "dashboard:groups", "the live view in tmux on Gemma 3 270M's shape (random weights): "
+           "the block map with the windowed layers' own block tables"),
     Figure("kv-groups", "kv_groups:main", "KV groups: a Gemma-3-shaped model's KV held at 32k context with per-group "
            "block tables vs one table, logits compared"),
     Figure("profile", "cli:main", "paged vs contiguous KV on the bundled model (kvcli profile)", _PROFILE),
