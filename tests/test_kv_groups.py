@@ -244,3 +244,18 @@ def test_continue_cli_on_a_gemma3_uses_kv_groups(gemma3_folder, tmp_path):
     assert r.exit_code == 0, r.output
     rep = json.loads(r.stdout)
     assert rep["kv_groups"] is None and rep["kv_window"] is not None and rep["dropped_tokens"] > 0
+
+
+def test_every_layout_implements_the_kv_layout_protocol():
+    """The scheduler talks to any layout through KVLayout: the KV groups' layout answers every member too."""
+    from kvcli.kvcache.contiguous import ContiguousArena
+    from kvcli.kvcache.interface import KVLayout
+
+    members = {n for n in vars(KVLayout) if not n.startswith("_")} | set(KVLayout.__annotations__)
+    layouts = [PagedKVManager(8, 16), ContiguousArena(8, 16, reserve="max-len", max_model_len=64),
+               HybridKVManager(8, 16, kv_groups_for([8, 0]))]
+    for layout in layouts:
+        missing = sorted(n for n in members if not hasattr(layout, n))
+        assert not missing, f"{type(layout).__name__} lacks {missing}"
+        assert layout.group_tables("nobody")[0] == layout.block_table("nobody") == []
+        assert layout.held_blocks("nobody") == []
