@@ -106,6 +106,11 @@ class DecodeGraphs:
         ids = [c.token_ids[0] for c in chunks]
         pos = [c.start_pos for c in chunks]
         lens = [p + 1 for p in pos]
+        max_len = max(lens)
+        split = self.backend.decode_graph_key(b, max_len, self.kv_cache.layers[0], self.model.config.num_heads,
+                                              self.model.dtype)
+        if split is None:
+            return None
         pad = b - n
         self.ids[:b].copy_(torch.tensor(ids + [0] * pad, dtype=torch.int64), non_blocking=True)
         self.positions[:b].copy_(torch.tensor(pos + [0] * pad, dtype=torch.int64), non_blocking=True)
@@ -121,11 +126,6 @@ class DecodeGraphs:
         fill(self.slots, self.tables, [c.block_table for c in chunks])
         for g, (gs, gt) in enumerate(zip(self.group_slots, self.group_tables)):
             fill(gs, gt, [c.group_tables[g] for c in chunks])
-        max_len = max(lens)
-        split = self.backend.decode_graph_key(b, max_len, self.kv_cache.layers[0], self.model.config.num_heads,
-                                              self.model.dtype)
-        if split is None:
-            return None
         key = (b, split)
         meta = AttentionMetadata(slot_mapping=self.slots[:b], cu_seqlens_q=self.cu[:b + 1],
                                  seq_lens=self.seq_lens[:b], block_tables=self.tables[:b], max_seqlen_q=1,
