@@ -144,15 +144,16 @@ def test_ab_old_side_imports_the_old_tree(tmp_path: Path) -> None:
 
 
 def test_a_figure_runs_end_to_end_in_a_tiny_mode() -> None:
-    """The decode figure, kvcli only, 16 prompt tokens and 3 new: the header, then the table."""
+    """The decode figure, kvcli only, 16 prompt tokens and 10 new (decode tok/s is (N - 1) / (t_N - t_1): with 3
+    new tokens and one repeat, a loaded machine once made t_1 exceed t_3): the header, then the table."""
     env = dict(os.environ, NO_COLOR="1")
     out = subprocess.run([sys.executable, "-m", "kvcli.bench", "decode", "--prompt-tokens", "16", "--new-tokens",
-                          "3", "--repeats", "1", "--engines", "kvcli"], capture_output=True, text=True, cwd=REPO,
+                          "10", "--repeats", "2", "--engines", "kvcli"], capture_output=True, text=True, cwd=REPO,
                          env=env, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stdout.splitlines()
     assert lines[0].startswith("# decode — ") and lines[1].startswith("machine: ")
-    assert lines[3] == "command: python -m kvcli.bench decode --prompt-tokens 16 --new-tokens 3 --repeats 1 --engines kvcli"
+    assert lines[3] == "command: python -m kvcli.bench decode --prompt-tokens 16 --new-tokens 10 --repeats 2 --engines kvcli"
     assert ab.AB["decode"].numbers["kvcli INT4 decode tok/s"](out.stdout) > 0
 
 

@@ -40,7 +40,8 @@ def decode(argv: list[str]) -> int:
         eng.generate(ids, a.new_tokens)  # warm-up
         t1 = best(lambda: eng.generate(ids, 1), a.repeats)
         tn = best(lambda: eng.generate(ids, a.new_tokens), a.repeats)
-        return (a.new_tokens - 1) / (tn - t1), t1
+        # t_N <= t_1 only in noise (a handful of new tokens on a loaded machine): no rate, rather than a negative one.
+        return ((a.new_tokens - 1) / (tn - t1) if tn > t1 else float("nan")), t1
 
     labels = {"kvcli": ("kvcli, INT4 resident (default)", {}),
               "kvcli-dequantize": ("kvcli, --dequantize (fp32)", {"dequantize": True})}
