@@ -188,7 +188,8 @@ def test_rows_do_not_depend_on_their_batch(isa):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", list(WEIGHTS))
-def test_read_back_equals_dequantize(dtype, kind):
+def test_read_back_equals_dequantize(isa, dtype, kind):
+    """Bit for bit, on every build (AVX2 builds unpack a block's codes in vectors, the plain C one per code)."""
     gen = torch.Generator().manual_seed(5)
     for q in [WEIGHTS[kind](48, 256, gen)]:
         lin = Int8DotCpu(q)
