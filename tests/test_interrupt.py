@@ -21,7 +21,11 @@ def test_sigint_keeps_output_and_prints_summary(tmp_path):
     out_file = tmp_path / "out.txt"
     cmd = [sys.executable, "-c", "from kvcli.cli import main; main()", "continue", str(src), "-n", "4000",
            "--no-live", "-o", str(out_file)]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # SIGINT at its default in the child, as under a terminal: a shell's background job (`cmd &` without job
+    # control, e.g. a CI runner's) starts with SIGINT ignored, the child inherits that, and Python then installs
+    # no KeyboardInterrupt handler, so the Ctrl-C below would rightly be ignored.
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     chunks: list[str] = []
 
     def read() -> None:
