@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
-# Build llama-cpp-python (llama.cpp's C++ engine) into a benchmark-only venv under .cache/, once per
-# vector ISA, so `make bench` can put llama.cpp beside kvcli in one run. Never a kvcli dependency.
-#   scripts/build_llama_cpp.sh native   # the CPU's own ISA (GGML_NATIVE)
-#   scripts/build_llama_cpp.sh avx2     # AVX2/FMA/F16C only, to compare on an AVX-512 machine
-# Exit 0 with the venv's python at .cache/bench/llama-<isa>/bin/python; non-zero with a message.
+# llama-cpp-python (llama.cpp's C++ engine) for the benchmarks, so `make bench` can put llama.cpp beside kvcli
+# in one run. Never a kvcli dependency.
+#   scripts/build_llama_cpp.sh native   # the CPU's own ISA: the conformance suite's build
+#                                       # (scripts/build_llama_cpp_python.sh, outside the clone; on CPUs with AMX
+#                                       # tiles built without AMX, whose path crashes on quantized models there)
+#   scripts/build_llama_cpp.sh avx2     # AVX2/FMA/F16C only, to compare on an AVX-512 machine: .cache/bench/llama-avx2
+# Exit 0 when built (seconds when it already is); non-zero with a message. kvcli/bench/llama_cpp_runner.py finds
+# either venv; the feature line of every benchmark's raw output says which build ran.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ISA=${1:-native}
 VERSION=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
 VENV=.cache/bench/llama-$ISA
 case "$ISA" in
-  native) ARGS="-DGGML_NATIVE=ON" ;;
+  native) exec bash scripts/build_llama_cpp_python.sh ;;
   avx2)   ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF" ;;
   *) echo "build_llama_cpp: unknown ISA '$ISA' (native|avx2)" >&2; exit 2 ;;
 esac

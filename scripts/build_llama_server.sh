@@ -18,12 +18,13 @@ set -euo pipefail
 VERSION=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
 CACHE=${KVCLI_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvcli}
 read -r ISA ARGS < <(bash "$(dirname "$0")/build_llama_cpp_python.sh" --isa)
+NOAMX=$(bash "$(dirname "$0")/build_llama_cpp_python.sh" --cflags)
 DEST="$CACHE/llama-server/$VERSION-$ISA"
 BIN="$DEST/bin/llama-server"
 STAMP="$DEST/.kvcli-built"
 if [ "${1:-}" = "--where" ]; then echo "$BIN"; exit 0; fi
 
-ready() { [ -f "$STAMP" ] && [ -x "$BIN" ] && "$BIN" --version >/dev/null 2>&1; }
+ready() { [ -f "$STAMP" ] && grep -qF "CFLAGS=$NOAMX;" "$STAMP" && [ -x "$BIN" ] && "$BIN" --version >/dev/null 2>&1; }
 if ready; then echo "build_llama_server: $VERSION-$ISA ready: $BIN ($(cat "$STAMP"))"; exit 0; fi
 for tool in cmake c++ tar; do
   command -v $tool >/dev/null || { echo "build_llama_server: needs $tool to build llama.cpp's server" >&2; exit 3; }
@@ -47,7 +48,7 @@ nice -n 10 tar xzf "$SDIST" -C "$DEST/src" "llama_cpp_python-$VERSION/vendor/lla
 SRC="$DEST/src/llama_cpp_python-$VERSION/vendor/llama.cpp"
 [ -f "$SRC/tools/server/server.cpp" ] || { echo "build_llama_server: no tools/server in $SDIST" >&2; exit 4; }
 # CPU backend only, static, no BLAS/curl/OpenSSL (loopback only), no web UI.
-nice -n 10 cmake -S "$SRC" -B "$DEST/build" -G "${CMAKE_GENERATOR:-Unix Makefiles}" -DCMAKE_BUILD_TYPE=Release \
+CFLAGS="${CFLAGS:-} $NOAMX" CXXFLAGS="${CXXFLAGS:-} $NOAMX" nice -n 10 cmake -S "$SRC" -B "$DEST/build" -G "${CMAKE_GENERATOR:-Unix Makefiles}" -DCMAKE_BUILD_TYPE=Release \
     $ARGS -DGGML_BLAS=OFF -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF \
     -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF >>"$DEST/build.log" 2>&1 \
@@ -57,6 +58,6 @@ nice -n 10 cmake --build "$DEST/build" --target llama-server -j "${JOBS:-$(nproc
 cp "$DEST/build/bin/llama-server" "$BIN"
 rm -rf "$DEST/build" "$DEST/src"   # the binary is static; the tree is ~1 GB of objects
 secs=$(( $(date +%s) - start ))
-echo "built $(date -u +%Y-%m-%dT%H:%MZ) in ${secs}s on $(nproc) cores, $ARGS" >"$STAMP"
+echo "built $(date -u +%Y-%m-%dT%H:%MZ) in ${secs}s on $(nproc) cores, $ARGS; CFLAGS=$NOAMX;" >"$STAMP"
 ready || { echo "build_llama_server: built but $BIN --version fails; see $DEST/build.log" >&2; exit 5; }
 echo "build_llama_server: $VERSION-$ISA ready: $BIN (built in ${secs}s)"

@@ -1,11 +1,13 @@
-"""kvcli's handle on the benchmark-only llama.cpp (scripts/build_llama_cpp.sh): find its venv for the ISA
-under test and run kvcli/bench/llama_cpp_worker.py there with a JSON job (the worker never imports kvcli;
+"""kvcli's handle on the benchmarks' llama.cpp (scripts/build_llama_cpp.sh): find its venv for the ISA
+under test (native: the conformance suite's build outside the clone, without AMX on CPUs whose AMX path crashes;
+avx2: .cache/bench/llama-avx2) and run kvcli/bench/llama_cpp_worker.py there with a JSON job (the worker never imports kvcli;
 it is run by its file path, so the venv needs only llama-cpp-python and numpy)."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 from pathlib import Path
 
@@ -20,7 +22,12 @@ def bench_isa() -> str:
 
 
 def python_for(isa: str) -> Path | None:
-    py = REPO / ".cache" / "bench" / f"llama-{isa}" / "bin" / "python"
+    if isa == "native":
+        where = subprocess.run(["bash", str(REPO / "scripts" / "build_llama_cpp_python.sh"), "--where"],
+                               capture_output=True, text=True)
+        py = Path(where.stdout.strip())
+    else:
+        py = REPO / ".cache" / "bench" / f"llama-{isa}" / "bin" / "python"
     if not py.exists():
         return None
     ok = subprocess.run([str(py), "-c", "import llama_cpp"], capture_output=True).returncode == 0
@@ -40,6 +47,11 @@ def run(job: dict, isa: str | None = None, timeout: float = 3600) -> tuple[dict 
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
     p = subprocess.run([str(py), str(WORKER)], input=json.dumps(job), capture_output=True, text=True, env=env,
                        timeout=timeout)
+    if p.returncode < 0:  # killed by a signal: its last log line says nothing about why
+        why = signal.Signals(-p.returncode).name if -p.returncode in signal.valid_signals() else str(p.returncode)
+        return None, (f"llama.cpp worker died ({why}) with the build at {py.parent.parent}"
+                      + ("; it has llama.cpp's AMX path, which crashes on quantized models on CPUs with AMX: "
+                         "rebuild with `bash scripts/build_llama_cpp.sh native`" if "AMX_INT8 = 1" in p.stderr else ""))
     if p.returncode != 0:
         return None, f"llama.cpp worker failed: {(p.stderr.strip().splitlines() or ['?'])[-1]}"
     return json.loads(p.stdout.strip().splitlines()[-1]), ""

@@ -130,6 +130,7 @@ def trace(job: dict) -> dict:
 def main() -> None:
     job = json.load(sys.stdin)
     out = {"llama_cpp_version": L.__version__, "system_info": L.llama_print_system_info().decode()}
+    print(out["system_info"], file=sys.stderr, flush=True)  # the build's features, for the caller's note if it dies
     if job.get("contexts"):
         out["batch1"] = batch1(job)
     if job.get("trace"):
