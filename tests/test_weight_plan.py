@@ -9,14 +9,16 @@ import torch
 
 from kvcli.config import ModelConfig
 from kvcli.model.quant import QuantTensor, random_q4
-from kvcli.model.weight_plan import (GEMM_F32_MIN_ROWS, INT8DOT_DENSE_MIN_ROWS, Native, choose_tier, plan_linear,
-                                     plan_model)
-from kvcli.native.capabilities import CpuCapabilities, build_isa_for, native_bf16_for
+from kvcli.model.weight_plan import (GEMM_F32_MIN_ROWS, INT8DOT_AMX_DENSE_MIN_ROWS, INT8DOT_DENSE_MIN_ROWS, Native,
+                                     choose_tier, plan_linear, plan_model)
+from kvcli.native.capabilities import CpuCapabilities, amx_for, build_isa_for, native_bf16_for
 
 AVX2 = CpuCapabilities("an AVX2 CPU", "x86_64", frozenset({"avx2", "fma", "f16c"}), "AVX2", "avx2", False)
 BF16 = CpuCapabilities("an AVX-512-BF16 CPU", "x86_64",
                        frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
                                   "avx512_bf16"}), "AVX512", "avx512vnni", True)
+AMX = CpuCapabilities("a Xeon with AMX", "x86_64", BF16.flags | {"amx_tile", "amx_bf16", "amx_int8"}, "AVX512",
+                      "avx512vnni", True, amx=True)
 NATIVE = Native(int8dot=True, rmsnorm=True, swiglu=True, decode_layers=True, build_isa="avx2")
 NO_NATIVE = Native()
 CPU = torch.device("cpu")
@@ -63,6 +65,9 @@ def test_capabilities_decide_the_build_and_bf16_from_flags():
     assert build_isa_for("x86_64", frozenset({"sse4_2"}), "DEFAULT") == "generic"
     assert native_bf16_for(BF16.flags, "AVX512") and not native_bf16_for(AVX2.flags, "AVX2")
     assert not native_bf16_for(BF16.flags, "AVX512", onednn_max_isa="AVX2")
+    assert amx_for(AMX.flags, "AVX512") and not amx_for(BF16.flags, "AVX512") and not amx_for(AMX.flags, "AVX2")
+    assert not amx_for(AMX.flags, "AVX512", onednn_max_isa="AVX512_CORE_BF16")
+    assert amx_for(AMX.flags, "AVX512", onednn_max_isa="AVX512_CORE_AMX")
     assert AVX2.fp32_gemm_preferred and not BF16.fp32_gemm_preferred
 
 
@@ -72,6 +77,10 @@ def test_a_linear_takes_the_best_form_its_tier_has_for_it():
     assert cpu.form == "int8dot-cpu" and cpu.route.dense_min_rows == GEMM_F32_MIN_ROWS and cpu.route.gemm == "fp32-gemm"
     fast = plan_linear(w, "cpu", torch.float32, BF16, NATIVE)
     assert fast.route == fast.route.__class__(INT8DOT_DENSE_MIN_ROWS, "read-back", torch.bfloat16)
+    # on AMX tiles the GEMM is cheap enough that the read-back pays from a few dozen rows
+    tiles = plan_linear(w, "cpu", torch.float32, AMX, NATIVE).route
+    assert tiles == tiles.__class__(INT8DOT_AMX_DENSE_MIN_ROWS, "read-back", torch.bfloat16)
+    assert INT8DOT_AMX_DENSE_MIN_ROWS < INT8DOT_DENSE_MIN_ROWS
     assert plan_linear(w, "cpu", torch.float32, BF16, NATIVE, row_invariant=True).route.dense_min_rows is None
     # without kvcli's kernel: torch's int4 kernel, and its exact fallback where rows are not a multiple of 16
     assert plan_linear(w, "cpu", torch.float32, AVX2, NO_NATIVE).form == "int4-cpu"

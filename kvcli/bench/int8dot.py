@@ -21,6 +21,13 @@ import torch.nn.functional as F
 from kvcli.bench import harness
 
 
+# Per --shape: the [N, K] linears and the row counts measured.
+LINEARS = {
+    "smollm2": (((960, 576), (576, 576), (3072, 576), (576, 1536)), (1, 4, 16, 64, 128, 256, 512)),
+    "1b": (((2048, 2048), (8192, 2048), (2048, 8192)), (1, 6, 16, 24, 32, 48, 64, 128, 256)),
+}
+
+
 def best_ms(fn, calls: int) -> float:
     """Best of 3 timings of `calls` calls, ms per call, after a warm-up call."""
     return harness.best_ms(fn, 3, calls)
@@ -33,6 +40,9 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--shape", choices=sorted(LINEARS), default="smollm2",
+                    help="whose linear shapes: SmolLM2-135M's (default) or the 1B shape's (kvcli/bench/shapes.py), "
+                         "at row counts around where the read-back starts to pay")
     a = ap.parse_args(argv)
     from kvcli.bench.internals import Int4Cpu
     from kvcli.bench.internals import Int8DotCpu, native_library
@@ -46,12 +56,13 @@ def main(argv: list[str] | None = None) -> None:
     print("\n| weight [N x K] | rows | int8dot ms | int4-cpu ms | read-back + GEMM ms | fused fp32 GEMM ms | "
           "int8dot / int4-cpu | fused / int8dot | int8dot rel. error | int4-cpu rel. error | fused rel. error |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for n, k in ((960, 576), (576, 576), (3072, 576), (576, 1536)):
+    shapes, row_counts = LINEARS[a.shape]
+    for n, k in shapes:
         q = quantize_q4(torch.randn(n, k, generator=gen) * 0.02)
         ours = Int8DotCpu(q)
         torch4 = Int4Cpu(q.unpack_codes(), q.group_scales(), q.group_mins(), q.group_size)
         w = q.dequantize().double()
-        for rows in (1, 4, 16, 64, 128, 256, 512):
+        for rows in row_counts:
             x = torch.randn(rows, k, generator=gen)
             ours.dense_min_rows = torch4.dense_min_rows = None  # each kernel itself at every row count
             t_ours, t_t4 = best_ms(lambda: ours(x), a.calls), best_ms(lambda: torch4(x), a.calls)
@@ -64,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"| {n} x {k} | {rows} | {t_ours:.3f} | {t_t4:.3f} | {t_rb:.3f} | {f_cols[0]} | {t_ours / t_t4:.2f}x | "
                   f"{f_cols[1]} | {rel_err(ours(x), ref):.1e} | {rel_err(torch4(x), ref):.1e} | {f_cols[2]} |")
     # The vocabulary projection: a Q8_0 table, int8dot as stored vs the bf16 GEMM it replaced.
-    n, k = 49152, 576
+    n, k = 49152, shapes[0][1]  # the hidden size
     wt = torch.randn(n, k, generator=gen) * 0.05
     d = (wt.view(n, k // 32, 32).abs().amax(-1) / 127).half()
     codes = torch.round(wt.view(n, k // 32, 32) / d.float().unsqueeze(-1)).clamp(-127, 127).to(torch.int8).view(n, k)
@@ -72,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     head = Int8DotCpu(table)
     head.dense_min_rows = None
     wb = table.dequantize().to(torch.bfloat16)
-    print("\n| vocabulary projection 49152 x 576 | rows | int8dot (Q8_0 as stored) ms | bf16 GEMM ms | fused fp32 GEMM ms |")
+    print(f"\n| vocabulary projection {n} x {k} | rows | int8dot (Q8_0 as stored) ms | bf16 GEMM ms | fused fp32 GEMM ms |")
     print("|---|---:|---:|---:|---:|")
     for rows in (1, 4, 16, 64):
         x = torch.randn(rows, k, generator=gen)
