@@ -45,6 +45,8 @@ FIGURES: dict[str, Figure] = {f.name: f for f in [
            ("--workload", "alpaca", "--num-requests", "64")),
     Figure("throughput-avx2", "throughput:main", "the throughput figure held to AVX2",
            ("--workload", "alpaca", "--num-requests", "64"), AVX2_ENV),
+    Figure("throughput-1b", "throughput:main", "the 64-request trace on the random-weight 1B shape (Q4_0): kvcli vs "
+           "llama.cpp with 16 parallel sequences", ("--shape", "1b", "--workload", "alpaca", "--num-requests", "64")),
     Figure("continue-past-window", "cli:main", "kvcli continue on a text 2.5x the context (the bounded KV cache)",
            ("continue", "samples/lunyu-zh.txt", "-n", "60", "--temperature", "0", "--no-live")),
     Figure("streaming", "streaming:quality", "bounded KV cache quality: recompute vs sinks + window vs no sinks "

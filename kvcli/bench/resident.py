@@ -16,8 +16,7 @@ import json
 import subprocess
 import sys
 
-from kvcli.bench.harness import REPO
-from kvcli.bench.shapes import SHAPES, write_shape
+from kvcli.bench.shapes import shape_file
 
 FILES = [("1b", "Q4_0"), ("1b", "Q4_K_M"), ("1b", "Q8_0"), ("3b", "Q4_0"), ("8b", "Q4_K_M")]
 MIB = 2**20
@@ -36,15 +35,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--files", default=",".join(f"{s}-{k}" for s, k in FILES),
                    help="shape-kind pairs, comma-separated (default: %(default)s)")
     args = p.parse_args(argv)
-    cache = REPO / ".cache" / "shapes"
-    cache.mkdir(parents=True, exist_ok=True)
     rows = []
     for item in args.files.split(","):
-        shape, kind = item.split("-", 1)
-        path = cache / f"{shape}-{kind.lower()}.gguf"
-        if not path.exists():
-            print(f"writing {path.name} ...", flush=True)
-            write_shape(path.with_suffix(".part"), SHAPES[shape], kind).rename(path)
+        shape, _, kind = item.partition("-")
+        try:
+            path = shape_file(shape, kind)
+        except ValueError as e:
+            p.error(str(e))
         rep = inspect(path)
         resident = sum(rep["resident"].values())
         rows.append((f"{shape} {kind}", rep["file_tensor_bytes"], resident, rep["measured_growth"],

@@ -22,8 +22,8 @@ import time
 
 from kvcli.bench.batch1 import best_rounds
 from kvcli.bench.engines import KvcliEngine, LlamaCppEngine
-from kvcli.bench.harness import REPO, busy_note, load1, sample_text
-from kvcli.bench.shapes import SHAPES, write_shape
+from kvcli.bench.harness import busy_note, load1, sample_text
+from kvcli.bench.shapes import SHAPES, shape_file
 
 GIB = 2**30
 
@@ -68,11 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     a = ap.parse_args(argv)
     contexts = [int(x) for x in a.contexts.split(",")]
-    path = REPO / ".cache" / "shapes" / f"{a.shape}-{a.kind.lower()}.gguf"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        print(f"writing {path.name} ...", file=sys.stderr, flush=True)
-        write_shape(path.with_suffix(".part"), SHAPES[a.shape], a.kind).rename(path)
+    try:
+        path = shape_file(a.shape, a.kind)
+    except ValueError as e:
+        ap.error(str(e))
     load_before = load1()
 
     bandwidth = read_bandwidth()

@@ -82,3 +82,21 @@ def write_shape(path: Path, shape: Shape, kind: str, seed: int = 0) -> Path:
             tensor(name, n, k, kquant_encode.q4_k_m_type(name, (n, k), "F32") if linear == "Q4_K_M" else linear)
     kquant_encode.finish(w)
     return path
+
+
+def shape_file(shape: str, kind: str) -> Path:
+    """.cache/shapes/<shape>-<kind>.gguf, written on first use (a few seconds to a minute by size)."""
+    import sys
+
+    from kvcli.bench.harness import REPO
+
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r} (choose from {', '.join(sorted(SHAPES))})")
+    if kind not in KINDS:
+        raise ValueError(f"unknown kind {kind!r} (choose from {', '.join(KINDS)})")
+    path = REPO / ".cache" / "shapes" / f"{shape}-{kind.lower()}.gguf"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        print(f"writing {path.name} ...", file=sys.stderr, flush=True)
+        write_shape(path.with_suffix(".part"), SHAPES[shape], kind).rename(path)
+    return path

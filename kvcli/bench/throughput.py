@@ -26,6 +26,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
 
+from kvcli.bench.shapes import SHAPES, shape_file  # noqa: E402
+
 GOALS = {"sequential": 10.0, "static": 2.0, "generate_batch": 3.0}
 LABELS = {
     "sequential": "transformers `generate`, one request at a time",
@@ -43,6 +45,10 @@ def progress(mode: str, done: int, total: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default=None, choices=sorted(SHAPES),
+                    help="a random-weight GGUF of a real shape (kvcli/bench/shapes.py) instead of the bundled model; "
+                         "the transformers baselines are then off unless --compare hf asks for them")
+    ap.add_argument("--kind", default="Q4_0", help="the shape file's tensor types (shapes.py KINDS; default Q4_0)")
     ap.add_argument("--workload", default="alpaca", help="sharegpt | alpaca | uniform | FILE.jsonl (default alpaca)")
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
@@ -52,8 +58,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated transformers baselines (default: all three)")
     ap.add_argument("--kv-budget", default="256MiB",
                     help="KV pool for kvcli and for transformers' continuous-batching cache (default 256MiB)")
-    ap.add_argument("--compare", choices=("hf", "none"), default="hf",
-                    help="hf: run the transformers baselines (default); none: kvcli only")
+    ap.add_argument("--compare", choices=("hf", "none"), default=None,
+                    help="hf: run the transformers baselines (default for the bundled model); none: kvcli and "
+                         "llama.cpp only (default with --shape)")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch intra-op threads for both sides (default: torch's default, one per core)")
     ap.add_argument("--llama-cpp", choices=("auto", "none"), default="auto",
@@ -73,22 +80,26 @@ def main(argv: list[str] | None = None) -> int:
     from kvcli.llm import LLM
     from kvcli.model.loader import bundled_gguf_path, load_config
 
-    modes = [m.strip() for m in a.modes.split(",") if m.strip()] if a.compare == "hf" else []
+    compare = a.compare or ("none" if a.shape else "hf")
+    modes = [m.strip() for m in a.modes.split(",") if m.strip()] if compare == "hf" else []
     bad = [m for m in modes if m not in GOALS]
     if bad:
         ap.error(f"unknown mode(s) {', '.join(bad)} (choose from {', '.join(GOALS)})")
     try:
         kv_bytes = parse_bytes(a.kv_budget)
         trace = workloads.load(a.workload, a.num_requests, a.max_model_len, seed=a.seed)
+        path = shape_file(a.shape, a.kind) if a.shape else bundled_gguf_path()
     except ValueError as e:
         ap.error(str(e))
+    model_name = (f"random-weight {a.shape} llama shape, {a.kind} ({path.name})" if a.shape
+                  else "SmolLM2-135M-Instruct Q4_1 GGUF")
 
     load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
 
     # --- kvcli: the whole trace at once ---------------------------------------------------------------------
     t = time.perf_counter()
     # No prefix caching: transformers has none, and shared prompt prefixes would skew the comparison.
-    llm = LLM(max_model_len=a.max_model_len, kv_budget=a.kv_budget, max_num_batched_tokens=512, max_num_seqs=256,
+    llm = LLM(str(path), max_model_len=a.max_model_len, kv_budget=a.kv_budget, max_num_batched_tokens=512, max_num_seqs=256,
               prefix_caching=False)
     load_s = time.perf_counter() - t
     prompts = workloads.prompt_ids(trace, llm.tokenizer, seed=a.seed)
@@ -123,26 +134,27 @@ def main(argv: list[str] | None = None) -> int:
 
         from kvcli.bench.hf_baselines import load_hf_reference, run_hf_baselines
 
-        model = load_hf_reference(bundled_gguf_path())
+        model = load_hf_reference(path)
         print(f"transformers {transformers.__version__}: running {', '.join(modes)}", file=sys.stderr, flush=True)
         hf = run_hf_baselines(model, prompts, max_tokens, batch_size=a.batch_size, modes=modes, progress=progress,
                               kv_budget_bytes=kv_bytes)
 
     # --- llama.cpp, same file, same token ids, --parallel sequences in one unified KV pool of the same bytes ------
     llama: dict | None = None
-    llama_note = ""
+    llama_note = llama_build = ""
     if a.llama_cpp == "auto":
         from kvcli.bench.engines import LlamaCppEngine
 
         # f16 K and V for every layer and KV head: llama.cpp's default cache type.
-        c = load_config(None)
+        c = load_config(str(path))
         per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 2
         print(f"llama.cpp: running {len(prompts)} requests, {a.parallel} in parallel", file=sys.stderr, flush=True)
-        lc = LlamaCppEngine()
+        lc = LlamaCppEngine(path=path)
         if lc.available:
             res = lc.trace(prompts, max_tokens, a.parallel, kv_bytes // per_token)
             llama = None if res is None else {"trace": res, "llama_cpp_version": res["llama_cpp_version"]}
         llama_note = lc.note
+        llama_build = lc.version
         if llama is not None and llama["trace"]["output_tokens"] != kv_tokens:
             llama_note = f"llama.cpp produced {llama['trace']['output_tokens']} tokens instead of {kv_tokens}; not counted"
             llama = None
@@ -163,9 +175,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"command: {command}")
     print(f"trace: {trace.name}, {len(prompts)} requests, seed {a.seed}, all submitted at t=0; realised mean prompt "
           f"{mean_prompt:.1f} tokens, mean output {mean_output:.1f} tokens (EOS ignored), {kv_tokens} output tokens")
-    print(f"model: SmolLM2-135M-Instruct Q4_1 GGUF; kvcli {linear_mode} weights, KV pool {a.kv_budget}, "
-          f"max_num_batched_tokens 512, max_num_seqs 256 ({preemptions} preemptions); transformers fp32 "
-          "(dequantized by its GGUF loader), greedy\n")
+    print(f"model: {model_name}; kvcli {linear_mode} weights, KV pool {a.kv_budget}, "
+          f"max_num_batched_tokens 512, max_num_seqs 256 ({preemptions} preemptions)"
+          + ("; transformers fp32 (dequantized by its GGUF loader)" if modes else "") + ", greedy")
+    if llama_build:
+        print(llama_build)
+    print()
     print("| engine | wall s | output tok/s | kvcli speed-up |")
     print("|---|---:|---:|---:|")
     print(f"| kvcli, whole trace at once (paged KV, continuous batching) | {kv_wall:.2f} | {kv_rate:.1f} | — |")
@@ -182,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         lt = llama["trace"]
         ratios["llama.cpp"] = kv_rate / lt["tok_s"]
         print(f"| llama.cpp {llama['llama_cpp_version']}, {lt['parallel']} parallel sequences, same file "
-              f"(Q4_1, f16 KV) | {lt['wall_s']:.2f} | {lt['tok_s']:.1f} | {ratios['llama.cpp']:.2f}x |")
+              f"(f16 KV) | {lt['wall_s']:.2f} | {lt['tok_s']:.1f} | {ratios['llama.cpp']:.2f}x |")
     notes = [(m, r.note) for m, r in hf.items() if r.note] + ([("llama.cpp", llama_note)] if llama_note else [])
     if notes:
         print()
