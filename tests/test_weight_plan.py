@@ -9,7 +9,7 @@ import torch
 
 from kvcli.config import ModelConfig
 from kvcli.model.quant import QuantTensor, random_q4
-from kvcli.model.weight_plan import (GEMM_F32_MIN_ROWS, INT8DOT_AMX_DENSE_MIN_ROWS, INT8DOT_DENSE_MIN_ROWS, Native,
+from kvcli.model.weight_plan import (GEMM_F32_MIN_ROWS, INT8DOT_DENSE_MIN_ROWS, Native,
                                      choose_tier, plan_linear, plan_model)
 from kvcli.native.capabilities import CpuCapabilities, amx_for, build_isa_for, native_bf16_for
 
@@ -77,10 +77,6 @@ def test_a_linear_takes_the_best_form_its_tier_has_for_it():
     assert cpu.form == "int8dot-cpu" and cpu.route.dense_min_rows == GEMM_F32_MIN_ROWS and cpu.route.gemm == "fp32-gemm"
     fast = plan_linear(w, "cpu", torch.float32, BF16, NATIVE)
     assert fast.route == fast.route.__class__(INT8DOT_DENSE_MIN_ROWS, "read-back", torch.bfloat16)
-    # on AMX tiles the GEMM is cheap enough that the read-back pays from a few dozen rows
-    tiles = plan_linear(w, "cpu", torch.float32, AMX, NATIVE).route
-    assert tiles == tiles.__class__(INT8DOT_AMX_DENSE_MIN_ROWS, "read-back", torch.bfloat16)
-    assert INT8DOT_AMX_DENSE_MIN_ROWS < INT8DOT_DENSE_MIN_ROWS
     assert plan_linear(w, "cpu", torch.float32, BF16, NATIVE, row_invariant=True).route.dense_min_rows is None
     # without kvcli's kernel: torch's int4 kernel, and its exact fallback where rows are not a multiple of 16
     assert plan_linear(w, "cpu", torch.float32, AVX2, NO_NATIVE).form == "int4-cpu"

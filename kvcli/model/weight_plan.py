@@ -55,11 +55,9 @@ TIERS = ("dense", "nf4", "cpu", "int4-cpu", "triton", "exact")
 # docs/results/int8dot-ops*.txt, 2 threads, AMD EPYC, 2026-12-01): with native bf16 a read-back + torch's
 # GEMM is as fast as the integer kernel from ~256 rows; with bf16 emulated (fp32 read-back) likewise.
 INT8DOT_DENSE_MIN_ROWS = 256
-# With AMX tiles under torch's bf16 GEMM (oneDNN's brgemm, ~1 TMAC/s on two cores against the integer kernel's
-# ~0.12) the read-back's fixed cost is repaid from far fewer rows: on the 1B shape's linears read-back + GEMM
-# takes 0.95-0.98x the integer kernel's time at 32 rows, 0.65-0.7x at 48, 1.2-1.3x at 24
-# (docs/results/int8dot-ops-1b.txt, 2-core Xeon with AMX, 2026-12-05).
-INT8DOT_AMX_DENSE_MIN_ROWS = 32
+# Not lowered on AMX CPUs, although read-back + torch's bf16 GEMM on AMX tiles ties the integer kernel from 32
+# rows there (docs/results/int8dot-ops-1b.txt): bf16 activations on 32-255-row prompts put the Q4_0 variant of
+# tests/conformance past its bound against llama.cpp (3.7e-2 vs 3.0e-2 + 1e-3), 2026-12-05.
 # On the AVX2 build under torch's AVX2 kernels, kvcli's fused fp32 GEMM beats the integer kernel from 16-64
 # rows (docs/results/int8dot-ops-avx2*.txt): at 16 rows 0.97-1.13x its time, at 64 rows 0.60-0.94x.
 GEMM_F32_MIN_ROWS = 32
@@ -222,8 +220,6 @@ def int8dot_takes(weight: QuantTensor, rows: int | None = None) -> bool:
 def int8dot_route(caps: CpuCapabilities, row_invariant: bool = False) -> RowRoute:
     if row_invariant:
         return ONE_ROUTE
-    if caps.amx:
-        return RowRoute(INT8DOT_AMX_DENSE_MIN_ROWS, "read-back", torch.bfloat16)
     dense_dtype = torch.bfloat16 if caps.native_bf16 else torch.float32
     if caps.fp32_gemm_preferred:
         return RowRoute(GEMM_F32_MIN_ROWS, "fp32-gemm", dense_dtype)
