@@ -9,16 +9,14 @@ import torch
 
 from kvcli.config import ModelConfig
 from kvcli.model.quant import QuantTensor, random_q4
-from kvcli.model.weight_plan import (GEMM_F32_MIN_ROWS, INT8DOT_DENSE_MIN_ROWS, Native,
-                                     choose_tier, plan_linear, plan_model)
-from kvcli.native.capabilities import CpuCapabilities, amx_for, build_isa_for, native_bf16_for
+from kvcli.model.weight_plan import (GEMM_F32_MIN_ROWS, INT8DOT_DENSE_MIN_ROWS, Native, choose_tier, plan_linear,
+                                     plan_model)
+from kvcli.native.capabilities import CpuCapabilities, build_isa_for, native_bf16_for
 
 AVX2 = CpuCapabilities("an AVX2 CPU", "x86_64", frozenset({"avx2", "fma", "f16c"}), "AVX2", "avx2", False)
 BF16 = CpuCapabilities("an AVX-512-BF16 CPU", "x86_64",
                        frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
                                   "avx512_bf16"}), "AVX512", "avx512vnni", True)
-AMX = CpuCapabilities("a Xeon with AMX", "x86_64", BF16.flags | {"amx_tile", "amx_bf16", "amx_int8"}, "AVX512",
-                      "avx512vnni", True, amx=True)
 NATIVE = Native(int8dot=True, rmsnorm=True, swiglu=True, decode_layers=True, build_isa="avx2")
 NO_NATIVE = Native()
 CPU = torch.device("cpu")
@@ -65,9 +63,6 @@ def test_capabilities_decide_the_build_and_bf16_from_flags():
     assert build_isa_for("x86_64", frozenset({"sse4_2"}), "DEFAULT") == "generic"
     assert native_bf16_for(BF16.flags, "AVX512") and not native_bf16_for(AVX2.flags, "AVX2")
     assert not native_bf16_for(BF16.flags, "AVX512", onednn_max_isa="AVX2")
-    assert amx_for(AMX.flags, "AVX512") and not amx_for(BF16.flags, "AVX512") and not amx_for(AMX.flags, "AVX2")
-    assert not amx_for(AMX.flags, "AVX512", onednn_max_isa="AVX512_CORE_BF16")
-    assert amx_for(AMX.flags, "AVX512", onednn_max_isa="AVX512_CORE_AMX")
     assert AVX2.fp32_gemm_preferred and not BF16.fp32_gemm_preferred
 
 

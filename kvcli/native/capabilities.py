@@ -28,7 +28,6 @@ class CpuCapabilities:
     torch_isa: str  # what torch's kernels dispatch to: "AVX512", "AVX2", "DEFAULT", ...
     build_isa: str  # kvcli's C build that fits: "avx512vnni", "avx2" or "generic"
     native_bf16: bool  # torch's CPU kernels may use bf16 dot-product instructions here
-    amx: bool = False  # torch's bf16 GEMM runs on AMX tiles here (oneDNN's brgemm): ~5x native bf16's speed
 
     @property
     def isa(self) -> str:
@@ -116,14 +115,6 @@ def native_bf16_for(flags: frozenset[str], torch_kernels: str, onednn_max_isa: s
     return torch_kernels.upper().startswith("AVX512")
 
 
-def amx_for(flags: frozenset[str], torch_kernels: str, onednn_max_isa: str = "") -> bool:
-    """True when torch's bf16 GEMM may run on AMX tiles: native bf16 (above) on a CPU with AMX-BF16, and
-    ONEDNN_MAX_CPU_ISA (when set) not below AMX. oneDNN asks Linux for the tiles itself (arch_prctl)."""
-    onednn = onednn_max_isa.upper()
-    return ("amx_bf16" in flags and native_bf16_for(flags, torch_kernels, onednn_max_isa)
-            and (not onednn or "AMX" in onednn or onednn == "ALL"))
-
-
 def build_isa() -> str:
     """"avx512vnni", "avx2" or "generic" for this process (kvcli_kernels/cpu_build.py)."""
     return build_isa_for(platform.machine(), cpu_flags(), torch_isa())
@@ -137,10 +128,9 @@ def capabilities() -> CpuCapabilities:
     """This process's CPU as one record (cheap: /proc/cpuinfo is read once)."""
     name, flags = _cpuinfo()
     kernels = torch_isa()
-    onednn = os.environ.get("ONEDNN_MAX_CPU_ISA", "")
     return CpuCapabilities(name=name, arch=platform.machine(), flags=flags, torch_isa=kernels,
                            build_isa=build_isa_for(platform.machine(), flags, kernels),
-                           native_bf16=native_bf16_for(flags, kernels, onednn), amx=amx_for(flags, kernels, onednn))
+                           native_bf16=native_bf16_for(flags, kernels, os.environ.get("ONEDNN_MAX_CPU_ISA", "")))
 
 
 def runnable_isas(flags: frozenset[str] | None = None) -> list[str]:
