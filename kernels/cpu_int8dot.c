@@ -23,6 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <math.h>
+#include <omp.h>
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define KVQ_AVX2 1
@@ -503,6 +504,218 @@ static int form_ok(const kvq_args *a, int bits) {
     }
 }
 
+/* ---- the same integer sums on AMX tiles (Intel, AMX-INT8) -------------------------------------------
+ * Where the CPU has AMX and the process may use it (kvq_amx_enable), calls of at least `amx_min_rows` rows
+ * of 4-bit codes (groups of a multiple of 32) or Q8_0's int8 codes compute each block's two integer sums
+ * with tile dot products instead of dpbusd: A = 16 (or fewer) rows of x's levels q1 / q2 of block b, read in
+ * place from the quantized activations (K = 32 bytes a row, row stride 2K); B = 16 weight rows (the groups
+ * 2p, 2p + 1) of the same block, unpacked from the x8 layout into the tile's 4-byte-interleaved ("VNNI")
+ * order, which is the x8 layout's own step order: step s of a group is 8 lanes x 4 consecutive k. Each
+ * block's two int32 tiles then go through the integer kernel's epilogue in the same order and roundings
+ * (256 i1 + i2 - offset xs, then one fma with d dx / 256 per block; the mins' sum apart, added at the end),
+ * so every output is the integer kernel's bit for bit, whichever path computed it and whatever the row count.
+ * Per-block scales bound K per tile product to 32 (one block, half a tile's depth) and make every block's
+ * sums go through memory (tile store, vector loads): on a 2-core Xeon this runs ~2x the dpbusd loop from 16
+ * rows, below a read-back + torch's bf16 GEMM from ~64 rows (docs/results/int8dot-ops-1b.txt). */
+#if defined(KVQ_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__x86_64__) && defined(__linux__)
+#define KVQ_AMX 1
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define AMX_CHUNK_KB 1024 /* x's rows per pass over the weights: this many KiB of their levels */
+static int amx_min_rows = 0; /* 0: AMX off (the default until kvq_amx_enable) */
+
+typedef struct { /* ldtilecfg's 64 bytes, palette 1 */
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_config;
+
+/* AMX on from `min_rows` rows (0: off). Returns 1 when on, 0 when turned off, -1 where the CPU has no
+ * AMX-INT8, -2 where Linux refuses the tile state (ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA: off for
+ * every process until it asks). */
+int kvq_amx_enable(int min_rows) {
+    unsigned a, b, c, d;
+    amx_min_rows = 0;
+    if (min_rows <= 0) return 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 25))) return -1;
+    if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) != 0) return -2;
+    amx_min_rows = min_rows;
+    return 1;
+}
+
+/* Tile rows for a call of M rows: 16, or fewer for small calls (a tile product costs by its rows). */
+static int amx_tile_rows(int64_t M) { return M > 8 ? 16 : M > 6 ? 8 : M > 4 ? 6 : M > 2 ? 4 : 2; }
+
+static int amx_form_ok(const kvq_args *a, int bits) { return (bits == 4 || bits == 8) && a->G % QK == 0; }
+
+/* B of block b for weight rows 16 p .. 16 p + 15: 8 rows (k quads) x 64 bytes, the groups 2p and 2p + 1 side
+ * by side (an absent second group, N = 8 mod 16, as zeros). */
+static inline void amx_unpack_b(const kvq_args *a, const int bits, int64_t p, int64_t b, int two, uint8_t *out) {
+    const int64_t nb = a->K / QK, bb = block_bytes(bits);
+    const uint8_t *c0 = a->codes + (2 * p * nb + b) * bb, *c1 = two ? a->codes + ((2 * p + 1) * nb + b) * bb : NULL;
+    const int chunks = bits == 4 ? 4 : 8;
+    for (int s = 0; s < chunks; s++) {
+        const __m256i lo = _mm256_loadu_si256((const __m256i *)(c0 + 32 * s));
+        const __m256i hi = two ? _mm256_loadu_si256((const __m256i *)(c1 + 32 * s)) : _mm256_setzero_si256();
+        const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+        if (bits == 4) { /* chunk s: low nibbles step s, high nibbles step s + 4 */
+            const __m512i m = _mm512_set1_epi8(0x0F);
+            _mm512_store_si512(out + 64 * s, _mm512_and_si512(v, m));
+            _mm512_store_si512(out + 64 * (s + 4), _mm512_and_si512(_mm512_srli_epi16(v, 4), m));
+        } else {
+            _mm512_store_si512(out + 64 * s, v);
+        }
+    }
+}
+
+/* The 16 lanes of group gr of weight rows 16 p ..: groups8 of the two groups of 8. */
+static inline __m512 groups16(const kvq_groups *q, __m512 scale_v, int64_t p, int64_t gr, int64_t ng, int two) {
+    const __m256 lo = groups8(q, _mm512_castps512_ps256(scale_v), 2 * p, gr, ng);
+    const __m256 hi = two ? groups8(q, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(scale_v), 1)), 2 * p + 1, gr, ng)
+                          : _mm256_setzero_ps();
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
+}
+
+/* Rows m0 .. m0 + R - 1 of y (the tile computes MT rows; the padding's results are dropped) for weight rows
+ * 16 p .. + 15. Tiles: 2 / 3 x's two levels, 4 the weights, 0 / 1 (blocks of even index) and 5 / 6 (odd) the
+ * sums. B from `panel` (the panel unpacked, K / 32 x 512 bytes) or, where NULL, unpacked here into bbuf. */
+static inline __attribute__((always_inline)) void amx_tile(const kvq_args *a, const int bits, const int MT, int64_t m0,
+                                                           int64_t R, int64_t p, const uint8_t *panel, uint8_t *bbuf,
+                                                           int32_t *cbuf) {
+    const int64_t nb = a->K / QK, ng = a->K / a->G;
+    const int two = 2 * p + 1 < a->N / 8;
+    __m512 acc[16];
+    for (int r = 0; r < MT; r++) acc[r] = _mm512_setzero_ps();
+    /* Block b + 1's tile products are issued before block b's epilogue, which then overlaps them: their sums
+     * go to the other tile pair and the other half of cbuf. */
+#define AMX_ISSUE(B, C1, C2)                                                    \
+    do {                                                                        \
+        const int8_t *xq = a->qx + m0 * 2 * a->K + 2 * (B) * QK;                \
+        int32_t *cb = cbuf + ((B) & 1) * 2 * 16 * 16;                           \
+        const uint8_t *bt = panel ? panel + (B) * 512 : bbuf + ((B) & 1) * 512; \
+        if (!panel) amx_unpack_b(a, bits, p, (B), two, bbuf + ((B) & 1) * 512); \
+        __asm__ volatile("" ::: "memory"); /* tile loads read what was stored */ \
+        _tile_loadd(4, bt, 64);                                                 \
+        _tile_loadd(2, xq, 2 * a->K);                                           \
+        _tile_loadd(3, xq + QK, 2 * a->K);                                      \
+        _tile_zero(C1);                                                         \
+        _tile_zero(C2);                                                         \
+        if (bits == 8) {                                                        \
+            _tile_dpbssd(C1, 2, 4);                                             \
+            _tile_dpbssd(C2, 3, 4);                                             \
+        } else {                                                                \
+            _tile_dpbsud(C1, 2, 4);                                             \
+            _tile_dpbsud(C2, 3, 4);                                             \
+        }                                                                       \
+        _tile_stored(C1, cb, 64);                                               \
+        _tile_stored(C2, cb + 16 * 16, 64);                                     \
+    } while (0)
+    AMX_ISSUE(0, 0, 1);
+    for (int64_t b = 0; b < nb; b++) {
+        if (b + 1 < nb) {
+            if (b & 1)
+                AMX_ISSUE(b + 1, 0, 1);
+            else
+                AMX_ISSUE(b + 1, 5, 6);
+        }
+        __asm__ volatile("" ::: "memory");
+        const int32_t *cb = cbuf + (b & 1) * 2 * 16 * 16;
+        const int64_t gr = group_of(b, 0, a->G);
+        const __m512 dw = groups16(&a->scale, _mm512_setzero_ps(), p, gr, ng, two);
+        for (int r = 0; r < MT; r++) {
+            const int64_t xi = (m0 + r) * nb + b;
+            __m512i isum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(cb + 16 * r), 8),
+                                            _mm512_load_si512(cb + 16 * 16 + 16 * r));
+            if (bits != 8 && a->xs) {
+                const int32_t *xs = a->xs + xi * 2;
+                isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(a->offset * (xs[0] + xs[1])));
+            }
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw, _mm512_set1_ps(a->dx[xi] / 256.0f)), acc[r]);
+        }
+    }
+#undef AMX_ISSUE
+    const __mmask16 cols = two ? 0xFFFF : 0x00FF;
+    if (a->mins.kind) { /* the mins' share, summed apart as the integer kernel does, then added */
+        __m512 macc[16];
+        for (int r = 0; r < MT; r++) macc[r] = _mm512_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            const int64_t gr = group_of(b, 0, a->G);
+            const __m512 dw = a->mins.kind == KVQ_ZERO ? groups16(&a->scale, _mm512_setzero_ps(), p, gr, ng, two) : _mm512_setzero_ps();
+            const __m512 mw = groups16(&a->mins, dw, p, gr, ng, two);
+            for (int r = 0; r < MT; r++) macc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a->sx[(m0 + r) * nb + b]), macc[r]);
+        }
+        for (int r = 0; r < MT; r++) acc[r] = _mm512_add_ps(acc[r], macc[r]);
+    }
+    for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(a->y + (m0 + r) * a->ldy + 16 * p, cols, acc[r]);
+}
+
+/* Panels p0 .. p1 - 1 (16 weight rows each) against rows m_begin .. m_end - 1 of x, MT at a time. A panel
+ * that meets more than one tile of x is unpacked once into `panel` (K / 32 x 512 bytes). */
+__attribute__((target("amx-tile,amx-int8"))) static void amx_panels(const kvq_args *a, const int bits, const int MT,
+                                                                      int64_t p0, int64_t p1, int64_t m_begin,
+                                                                      int64_t m_end, uint8_t *panel) {
+    amx_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    cfg.rows[0] = cfg.rows[1] = cfg.rows[5] = cfg.rows[6] = (uint8_t)MT;
+    cfg.colsb[0] = cfg.colsb[1] = cfg.colsb[5] = cfg.colsb[6] = 64; /* MT x 16 int32 */
+    cfg.rows[2] = cfg.rows[3] = (uint8_t)MT, cfg.colsb[2] = cfg.colsb[3] = QK; /* MT x 32 int8 */
+    cfg.rows[4] = QK / 4, cfg.colsb[4] = 64; /* 8 k quads x 16 columns x 4 */
+    _tile_loadconfig(&cfg);
+    uint8_t bbuf[2 * 512] __attribute__((aligned(64)));
+    int32_t cbuf[2 * 2 * 16 * 16] __attribute__((aligned(64)));
+    const int64_t nb = a->K / QK;
+    const int reuse = m_end - m_begin > MT && panel;
+    for (int64_t p = p0; p < p1; p++) {
+        if (reuse)
+            for (int64_t b = 0; b < nb; b++) amx_unpack_b(a, bits, p, b, 2 * p + 1 < a->N / 8, panel + b * 512);
+        const uint8_t *bp = reuse ? panel : NULL;
+        for (int64_t m0 = m_begin; m0 < m_end; m0 += MT) {
+            const int64_t R = m_end - m0 < MT ? m_end - m0 : MT;
+#define AMX_CASES(BITS)                                                     \
+    switch (MT) {                                                           \
+    case 2: amx_tile(a, BITS, 2, m0, R, p, bp, bbuf, cbuf); break;          \
+    case 4: amx_tile(a, BITS, 4, m0, R, p, bp, bbuf, cbuf); break;          \
+    case 6: amx_tile(a, BITS, 6, m0, R, p, bp, bbuf, cbuf); break;          \
+    case 8: amx_tile(a, BITS, 8, m0, R, p, bp, bbuf, cbuf); break;          \
+    default: amx_tile(a, BITS, 16, m0, R, p, bp, bbuf, cbuf);               \
+    }
+            if (bits == 4) {
+                AMX_CASES(4)
+            } else {
+                AMX_CASES(8)
+            }
+#undef AMX_CASES
+        }
+    }
+    _tile_release();
+}
+
+/* Rows of x per pass over the weights: their two levels (2K bytes a row) stay in L2 while the panels pass. */
+static int64_t amx_chunk_rows(int64_t K, int MT) {
+    int64_t rows = (AMX_CHUNK_KB << 10) / (2 * K);
+    rows = rows / MT * MT;
+    return rows < MT ? MT : rows;
+}
+
+/* kvq_linear's work on AMX, inside its parallel region once x is quantized (padded to whole tiles of MT
+ * rows): each thread its share of the panels. Returns 0, or -1 out of memory. */
+static int amx_linear(const kvq_args *a, const int bits, const int MT) {
+    const int64_t npanels = (a->N / 8 + 1) / 2, mc = amx_chunk_rows(a->K, MT);
+    const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+    const int64_t p0 = npanels * t / nt, p1 = npanels * (t + 1) / nt;
+    uint8_t *panel = a->M > MT ? (uint8_t *)aligned_alloc(64, (size_t)(a->K / QK * 512)) : NULL;
+    if (a->M > MT && !panel) return -1;
+    for (int64_t mb = 0; mb < a->M; mb += mc) amx_panels(a, bits, MT, p0, p1, mb, mb + mc < a->M ? mb + mc : a->M, panel);
+    free(panel);
+    return 0;
+}
+#else
+int kvq_amx_enable(int min_rows) { return min_rows <= 0 ? 0 : -1; }
+#endif
+
 /* y [M, N] (row stride ldy) = x [M, K] @ W^T. bits 4, 5, 6 (unsigned codes, less `offset`) or 8 (int8
  * codes, offset 0). Returns 0, -1 when out of memory, -3 for a form gemm_tile has no loop for. */
 int kvq_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, int bits, int offset, int scale_kind,
@@ -512,16 +725,26 @@ int kvq_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, int b
     const kvq_args form = {NULL, NULL, NULL, NULL, codes, groups_of(scale_kind, scale, scale_sup, scale_per),
                            groups_of(min_kind, mins, min_sup, min_per), M, K, N, G, y, ldy, offset};
     if (!form_ok(&form, bits)) return -3;
-    int8_t *qx = (int8_t *)malloc((size_t)(2 * M * K));
-    float *dx = (float *)malloc(sizeof(float) * (size_t)(M * nb)), *sx = (float *)malloc(sizeof(float) * (size_t)(M * nb));
+#ifdef KVQ_AMX
+    const int amx = amx_min_rows > 0 && M >= amx_min_rows && amx_form_ok(&form, bits);
+    const int MT = amx ? amx_tile_rows(M) : 1;
+#else
+    const int amx = 0, MT = 1;
+#endif
+    /* AMX reads x's levels in whole tiles of MT rows: padding rows of zeros (their results dropped) */
+    const int64_t Mp = (M + MT - 1) / MT * MT;
+    int8_t *qx = (int8_t *)malloc((size_t)(2 * Mp * K));
+    float *dx = (float *)calloc((size_t)(Mp * nb), sizeof(float)), *sx = (float *)calloc((size_t)(Mp * nb), sizeof(float));
     const int need_xs = offset != 0 && bits != 8;
-    int32_t *xs = need_xs ? (int32_t *)malloc(sizeof(int32_t) * (size_t)(2 * M * nb)) : NULL;
+    int32_t *xs = need_xs ? (int32_t *)calloc((size_t)(2 * Mp * nb), sizeof(int32_t)) : NULL;
     if (!qx || !dx || !sx || (need_xs && !xs)) {
         free(qx), free(dx), free(sx), free(xs);
         return -1;
     }
+    if (Mp > M) memset(qx + 2 * M * K, 0, (size_t)(2 * (Mp - M) * K));
     kvq_args a = form;
     a.qx = qx, a.dx = dx, a.sx = sx, a.xs = xs;
+    int failed = 0;
     /* below ~64k weights a second thread costs more to wake than it saves */
     const int nt = N * K < (1 << 16) ? 1 : nthreads;
 #pragma omp parallel num_threads(nt) if (nt > 1)
@@ -529,8 +752,21 @@ int kvq_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, int b
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++)
             quantize_row(x + m * K, K, qx + 2 * m * K, dx + m * nb, sx + m * nb, xs ? xs + 2 * m * nb : NULL);
+        if (amx) { /* (after the loop's implicit barrier: x is quantized) */
+#ifdef KVQ_AMX
+            if (amx_linear(&a, bits, MT) != 0) {
+#pragma omp atomic write
+                failed = 1;
+            }
+#endif
+        } else {
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < ntiles; t++) gemm_tile(&a, bits, t);
+            for (int64_t t = 0; t < ntiles; t++) gemm_tile(&a, bits, t);
+        }
+    }
+    if (failed) {
+        free(qx), free(dx), free(sx), free(xs);
+        return -1;
     }
     free(qx), free(dx), free(sx), free(xs);
     return 0;

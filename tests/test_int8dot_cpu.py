@@ -341,3 +341,33 @@ def test_many_rows_take_the_fp32_gemm_where_it_is_chosen(isa):
     still = int8dot_route(avx2, row_invariant=True)
     head = VocabHead(HeadPlan("int8dot-cpu", torch.float32, True, still), table=Int8DotCpu(q, route=still))
     assert head.int8dot.dense_min_rows is None and "fp32 GEMM" not in head.path
+
+
+AMX_KINDS = ["Q4_0 offset 8", "Q4_K two-level", "q4 min fp16 g32", "q4 min fp32 g128", "zero points g64", "q8 fp16",
+             "Q5_1"]  # Q5_1: no tile path (5-bit codes), the dpbusd loop whatever the switch
+
+
+@pytest.mark.skipif(int8dot_cpu.tile_rows() is None, reason="no AMX-INT8 tiles here (or KVCLI_AMX=0, or Linux refused)")
+@pytest.mark.parametrize("kind", AMX_KINDS)
+def test_amx_tiles_give_the_dpbusd_loops_sums_bit_for_bit(kind):
+    """On AMX the integer kernel's block sums come from tile products (cpu_int8dot.c, amx_tile): the outputs
+    equal the dpbusd loop's exactly, at ragged row counts (tiles of 2, 4, 6, 8 and 16 rows, padded tails)
+    and a weight of 8 rows past a multiple of 16 (a half panel); the result stays within the float64 bound."""
+    lib = int8dot_cpu.native_library()
+    gen = torch.Generator().manual_seed(11)
+    n, k = 136, 256
+    q = WEIGHTS[kind](n, k, gen)
+    lin = Int8DotCpu(q)
+    lin.dense_min_rows = None
+    w = q.dequantize()
+    try:
+        for rows in (1, 2, 3, 5, 6, 7, 9, 16, 17, 37):
+            x = torch.randn(rows, k, generator=gen)
+            lib.kvq_amx_enable(0)
+            loop = lin(x)
+            assert lib.kvq_amx_enable(1) == 1
+            tiles = lin(x)
+            assert torch.equal(tiles, loop), (kind, rows, (tiles - loop).abs().max().item())
+        assert _check(lin, w, x) < REL_BOUND
+    finally:
+        lib.kvq_amx_enable(int8dot_cpu.tile_rows() or 0)

@@ -5,13 +5,15 @@ hand), and the model built exactly as planned."""
 from __future__ import annotations
 
 import pytest
+from dataclasses import replace
+
 import torch
 
 from kvcli.config import ModelConfig
 from kvcli.model.quant import QuantTensor, random_q4
-from kvcli.model.weight_plan import (GEMM_F32_MIN_ROWS, INT8DOT_DENSE_MIN_ROWS, Native, choose_tier, plan_linear,
-                                     plan_model)
-from kvcli.native.capabilities import CpuCapabilities, build_isa_for, native_bf16_for
+from kvcli.model.weight_plan import (GEMM_F32_MIN_ROWS, INT8DOT_AMX_MIN_ROWS, INT8DOT_DENSE_MIN_ROWS, Native,
+                                     choose_tier, int8dot_tile_rows, plan_linear, plan_model)
+from kvcli.native.capabilities import CpuCapabilities, amx_int8_for, build_isa_for, native_bf16_for
 
 AVX2 = CpuCapabilities("an AVX2 CPU", "x86_64", frozenset({"avx2", "fma", "f16c"}), "AVX2", "avx2", False)
 BF16 = CpuCapabilities("an AVX-512-BF16 CPU", "x86_64",
@@ -64,6 +66,11 @@ def test_capabilities_decide_the_build_and_bf16_from_flags():
     assert native_bf16_for(BF16.flags, "AVX512") and not native_bf16_for(AVX2.flags, "AVX2")
     assert not native_bf16_for(BF16.flags, "AVX512", onednn_max_isa="AVX2")
     assert AVX2.fp32_gemm_preferred and not BF16.fp32_gemm_preferred
+    amx = BF16.flags | {"amx_tile", "amx_int8"}
+    assert amx_int8_for(amx, "avx512vnni") and not amx_int8_for(BF16.flags, "avx512vnni")
+    assert not amx_int8_for(amx, "avx2")  # the tile path's epilogue is AVX-512: the VNNI build only
+    assert not amx_int8_for(amx, "avx512vnni", switch="0")  # KVCLI_AMX=0
+    assert int8dot_tile_rows(replace(BF16, amx_int8=True)) == INT8DOT_AMX_MIN_ROWS and int8dot_tile_rows(BF16) is None
 
 
 def test_a_linear_takes_the_best_form_its_tier_has_for_it():
@@ -130,6 +137,13 @@ def test_a_model_plan_fuses_layouts_routes_rows_and_decides_the_one_call_decode(
     inv = plan_model(c, tiny_weights(c), tier="cpu", dtype=torch.float32, device=CPU, head_dtype=torch.bfloat16,
                      caps=AVX2, native=NATIVE, row_invariant=True)
     assert not inv.has_row_routes and plan.has_row_routes and inv.native_decode_max_rows is None
+    # AMX tiles where the library turned them on: said by inspect, for kvcli's int8 kernel only
+    tiles = plan_model(c, tiny_weights(c), tier="cpu", dtype=torch.float32, device=CPU, head_dtype=torch.bfloat16,
+                       caps=BF16, native=replace(NATIVE, int8_tiles=6))
+    assert tiles.int8_tiles == 6
+    assert "AMX from 6 rows" in dict(tiles.describe())["int8 tiles"] and plan.int8_tiles is None
+    assert plan_model(c, tiny_weights(c), tier="cpu", dtype=torch.float32, device=CPU, head_dtype=torch.bfloat16,
+                      caps=BF16, native=replace(NO_NATIVE, int8_tiles=6)).int8_tiles is None  # torch's int4 tier
 
 
 def test_the_model_is_built_as_planned():

@@ -1,7 +1,9 @@
 """Per-linear timings of kvcli's int8dot CPU kernel against torch's packed int4 kernel (int4-cpu), the
 read-back + torch GEMM and kvcli's fused fp32 GEMM (weight panels dequantized on the fly; AVX2 builds
 take it from GEMM_F32_MIN_ROWS rows), on SmolLM2-135M's linear shapes and its vocabulary projection,
-with the error of each against a float64 reference. Run it twice to see both ISAs:
+with the error of each against a float64 reference. Where the CPU has AMX-INT8, the int8dot kernel is
+timed twice: its dpbusd loop, and its integer sums on AMX tiles (the same outputs, bit for bit; the
+engine takes the tiles from INT8DOT_AMX_MIN_ROWS rows). Run it twice to see both ISAs:
 
   python -m kvcli.bench int8dot-ops
   ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python -m kvcli.bench int8dot-ops
@@ -24,7 +26,7 @@ from kvcli.bench import harness
 # Per --shape: the [N, K] linears and the row counts measured.
 LINEARS = {
     "smollm2": (((960, 576), (576, 576), (3072, 576), (576, 1536)), (1, 4, 16, 64, 128, 256, 512)),
-    "1b": (((2048, 2048), (8192, 2048), (2048, 8192)), (1, 6, 16, 24, 32, 48, 64, 128, 256)),
+    "1b": (((2048, 2048), (8192, 2048), (2048, 8192)), (1, 4, 6, 8, 16, 24, 32, 48, 64, 128, 256)),
 }
 
 
@@ -45,17 +47,31 @@ def main(argv: list[str] | None = None) -> None:
                          "at row counts around where the read-back starts to pay")
     a = ap.parse_args(argv)
     from kvcli.bench.internals import Int4Cpu
-    from kvcli.bench.internals import Int8DotCpu, native_library
+    from kvcli.bench.internals import Int8DotCpu, native_library, tile_rows
     from kvcli_kernels.cpu_int8dot import int8dot_gemm_f32
     from kvcli.bench.internals import QuantTensor, quantize_q4
 
-    if native_library() is None:
+    lib = native_library()
+    if lib is None:
         print("kvcli's C kernel is not available here: nothing to compare")
         return
+    tiles = tile_rows() is not None
+    print(f"int8dot on AMX tiles: {'measured beside the dpbusd loop' if tiles else 'n/a (no AMX-INT8 here, or KVCLI_AMX=0)'}")
+
+    def on_tiles(fn):
+        """fn run with the kernel's integer sums on AMX tiles at every row count."""
+        lib.kvq_amx_enable(1)
+        try:
+            return fn()
+        finally:
+            lib.kvq_amx_enable(0)
+
+    lib.kvq_amx_enable(0)  # the dpbusd loop, unless on_tiles
     gen = torch.Generator().manual_seed(0)
-    print("\n| weight [N x K] | rows | int8dot ms | int4-cpu ms | read-back + GEMM ms | fused fp32 GEMM ms | "
-          "int8dot / int4-cpu | fused / int8dot | int8dot rel. error | int4-cpu rel. error | fused rel. error |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("\n| weight [N x K] | rows | int8dot ms | AMX tiles ms | int4-cpu ms | read-back + GEMM ms | fused fp32 GEMM ms | "
+          "int8dot / int4-cpu | tiles / int8dot | fused / int8dot | int8dot rel. error | int4-cpu rel. error | "
+          "fused rel. error |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     shapes, row_counts = LINEARS[a.shape]
     for n, k in shapes:
         q = quantize_q4(torch.randn(n, k, generator=gen) * 0.02)
@@ -66,14 +82,19 @@ def main(argv: list[str] | None = None) -> None:
             x = torch.randn(rows, k, generator=gen)
             ours.dense_min_rows = torch4.dense_min_rows = None  # each kernel itself at every row count
             t_ours, t_t4 = best_ms(lambda: ours(x), a.calls), best_ms(lambda: torch4(x), a.calls)
+            t_amx = on_tiles(lambda: best_ms(lambda: ours(x), a.calls)) if tiles else None
+            if tiles and not torch.equal(on_tiles(lambda: ours(x)), ours(x)):
+                raise SystemExit(f"int8dot on AMX tiles differs from its dpbusd loop at {n} x {k}, {rows} rows")
+            amx_cols = ("n/a", "n/a") if t_amx is None else (f"{t_amx:.3f}", f"{t_amx / t_ours:.2f}x")
             t_rb = best_ms(lambda: F.linear(x.to(ours.dense_dtype), ours.dense(ours.dense_dtype)), a.calls)
             ref = x.double() @ w.t()
             fused = int8dot_gemm_f32(ours.lib, x, ours.args, n)  # None: not in this build
             t_f = best_ms(lambda: int8dot_gemm_f32(ours.lib, x, ours.args, n), a.calls) if fused is not None else None
             f_cols = ("n/a", "n/a", "n/a") if t_f is None else (f"{t_f:.3f}", f"{t_f / t_ours:.2f}x",
                                                               f"{rel_err(fused, ref):.1e}")
-            print(f"| {n} x {k} | {rows} | {t_ours:.3f} | {t_t4:.3f} | {t_rb:.3f} | {f_cols[0]} | {t_ours / t_t4:.2f}x | "
-                  f"{f_cols[1]} | {rel_err(ours(x), ref):.1e} | {rel_err(torch4(x), ref):.1e} | {f_cols[2]} |")
+            print(f"| {n} x {k} | {rows} | {t_ours:.3f} | {amx_cols[0]} | {t_t4:.3f} | {t_rb:.3f} | {f_cols[0]} | "
+                  f"{t_ours / t_t4:.2f}x | {amx_cols[1]} | {f_cols[1]} | {rel_err(ours(x), ref):.1e} | "
+                  f"{rel_err(torch4(x), ref):.1e} | {f_cols[2]} |")
     # The vocabulary projection: a Q8_0 table, int8dot as stored vs the bf16 GEMM it replaced.
     n, k = 49152, shapes[0][1]  # the hidden size
     wt = torch.randn(n, k, generator=gen) * 0.05
@@ -83,11 +104,14 @@ def main(argv: list[str] | None = None) -> None:
     head = Int8DotCpu(table)
     head.dense_min_rows = None
     wb = table.dequantize().to(torch.bfloat16)
-    print(f"\n| vocabulary projection {n} x {k} | rows | int8dot (Q8_0 as stored) ms | bf16 GEMM ms | fused fp32 GEMM ms |")
-    print("|---|---:|---:|---:|---:|")
+    print(f"\n| vocabulary projection {n} x {k} | rows | int8dot (Q8_0 as stored) ms | AMX tiles ms | bf16 GEMM ms | "
+          "fused fp32 GEMM ms |")
+    print("|---|---:|---:|---:|---:|---:|")
     for rows in (1, 4, 16, 64):
         x = torch.randn(rows, k, generator=gen)
         has_fused = int8dot_gemm_f32(head.lib, x, head.args, n) is not None
         t_f = f"{best_ms(lambda: int8dot_gemm_f32(head.lib, x, head.args, n), 5):.2f}" if has_fused else "n/a"
-        print(f"| | {rows} | {best_ms(lambda: head(x), 5):.2f} | {best_ms(lambda: F.linear(x.bfloat16(), wb), 5):.2f} | "
-              f"{t_f} |")
+        t_amx = f"{on_tiles(lambda: best_ms(lambda: head(x), 5)):.2f}" if tiles else "n/a"
+        print(f"| | {rows} | {best_ms(lambda: head(x), 5):.2f} | {t_amx} | "
+              f"{best_ms(lambda: F.linear(x.bfloat16(), wb), 5):.2f} | {t_f} |")
+    lib.kvq_amx_enable(tile_rows() or 0)  # as the engine runs

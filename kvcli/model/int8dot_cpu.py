@@ -27,6 +27,7 @@ KVCLI_NATIVE=0, linears take torch's int4 kernel (int4-cpu / int4x2-cpu) instead
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -43,8 +44,34 @@ if TYPE_CHECKING:
 
 
 def native_library():
-    """The compiled kernel, or None (KVCLI_NATIVE=0, no compiler, a failed build: registry.unavailable)."""
-    return registry.library("int8dot")
+    """The compiled kernel, or None (KVCLI_NATIVE=0, no compiler, a failed build: registry.unavailable); its
+    AMX tiles turned on where the weight plan says (tile_rows)."""
+    lib = registry.library("int8dot")
+    if lib is not None:
+        _tiles(lib)
+    return lib
+
+
+@functools.lru_cache(maxsize=None)
+def _tiles(lib) -> tuple[int | None, str]:
+    """Turns the library's AMX tiles on from weight_plan.int8dot_tile_rows rows, once per process and library:
+    (rows, "") when on, (None, why not) otherwise."""
+    from kvcli.model.weight_plan import int8dot_tile_rows
+    from kvcli.native.capabilities import capabilities
+
+    rows = int8dot_tile_rows(capabilities())
+    if rows is None:
+        return None, "no AMX-INT8 here (or KVCLI_AMX=0)"
+    rc = lib.kvq_amx_enable(rows)
+    if rc == 1:
+        return rows, ""
+    return None, "Linux refused the AMX tile state (arch_prctl)" if rc == -2 else "the build has no AMX path"
+
+
+def tile_rows() -> int | None:
+    """From how many rows the loaded int8 kernel computes on AMX tiles (None: never, or no library)."""
+    lib = native_library()
+    return None if lib is None else _tiles(lib)[0]
 
 
 def _plain(t: torch.Tensor) -> Groups:

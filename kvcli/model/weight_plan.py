@@ -61,6 +61,10 @@ INT8DOT_DENSE_MIN_ROWS = 256
 # On the AVX2 build under torch's AVX2 kernels, kvcli's fused fp32 GEMM beats the integer kernel from 16-64
 # rows (docs/results/int8dot-ops-avx2*.txt): at 16 rows 0.97-1.13x its time, at 64 rows 0.60-0.94x.
 GEMM_F32_MIN_ROWS = 32
+# On CPUs with AMX-INT8 the integer kernel computes its sums on tiles from this many rows (cpu_int8dot.c: the
+# same sums, bit for bit, so no route changes a result): 2x the dpbusd loop's speed from 16 rows, 0.9x its
+# time at 6, the same at 1-4 (python -m kvcli.bench int8dot --shape 1b, docs/results/int8dot-ops-1b.txt).
+INT8DOT_AMX_MIN_ROWS = 6
 INT4_DENSE_MIN_ROWS = 256  # torch's int4 kernel: from about here on a read-back + GEMM beats it (both ISAs)
 TRITON_INT8_GROUPS = (16, 32, 64, 128)
 
@@ -76,6 +80,7 @@ class Native:
     swiglu: bool = False
     decode_layers: bool = False
     build_isa: str = "generic"
+    int8_tiles: int | None = None  # the int8 kernel's sums on AMX tiles from this many rows (None: never)
 
     @staticmethod
     def here(device: torch.device, dtype: torch.dtype) -> "Native":
@@ -86,8 +91,10 @@ class Native:
 
         if device.type != "cpu" or not registry.enabled():
             return Native()
+        from kvcli.model.int8dot_cpu import tile_rows
+
         fp32 = dtype == torch.float32
-        return Native(int8dot=registry.library("int8dot") is not None,
+        return Native(int8dot=registry.library("int8dot") is not None, int8_tiles=tile_rows(),
                       rmsnorm=fp32 and registry.library("rmsnorm") is not None,
                       swiglu=fp32 and registry.library("swiglu") is not None,
                       decode_layers=fp32 and registry.library("decode_layers") is not None, build_isa=build_isa())
@@ -156,6 +163,7 @@ class WeightPlan:
     native_decode_max_rows: int | None  # steps of fewer rows only (the linears' float-GEMM threshold)
     row_invariant: bool
     notes: tuple[str, ...] = field(default_factory=tuple)
+    int8_tiles: int | None = None  # int8dot-cpu's integer sums on AMX tiles from this many rows
 
     @property
     def kvcli_quantized(self) -> bool:
@@ -197,6 +205,9 @@ class WeightPlan:
         for form, rs in routes.items():
             rows.append((f"linears {form}", f"{FORMS[form]}; {', '.join(sorted(rs))}"))
         rows.append(("vocabulary projection", self.head.describe()))
+        if self.int8_tiles is not None:
+            rows.append(("int8 tiles", f"AMX from {self.int8_tiles} rows: int8dot-cpu's integer sums on tiles, the "
+                                       "same bit for bit"))
         rows.append(("embedding", self.embedding))
         rows.append(("one-call decode", ("yes: " if self.native_decode else "no: ") + self.native_decode_why))
         if self.row_invariant:
@@ -224,6 +235,11 @@ def int8dot_route(caps: CpuCapabilities, row_invariant: bool = False) -> RowRout
     if caps.fp32_gemm_preferred:
         return RowRoute(GEMM_F32_MIN_ROWS, "fp32-gemm", dense_dtype)
     return RowRoute(INT8DOT_DENSE_MIN_ROWS, "read-back", dense_dtype)
+
+
+def int8dot_tile_rows(caps: CpuCapabilities) -> int | None:
+    """From how many rows the int8 kernel runs its integer sums on AMX tiles here (None: never)."""
+    return INT8DOT_AMX_MIN_ROWS if caps.amx_int8 else None
 
 
 def int4_route(caps: CpuCapabilities, row_invariant: bool = False) -> RowRoute:
@@ -343,6 +359,9 @@ def plan_model(config, weights: dict, *, tier: str, dtype: torch.dtype, device: 
                       native_norms=native.rmsnorm, native_swiglu=native.swiglu and native.build_isa != "generic",
                       native_decode=False, native_decode_why="", native_decode_max_rows=None,
                       row_invariant=row_invariant)
+    if tier == "cpu" and native.int8_tiles is not None and (
+            head.form == "int8dot-cpu" or any(p.form == "int8dot-cpu" for p in plan.linears())):
+        plan = replace(plan, int8_tiles=native.int8_tiles)
     ok, why, max_rows = _native_decode(plan, native)
     return replace(plan, native_decode=ok, native_decode_why=why, native_decode_max_rows=max_rows)
 

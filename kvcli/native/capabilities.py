@@ -28,6 +28,7 @@ class CpuCapabilities:
     torch_isa: str  # what torch's kernels dispatch to: "AVX512", "AVX2", "DEFAULT", ...
     build_isa: str  # kvcli's C build that fits: "avx512vnni", "avx2" or "generic"
     native_bf16: bool  # torch's CPU kernels may use bf16 dot-product instructions here
+    amx_int8: bool = False  # kvcli's int8 kernel may run its integer sums on AMX tiles (amx_int8_for)
 
     @property
     def isa(self) -> str:
@@ -115,6 +116,13 @@ def native_bf16_for(flags: frozenset[str], torch_kernels: str, onednn_max_isa: s
     return torch_kernels.upper().startswith("AVX512")
 
 
+def amx_int8_for(flags: frozenset[str], build: str, switch: str = "") -> bool:
+    """True when kvcli's int8 kernel may compute its integer sums on AMX tiles: the CPU has AMX-INT8, the
+    AVX-512-VNNI build runs (its epilogue is AVX-512), and KVCLI_AMX (`switch`) is not "0". Linux must still
+    grant the tile state at load (kvcli/model/int8dot_cpu.py asks)."""
+    return {"amx_tile", "amx_int8"} <= flags and build == "avx512vnni" and switch != "0"
+
+
 def build_isa() -> str:
     """"avx512vnni", "avx2" or "generic" for this process (kvcli_kernels/cpu_build.py)."""
     return build_isa_for(platform.machine(), cpu_flags(), torch_isa())
@@ -128,9 +136,10 @@ def capabilities() -> CpuCapabilities:
     """This process's CPU as one record (cheap: /proc/cpuinfo is read once)."""
     name, flags = _cpuinfo()
     kernels = torch_isa()
-    return CpuCapabilities(name=name, arch=platform.machine(), flags=flags, torch_isa=kernels,
-                           build_isa=build_isa_for(platform.machine(), flags, kernels),
-                           native_bf16=native_bf16_for(flags, kernels, os.environ.get("ONEDNN_MAX_CPU_ISA", "")))
+    build = build_isa_for(platform.machine(), flags, kernels)
+    return CpuCapabilities(name=name, arch=platform.machine(), flags=flags, torch_isa=kernels, build_isa=build,
+                           native_bf16=native_bf16_for(flags, kernels, os.environ.get("ONEDNN_MAX_CPU_ISA", "")),
+                           amx_int8=amx_int8_for(flags, build, os.environ.get("KVCLI_AMX", "")))
 
 
 def runnable_isas(flags: frozenset[str] | None = None) -> list[str]:
