@@ -545,8 +545,14 @@ int kvq_amx_enable(int min_rows) {
     return 1;
 }
 
-/* Tile rows for a call of M rows: 16, or fewer for small calls (a tile product costs by its rows). */
-static int amx_tile_rows(int64_t M) { return M > 8 ? 16 : M > 6 ? 8 : M > 4 ? 6 : M > 2 ? 4 : 2; }
+/* Tile rows for the last R (<= 16) rows of x: fewer than 16 for a short tail (a tile product costs by its
+ * rows); x is padded with zero rows up to amx_padded_rows. */
+static int amx_tile_rows(int64_t R) { return R > 8 ? 16 : R > 6 ? 8 : R > 4 ? 6 : R > 2 ? 4 : 2; }
+
+static int64_t amx_padded_rows(int64_t M) {
+    const int64_t rest = M % 16;
+    return M - rest + (rest ? amx_tile_rows(rest) : 0);
+}
 
 static int amx_form_ok(const kvq_args *a, int bits) { return (bits == 4 || bits == 8) && a->G % QK == 0; }
 
@@ -651,29 +657,40 @@ static inline __attribute__((always_inline)) void amx_tile(const kvq_args *a, co
     for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(a->y + (m0 + r) * a->ldy + 16 * p, cols, acc[r]);
 }
 
-/* Panels p0 .. p1 - 1 (16 weight rows each) against rows m_begin .. m_end - 1 of x, MT at a time. A panel
- * that meets more than one tile of x is unpacked once into `panel` (K / 32 x 512 bytes). */
-__attribute__((target("amx-tile,amx-int8"))) static void amx_panels(const kvq_args *a, const int bits, const int MT,
-                                                                      int64_t p0, int64_t p1, int64_t m_begin,
-                                                                      int64_t m_end, uint8_t *panel) {
+/* Tile shapes for tiles of MT rows of x (palette 1): 0 / 1 and 5 / 6 MT x 16 int32 sums, 2 / 3 MT x 32
+ * int8 levels, 4 the weights' 8 k quads x 16 columns x 4. */
+__attribute__((target("amx-tile"))) static void amx_configure(int MT) {
     amx_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
     cfg.rows[0] = cfg.rows[1] = cfg.rows[5] = cfg.rows[6] = (uint8_t)MT;
-    cfg.colsb[0] = cfg.colsb[1] = cfg.colsb[5] = cfg.colsb[6] = 64; /* MT x 16 int32 */
-    cfg.rows[2] = cfg.rows[3] = (uint8_t)MT, cfg.colsb[2] = cfg.colsb[3] = QK; /* MT x 32 int8 */
-    cfg.rows[4] = QK / 4, cfg.colsb[4] = 64; /* 8 k quads x 16 columns x 4 */
+    cfg.colsb[0] = cfg.colsb[1] = cfg.colsb[5] = cfg.colsb[6] = 64;
+    cfg.rows[2] = cfg.rows[3] = (uint8_t)MT, cfg.colsb[2] = cfg.colsb[3] = QK;
+    cfg.rows[4] = QK / 4, cfg.colsb[4] = 64;
+    /* _tile_loadconfig's asm names only the first 8 bytes as its input: the whole struct must be stored */
+    __asm__ volatile("" : : "r"(&cfg) : "memory");
     _tile_loadconfig(&cfg);
+}
+
+/* Panels p0 .. p1 - 1 (16 weight rows each) against rows m_begin .. m_end - 1 of x: tiles of 16 rows and a
+ * shorter last one (amx_tile_rows). A panel that meets more than one tile of x is unpacked once into `panel`
+ * (K / 32 x 512 bytes). */
+__attribute__((target("amx-tile,amx-int8"))) static void amx_panels(const kvq_args *a, const int bits, int64_t p0,
+                                                                      int64_t p1, int64_t m_begin, int64_t m_end,
+                                                                      uint8_t *panel) {
     uint8_t bbuf[2 * 512] __attribute__((aligned(64)));
     int32_t cbuf[2 * 2 * 16 * 16] __attribute__((aligned(64)));
     const int64_t nb = a->K / QK;
-    const int reuse = m_end - m_begin > MT && panel;
+    const int reuse = m_end - m_begin > 16 && panel;
+    int configured = 0;
     for (int64_t p = p0; p < p1; p++) {
         if (reuse)
             for (int64_t b = 0; b < nb; b++) amx_unpack_b(a, bits, p, b, 2 * p + 1 < a->N / 8, panel + b * 512);
         const uint8_t *bp = reuse ? panel : NULL;
-        for (int64_t m0 = m_begin; m0 < m_end; m0 += MT) {
-            const int64_t R = m_end - m0 < MT ? m_end - m0 : MT;
+        for (int64_t m0 = m_begin; m0 < m_end; m0 += 16) {
+            const int64_t R = m_end - m0 < 16 ? m_end - m0 : 16;
+            const int MT = amx_tile_rows(R);
+            if (MT != configured) amx_configure(MT), configured = MT;
 #define AMX_CASES(BITS)                                                     \
     switch (MT) {                                                           \
     case 2: amx_tile(a, BITS, 2, m0, R, p, bp, bbuf, cbuf); break;          \
@@ -694,21 +711,20 @@ __attribute__((target("amx-tile,amx-int8"))) static void amx_panels(const kvq_ar
 }
 
 /* Rows of x per pass over the weights: their two levels (2K bytes a row) stay in L2 while the panels pass. */
-static int64_t amx_chunk_rows(int64_t K, int MT) {
-    int64_t rows = (AMX_CHUNK_KB << 10) / (2 * K);
-    rows = rows / MT * MT;
-    return rows < MT ? MT : rows;
+static int64_t amx_chunk_rows(int64_t K) {
+    const int64_t rows = (AMX_CHUNK_KB << 10) / (2 * K) / 16 * 16;
+    return rows < 16 ? 16 : rows;
 }
 
-/* kvq_linear's work on AMX, inside its parallel region once x is quantized (padded to whole tiles of MT
- * rows): each thread its share of the panels. Returns 0, or -1 out of memory. */
-static int amx_linear(const kvq_args *a, const int bits, const int MT) {
-    const int64_t npanels = (a->N / 8 + 1) / 2, mc = amx_chunk_rows(a->K, MT);
+/* kvq_linear's work on AMX, inside its parallel region once x is quantized (padded to amx_padded_rows):
+ * each thread its share of the panels. Returns 0, or -1 out of memory. */
+static int amx_linear(const kvq_args *a, const int bits) {
+    const int64_t npanels = (a->N / 8 + 1) / 2, mc = amx_chunk_rows(a->K);
     const int nt = omp_get_num_threads(), t = omp_get_thread_num();
     const int64_t p0 = npanels * t / nt, p1 = npanels * (t + 1) / nt;
-    uint8_t *panel = a->M > MT ? (uint8_t *)aligned_alloc(64, (size_t)(a->K / QK * 512)) : NULL;
-    if (a->M > MT && !panel) return -1;
-    for (int64_t mb = 0; mb < a->M; mb += mc) amx_panels(a, bits, MT, p0, p1, mb, mb + mc < a->M ? mb + mc : a->M, panel);
+    uint8_t *panel = a->M > 16 ? (uint8_t *)aligned_alloc(64, (size_t)(a->K / QK * 512)) : NULL;
+    if (a->M > 16 && !panel) return -1;
+    for (int64_t mb = 0; mb < a->M; mb += mc) amx_panels(a, bits, p0, p1, mb, mb + mc < a->M ? mb + mc : a->M, panel);
     free(panel);
     return 0;
 }
@@ -727,12 +743,11 @@ int kvq_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, int b
     if (!form_ok(&form, bits)) return -3;
 #ifdef KVQ_AMX
     const int amx = amx_min_rows > 0 && M >= amx_min_rows && amx_form_ok(&form, bits);
-    const int MT = amx ? amx_tile_rows(M) : 1;
+    const int64_t Mp = amx ? amx_padded_rows(M) : M; /* AMX reads whole tiles: zero rows, results dropped */
 #else
-    const int amx = 0, MT = 1;
+    const int amx = 0;
+    const int64_t Mp = M;
 #endif
-    /* AMX reads x's levels in whole tiles of MT rows: padding rows of zeros (their results dropped) */
-    const int64_t Mp = (M + MT - 1) / MT * MT;
     int8_t *qx = (int8_t *)malloc((size_t)(2 * Mp * K));
     float *dx = (float *)calloc((size_t)(Mp * nb), sizeof(float)), *sx = (float *)calloc((size_t)(Mp * nb), sizeof(float));
     const int need_xs = offset != 0 && bits != 8;
@@ -754,7 +769,7 @@ int kvq_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, int b
             quantize_row(x + m * K, K, qx + 2 * m * K, dx + m * nb, sx + m * nb, xs ? xs + 2 * m * nb : NULL);
         if (amx) { /* (after the loop's implicit barrier: x is quantized) */
 #ifdef KVQ_AMX
-            if (amx_linear(&a, bits, MT) != 0) {
+            if (amx_linear(&a, bits) != 0) {
 #pragma omp atomic write
                 failed = 1;
             }
