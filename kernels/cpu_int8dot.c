@@ -73,6 +73,7 @@ typedef struct {
     float *y;
     int64_t ldy;
     int offset; /* unsigned codes (bits 4, 5, 6): the code offset the kernel takes off, w = d (q - offset) + m */
+    const float *dxs;   /* AMX: [M, K / 32] dx / 256 */
 } kvq_args;
 
 static inline float f16_to_f32(uint16_t h) {
@@ -557,7 +558,8 @@ static int64_t amx_padded_rows(int64_t M) {
 static int amx_form_ok(const kvq_args *a, int bits) { return (bits == 4 || bits == 8) && a->G % QK == 0; }
 
 /* B of block b for weight rows 16 p .. 16 p + 15: 8 rows (k quads) x 64 bytes, the groups 2p and 2p + 1 side
- * by side (an absent second group, N = 8 mod 16, as zeros). */
+ * by side (an absent second group, N = 8 mod 16, as zeros). 4-bit codes less their offset (Q4_0's 8): signed
+ * int8 where the offset is not 0, so the tile sum is the integer kernel's sum less offset x xs already. */
 static inline void amx_unpack_b(const kvq_args *a, const int bits, int64_t p, int64_t b, int two, uint8_t *out) {
     const int64_t nb = a->K / QK, bb = block_bytes(bits);
     const uint8_t *c0 = a->codes + (2 * p * nb + b) * bb, *c1 = two ? a->codes + ((2 * p + 1) * nb + b) * bb : NULL;
@@ -566,10 +568,10 @@ static inline void amx_unpack_b(const kvq_args *a, const int bits, int64_t p, in
         const __m256i lo = _mm256_loadu_si256((const __m256i *)(c0 + 32 * s));
         const __m256i hi = two ? _mm256_loadu_si256((const __m256i *)(c1 + 32 * s)) : _mm256_setzero_si256();
         const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-        if (bits == 4) { /* chunk s: low nibbles step s, high nibbles step s + 4 */
-            const __m512i m = _mm512_set1_epi8(0x0F);
-            _mm512_store_si512(out + 64 * s, _mm512_and_si512(v, m));
-            _mm512_store_si512(out + 64 * (s + 4), _mm512_and_si512(_mm512_srli_epi16(v, 4), m));
+        if (bits == 4) { /* chunk s: low nibbles step s, high nibbles step s + 4; less the offset, as int8 */
+            const __m512i m = _mm512_set1_epi8(0x0F), o = _mm512_set1_epi8((char)a->offset);
+            _mm512_store_si512(out + 64 * s, _mm512_sub_epi8(_mm512_and_si512(v, m), o));
+            _mm512_store_si512(out + 64 * (s + 4), _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 4), m), o));
         } else {
             _mm512_store_si512(out + 64 * s, v);
         }
@@ -587,7 +589,7 @@ static inline __m512 groups16(const kvq_groups *q, __m512 scale_v, int64_t p, in
 /* Rows m0 .. m0 + R - 1 of y (the tile computes MT rows; the padding's results are dropped) for weight rows
  * 16 p .. + 15. Tiles: 2 / 3 x's two levels, 4 the weights, 0 / 1 (blocks of even index) and 5 / 6 (odd) the
  * sums. B from `panel` (the panel unpacked, K / 32 x 512 bytes) or, where NULL, unpacked here into bbuf. */
-static inline __attribute__((always_inline)) void amx_tile(const kvq_args *a, const int bits, const int MT, int64_t m0,
+static inline __attribute__((always_inline)) void amx_tile(const kvq_args *a, const int bits, const int SIGNED, const int MT, int64_t m0,
                                                            int64_t R, int64_t p, const uint8_t *panel, uint8_t *bbuf,
                                                            int32_t *cbuf) {
     const int64_t nb = a->K / QK, ng = a->K / a->G;
@@ -608,7 +610,7 @@ static inline __attribute__((always_inline)) void amx_tile(const kvq_args *a, co
         _tile_loadd(3, xq + QK, 2 * a->K);                                      \
         _tile_zero(C1);                                                         \
         _tile_zero(C2);                                                         \
-        if (bits == 8) {                                                        \
+        if (SIGNED) {                                                           \
             _tile_dpbssd(C1, 2, 4);                                             \
             _tile_dpbssd(C2, 3, 4);                                             \
         } else {                                                                \
@@ -630,15 +632,12 @@ static inline __attribute__((always_inline)) void amx_tile(const kvq_args *a, co
         const int32_t *cb = cbuf + (b & 1) * 2 * 16 * 16;
         const int64_t gr = group_of(b, 0, a->G);
         const __m512 dw = groups16(&a->scale, _mm512_setzero_ps(), p, gr, ng, two);
+        /* per row: five vector operations, dx / 256 broadcast from memory (no shuffle port) */
+        const float *dxs = a->dxs + m0 * nb + b;
         for (int r = 0; r < MT; r++) {
-            const int64_t xi = (m0 + r) * nb + b;
-            __m512i isum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(cb + 16 * r), 8),
-                                            _mm512_load_si512(cb + 16 * 16 + 16 * r));
-            if (bits != 8 && a->xs) {
-                const int32_t *xs = a->xs + xi * 2;
-                isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(a->offset * (xs[0] + xs[1])));
-            }
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw, _mm512_set1_ps(a->dx[xi] / 256.0f)), acc[r]);
+            const __m512i isum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(cb + 16 * r), 8),
+                                                  _mm512_load_si512(cb + 16 * 16 + 16 * r));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw, _mm512_set1_ps(dxs[r * nb])), acc[r]);
         }
     }
 #undef AMX_ISSUE
@@ -691,18 +690,20 @@ __attribute__((target("amx-tile,amx-int8"))) static void amx_panels(const kvq_ar
             const int64_t R = m_end - m0 < 16 ? m_end - m0 : 16;
             const int MT = amx_tile_rows(R);
             if (MT != configured) amx_configure(MT), configured = MT;
-#define AMX_CASES(BITS)                                                     \
+#define AMX_CASES(BITS, SIGNED)                                             \
     switch (MT) {                                                           \
-    case 2: amx_tile(a, BITS, 2, m0, R, p, bp, bbuf, cbuf); break;          \
-    case 4: amx_tile(a, BITS, 4, m0, R, p, bp, bbuf, cbuf); break;          \
-    case 6: amx_tile(a, BITS, 6, m0, R, p, bp, bbuf, cbuf); break;          \
-    case 8: amx_tile(a, BITS, 8, m0, R, p, bp, bbuf, cbuf); break;          \
-    default: amx_tile(a, BITS, 16, m0, R, p, bp, bbuf, cbuf);               \
+    case 2: amx_tile(a, BITS, SIGNED, 2, m0, R, p, bp, bbuf, cbuf); break;  \
+    case 4: amx_tile(a, BITS, SIGNED, 4, m0, R, p, bp, bbuf, cbuf); break;  \
+    case 6: amx_tile(a, BITS, SIGNED, 6, m0, R, p, bp, bbuf, cbuf); break;  \
+    case 8: amx_tile(a, BITS, SIGNED, 8, m0, R, p, bp, bbuf, cbuf); break;  \
+    default: amx_tile(a, BITS, SIGNED, 16, m0, R, p, bp, bbuf, cbuf);       \
     }
-            if (bits == 4) {
-                AMX_CASES(4)
+            if (bits == 4 && a->offset) { /* Q4_0: codes less 8, signed */
+                AMX_CASES(4, 1)
+            } else if (bits == 4) {
+                AMX_CASES(4, 0)
             } else {
-                AMX_CASES(8)
+                AMX_CASES(8, 1)
             }
 #undef AMX_CASES
         }
@@ -757,16 +758,23 @@ int kvq_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, int b
         return -1;
     }
     if (Mp > M) memset(qx + 2 * M * K, 0, (size_t)(2 * (Mp - M) * K));
+    float *dxs = amx ? (float *)calloc((size_t)(Mp * nb), sizeof(float)) : NULL; /* AMX's epilogue: dx / 256 */
+    if (amx && !dxs) {
+        free(qx), free(dx), free(sx), free(xs);
+        return -1;
+    }
     kvq_args a = form;
-    a.qx = qx, a.dx = dx, a.sx = sx, a.xs = xs;
+    a.qx = qx, a.dx = dx, a.sx = sx, a.xs = xs, a.dxs = dxs;
     int failed = 0;
     /* below ~64k weights a second thread costs more to wake than it saves */
     const int nt = N * K < (1 << 16) ? 1 : nthreads;
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
 #pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; m++)
+        for (int64_t m = 0; m < M; m++) {
             quantize_row(x + m * K, K, qx + 2 * m * K, dx + m * nb, sx + m * nb, xs ? xs + 2 * m * nb : NULL);
+            for (int64_t b = 0; dxs && b < nb; b++) dxs[m * nb + b] = dx[m * nb + b] / 256.0f;
+        }
         if (amx) { /* (after the loop's implicit barrier: x is quantized) */
 #ifdef KVQ_AMX
             if (amx_linear(&a, bits) != 0) {
@@ -779,6 +787,7 @@ int kvq_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, int b
             for (int64_t t = 0; t < ntiles; t++) gemm_tile(&a, bits, t);
         }
     }
+    free(dxs);
     if (failed) {
         free(qx), free(dx), free(sx), free(xs);
         return -1;
