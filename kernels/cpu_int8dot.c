@@ -516,8 +516,8 @@ static int form_ok(const kvq_args *a, int bits) {
  * (256 i1 + i2 - offset xs, then one fma with d dx / 256 per block; the mins' sum apart, added at the end),
  * so every output is the integer kernel's bit for bit, whichever path computed it and whatever the row count.
  * Per-block scales bound K per tile product to 32 (one block, half a tile's depth) and make every block's
- * sums go through memory (tile store, vector loads): on a 2-core Xeon this runs ~2x the dpbusd loop from 16
- * rows, below a read-back + torch's bf16 GEMM from ~64 rows (docs/results/int8dot-ops-1b.txt). */
+ * sums go through memory (tile store, vector loads): the epilogue's vector work, not the tiles, bounds it.
+ * Two panels share x's tiles (amx_tile2). Measured per linear in docs/results/int8dot-ops-1b.txt. */
 #if defined(KVQ_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__x86_64__) && defined(__linux__)
 #define KVQ_AMX 1
 #include <cpuid.h>
@@ -656,6 +656,74 @@ static inline __attribute__((always_inline)) void amx_tile(const kvq_args *a, co
     for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(a->y + (m0 + r) * a->ldy + 16 * p, cols, acc[r]);
 }
 
+/* amx_tile for two panels p, p + 1 at once (x's tiles loaded once for both): tiles 4 / 7 their weights, 0 / 1
+ * and 5 / 6 their sums; no tile pair left to overlap blocks. */
+static inline __attribute__((always_inline)) void amx_tile2(const kvq_args *a, const int bits, const int SIGNED, const int MT,
+                                                            int64_t m0, int64_t R, int64_t p, const uint8_t *panel,
+                                                            uint8_t *bbuf, int32_t *cbuf) {
+    const int64_t nb = a->K / QK, ng = a->K / a->G;
+    const int two1 = 2 * (p + 1) + 1 < a->N / 8;
+    __m512 acc[2][16];
+    for (int r = 0; r < MT; r++) acc[0][r] = acc[1][r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const int8_t *xq = a->qx + m0 * 2 * a->K + 2 * b * QK;
+        int32_t *cb = cbuf + (b & 1) * 4 * 16 * 16;
+        const uint8_t *b0 = panel ? panel + b * 512 : bbuf, *b1 = panel ? panel + (nb + b) * 512 : bbuf + 512;
+        if (!panel) amx_unpack_b(a, bits, p, b, 1, bbuf), amx_unpack_b(a, bits, p + 1, b, two1, bbuf + 512);
+        __asm__ volatile("" ::: "memory");
+        _tile_loadd(2, xq, 2 * a->K);
+        _tile_loadd(3, xq + QK, 2 * a->K);
+        _tile_loadd(4, b0, 64);
+        _tile_loadd(7, b1, 64);
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(5);
+        _tile_zero(6);
+        if (SIGNED) {
+            _tile_dpbssd(0, 2, 4);
+            _tile_dpbssd(1, 3, 4);
+            _tile_dpbssd(5, 2, 7);
+            _tile_dpbssd(6, 3, 7);
+        } else {
+            _tile_dpbsud(0, 2, 4);
+            _tile_dpbsud(1, 3, 4);
+            _tile_dpbsud(5, 2, 7);
+            _tile_dpbsud(6, 3, 7);
+        }
+        _tile_stored(0, cb, 64);
+        _tile_stored(1, cb + 256, 64);
+        _tile_stored(5, cb + 512, 64);
+        _tile_stored(6, cb + 768, 64);
+        __asm__ volatile("" ::: "memory");
+        const int64_t gr = group_of(b, 0, a->G);
+        const float *dxs = a->dxs + m0 * nb + b;
+        for (int h = 0; h < 2; h++) {
+            const __m512 dw = groups16(&a->scale, _mm512_setzero_ps(), p + h, gr, ng, h == 0 || two1);
+            const int32_t *c = cb + h * 512;
+            for (int r = 0; r < MT; r++) {
+                const __m512i isum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(c + 16 * r), 8),
+                                                      _mm512_load_si512(c + 256 + 16 * r));
+                acc[h][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw, _mm512_set1_ps(dxs[r * nb])), acc[h][r]);
+            }
+        }
+    }
+    for (int h = 0; h < 2; h++) {
+        const int two = h == 0 || two1;
+        if (a->mins.kind) {
+            __m512 macc[16];
+            for (int r = 0; r < MT; r++) macc[r] = _mm512_setzero_ps();
+            for (int64_t b = 0; b < nb; b++) {
+                const int64_t gr = group_of(b, 0, a->G);
+                const __m512 dw = a->mins.kind == KVQ_ZERO ? groups16(&a->scale, _mm512_setzero_ps(), p + h, gr, ng, two) : _mm512_setzero_ps();
+                const __m512 mw = groups16(&a->mins, dw, p + h, gr, ng, two);
+                for (int r = 0; r < MT; r++) macc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a->sx[(m0 + r) * nb + b]), macc[r]);
+            }
+            for (int r = 0; r < MT; r++) acc[h][r] = _mm512_add_ps(acc[h][r], macc[r]);
+        }
+        for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(a->y + (m0 + r) * a->ldy + 16 * (p + h), two ? 0xFFFF : 0x00FF, acc[h][r]);
+    }
+}
+
 /* Tile shapes for tiles of MT rows of x (palette 1): 0 / 1 and 5 / 6 MT x 16 int32 sums, 2 / 3 MT x 32
  * int8 levels, 4 the weights' 8 k quads x 16 columns x 4. */
 __attribute__((target("amx-tile"))) static void amx_configure(int MT) {
@@ -665,7 +733,7 @@ __attribute__((target("amx-tile"))) static void amx_configure(int MT) {
     cfg.rows[0] = cfg.rows[1] = cfg.rows[5] = cfg.rows[6] = (uint8_t)MT;
     cfg.colsb[0] = cfg.colsb[1] = cfg.colsb[5] = cfg.colsb[6] = 64;
     cfg.rows[2] = cfg.rows[3] = (uint8_t)MT, cfg.colsb[2] = cfg.colsb[3] = QK;
-    cfg.rows[4] = QK / 4, cfg.colsb[4] = 64;
+    cfg.rows[4] = cfg.rows[7] = QK / 4, cfg.colsb[4] = cfg.colsb[7] = 64;
     /* _tile_loadconfig's asm names only the first 8 bytes as its input: the whole struct must be stored */
     __asm__ volatile("" : : "r"(&cfg) : "memory");
     _tile_loadconfig(&cfg);
@@ -678,25 +746,38 @@ __attribute__((target("amx-tile,amx-int8"))) static void amx_panels(const kvq_ar
                                                                       int64_t p1, int64_t m_begin, int64_t m_end,
                                                                       uint8_t *panel) {
     uint8_t bbuf[2 * 512] __attribute__((aligned(64)));
-    int32_t cbuf[2 * 2 * 16 * 16] __attribute__((aligned(64)));
+    int32_t cbuf[2 * 4 * 16 * 16] __attribute__((aligned(64)));
     const int64_t nb = a->K / QK;
     const int reuse = m_end - m_begin > 16 && panel;
     int configured = 0;
-    for (int64_t p = p0; p < p1; p++) {
+    for (int64_t p = p0; p < p1;) {
+        const int np = p + 1 < p1 ? 2 : 1;
         if (reuse)
-            for (int64_t b = 0; b < nb; b++) amx_unpack_b(a, bits, p, b, 2 * p + 1 < a->N / 8, panel + b * 512);
+            for (int h = 0; h < np; h++)
+                for (int64_t b = 0; b < nb; b++)
+                    amx_unpack_b(a, bits, p + h, b, 2 * (p + h) + 1 < a->N / 8, panel + (h * nb + b) * 512);
         const uint8_t *bp = reuse ? panel : NULL;
         for (int64_t m0 = m_begin; m0 < m_end; m0 += 16) {
             const int64_t R = m_end - m0 < 16 ? m_end - m0 : 16;
             const int MT = amx_tile_rows(R);
             if (MT != configured) amx_configure(MT), configured = MT;
-#define AMX_CASES(BITS, SIGNED)                                             \
-    switch (MT) {                                                           \
-    case 2: amx_tile(a, BITS, SIGNED, 2, m0, R, p, bp, bbuf, cbuf); break;  \
-    case 4: amx_tile(a, BITS, SIGNED, 4, m0, R, p, bp, bbuf, cbuf); break;  \
-    case 6: amx_tile(a, BITS, SIGNED, 6, m0, R, p, bp, bbuf, cbuf); break;  \
-    case 8: amx_tile(a, BITS, SIGNED, 8, m0, R, p, bp, bbuf, cbuf); break;  \
-    default: amx_tile(a, BITS, SIGNED, 16, m0, R, p, bp, bbuf, cbuf);       \
+#define AMX_CASES(BITS, SIGNED)                                                                  \
+    if (np == 2) {                                                                               \
+        switch (MT) {                                                                            \
+        case 2: amx_tile2(a, BITS, SIGNED, 2, m0, R, p, bp, bbuf, cbuf); break;                  \
+        case 4: amx_tile2(a, BITS, SIGNED, 4, m0, R, p, bp, bbuf, cbuf); break;                  \
+        case 6: amx_tile2(a, BITS, SIGNED, 6, m0, R, p, bp, bbuf, cbuf); break;                  \
+        case 8: amx_tile2(a, BITS, SIGNED, 8, m0, R, p, bp, bbuf, cbuf); break;                  \
+        default: amx_tile2(a, BITS, SIGNED, 16, m0, R, p, bp, bbuf, cbuf);                       \
+        }                                                                                        \
+    } else {                                                                                     \
+        switch (MT) {                                                                            \
+        case 2: amx_tile(a, BITS, SIGNED, 2, m0, R, p, bp, bbuf, cbuf); break;                   \
+        case 4: amx_tile(a, BITS, SIGNED, 4, m0, R, p, bp, bbuf, cbuf); break;                   \
+        case 6: amx_tile(a, BITS, SIGNED, 6, m0, R, p, bp, bbuf, cbuf); break;                   \
+        case 8: amx_tile(a, BITS, SIGNED, 8, m0, R, p, bp, bbuf, cbuf); break;                   \
+        default: amx_tile(a, BITS, SIGNED, 16, m0, R, p, bp, bbuf, cbuf);                        \
+        }                                                                                        \
     }
             if (bits == 4 && a->offset) { /* Q4_0: codes less 8, signed */
                 AMX_CASES(4, 1)
@@ -707,6 +788,7 @@ __attribute__((target("amx-tile,amx-int8"))) static void amx_panels(const kvq_ar
             }
 #undef AMX_CASES
         }
+        p += np;
     }
     _tile_release();
 }
@@ -723,7 +805,7 @@ static int amx_linear(const kvq_args *a, const int bits) {
     const int64_t npanels = (a->N / 8 + 1) / 2, mc = amx_chunk_rows(a->K);
     const int nt = omp_get_num_threads(), t = omp_get_thread_num();
     const int64_t p0 = npanels * t / nt, p1 = npanels * (t + 1) / nt;
-    uint8_t *panel = a->M > 16 ? (uint8_t *)aligned_alloc(64, (size_t)(a->K / QK * 512)) : NULL;
+    uint8_t *panel = a->M > 16 ? (uint8_t *)aligned_alloc(64, (size_t)(2 * a->K / QK * 512)) : NULL;
     if (a->M > 16 && !panel) return -1;
     for (int64_t mb = 0; mb < a->M; mb += mc) amx_panels(a, bits, p0, p1, mb, mb + mc < a->M ? mb + mc : a->M, panel);
     free(panel);
