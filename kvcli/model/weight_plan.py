@@ -62,9 +62,9 @@ INT8DOT_DENSE_MIN_ROWS = 256
 # rows (docs/results/int8dot-ops-avx2*.txt): at 16 rows 0.97-1.13x its time, at 64 rows 0.60-0.94x.
 GEMM_F32_MIN_ROWS = 32
 # On CPUs with AMX-INT8 the integer kernel computes its sums on tiles from this many rows (cpu_int8dot.c: the
-# same sums, bit for bit, so no route changes a result): 2x the dpbusd loop's speed from 16 rows, 0.9x its
-# time at 6, the same at 1-4 (python -m kvcli.bench int8dot --shape 1b, docs/results/int8dot-ops-1b.txt).
-INT8DOT_AMX_MIN_ROWS = 6
+# same sums, bit for bit, so no route changes a result): on the 1B shape's linears (2-core Xeon) a tie with the
+# dpbusd loop at 4 rows, faster from 5 (python -m kvcli.bench int8dot-ops-1b, docs/results/int8dot-ops-1b.txt).
+INT8DOT_AMX_MIN_ROWS = 5
 INT4_DENSE_MIN_ROWS = 256  # torch's int4 kernel: from about here on a read-back + GEMM beats it (both ISAs)
 TRITON_INT8_GROUPS = (16, 32, 64, 128)
 
