@@ -506,7 +506,8 @@ static int form_ok(const kvq_args *a, int bits) {
 }
 
 /* ---- the same integer sums on AMX tiles (Intel, AMX-INT8) -------------------------------------------
- * Where the CPU has AMX and the process may use it (kvq_amx_enable), calls of at least `amx_min_rows` rows
+ * Where the CPU has AMX and the process may use it (kvq_amx_enable), calls of at least `amx_min_rows` rows and
+ * `amx_min_elems` activations (rows x K: small K leaves too little work per block for the tiles' overheads)
  * of 4-bit codes (groups of a multiple of 32) or Q8_0's int8 codes compute each block's two integer sums
  * with tile dot products instead of dpbusd: A = 16 (or fewer) rows of x's levels q1 / q2 of block b, read in
  * place from the quantized activations (K = 32 bytes a row, row stride 2K); B = 16 weight rows (the groups
@@ -526,6 +527,7 @@ static int form_ok(const kvq_args *a, int bits) {
 
 #define AMX_CHUNK_KB 1024 /* x's rows per pass over the weights: this many KiB of their levels */
 static int amx_min_rows = 0; /* 0: AMX off (the default until kvq_amx_enable) */
+static int64_t amx_min_elems = 0;
 
 typedef struct { /* ldtilecfg's 64 bytes, palette 1 */
     uint8_t palette, start_row, reserved[14];
@@ -533,22 +535,22 @@ typedef struct { /* ldtilecfg's 64 bytes, palette 1 */
     uint8_t rows[16];
 } amx_config;
 
-/* AMX on from `min_rows` rows (0: off). Returns 1 when on, 0 when turned off, -1 where the CPU has no
+/* AMX on from `min_rows` rows and `min_elems` activations (rows x K) (min_rows 0: off). Returns 1 when on, 0 when turned off, -1 where the CPU has no
  * AMX-INT8, -2 where Linux refuses the tile state (ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA: off for
  * every process until it asks). */
-int kvq_amx_enable(int min_rows) {
+int kvq_amx_enable(int min_rows, int64_t min_elems) {
     unsigned a, b, c, d;
     amx_min_rows = 0;
     if (min_rows <= 0) return 0;
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 25))) return -1;
     if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) != 0) return -2;
-    amx_min_rows = min_rows;
+    amx_min_rows = min_rows, amx_min_elems = min_elems;
     return 1;
 }
 
 /* Tile rows for the last R (<= 16) rows of x: fewer than 16 for a short tail (a tile product costs by its
- * rows); x is padded with zero rows up to amx_padded_rows. */
-static int amx_tile_rows(int64_t R) { return R > 8 ? 16 : R > 6 ? 8 : R > 4 ? 6 : R > 2 ? 4 : 2; }
+ * rows); x is padded with zero rows up to amx_padded_rows. (Tiles of 6 rows for 5-6 were no faster than 8.) */
+static int amx_tile_rows(int64_t R) { return R > 8 ? 16 : R > 4 ? 8 : R > 2 ? 4 : 2; }
 
 static int64_t amx_padded_rows(int64_t M) {
     const int64_t rest = M % 16;
@@ -766,7 +768,6 @@ __attribute__((target("amx-tile,amx-int8"))) static void amx_panels(const kvq_ar
         switch (MT) {                                                                            \
         case 2: amx_tile2(a, BITS, SIGNED, 2, m0, R, p, bp, bbuf, cbuf); break;                  \
         case 4: amx_tile2(a, BITS, SIGNED, 4, m0, R, p, bp, bbuf, cbuf); break;                  \
-        case 6: amx_tile2(a, BITS, SIGNED, 6, m0, R, p, bp, bbuf, cbuf); break;                  \
         case 8: amx_tile2(a, BITS, SIGNED, 8, m0, R, p, bp, bbuf, cbuf); break;                  \
         default: amx_tile2(a, BITS, SIGNED, 16, m0, R, p, bp, bbuf, cbuf);                       \
         }                                                                                        \
@@ -774,7 +775,6 @@ __attribute__((target("amx-tile,amx-int8"))) static void amx_panels(const kvq_ar
         switch (MT) {                                                                            \
         case 2: amx_tile(a, BITS, SIGNED, 2, m0, R, p, bp, bbuf, cbuf); break;                   \
         case 4: amx_tile(a, BITS, SIGNED, 4, m0, R, p, bp, bbuf, cbuf); break;                   \
-        case 6: amx_tile(a, BITS, SIGNED, 6, m0, R, p, bp, bbuf, cbuf); break;                   \
         case 8: amx_tile(a, BITS, SIGNED, 8, m0, R, p, bp, bbuf, cbuf); break;                   \
         default: amx_tile(a, BITS, SIGNED, 16, m0, R, p, bp, bbuf, cbuf);                        \
         }                                                                                        \
@@ -812,7 +812,10 @@ static int amx_linear(const kvq_args *a, const int bits) {
     return 0;
 }
 #else
-int kvq_amx_enable(int min_rows) { return min_rows <= 0 ? 0 : -1; }
+int kvq_amx_enable(int min_rows, int64_t min_elems) {
+    (void)min_elems;
+    return min_rows <= 0 ? 0 : -1;
+}
 #endif
 
 /* y [M, N] (row stride ldy) = x [M, K] @ W^T. bits 4, 5, 6 (unsigned codes, less `offset`) or 8 (int8
@@ -825,7 +828,7 @@ int kvq_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, int b
                            groups_of(min_kind, mins, min_sup, min_per), M, K, N, G, y, ldy, offset};
     if (!form_ok(&form, bits)) return -3;
 #ifdef KVQ_AMX
-    const int amx = amx_min_rows > 0 && M >= amx_min_rows && amx_form_ok(&form, bits);
+    const int amx = amx_min_rows > 0 && M >= amx_min_rows && M * K >= amx_min_elems && amx_form_ok(&form, bits);
     const int64_t Mp = amx ? amx_padded_rows(M) : M; /* AMX reads whole tiles: zero rows, results dropped */
 #else
     const int amx = 0;

@@ -55,7 +55,7 @@ def load(isa: str, cache_dir: str) -> ctypes.CDLL | None:
         lib.kvq_pack.restype = None
         lib.kvq_gemm_f32.argtypes = lib.kvq_linear.argtypes
         lib.kvq_gemm_f32.restype = i32
-        lib.kvq_amx_enable.argtypes = [i32]
+        lib.kvq_amx_enable.argtypes = [i32, i64]
         lib.kvq_amx_enable.restype = i32
         lib._kvq_declared = True
     return lib

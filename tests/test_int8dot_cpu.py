@@ -347,11 +347,11 @@ AMX_KINDS = ["Q4_0 offset 8", "Q4_K two-level", "q4 min fp16 g32", "q4 min fp32 
              "Q5_1"]  # Q5_1: no tile path (5-bit codes), the dpbusd loop whatever the switch
 
 
-@pytest.mark.skipif(int8dot_cpu.tile_rows() is None, reason="no AMX-INT8 tiles here (or KVCLI_AMX=0, or Linux refused)")
+@pytest.mark.skipif(int8dot_cpu.tile_rule() is None, reason="no AMX-INT8 tiles here (or KVCLI_AMX=0, or Linux refused)")
 @pytest.mark.parametrize("kind", AMX_KINDS)
 def test_amx_tiles_give_the_dpbusd_loops_sums_bit_for_bit(kind):
     """On AMX the integer kernel's block sums come from tile products (cpu_int8dot.c, amx_tile): the outputs
-    equal the dpbusd loop's exactly, at ragged row counts (tiles of 16 rows and a last one of 2, 4, 6, 8 or 16, padded)
+    equal the dpbusd loop's exactly, at ragged row counts (tiles of 16 rows and a last one of 2, 4, 8 or 16, padded)
     and weights of 8 rows past a multiple of 16 (a half panel, alone or paired); within the float64 bound."""
     lib = int8dot_cpu.native_library()
     gen = torch.Generator().manual_seed(11)
@@ -364,11 +364,11 @@ def test_amx_tiles_give_the_dpbusd_loops_sums_bit_for_bit(kind):
             lin.dense_min_rows = None
             for rows in (1, 2, 3, 5, 6, 7, 9, 16, 17, 24, 30, 37):
                 x = torch.randn(rows, k, generator=gen)
-                lib.kvq_amx_enable(0)
+                lib.kvq_amx_enable(0, 0)
                 loop = lin(x)
-                assert lib.kvq_amx_enable(1) == 1
+                assert lib.kvq_amx_enable(1, 0) == 1
                 tiles = lin(x)
                 assert torch.equal(tiles, loop), (kind, n, rows, (tiles - loop).abs().max().item())
             assert _check(lin, q.dequantize(), x) < REL_BOUND
     finally:
-        lib.kvq_amx_enable(int8dot_cpu.tile_rows() or 0)
+        int8dot_cpu.restore_tiles(lib)

@@ -12,7 +12,7 @@ import torch
 from kvcli.config import ModelConfig
 from kvcli.model.quant import QuantTensor, random_q4
 from kvcli.model.weight_plan import (GEMM_F32_MIN_ROWS, INT8DOT_AMX_MIN_ROWS, INT8DOT_DENSE_MIN_ROWS, Native,
-                                     choose_tier, int8dot_tile_rows, plan_linear, plan_model)
+                                     TileRule, choose_tier, int8dot_tiles, plan_linear, plan_model)
 from kvcli.native.capabilities import CpuCapabilities, amx_int8_for, build_isa_for, native_bf16_for
 
 AVX2 = CpuCapabilities("an AVX2 CPU", "x86_64", frozenset({"avx2", "fma", "f16c"}), "AVX2", "avx2", False)
@@ -70,7 +70,7 @@ def test_capabilities_decide_the_build_and_bf16_from_flags():
     assert amx_int8_for(amx, "avx512vnni") and not amx_int8_for(BF16.flags, "avx512vnni")
     assert not amx_int8_for(amx, "avx2")  # the tile path's epilogue is AVX-512: the VNNI build only
     assert not amx_int8_for(amx, "avx512vnni", switch="0")  # KVCLI_AMX=0
-    assert int8dot_tile_rows(replace(BF16, amx_int8=True)) == INT8DOT_AMX_MIN_ROWS and int8dot_tile_rows(BF16) is None
+    assert int8dot_tiles(replace(BF16, amx_int8=True)).min_rows == INT8DOT_AMX_MIN_ROWS and int8dot_tiles(BF16) is None
 
 
 def test_a_linear_takes_the_best_form_its_tier_has_for_it():
@@ -139,11 +139,12 @@ def test_a_model_plan_fuses_layouts_routes_rows_and_decides_the_one_call_decode(
     assert not inv.has_row_routes and plan.has_row_routes and inv.native_decode_max_rows is None
     # AMX tiles where the library turned them on: said by inspect, for kvcli's int8 kernel only
     tiles = plan_model(c, tiny_weights(c), tier="cpu", dtype=torch.float32, device=CPU, head_dtype=torch.bfloat16,
-                       caps=BF16, native=replace(NATIVE, int8_tiles=6))
-    assert tiles.int8_tiles == 6
-    assert "AMX from 6 rows" in dict(tiles.describe())["int8 tiles"] and plan.int8_tiles is None
+                       caps=BF16, native=replace(NATIVE, int8_tiles=TileRule(6, 4096)))
+    assert tiles.int8_tiles == TileRule(6, 4096)
+    assert "AMX tiles from 6 rows and 4096 activations" in dict(tiles.describe())["int8 tiles"]
+    assert plan.int8_tiles is None
     assert plan_model(c, tiny_weights(c), tier="cpu", dtype=torch.float32, device=CPU, head_dtype=torch.bfloat16,
-                      caps=BF16, native=replace(NO_NATIVE, int8_tiles=6)).int8_tiles is None  # torch's int4 tier
+                      caps=BF16, native=replace(NO_NATIVE, int8_tiles=TileRule(6, 4096))).int8_tiles is None  # int4
 
 
 def test_the_model_is_built_as_planned():

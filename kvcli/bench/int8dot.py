@@ -3,7 +3,7 @@ read-back + torch GEMM and kvcli's fused fp32 GEMM (weight panels dequantized on
 take it from GEMM_F32_MIN_ROWS rows), on SmolLM2-135M's linear shapes and its vocabulary projection,
 with the error of each against a float64 reference. Where the CPU has AMX-INT8, the int8dot kernel is
 timed twice: its dpbusd loop, and its integer sums on AMX tiles (the same outputs, bit for bit; the
-engine takes the tiles from INT8DOT_AMX_MIN_ROWS rows). Run it twice to see both ISAs:
+engine takes the tiles by weight_plan.int8dot_tiles' rule). Run it twice to see both ISAs:
 
   python -m kvcli.bench int8dot-ops
   ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python -m kvcli.bench int8dot-ops
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
                          "at row counts around where the read-back starts to pay")
     a = ap.parse_args(argv)
     from kvcli.bench.internals import Int4Cpu
-    from kvcli.bench.internals import Int8DotCpu, native_library, tile_rows
+    from kvcli.bench.internals import Int8DotCpu, native_library, restore_tiles, tile_rule
     from kvcli_kernels.cpu_int8dot import int8dot_gemm_f32
     from kvcli.bench.internals import QuantTensor, quantize_q4
 
@@ -55,18 +55,18 @@ def main(argv: list[str] | None = None) -> None:
     if lib is None:
         print("kvcli's C kernel is not available here: nothing to compare")
         return
-    tiles = tile_rows() is not None
+    tiles = tile_rule() is not None
     print(f"int8dot on AMX tiles: {'measured beside the dpbusd loop' if tiles else 'n/a (no AMX-INT8 here, or KVCLI_AMX=0)'}")
 
     def on_tiles(fn):
         """fn run with the kernel's integer sums on AMX tiles at every row count."""
-        lib.kvq_amx_enable(1)
+        lib.kvq_amx_enable(1, 0)
         try:
             return fn()
         finally:
-            lib.kvq_amx_enable(0)
+            lib.kvq_amx_enable(0, 0)
 
-    lib.kvq_amx_enable(0)  # the dpbusd loop, unless on_tiles
+    lib.kvq_amx_enable(0, 0)  # the dpbusd loop, unless on_tiles
     gen = torch.Generator().manual_seed(0)
     print("\n| weight [N x K] | rows | int8dot ms | AMX tiles ms | int4-cpu ms | read-back + GEMM ms | fused fp32 GEMM ms | "
           "int8dot / int4-cpu | tiles / int8dot | fused / int8dot | int8dot rel. error | int4-cpu rel. error | "
@@ -114,4 +114,4 @@ def main(argv: list[str] | None = None) -> None:
         t_amx = f"{on_tiles(lambda: best_ms(lambda: head(x), 5)):.2f}" if tiles else "n/a"
         print(f"| | {rows} | {best_ms(lambda: head(x), 5):.2f} | {t_amx} | "
               f"{best_ms(lambda: F.linear(x.bfloat16(), wb), 5):.2f} | {t_f} |")
-    lib.kvq_amx_enable(tile_rows() or 0)  # as the engine runs
+    restore_tiles(lib)  # as the engine runs

@@ -13,7 +13,8 @@ WHERE: dict[str, str] = {  # name -> "module:attribute", or "module" for a modul
     "Int4Cpu": "kvcli.model.int4_cpu:Int4Cpu",
     "Int8DotCpu": "kvcli.model.int8dot_cpu:Int8DotCpu",
     "native_library": "kvcli.model.int8dot_cpu:native_library",
-    "tile_rows": "kvcli.model.int8dot_cpu:tile_rows",
+    "tile_rule": "kvcli.model.int8dot_cpu:tile_rule",
+    "restore_tiles": "kvcli.model.int8dot_cpu:restore_tiles",
     "QuantTensor": "kvcli.model.quant:QuantTensor",
     "quantize_q4": "kvcli.model.quant:quantize_q4",
     # kv-attention, prefill-attention, kv-int4: the torch attention backend and the KV pool's layer views

@@ -40,12 +40,13 @@ from kvcli_kernels.cpu_int8dot import (F16, F32, NEG_SUB, NONE, SUB, SUB_I8, ZER
 
 if TYPE_CHECKING:
     from kvcli.model.quant import QuantTensor
+    from kvcli.model.weight_plan import TileRule
     from kvcli.model.row_route import RowRoute
 
 
 def native_library():
     """The compiled kernel, or None (KVCLI_NATIVE=0, no compiler, a failed build: registry.unavailable); its
-    AMX tiles turned on where the weight plan says (tile_rows)."""
+    AMX tiles turned on where the weight plan says (tile_rule)."""
     lib = registry.library("int8dot")
     if lib is not None:
         _tiles(lib)
@@ -53,23 +54,29 @@ def native_library():
 
 
 @functools.lru_cache(maxsize=None)
-def _tiles(lib) -> tuple[int | None, str]:
-    """Turns the library's AMX tiles on from weight_plan.int8dot_tile_rows rows, once per process and library:
-    (rows, "") when on, (None, why not) otherwise."""
-    from kvcli.model.weight_plan import int8dot_tile_rows
+def _tiles(lib) -> tuple["TileRule | None", str]:
+    """Turns the library's AMX tiles on by weight_plan.int8dot_tiles' rule, once per process and library:
+    (rule, "") when on, (None, why not) otherwise."""
+    from kvcli.model.weight_plan import int8dot_tiles
     from kvcli.native.capabilities import capabilities
 
-    rows = int8dot_tile_rows(capabilities())
-    if rows is None:
+    rule = int8dot_tiles(capabilities())
+    if rule is None:
         return None, "no AMX-INT8 here (or KVCLI_AMX=0)"
-    rc = lib.kvq_amx_enable(rows)
+    rc = lib.kvq_amx_enable(rule.min_rows, rule.min_elems)
     if rc == 1:
-        return rows, ""
+        return rule, ""
     return None, "Linux refused the AMX tile state (arch_prctl)" if rc == -2 else "the build has no AMX path"
 
 
-def tile_rows() -> int | None:
-    """From how many rows the loaded int8 kernel computes on AMX tiles (None: never, or no library)."""
+def restore_tiles(lib) -> None:
+    """The library's AMX switch back to the plan's rule (after a benchmark or test set it by hand)."""
+    rule = _tiles(lib)[0]
+    lib.kvq_amx_enable(rule.min_rows if rule else 0, rule.min_elems if rule else 0)
+
+
+def tile_rule() -> "TileRule | None":
+    """When the loaded int8 kernel computes on AMX tiles (None: never, or no library)."""
     lib = native_library()
     return None if lib is None else _tiles(lib)[0]
 

@@ -61,10 +61,14 @@ INT8DOT_DENSE_MIN_ROWS = 256
 # On the AVX2 build under torch's AVX2 kernels, kvcli's fused fp32 GEMM beats the integer kernel from 16-64
 # rows (docs/results/int8dot-ops-avx2*.txt): at 16 rows 0.97-1.13x its time, at 64 rows 0.60-0.94x.
 GEMM_F32_MIN_ROWS = 32
-# On CPUs with AMX-INT8 the integer kernel computes its sums on tiles from this many rows (cpu_int8dot.c: the
-# same sums, bit for bit, so no route changes a result): on the 1B shape's linears (2-core Xeon) a tie with the
-# dpbusd loop at 4 rows, faster from 5 (python -m kvcli.bench int8dot-ops-1b, docs/results/int8dot-ops-1b.txt).
+# On CPUs with AMX-INT8 the integer kernel computes its sums on tiles (cpu_int8dot.c: the same sums, bit for bit,
+# so no rule here changes a result) from this many rows and rows x K activations per call. On the 1B shape's
+# linears (K 2048 / 8192, 2-core Xeon) a tie with the dpbusd loop at 4 rows, faster from 5 (python -m kvcli.bench
+# int8dot-ops-1b, docs/results/int8dot-ops-1b.txt); in the engine on SmolLM2-135M (K 576) the tiles lost below
+# ~12 rows (1.12x the loop's step time at 6 rows, 0.84x at 16; on the 1B shape 0.86x at 6): too little work per
+# block for the tiles' overheads, hence the activation count.
 INT8DOT_AMX_MIN_ROWS = 5
+INT8DOT_AMX_MIN_ELEMS = 8192
 INT4_DENSE_MIN_ROWS = 256  # torch's int4 kernel: from about here on a read-back + GEMM beats it (both ISAs)
 TRITON_INT8_GROUPS = (16, 32, 64, 128)
 
@@ -80,7 +84,7 @@ class Native:
     swiglu: bool = False
     decode_layers: bool = False
     build_isa: str = "generic"
-    int8_tiles: int | None = None  # the int8 kernel's sums on AMX tiles from this many rows (None: never)
+    int8_tiles: "TileRule | None" = None  # when the int8 kernel's sums run on AMX tiles (None: never)
 
     @staticmethod
     def here(device: torch.device, dtype: torch.dtype) -> "Native":
@@ -91,10 +95,10 @@ class Native:
 
         if device.type != "cpu" or not registry.enabled():
             return Native()
-        from kvcli.model.int8dot_cpu import tile_rows
+        from kvcli.model.int8dot_cpu import tile_rule
 
         fp32 = dtype == torch.float32
-        return Native(int8dot=registry.library("int8dot") is not None, int8_tiles=tile_rows(),
+        return Native(int8dot=registry.library("int8dot") is not None, int8_tiles=tile_rule(),
                       rmsnorm=fp32 and registry.library("rmsnorm") is not None,
                       swiglu=fp32 and registry.library("swiglu") is not None,
                       decode_layers=fp32 and registry.library("decode_layers") is not None, build_isa=build_isa())
@@ -163,7 +167,7 @@ class WeightPlan:
     native_decode_max_rows: int | None  # steps of fewer rows only (the linears' float-GEMM threshold)
     row_invariant: bool
     notes: tuple[str, ...] = field(default_factory=tuple)
-    int8_tiles: int | None = None  # int8dot-cpu's integer sums on AMX tiles from this many rows
+    int8_tiles: TileRule | None = None  # when int8dot-cpu's integer sums run on AMX tiles
 
     @property
     def kvcli_quantized(self) -> bool:
@@ -206,8 +210,7 @@ class WeightPlan:
             rows.append((f"linears {form}", f"{FORMS[form]}; {', '.join(sorted(rs))}"))
         rows.append(("vocabulary projection", self.head.describe()))
         if self.int8_tiles is not None:
-            rows.append(("int8 tiles", f"AMX from {self.int8_tiles} rows: int8dot-cpu's integer sums on tiles, the "
-                                       "same bit for bit"))
+            rows.append(("int8 tiles", self.int8_tiles.describe()))
         rows.append(("embedding", self.embedding))
         rows.append(("one-call decode", ("yes: " if self.native_decode else "no: ") + self.native_decode_why))
         if self.row_invariant:
@@ -237,9 +240,21 @@ def int8dot_route(caps: CpuCapabilities, row_invariant: bool = False) -> RowRout
     return RowRoute(INT8DOT_DENSE_MIN_ROWS, "read-back", dense_dtype)
 
 
-def int8dot_tile_rows(caps: CpuCapabilities) -> int | None:
-    """From how many rows the int8 kernel runs its integer sums on AMX tiles here (None: never)."""
-    return INT8DOT_AMX_MIN_ROWS if caps.amx_int8 else None
+@dataclass(frozen=True)
+class TileRule:
+    """int8dot-cpu's integer sums on AMX tiles for calls of at least `min_rows` rows and `min_elems` activations
+    (rows x K); the dpbusd loop otherwise."""
+    min_rows: int
+    min_elems: int
+
+    def describe(self) -> str:
+        return (f"AMX tiles from {self.min_rows} rows and {self.min_elems} activations (rows x K) a call: "
+                "int8dot-cpu's integer sums, the same bit for bit")
+
+
+def int8dot_tiles(caps: CpuCapabilities) -> TileRule | None:
+    """When the int8 kernel runs its integer sums on AMX tiles here (None: never)."""
+    return TileRule(INT8DOT_AMX_MIN_ROWS, INT8DOT_AMX_MIN_ELEMS) if caps.amx_int8 else None
 
 
 def int4_route(caps: CpuCapabilities, row_invariant: bool = False) -> RowRoute:
