@@ -31,6 +31,9 @@
 
 #define QK 32
 #define TILE_G 4  /* groups of 8 weight rows per work item: their codes stay in L1 while the x rows pass */
+#ifndef PREFETCH_BLOCKS
+#define PREFETCH_BLOCKS 16 /* how far ahead of its block the loop asks for the weight codes (prefetch_lines) */
+#endif
 #define TILE_M 4  /* x rows per pass over a weight row: its blocks are unpacked once for all of them */
 
 /* Per-group values (scales or mins), in the x8 order [N / 8, K / G, 8]:
@@ -244,6 +247,18 @@ static inline __attribute__((always_inline)) __m256i high_bits(__m256i v, const 
     return _mm256_or_si256(v, _mm256_and_si256(b, _mm256_set1_epi8(0x30)));
 }
 
+/* Every cache line of the `bytes` at p towards L1. The weight stream of a decode step (one row of x) runs at
+ * the pace of the misses in flight: the hardware prefetcher alone kept 2 cores at ~19 GB/s on a 1B shape,
+ * asking for each line PREFETCH_BLOCKS blocks ahead lifted decode from 21.7 to 30 tok/s (2-core Xeon, 2026-12-05,
+ * an interleaved A/B in the engine; one line of two per block: 25; the lines asked in a loop: no gain). */
+static inline __attribute__((always_inline)) void prefetch_lines(const void *p, const int bytes) {
+    const char *c = (const char *)p;
+    _mm_prefetch(c, _MM_HINT_T0);
+    _mm_prefetch(c + 64, _MM_HINT_T0); /* (bytes is 128 to 256: a block of 8 rows) */
+    if (bytes > 128) _mm_prefetch(c + 128, _MM_HINT_T0);
+    if (bytes > 192) _mm_prefetch(c + 192, _MM_HINT_T0);
+}
+
 static inline int32_t load32(const void *p) {
     int32_t v;
     memcpy(&v, p, 4);
@@ -311,6 +326,7 @@ static inline __attribute__((always_inline)) void group_tile(const kvq_args *a, 
         __m256i w[8];
         if (bits == 4 || bits == 5 || bits == 6) {
             const uint8_t *c = a->codes + (g * nb + b) * block_bytes(bits);
+            prefetch_lines(c + PREFETCH_BLOCKS * block_bytes(bits), block_bytes(bits));
             const __m256i m = _mm256_set1_epi8(0x0F);
             for (int s = 0; s < 4; s++) {
                 const __m256i v = _mm256_loadu_si256((const __m256i *)(c + 32 * s));
@@ -321,6 +337,7 @@ static inline __attribute__((always_inline)) void group_tile(const kvq_args *a, 
                 for (int s = 0; s < 8; s++) w[s] = high_bits(w[s], c + 128, bits, s);
         } else { /* bits 8 and 7 */
             const int8_t *c = (const int8_t *)a->codes + (g * nb + b) * 256;
+            prefetch_lines(c + PREFETCH_BLOCKS * 256, 256);
             for (int s = 0; s < 8; s++) w[s] = _mm256_loadu_si256((const __m256i *)(c + 32 * s));
         }
         for (int r = 0; r < R; r++) {
