@@ -62,13 +62,13 @@ INT8DOT_DENSE_MIN_ROWS = 256
 # rows (docs/results/int8dot-ops-avx2*.txt): at 16 rows 0.97-1.13x its time, at 64 rows 0.60-0.94x.
 GEMM_F32_MIN_ROWS = 32
 # On CPUs with AMX-INT8 the integer kernel computes its sums on tiles (cpu_int8dot.c: the same sums, bit for bit,
-# so no rule here changes a result) from this many rows and rows x K activations per call. On the 1B shape's
-# linears (K 2048 / 8192, 2-core Xeon) a tie with the dpbusd loop at 4 rows, faster from 5 (python -m kvcli.bench
-# int8dot-ops-1b, docs/results/int8dot-ops-1b.txt); in the engine on SmolLM2-135M (K 576) the tiles lost below
-# ~12 rows (1.12x the loop's step time at 6 rows, 0.84x at 16; on the 1B shape 0.86x at 6): too little work per
-# block for the tiles' overheads, hence the activation count.
-INT8DOT_AMX_MIN_ROWS = 5
-INT8DOT_AMX_MIN_ELEMS = 8192
+# so no rule here changes a result) from this many rows and rows x K activations per call. Interleaved in-engine
+# A/B of verify-like steps (a cached 512-token context + n rows; 2-core Xeon, 2026-12-05, with the loop's
+# prefetching): 1B shape (K 2048 / 8192) tiles 1.02x the loop's step time at 6 rows, 0.86x at 8, 0.76x at 12;
+# SmolLM2-135M (K 576 / 1536) 1.28x at 6, 1.03x at 12, 0.88x at 16: too little work per block at small K for the
+# tiles' overheads, hence the activation count. Per linear: python -m kvcli.bench int8dot-ops-1b.
+INT8DOT_AMX_MIN_ROWS = 8
+INT8DOT_AMX_MIN_ELEMS = 9216
 INT4_DENSE_MIN_ROWS = 256  # torch's int4 kernel: from about here on a read-back + GEMM beats it (both ISAs)
 TRITON_INT8_GROUPS = (16, 32, 64, 128)
 
