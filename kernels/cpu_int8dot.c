@@ -780,21 +780,18 @@ __attribute__((target("amx-tile,amx-int8"))) static void amx_panels(const kvq_ar
             const int64_t R = m_end - m0 < 16 ? m_end - m0 : 16;
             const int MT = amx_tile_rows(R);
             if (MT != configured) amx_configure(MT), configured = MT;
-#define AMX_CASES(BITS, SIGNED)                                                                  \
-    if (np == 2) {                                                                               \
-        switch (MT) {                                                                            \
-        case 2: amx_tile2(a, BITS, SIGNED, 2, m0, R, p, bp, bbuf, cbuf); break;                  \
-        case 4: amx_tile2(a, BITS, SIGNED, 4, m0, R, p, bp, bbuf, cbuf); break;                  \
-        case 8: amx_tile2(a, BITS, SIGNED, 8, m0, R, p, bp, bbuf, cbuf); break;                  \
-        default: amx_tile2(a, BITS, SIGNED, 16, m0, R, p, bp, bbuf, cbuf);                       \
-        }                                                                                        \
-    } else {                                                                                     \
-        switch (MT) {                                                                            \
-        case 2: amx_tile(a, BITS, SIGNED, 2, m0, R, p, bp, bbuf, cbuf); break;                   \
-        case 4: amx_tile(a, BITS, SIGNED, 4, m0, R, p, bp, bbuf, cbuf); break;                   \
-        case 8: amx_tile(a, BITS, SIGNED, 8, m0, R, p, bp, bbuf, cbuf); break;                   \
-        default: amx_tile(a, BITS, SIGNED, 16, m0, R, p, bp, bbuf, cbuf);                        \
-        }                                                                                        \
+#define AMX_ROWS(FN, BITS, SIGNED)                                          \
+    switch (MT) {                                                           \
+    case 2: FN(a, BITS, SIGNED, 2, m0, R, p, bp, bbuf, cbuf); break;        \
+    case 4: FN(a, BITS, SIGNED, 4, m0, R, p, bp, bbuf, cbuf); break;        \
+    case 8: FN(a, BITS, SIGNED, 8, m0, R, p, bp, bbuf, cbuf); break;        \
+    default: FN(a, BITS, SIGNED, 16, m0, R, p, bp, bbuf, cbuf);             \
+    }
+#define AMX_CASES(BITS, SIGNED)                                             \
+    if (np == 2) {                                                          \
+        AMX_ROWS(amx_tile2, BITS, SIGNED)                                   \
+    } else {                                                                \
+        AMX_ROWS(amx_tile, BITS, SIGNED)                                    \
     }
             if (bits == 4 && a->offset) { /* Q4_0: codes less 8, signed */
                 AMX_CASES(4, 1)
@@ -804,6 +801,7 @@ __attribute__((target("amx-tile,amx-int8"))) static void amx_panels(const kvq_ar
                 AMX_CASES(8, 1)
             }
 #undef AMX_CASES
+#undef AMX_ROWS
         }
         p += np;
     }
