@@ -351,11 +351,11 @@ static inline __attribute__((always_inline)) void span(const kva_args *a, const 
         if (t + n < t1) {
             const int64_t t2 = t + n, off2 = t2 % bs;
             id = off2 ? id : table_at(a->s, req, t2 / bs);
-            if (id != cur + (off2 == 0)) { /* the next block in memory is left to the hardware prefetcher */
-                const int n2 = tile_len(t2, t1, bs);
-                prefetch_rows((const char *)c->k + esz * (h * c->k_sh + id * c->k_sb + off2 * c->k_st), esz * c->k_st, n2, esz * D);
-                prefetch_rows((const char *)c->v + esz * (h * c->v_sh + id * c->v_sb + off2 * c->v_st), esz * c->v_st, n2, esz * D);
-            }
+            /* asked for even where the next block follows this one in memory: 1.02-1.04x decode at 4k on the
+             * 1B shape (2-core Xeon, 2026-12-05, interleaved pairs), the hardware prefetcher alone stopping at pages */
+            const int n2 = tile_len(t2, t1, bs);
+            prefetch_rows((const char *)c->k + esz * (h * c->k_sh + id * c->k_sb + off2 * c->k_st), esz * c->k_st, n2, esz * D);
+            prefetch_rows((const char *)c->v + esz * (h * c->v_sh + id * c->v_sb + off2 * c->v_st), esz * c->v_st, n2, esz * D);
         }
         if (dt == DT_F32) {
             for (int u = 0; u < n; u++) kr[u] = (const float *)kp + u * c->k_st, vr[u] = (const float *)vp + u * c->v_st;
