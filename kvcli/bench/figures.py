@@ -114,6 +114,10 @@ FIGURES: dict[str, Figure] = {f.name: f for f in [
     # package): efe4681 is the tree before it. `python -m kvcli.bench ab-decode --save` (an idle machine).
     Figure("ab-decode", "ab:main", "before/after: the decode figure at efe4681 and in this tree, interleaved",
            ("--before", "efe4681", "decode", "--rounds", "3"), in_make_figures=False),
+    # Issue #30 on the bundled model: bd0c652 is the tree before the AMX tiles and the weight prefetch.
+    Figure("ab-decode-30", "ab:main", "before/after: the decode figure at bd0c652 (before AMX tiles and the weight "
+           "prefetch) and in this tree, interleaved", ("--before", "bd0c652", "decode", "--rounds", "3"),
+           in_make_figures=False),
     Figure("ab-throughput", "ab:main", "before/after: the throughput trace at efe4681 and in this tree, interleaved",
            ("--before", "efe4681", "throughput", "--rounds", "3", "--", "--modes", "static,generate_batch"),
            in_make_figures=False),
