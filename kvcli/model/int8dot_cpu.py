@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from kvcli.native import registry
+from kvcli.native.tiles import turn_on
 from kvcli.native.scratch import scratch
 from kvcli_kernels.cpu_int8dot import (F16, F32, NEG_SUB, NONE, SUB, SUB_I8, ZERO, Groups, groups_x8, int8dot_dequant,
                                        int8dot_gemm_f32, int8dot_linear, pack_x8_native, weight_args)
@@ -63,10 +64,8 @@ def _tiles(lib) -> tuple["TileRule | None", str]:
     rule = int8dot_tiles(capabilities())
     if rule is None:
         return None, "no AMX-INT8 here (or KVCLI_AMX=0)"
-    rc = lib.kvq_amx_enable(rule.min_rows, rule.min_elems)
-    if rc == 1:
-        return rule, ""
-    return None, "Linux refused the AMX tile state (arch_prctl)" if rc == -2 else "the build has no AMX path"
+    why = turn_on(lib, rule.min_rows, rule.min_elems)
+    return (None, why) if why else (rule, "")
 
 
 def restore_tiles(lib) -> None:

@@ -95,10 +95,13 @@ class Native:
 
         if device.type != "cpu" or not registry.enabled():
             return Native()
-        from kvcli.model.int8dot_cpu import tile_rule
+        from kvcli.native.capabilities import capabilities
+        from kvcli.native.tiles import turn_on
 
         fp32 = dtype == torch.float32
-        return Native(int8dot=registry.library("int8dot") is not None, int8_tiles=tile_rule(),
+        lib, rule = registry.library("int8dot"), int8dot_tiles(capabilities())
+        tiles = rule if lib is not None and rule is not None and not turn_on(lib, rule.min_rows, rule.min_elems) else None
+        return Native(int8dot=lib is not None, int8_tiles=tiles,
                       rmsnorm=fp32 and registry.library("rmsnorm") is not None,
                       swiglu=fp32 and registry.library("swiglu") is not None,
                       decode_layers=fp32 and registry.library("decode_layers") is not None, build_isa=build_isa())

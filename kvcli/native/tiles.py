@@ -1,0 +1,15 @@
+"""The int8 kernel library's AMX switch (kernels/cpu_int8dot.c kvq_amx_enable), turned on once per process by the
+weight plan's rule (kvcli/model/weight_plan.py int8dot_tiles); Linux grants the tile state per process."""
+
+from __future__ import annotations
+
+import functools
+
+
+@functools.lru_cache(maxsize=None)
+def turn_on(lib, min_rows: int, min_elems: int) -> str:
+    """The library's tiles on for calls of min_rows+ rows and min_elems+ activations: "" when on, else why not."""
+    rc = lib.kvq_amx_enable(min_rows, min_elems)
+    if rc == 1:
+        return ""
+    return "Linux refused the AMX tile state (arch_prctl)" if rc == -2 else "the build has no AMX path"
