@@ -34,7 +34,6 @@ import torch
 import torch.nn.functional as F
 
 from kvcli.native import registry
-from kvcli.native.tiles import turn_on
 from kvcli.native.scratch import scratch
 from kvcli_kernels.cpu_int8dot import (F16, F32, NEG_SUB, NONE, SUB, SUB_I8, ZERO, Groups, groups_x8, int8dot_dequant,
                                        int8dot_gemm_f32, int8dot_linear, pack_x8_native, weight_args)
@@ -55,29 +54,24 @@ def native_library():
 
 
 @functools.lru_cache(maxsize=None)
-def _tiles(lib) -> tuple["TileRule | None", str]:
-    """Turns the library's AMX tiles on by weight_plan.int8dot_tiles' rule, once per process and library:
-    (rule, "") when on, (None, why not) otherwise."""
-    from kvcli.model.weight_plan import int8dot_tiles
+def _tiles(lib) -> "TileRule | None":
+    """The weight plan's AMX rule, turned on in the library (weight_plan.int8dot_tiles_on), once per library."""
+    from kvcli.model.weight_plan import int8dot_tiles_on
     from kvcli.native.capabilities import capabilities
 
-    rule = int8dot_tiles(capabilities())
-    if rule is None:
-        return None, "no AMX-INT8 here (or KVCLI_AMX=0)"
-    why = turn_on(lib, rule.min_rows, rule.min_elems)
-    return (None, why) if why else (rule, "")
+    return int8dot_tiles_on(lib, capabilities())
 
 
 def restore_tiles(lib) -> None:
     """The library's AMX switch back to the plan's rule (after a benchmark or test set it by hand)."""
-    rule = _tiles(lib)[0]
+    rule = _tiles(lib)
     lib.kvq_amx_enable(rule.min_rows if rule else 0, rule.min_elems if rule else 0)
 
 
 def tile_rule() -> "TileRule | None":
     """When the loaded int8 kernel computes on AMX tiles (None: never, or no library)."""
     lib = native_library()
-    return None if lib is None else _tiles(lib)[0]
+    return None if lib is None else _tiles(lib)
 
 
 def _plain(t: torch.Tensor) -> Groups:

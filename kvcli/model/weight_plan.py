@@ -96,11 +96,10 @@ class Native:
         if device.type != "cpu" or not registry.enabled():
             return Native()
         from kvcli.native.capabilities import capabilities
-        from kvcli.native.tiles import turn_on
 
         fp32 = dtype == torch.float32
-        lib, rule = registry.library("int8dot"), int8dot_tiles(capabilities())
-        tiles = rule if lib is not None and rule is not None and not turn_on(lib, rule.min_rows, rule.min_elems) else None
+        lib = registry.library("int8dot")
+        tiles = int8dot_tiles_on(lib, capabilities()) if lib is not None else None
         return Native(int8dot=lib is not None, int8_tiles=tiles,
                       rmsnorm=fp32 and registry.library("rmsnorm") is not None,
                       swiglu=fp32 and registry.library("swiglu") is not None,
@@ -258,6 +257,15 @@ class TileRule:
 def int8dot_tiles(caps: CpuCapabilities) -> TileRule | None:
     """When the int8 kernel runs its integer sums on AMX tiles here (None: never)."""
     return TileRule(INT8DOT_AMX_MIN_ROWS, INT8DOT_AMX_MIN_ELEMS) if caps.amx_int8 else None
+
+
+def int8dot_tiles_on(lib, caps: CpuCapabilities) -> TileRule | None:
+    """int8dot_tiles' rule turned on in the loaded int8 library (once per process: kvcli/native/tiles.py), or None
+    where there is no rule or Linux or the build refuse the tiles."""
+    from kvcli.native.tiles import turn_on
+
+    rule = int8dot_tiles(caps)
+    return rule if rule is not None and turn_on(lib, rule.min_rows, rule.min_elems) else None
 
 
 def int4_route(caps: CpuCapabilities, row_invariant: bool = False) -> RowRoute:

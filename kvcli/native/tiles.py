@@ -7,9 +7,7 @@ import functools
 
 
 @functools.lru_cache(maxsize=None)
-def turn_on(lib, min_rows: int, min_elems: int) -> str:
-    """The library's tiles on for calls of min_rows+ rows and min_elems+ activations: "" when on, else why not."""
-    rc = lib.kvq_amx_enable(min_rows, min_elems)
-    if rc == 1:
-        return ""
-    return "Linux refused the AMX tile state (arch_prctl)" if rc == -2 else "the build has no AMX path"
+def turn_on(lib, min_rows: int, min_elems: int) -> bool:
+    """The library's tiles on for calls of min_rows+ rows and min_elems+ activations; False where the CPU has no
+    AMX-INT8, Linux refuses the tile state (arch_prctl) or the build has no AMX path."""
+    return lib.kvq_amx_enable(min_rows, min_elems) == 1
