@@ -13,7 +13,7 @@
  * count: a row's result does not depend on the rows it is batched with.
  *
  * Calls with many rows take kvq_gemm_f32 at the end of this file instead (AVX2 builds): an fp32 GEMM over
- * weight panels dequantized on the fly.
+ * weight panels dequantized on the fly; on AMX-BF16 CPUs kvq_gemm_bf16, the same in bf16 on AMX tiles.
  *
  * Built at first use by kvcli_kernels/cpu_build.py (cc -O3 -fopenmp, flags of the ISA in use). The
  * OpenMP runtime is the one torch already loaded (same soname, libgomp.so.1), so torch.set_num_threads and
@@ -1183,6 +1183,213 @@ int kvq_gemm_f32(const float *x, int64_t M, int64_t K, const uint8_t *codes, int
 int kvq_gemm_f32(const float *x, int64_t M, int64_t K, const uint8_t *codes, int bits, int offset, int scale_kind,
                  const void *scale, const uint16_t *scale_sup, int64_t scale_per, int min_kind, const void *mins,
                  const uint16_t *min_sup, int64_t min_per, int64_t G, int64_t N, float *y, int64_t ldy, int nthreads) {
+    (void)x, (void)M, (void)K, (void)codes, (void)bits, (void)offset, (void)scale_kind, (void)scale, (void)scale_sup, (void)scale_per;
+    (void)min_kind, (void)mins, (void)min_sup, (void)min_per, (void)G, (void)N, (void)y, (void)ldy, (void)nthreads;
+    return -2;
+}
+#endif
+
+/* ---- many rows on AMX-BF16: a bf16 GEMM over weight panels dequantized on the fly ---------------------
+ * Where the CPU has AMX, calls with many rows (prefill chunks) multiply in bf16 on the tiles (tdpbf16ps, fp32
+ * sums) instead of reading the whole weight back to bf16 for torch's GEMM (a transient as large as the dense
+ * weight, written, then re-packed by oneDNN). Each thread takes a range of panels of 32 weight rows; per KC k
+ * it dequantizes BG_PB of them (pack_rows8: w = d q + m in fp32, the read-back's roundings; then to bf16,
+ * round to nearest even as kvq_dequant) into the tiles' pair-interleaved order, [k / 2][16 columns][2], and
+ * runs every 32 rows of x past them: 2 x 2 tiles of 16 rows x 16 columns (C 0-3, x 4-5, weights 6-7), the
+ * sums kept in a per-thread buffer between KC steps. BG_KC / BG_PB: 256 / 4 (KC 256-2048, PB 2-8 were within
+ * the run-to-run spread of per-linear timings on the 1B shape at 512 rows, 2-core Xeon, 2026-12-05, ad hoc). x is converted to bf16 once (round to nearest even: torch's
+ * x.to(torch.bfloat16)). So the numbers are those of the read-back route (bf16 weights, bf16 activations, fp32
+ * sums), in another order of summation; each output's k order is fixed whatever M and the thread count. */
+#ifdef KVQ_AMX
+#ifndef BG_KC
+#define BG_KC 256
+#endif
+#ifndef BG_PB
+#define BG_PB 4
+#endif
+
+static int amx_granted = 0;
+
+/* 1 where the CPU has AMX-BF16 and Linux grants the tile state (once per process), else 0. */
+static int amx_bf16_permit(void) {
+    if (amx_granted) return amx_granted > 0;
+    unsigned a, b, c, d;
+    const int ok = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 22)) && (d & (1u << 24)) &&
+                   syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+    amx_granted = ok ? 1 : -1;
+    return ok;
+}
+
+/* fp32 [kc][16] (row stride 16) -> bf16 pairs [kc / 2][16][2], rounded to nearest even (kvq_dequant's rule). */
+static inline void bg_pairs(const float *in, int64_t kc, uint32_t *out) {
+    const __m512i bias = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1), hi = _mm512_set1_epi32((int)0xFFFF0000u);
+    for (int64_t r = 0; r < kc / 2; r++) {
+        const __m512i u0 = _mm512_loadu_si512(in + 2 * r * 16), u1 = _mm512_loadu_si512(in + (2 * r + 1) * 16);
+        const __m512i r0 = _mm512_add_epi32(_mm512_add_epi32(u0, bias), _mm512_and_si512(_mm512_srli_epi32(u0, 16), one));
+        const __m512i r1 = _mm512_add_epi32(_mm512_add_epi32(u1, bias), _mm512_and_si512(_mm512_srli_epi32(u1, 16), one));
+        _mm512_store_si512(out + 16 * r, _mm512_or_si512(_mm512_srli_epi32(r0, 16), _mm512_and_si512(r1, hi)));
+    }
+}
+
+/* Panel q (weight rows 32 q .. 32 q + 31; absent rows past N as zeros) at k0 .. k0 + kc into `out`: two tiles'
+ * worth of pairs, columns 0-15 then 16-31, each [kc / 2][16][2]. */
+static void bg_pack(const kvq_args *a, const int bits, int64_t q, int64_t k0, int64_t kc, float *tmp, uint32_t *out) {
+    for (int h = 0; h < 2; h++) {
+        for (int j = 0; j < 2; j++) {
+            const int64_t g = 4 * q + 2 * h + j;
+            if (g < a->N / 8) {
+                pack_rows8(a, bits, g, k0, kc, tmp + 8 * j);
+            } else {
+                for (int64_t k = 0; k < kc; k++) memset(tmp + k * 16 + 8 * j, 0, 8 * sizeof(float));
+            }
+        }
+        bg_pairs(tmp, kc, out + h * kc * 8);
+    }
+}
+
+/* Tiles: 0-3 C (16 rows x 16 fp32), 4-5 x (rows x 32 bf16), 6-7 weights (16 pairs x 16 columns); `rows` rows
+ * of x and C in the first x tile and its two C tiles (a last, shorter tile of x). */
+__attribute__((target("amx-tile"))) static void bg_configure(int rows) {
+    amx_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+    cfg.rows[0] = cfg.rows[1] = cfg.rows[4] = (uint8_t)rows;
+    __asm__ volatile("" : : "r"(&cfg) : "memory");
+    _tile_loadconfig(&cfg);
+}
+
+/* C[32 rows][32 cols] (TWO = 1) or C[rows][32] (TWO = 0, tiles 0 / 1 / 4 as configured) += x[.., k0 .. k0 + kc]
+ * W^T over one packed panel; C read from (or, when first, zero) and stored to c (row stride ldc floats). */
+__attribute__((target("amx-tile,amx-bf16"), always_inline)) static inline void bg_micro(const int TWO, const uint16_t *x, int64_t ldx,
+                                                                         const uint32_t *bp, int64_t kc, float *c,
+                                                                         int64_t ldc, int first) {
+    const uint32_t *b1 = bp + kc * 8;
+    if (first) {
+        _tile_zero(0);
+        _tile_zero(1);
+        if (TWO) {
+            _tile_zero(2);
+            _tile_zero(3);
+        }
+    } else {
+        _tile_loadd(0, c, 4 * ldc);
+        _tile_loadd(1, c + 16, 4 * ldc);
+        if (TWO) {
+            _tile_loadd(2, c + 16 * ldc, 4 * ldc);
+            _tile_loadd(3, c + 16 * ldc + 16, 4 * ldc);
+        }
+    }
+    for (int64_t s = 0; s < kc / 32; s++) {
+        _tile_loadd(4, x + 32 * s, 2 * ldx);
+        _tile_loadd(6, bp + 256 * s, 64);
+        _tile_loadd(7, b1 + 256 * s, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (TWO) {
+            _tile_loadd(5, x + 16 * ldx + 32 * s, 2 * ldx);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    _tile_stored(0, c, 4 * ldc);
+    _tile_stored(1, c + 16, 4 * ldc);
+    if (TWO) {
+        _tile_stored(2, c + 16 * ldc, 4 * ldc);
+        _tile_stored(3, c + 16 * ldc + 16, 4 * ldc);
+    }
+}
+
+/* One thread's panels q0 .. q1 - 1 of y = x W^T. xb: x in bf16 in blocks of BG_KC k, [K / BG_KC][M][kc] (the
+ * block at k0 holds rows of kc = min(BG_KC, K - k0) values at xb + k0 M). The sums of a work item's panels stay in
+ * `cbuf` ([M][BG_PB x 32] fp32) until its last k, then go to y. Both operands and the sums are read with short
+ * strides: rows of y or x a power-of-two KiB apart (N = 8192 floats, K = 2048 bf16) fell into a few cache sets. */
+__attribute__((target("amx-tile,amx-bf16"))) static void bg_panels(const kvq_args *a, const int bits, const uint16_t *xb,
+                                                                   int64_t q0, int64_t q1, float *tmp, uint32_t *packed,
+                                                                   float *cbuf) {
+    const int64_t M = a->M, K = a->K, full = M / 16 * 16, ldc = BG_PB * 32;
+    for (int64_t i0 = q0; i0 < q1; i0 += BG_PB) {
+        const int64_t i1 = i0 + BG_PB < q1 ? i0 + BG_PB : q1;
+        for (int64_t k0 = 0; k0 < K; k0 += BG_KC) {
+            const int64_t kc = K - k0 < BG_KC ? K - k0 : BG_KC;
+            const uint16_t *xk = xb + k0 * M;
+            const int first = k0 == 0;
+            for (int64_t q = i0; q < i1; q++) bg_pack(a, bits, q, k0, kc, tmp, packed + (q - i0) * kc * 16);
+            bg_configure(16);
+            for (int64_t m0 = 0; m0 < full; m0 += 32) /* x's 32 rows stay in L1 while the panels pass */
+                for (int64_t q = i0; q < i1; q++) {
+                    const uint32_t *bp = packed + (q - i0) * kc * 16;
+                    float *c = cbuf + m0 * ldc + 32 * (q - i0);
+                    if (m0 + 32 <= full)
+                        bg_micro(1, xk + m0 * kc, kc, bp, kc, c, ldc, first);
+                    else
+                        bg_micro(0, xk + m0 * kc, kc, bp, kc, c, ldc, first);
+                }
+            if (full < M) {
+                bg_configure((int)(M - full));
+                for (int64_t q = i0; q < i1; q++)
+                    bg_micro(0, xk + full * kc, kc, packed + (q - i0) * kc * 16, kc, cbuf + full * ldc + 32 * (q - i0), ldc,
+                             first);
+            }
+        }
+        const int64_t cols = a->N - 32 * i0 < 32 * (i1 - i0) ? a->N - 32 * i0 : 32 * (i1 - i0);
+        for (int64_t m = 0; m < M; m++) memcpy(a->y + m * a->ldy + 32 * i0, cbuf + m * ldc, (size_t)cols * sizeof(float));
+    }
+    _tile_release();
+}
+
+/* Row m of x (fp32, K) into xb's k blocks (bg_panels), as bf16 rounded to nearest even. */
+static void bg_row_to_bf16(const float *x, int64_t M, int64_t K, int64_t m, uint16_t *xb) {
+    for (int64_t k0 = 0; k0 < K; k0 += BG_KC) {
+        const int64_t kc = K - k0 < BG_KC ? K - k0 : BG_KC;
+        uint16_t *out = xb + k0 * M + m * kc;
+        for (int64_t i = 0; i < kc; i += 16) { /* kc is a multiple of 32 */
+            const __m512i u = _mm512_loadu_si512(x + m * K + k0 + i);
+            const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)),
+                                               _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)));
+            _mm256_storeu_si256((__m256i *)(out + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+        }
+    }
+}
+
+/* y [M, N] (row stride ldy) = x [M, K] @ W^T with bf16 products on AMX tiles (K a multiple of 32). Returns 0,
+ * -1 out of memory, -2 where the CPU or Linux give no AMX-BF16 (the caller reads the weight back instead),
+ * -3 for a form pack_rows8 has no loop for. */
+int kvq_gemm_bf16(const float *x, int64_t M, int64_t K, const uint8_t *codes, int bits, int offset, int scale_kind,
+                  const void *scale, const uint16_t *scale_sup, int64_t scale_per, int min_kind, const void *mins,
+                  const uint16_t *min_sup, int64_t min_per, int64_t G, int64_t N, float *y, int64_t ldy, int nthreads) {
+    const kvq_args a = {NULL, NULL, NULL, NULL, codes, groups_of(scale_kind, scale, scale_sup, scale_per),
+                        groups_of(min_kind, mins, min_sup, min_per), M, K, N, G, y, ldy, offset};
+    if (!form_ok(&a, bits) || K % QK != 0 || !(G == 16 || G % QK == 0)) return -3;
+    if (!amx_bf16_permit()) return -2;
+    uint16_t *xb = (uint16_t *)aligned_alloc(64, (size_t)(2 * M * K + 64));
+    if (!xb) return -1;
+    const int64_t npanels = (N + 31) / 32;
+    const int nt = npanels < nthreads ? (int)npanels : nthreads;
+    int failed = 0;
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        const int t = omp_get_thread_num(), n = omp_get_num_threads();
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++) bg_row_to_bf16(x, M, K, m, xb);
+        float *tmp = (float *)aligned_alloc(64, sizeof(float) * BG_KC * 16);
+        uint32_t *packed = (uint32_t *)aligned_alloc(64, sizeof(uint32_t) * BG_KC * 16 * BG_PB);
+        float *cbuf = (float *)aligned_alloc(64, sizeof(float) * (size_t)(M * BG_PB * 32));
+        if (!tmp || !packed || !cbuf) {
+#pragma omp atomic write
+            failed = 1;
+        } else {
+            bg_panels(&a, bits, xb, npanels * t / n, npanels * (t + 1) / n, tmp, packed, cbuf);
+        }
+        free(tmp), free(packed), free(cbuf);
+    }
+    free(xb);
+    return failed ? -1 : 0;
+}
+#else
+int kvq_gemm_bf16(const float *x, int64_t M, int64_t K, const uint8_t *codes, int bits, int offset, int scale_kind,
+                  const void *scale, const uint16_t *scale_sup, int64_t scale_per, int min_kind, const void *mins,
+                  const uint16_t *min_sup, int64_t min_per, int64_t G, int64_t N, float *y, int64_t ldy, int nthreads) {
     (void)x, (void)M, (void)K, (void)codes, (void)bits, (void)offset, (void)scale_kind, (void)scale, (void)scale_sup, (void)scale_per;
     (void)min_kind, (void)mins, (void)min_sup, (void)min_per, (void)G, (void)N, (void)y, (void)ldy, (void)nthreads;
     return -2;

@@ -55,6 +55,8 @@ def load(isa: str, cache_dir: str) -> ctypes.CDLL | None:
         lib.kvq_pack.restype = None
         lib.kvq_gemm_f32.argtypes = lib.kvq_linear.argtypes
         lib.kvq_gemm_f32.restype = i32
+        lib.kvq_gemm_bf16.argtypes = lib.kvq_linear.argtypes
+        lib.kvq_gemm_bf16.restype = i32
         lib.kvq_amx_enable.argtypes = [i32, i64]
         lib.kvq_amx_enable.restype = i32
         lib._kvq_declared = True
@@ -94,13 +96,26 @@ def int8dot_linear(lib: ctypes.CDLL, x: torch.Tensor, weight: tuple, out_feature
 def int8dot_gemm_f32(lib: ctypes.CDLL, x: torch.Tensor, weight: tuple, out_features: int) -> torch.Tensor | None:
     """x fp32 [M, K] contiguous -> fp32 [M, N] by the fp32 GEMM over weight panels dequantized on the fly
     (exact weights, fp32 products); None where the build has no such kernel (no AVX2 + FMA)."""
+    return _panel_gemm(lib.kvq_gemm_f32, x, weight, out_features)
+
+
+def int8dot_gemm_bf16(lib: ctypes.CDLL, x: torch.Tensor, weight: tuple, out_features: int) -> torch.Tensor | None:
+    """x fp32 [M, K] contiguous -> fp32 [M, N] by the bf16 GEMM on AMX tiles over weight panels dequantized on
+    the fly (the read-back's bf16 weights and activations, fp32 sums); None where there are no AMX-BF16 tiles
+    (the CPU, Linux or the build)."""
+    return _panel_gemm(lib.kvq_gemm_bf16, x, weight, out_features)
+
+
+def _panel_gemm(fn, x: torch.Tensor, weight: tuple, out_features: int) -> torch.Tensor | None:
     m, k = x.shape
     y = torch.empty(m, out_features, dtype=torch.float32)
     codes, bits, offset, *groups, group_size = weight
-    rc = lib.kvq_gemm_f32(x.data_ptr(), m, k, codes, bits, offset, *groups, group_size, out_features, y.data_ptr(),
-                          out_features, torch.get_num_threads())
+    rc = fn(x.data_ptr(), m, k, codes, bits, offset, *groups, group_size, out_features, y.data_ptr(), out_features,
+            torch.get_num_threads())
     if rc == -2:
         return None
+    if rc == -3:
+        raise ValueError(f"int8dot: no GEMM loop for {bits}-bit codes in groups of {group_size}")
     if rc != 0:
         raise MemoryError("int8dot: no memory for the GEMM's weight panels")
     return y

@@ -320,6 +320,7 @@ def test_many_rows_take_the_fp32_gemm_where_it_is_chosen(isa):
     this one is."""
     from kvcli.model.vocab_head import VocabHead
     from kvcli.model.weight_plan import GEMM_F32_MIN_ROWS, HeadPlan, int8dot_route
+    from kvcli_kernels.cpu_int8dot import int8dot_gemm_f32
     from kvcli.native.capabilities import CpuCapabilities
 
     if isa == "generic":
@@ -329,7 +330,7 @@ def test_many_rows_take_the_fp32_gemm_where_it_is_chosen(isa):
     gen = torch.Generator().manual_seed(13)
     q, w = _gemm_problem("q8 fp16", gen)
     lin = Int8DotCpu(q, route=route)
-    assert lin.gemm_f32 and lin.dense_min_rows == GEMM_F32_MIN_ROWS
+    assert lin.gemm is int8dot_gemm_f32 and lin.dense_min_rows == GEMM_F32_MIN_ROWS
     n = lin.dense_min_rows
     x = torch.randn(n, w.shape[1], generator=gen)
     assert _check(lin, w, x) < 1e-5  # the integer kernel's two levels alone give ~5e-5
@@ -341,6 +342,88 @@ def test_many_rows_take_the_fp32_gemm_where_it_is_chosen(isa):
     still = int8dot_route(avx2, row_invariant=True)
     head = VocabHead(HeadPlan("int8dot-cpu", torch.float32, True, still), table=Int8DotCpu(q, route=still))
     assert head.int8dot.dense_min_rows is None and "fp32 GEMM" not in head.path
+
+
+def _amx_bf16_here(isa: str) -> bool:
+    from kvcli.native.capabilities import cpu_flags
+
+    return isa == "avx512vnni" and {"amx_tile", "amx_bf16"} <= cpu_flags()
+
+
+@pytest.mark.parametrize("kind", list(WEIGHTS))
+def test_amx_bf16_gemm_is_the_read_backs_product(isa, kind):
+    """kvq_gemm_bf16, the many-row path on AMX CPUs: weight panels dequantized to bf16 on the fly (the read-back's
+    bf16 weights, bit for bit) times x in bf16, fp32 sums on tiles: within fp32 summation error of the float64
+    product of those same bf16 operands, for every code kind, ragged row counts (2 x 2 tiles of 16 rows, one
+    tile, a last short tile), a last panel of 8 weight rows and K panels with a tail. None where there are no
+    AMX-BF16 tiles (other CPUs, the AVX2 and plain C builds)."""
+    from kvcli_kernels.cpu_int8dot import int8dot_dequant, int8dot_gemm_bf16
+
+    gen = torch.Generator().manual_seed(14)
+    q, w = _gemm_problem(kind, gen)
+    lin = Int8DotCpu(q)
+    wb = int8dot_dequant(lin.lib, lin.args, torch.empty(w.shape, dtype=torch.bfloat16))
+    assert torch.equal(wb, w.float().bfloat16())
+    for rows in (1, 5, 16, 17, 32, 40, 70):
+        x = torch.randn(rows, w.shape[1], generator=gen) * torch.rand(1, w.shape[1], generator=gen) * 3
+        y = int8dot_gemm_bf16(lin.lib, x, lin.args, lin.out_features)
+        if not _amx_bf16_here(isa):
+            assert y is None
+            return
+        ref = x.bfloat16().double() @ wb.double().t()
+        err = ((y.double() - ref).abs().amax(-1) / ref.abs().amax(-1)).max().item()
+        assert err < 2e-6, f"{kind} rows {rows}: max relative error {err:.2e}"
+
+
+def test_amx_bf16_gemm_rows_and_threads_do_not_change_a_row(isa):
+    """Each output of the AMX GEMM sums its k in one fixed order: a row alone, in a batch, in a last short tile,
+    or on one thread is bit-identical."""
+    from kvcli_kernels.cpu_int8dot import int8dot_gemm_bf16
+
+    if not _amx_bf16_here(isa):
+        pytest.skip("no AMX-BF16 tiles in this build / CPU")
+    gen = torch.Generator().manual_seed(15)
+    q, w = _gemm_problem("Q4_0 offset 8", gen)
+    lin = Int8DotCpu(q)
+    x = torch.randn(37, w.shape[1], generator=gen)
+    full = int8dot_gemm_bf16(lin.lib, x, lin.args, lin.out_features)
+    for i in (0, 20, 33, 36):
+        assert torch.equal(int8dot_gemm_bf16(lin.lib, x[i:i + 1], lin.args, lin.out_features)[0], full[i])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(int8dot_gemm_bf16(lin.lib, x, lin.args, lin.out_features), full)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_many_rows_take_the_amx_gemm_where_it_is_chosen(isa):
+    """On an AMX-BF16 CPU the plan routes calls from INT8DOT_DENSE_MIN_ROWS rows to the AMX GEMM: the read-back's
+    result within fp32 summation error, without its buffer; fewer rows the integer kernel. The plan is made for
+    such a CPU whatever this one is; where the kernel is refused the call falls back to the read-back."""
+    from kvcli.model.weight_plan import INT8DOT_DENSE_MIN_ROWS, int8dot_route
+    from kvcli.native.capabilities import CpuCapabilities
+    from kvcli_kernels.cpu_int8dot import int8dot_gemm_bf16
+
+    amx = CpuCapabilities("an AMX CPU", "x86_64", frozenset({"avx2", "fma", "f16c", "avx512f", "avx512_bf16", "amx_tile",
+                          "amx_bf16", "amx_int8"}), "AVX512", "avx512vnni", True, True, True)
+    route = int8dot_route(amx)
+    assert (route.gemm, route.dense_min_rows, route.dense_dtype) == ("amx-bf16-gemm", INT8DOT_DENSE_MIN_ROWS,
+                                                                     torch.bfloat16)
+    assert "bf16 GEMM on AMX tiles from 256 rows" in route.describe()
+    gen = torch.Generator().manual_seed(16)
+    q, w = _gemm_problem("Q4_K two-level", gen)
+    lin = Int8DotCpu(q, route=route)
+    assert lin.gemm is int8dot_gemm_bf16
+    x = torch.randn(INT8DOT_DENSE_MIN_ROWS, w.shape[1], generator=gen)
+    read_back = torch.nn.functional.linear(x.bfloat16(), lin.dense(torch.bfloat16)).float()
+    y = lin(x)
+    assert ((y - read_back).abs().amax(-1) / read_back.abs().amax(-1)).max() < 2e-2  # torch's bf16 output rounding
+    if _amx_bf16_here(isa):
+        assert torch.equal(y, int8dot_gemm_bf16(lin.lib, x, lin.args, lin.out_features))
+    few = lin(x[:7])
+    lin.dense_min_rows = None
+    assert torch.equal(lin(x[:7]), few)
 
 
 AMX_KINDS = ["Q4_0 offset 8", "Q4_K two-level", "q4 min fp16 g32", "q4 min fp32 g128", "zero points g64", "q8 fp16",

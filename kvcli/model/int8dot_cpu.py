@@ -12,8 +12,9 @@ int8 codes; codes interleaved by 8 rows (kvcli_kernels/cpu_int8dot.c).
 Calls with many rows (prefill chunks, big decode batches) run a float GEMM instead, with the weights
 exact: on the AVX2 build (torch's kernels AVX2, bf16 emulated) from 32 rows kvcli's own fp32 GEMM over
 weight panels dequantized on the fly (kvq_gemm_f32: with two int8 levels the integer kernel's ceiling
-is below an fp32 GEMM's there, scripts/probe_int8_throughput.py); elsewhere from 256 rows a read-back
-of the weight into a reused buffer and torch's GEMM, bf16 where the CPU has native bf16 dot products.
+is below an fp32 GEMM's there, scripts/probe_int8_throughput.py); on AMX-BF16 CPUs from 256 rows the same in
+bf16 on AMX tiles (kvq_gemm_bf16); elsewhere from 256 rows a read-back of the weight into a reused buffer and
+torch's GEMM, bf16 where the CPU has native bf16 dot products.
 
 Not bit-exact with the exact path, but close: the weights are exact, and each activation is held as two
 int8 levels per block of 32 (x ~ d (q1 + q2 / 256), d = max|x| / 127: ~15 bits, finer than bf16). On
@@ -36,7 +37,7 @@ import torch.nn.functional as F
 from kvcli.native import registry
 from kvcli.native.scratch import scratch
 from kvcli_kernels.cpu_int8dot import (F16, F32, NEG_SUB, NONE, SUB, SUB_I8, ZERO, Groups, groups_x8, int8dot_dequant,
-                                       int8dot_gemm_f32, int8dot_linear, pack_x8_native, weight_args)
+                                       int8dot_gemm_bf16, int8dot_gemm_f32, int8dot_linear, pack_x8_native, weight_args)
 
 if TYPE_CHECKING:
     from kvcli.model.quant import QuantTensor
@@ -158,9 +159,9 @@ class Int8DotCpu:
 
             route = int8dot_route(capabilities())
         self.dense_dtype = route.dense_dtype
-        # From dense_min_rows rows a float GEMM (None: the integer kernel at every row count): the fused
-        # fp32 one where it is faster, else a read-back + torch's.
-        self.gemm_f32 = route.gemm == "fp32-gemm"
+        # From dense_min_rows rows a float GEMM (None: the integer kernel at every row count): a fused one
+        # (fp32, or bf16 on AMX tiles) where the route says, else (or where it is refused) a read-back + torch's.
+        self.gemm = {"fp32-gemm": int8dot_gemm_f32, "amx-bf16-gemm": int8dot_gemm_bf16}.get(route.gemm)
         self.dense_min_rows: int | None = route.dense_min_rows
 
     @property
@@ -182,8 +183,8 @@ class Int8DotCpu:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] -> [M, N] in x's dtype."""
         if self.dense_min_rows is not None and x.shape[0] >= self.dense_min_rows:
-            if self.gemm_f32:
-                y = int8dot_gemm_f32(self.lib, x.float().contiguous(), self.args, self.out_features)
+            if self.gemm is not None:
+                y = self.gemm(self.lib, x.float().contiguous(), self.args, self.out_features)
                 if y is not None:
                     return y.to(x.dtype)
             return F.linear(x.to(self.dense_dtype), self.dense(self.dense_dtype)).to(x.dtype)

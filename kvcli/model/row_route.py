@@ -11,7 +11,8 @@ import torch
 
 @dataclass(frozen=True)
 class RowRoute:
-    """`gemm` = "fp32-gemm" (kvcli's fused GEMM over panels dequantized on the fly) or "read-back" (the weight
+    """`gemm` = "fp32-gemm" (kvcli's fused GEMM over panels dequantized on the fly), "amx-bf16-gemm" (the same in
+    bf16 on AMX tiles: the read-back's numbers without the read-back) or "read-back" (the weight
     read back into a reused buffer in `dense_dtype`, then torch's GEMM)."""
 
     dense_min_rows: int | None = None
@@ -21,7 +22,8 @@ class RowRoute:
     def describe(self) -> str:
         if self.dense_min_rows is None:
             return "one kernel at every row count"
-        what = "kvcli's fp32 GEMM" if self.gemm == "fp32-gemm" else f"{str(self.dense_dtype)[6:]} read-back + GEMM"
+        what = {"fp32-gemm": "kvcli's fp32 GEMM", "amx-bf16-gemm": "kvcli's bf16 GEMM on AMX tiles"}.get(
+            self.gemm, f"{str(self.dense_dtype)[6:]} read-back + GEMM")
         return f"{what} from {self.dense_min_rows} rows"
 
 

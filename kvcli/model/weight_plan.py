@@ -58,6 +58,9 @@ INT8DOT_DENSE_MIN_ROWS = 256
 # Not lowered on AMX CPUs, although read-back + torch's bf16 GEMM on AMX tiles ties the integer kernel from 32
 # rows there (docs/results/int8dot-ops-1b.txt): bf16 activations on 32-255-row prompts put the Q4_0 variant of
 # tests/conformance past its bound against llama.cpp (3.7e-2 vs 3.0e-2 + 1e-3), 2026-12-05.
+# On AMX-BF16 CPUs these calls take kvcli's bf16 GEMM on AMX tiles (kvq_gemm_bf16: the read-back's bf16 numbers,
+# its weight panels dequantized on the fly, no 32-134 MB read-back buffer re-packed by oneDNN each call), from the
+# same row count for the same precision reason.
 # On the AVX2 build under torch's AVX2 kernels, kvcli's fused fp32 GEMM beats the integer kernel from 16-64
 # rows (docs/results/int8dot-ops-avx2*.txt): at 16 rows 0.97-1.13x its time, at 64 rows 0.60-0.94x.
 GEMM_F32_MIN_ROWS = 32
@@ -239,6 +242,8 @@ def int8dot_route(caps: CpuCapabilities, row_invariant: bool = False) -> RowRout
     dense_dtype = torch.bfloat16 if caps.native_bf16 else torch.float32
     if caps.fp32_gemm_preferred:
         return RowRoute(GEMM_F32_MIN_ROWS, "fp32-gemm", dense_dtype)
+    if caps.amx_bf16:  # the read-back's numbers, on AMX tiles without the read-back (a read-back where refused)
+        return RowRoute(INT8DOT_DENSE_MIN_ROWS, "amx-bf16-gemm", torch.bfloat16)
     return RowRoute(INT8DOT_DENSE_MIN_ROWS, "read-back", dense_dtype)
 
 

@@ -29,6 +29,7 @@ class CpuCapabilities:
     build_isa: str  # kvcli's C build that fits: "avx512vnni", "avx2" or "generic"
     native_bf16: bool  # torch's CPU kernels may use bf16 dot-product instructions here
     amx_int8: bool = False  # kvcli's int8 kernel may run its integer sums on AMX tiles (amx_int8_for)
+    amx_bf16: bool = False  # many-row quantized matmuls may run kvcli's bf16 GEMM on AMX tiles (amx_bf16_for)
 
     @property
     def isa(self) -> str:
@@ -123,6 +124,12 @@ def amx_int8_for(flags: frozenset[str], build: str, switch: str = "") -> bool:
     return {"amx_tile", "amx_int8"} <= flags and build == "avx512vnni" and switch != "0"
 
 
+def amx_bf16_for(flags: frozenset[str], build: str, switch: str = "") -> bool:
+    """True when calls with many rows may take kvcli's bf16 GEMM on AMX tiles (kvq_gemm_bf16): the CPU has
+    AMX-BF16, the AVX-512-VNNI build runs, and KVCLI_AMX (`switch`) is not "0"."""
+    return {"amx_tile", "amx_bf16"} <= flags and build == "avx512vnni" and switch != "0"
+
+
 def build_isa() -> str:
     """"avx512vnni", "avx2" or "generic" for this process (kvcli_kernels/cpu_build.py)."""
     return build_isa_for(platform.machine(), cpu_flags(), torch_isa())
@@ -139,7 +146,8 @@ def capabilities() -> CpuCapabilities:
     build = build_isa_for(platform.machine(), flags, kernels)
     return CpuCapabilities(name=name, arch=platform.machine(), flags=flags, torch_isa=kernels, build_isa=build,
                            native_bf16=native_bf16_for(flags, kernels, os.environ.get("ONEDNN_MAX_CPU_ISA", "")),
-                           amx_int8=amx_int8_for(flags, build, os.environ.get("KVCLI_AMX", "")))
+                           amx_int8=amx_int8_for(flags, build, os.environ.get("KVCLI_AMX", "")),
+                           amx_bf16=amx_bf16_for(flags, build, os.environ.get("KVCLI_AMX", "")))
 
 
 def runnable_isas(flags: frozenset[str] | None = None) -> list[str]:
