@@ -1,6 +1,7 @@
 """Per-linear timings of kvcli's int8dot CPU kernel against torch's packed int4 kernel (int4-cpu), the
-read-back + torch GEMM and kvcli's fused fp32 GEMM (weight panels dequantized on the fly; AVX2 builds
-take it from GEMM_F32_MIN_ROWS rows), on SmolLM2-135M's linear shapes and its vocabulary projection,
+read-back + torch GEMM, kvcli's fused fp32 GEMM (weight panels dequantized on the fly; AVX2 builds
+take it from GEMM_F32_MIN_ROWS rows) and its bf16 GEMM on AMX tiles (where the CPU has AMX-BF16: the
+engine takes it from INT8DOT_DENSE_MIN_ROWS rows instead of the read-back), on SmolLM2-135M's linear shapes and its vocabulary projection,
 with the error of each against a float64 reference. Where the CPU has AMX-INT8, the int8dot kernel is
 timed twice: its dpbusd loop, and its integer sums on AMX tiles (the same outputs, bit for bit; the
 engine takes the tiles by weight_plan.int8dot_tiles' rule). Run it twice to see both ISAs:
@@ -26,7 +27,7 @@ from kvcli.bench import harness
 # Per --shape: the [N, K] linears and the row counts measured.
 LINEARS = {
     "smollm2": (((960, 576), (576, 576), (3072, 576), (576, 1536)), (1, 4, 16, 64, 128, 256, 512)),
-    "1b": (((2048, 2048), (8192, 2048), (2048, 8192)), (1, 4, 5, 6, 8, 16, 24, 32, 48, 64, 128, 256)),
+    "1b": (((2048, 2048), (8192, 2048), (2048, 8192)), (1, 4, 5, 6, 8, 16, 24, 32, 48, 64, 128, 256, 512)),
 }
 
 
@@ -48,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     from kvcli.bench.internals import Int4Cpu
     from kvcli.bench.internals import Int8DotCpu, native_library, restore_tiles, tile_rule
-    from kvcli_kernels.cpu_int8dot import int8dot_gemm_f32
+    from kvcli_kernels.cpu_int8dot import int8dot_gemm_bf16, int8dot_gemm_f32
     from kvcli.bench.internals import QuantTensor, quantize_q4
 
     lib = native_library()
@@ -70,8 +71,8 @@ def main(argv: list[str] | None = None) -> None:
     gen = torch.Generator().manual_seed(0)
     print("\n| weight [N x K] | rows | int8dot ms | AMX tiles ms | int4-cpu ms | read-back + GEMM ms | fused fp32 GEMM ms | "
           "int8dot / int4-cpu | tiles / int8dot | fused / int8dot | int8dot rel. error | int4-cpu rel. error | "
-          "fused rel. error |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "fused rel. error | AMX bf16 GEMM ms | AMX GEMM / read-back |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     shapes, row_counts = LINEARS[a.shape]
     for n, k in shapes:
         q = quantize_q4(torch.randn(n, k, generator=gen) * 0.02)
@@ -92,9 +93,12 @@ def main(argv: list[str] | None = None) -> None:
             t_f = best_ms(lambda: int8dot_gemm_f32(ours.lib, x, ours.args, n), a.calls) if fused is not None else None
             f_cols = ("n/a", "n/a", "n/a") if t_f is None else (f"{t_f:.3f}", f"{t_f / t_ours:.2f}x",
                                                               f"{rel_err(fused, ref):.1e}")
+            has_bf16 = int8dot_gemm_bf16(ours.lib, x, ours.args, n) is not None
+            t_b = best_ms(lambda: int8dot_gemm_bf16(ours.lib, x, ours.args, n), a.calls) if has_bf16 else None
+            b_cols = ("n/a", "n/a") if t_b is None else (f"{t_b:.3f}", f"{t_b / t_rb:.2f}x")
             print(f"| {n} x {k} | {rows} | {t_ours:.3f} | {amx_cols[0]} | {t_t4:.3f} | {t_rb:.3f} | {f_cols[0]} | "
                   f"{t_ours / t_t4:.2f}x | {amx_cols[1]} | {f_cols[1]} | {rel_err(ours(x), ref):.1e} | "
-                  f"{rel_err(torch4(x), ref):.1e} | {f_cols[2]} |")
+                  f"{rel_err(torch4(x), ref):.1e} | {f_cols[2]} | {b_cols[0]} | {b_cols[1]} |")
     # The vocabulary projection: a Q8_0 table, int8dot as stored vs the bf16 GEMM it replaced.
     n, k = 49152, shapes[0][1]  # the hidden size
     wt = torch.randn(n, k, generator=gen) * 0.05
