@@ -95,6 +95,10 @@ AB["verify-step"] = ABSpec("", {  # a verification step of n rows against a 1-ro
     "8 rows vs 1 at 4096": _row("4096 | 8", 2),
     "1-row step ms at 4096": _row("4096 | 1", 1),
 }, "6 rows vs 1 at 4096")
+AB["roofline"] = ABSpec("", {  # batch 1 on the 1B shape (kvcli's rows; llama.cpp runs too, as the figure does)
+    "kvcli prefill tok/s at 512": _cpu_row(512, "kvcli", 2),
+    "kvcli decode tok/s at 512": _cpu_row(512, "kvcli", 4),
+}, "kvcli prefill tok/s at 512")
 AB["throughput-avx2"] = AB["throughput"]
 AB["cpu-avx2"] = ABSpec("scripts/bench_cpu.py", AB["cpu"].numbers, AB["cpu"].headline)
 

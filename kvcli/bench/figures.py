@@ -118,6 +118,11 @@ FIGURES: dict[str, Figure] = {f.name: f for f in [
     Figure("ab-decode-30", "ab:main", "before/after: the decode figure at bd0c652 (before AMX tiles and the weight "
            "prefetch) and in this tree, interleaved", ("--before", "bd0c652", "decode", "--rounds", "3"),
            in_make_figures=False),
+    # The AMX bf16 GEMM for prefill chunks (issue #30, item 3): ee03d89 is the tree before it (read-back + torch's GEMM).
+    Figure("ab-prefill-30", "ab:main", "before/after: the roofline figure's 512-token prefill and decode at ee03d89 "
+           "(before the AMX bf16 GEMM) and in this tree, interleaved",
+           ("--before", "ee03d89", "roofline", "--rounds", "3", "--", "--contexts", "512", "--rounds", "1"),
+           in_make_figures=False),
     Figure("ab-throughput", "ab:main", "before/after: the throughput trace at efe4681 and in this tree, interleaved",
            ("--before", "efe4681", "throughput", "--rounds", "3", "--", "--modes", "static,generate_batch"),
            in_make_figures=False),
