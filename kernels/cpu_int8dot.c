@@ -1231,9 +1231,50 @@ static inline void bg_pairs(const float *in, int64_t kc, uint32_t *out) {
     }
 }
 
+/* bg_pack for the forms the int8 tiles read (4-bit codes, Q8_0; groups of a multiple of 32): each block's codes
+ * of 16 weight rows as amx_unpack_b lays them out (k quads x 16 columns x 4, less the offset, as int8), then per
+ * k quad its four k as fp32, d q + m (pack_rows8's two roundings), paired to bf16 in registers. ~3x pack_rows8 +
+ * bg_pairs (ad hoc, 2-core Xeon, 2026-12-05). */
+static void bg_pack_tiles(const kvq_args *a, const int bits, int64_t q, int64_t k0, int64_t kc, uint32_t *out) {
+    uint8_t codes[512] __attribute__((aligned(64)));
+    const int64_t ng = a->K / a->G;
+    const __m512i bias = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1), hi = _mm512_set1_epi32((int)0xFFFF0000u);
+    for (int h = 0; h < 2; h++) {
+        const int64_t p = 2 * q + h; /* 16 weight rows: the groups of 8 2p, 2p + 1 */
+        uint32_t *o = out + h * kc * 8;
+        if (2 * p >= a->N / 8) {
+            memset(o, 0, (size_t)kc * 8 * sizeof(uint32_t));
+            continue;
+        }
+        const int two = 2 * p + 1 < a->N / 8;
+        for (int64_t b = k0 / QK; b < (k0 + kc) / QK; b++) {
+            amx_unpack_b(a, bits, p, b, two, codes);
+            const int64_t gr = group_of(b, 0, a->G); /* one group per block (G a multiple of 32) */
+            const __m512 dw = groups16(&a->scale, _mm512_setzero_ps(), p, gr, ng, two);
+            const __m512 mw = a->mins.kind ? groups16(&a->mins, dw, p, gr, ng, two) : _mm512_setzero_ps();
+            uint32_t *ob = o + (b * QK - k0) / 2 * 16;
+            for (int s = 0; s < 8; s++) { /* k = 32 b + 4 s + t */
+                const __m512i v = _mm512_load_si512(codes + 64 * s);
+                __m512i r[4];
+                for (int t = 0; t < 4; t++) {
+                    const __m512i c = _mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * t), 24);
+                    const __m512i u = _mm512_castps_si512(_mm512_add_ps(_mm512_mul_ps(dw, _mm512_cvtepi32_ps(c)), mw));
+                    r[t] = _mm512_add_epi32(_mm512_add_epi32(u, bias), _mm512_and_si512(_mm512_srli_epi32(u, 16), one));
+                }
+                _mm512_store_si512(ob + (2 * s) * 16, _mm512_or_si512(_mm512_srli_epi32(r[0], 16), _mm512_and_si512(r[1], hi)));
+                _mm512_store_si512(ob + (2 * s + 1) * 16, _mm512_or_si512(_mm512_srli_epi32(r[2], 16), _mm512_and_si512(r[3], hi)));
+            }
+        }
+    }
+}
+
 /* Panel q (weight rows 32 q .. 32 q + 31; absent rows past N as zeros) at k0 .. k0 + kc into `out`: two tiles'
  * worth of pairs, columns 0-15 then 16-31, each [kc / 2][16][2]. */
 static void bg_pack(const kvq_args *a, const int bits, int64_t q, int64_t k0, int64_t kc, float *tmp, uint32_t *out) {
+    if (amx_form_ok(a, bits)) {
+        bg_pack_tiles(a, bits, q, k0, kc, out);
+        return;
+    }
     for (int h = 0; h < 2; h++) {
         for (int j = 0; j < 2; j++) {
             const int64_t g = 4 * q + 2 * h + j;
