@@ -552,17 +552,27 @@ typedef struct { /* ldtilecfg's 64 bytes, palette 1 */
     uint8_t rows[16];
 } amx_config;
 
-/* AMX on from `min_rows` rows and `min_elems` activations (rows x K) (min_rows 0: off). Returns 1 when on, 0 when turned off, -1 where the CPU has no
- * AMX-INT8, -2 where Linux refuses the tile state (ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA: off for
- * every process until it asks). */
-int kvq_amx_enable(int min_rows, int64_t min_elems) {
+#define AMX_TILE_BIT (1u << 24) /* CPUID.(7, 0):EDX */
+#define AMX_INT8_BIT (1u << 25)
+#define AMX_BF16_BIT (1u << 22)
+
+/* 1 where the CPU has the AMX features `bits` (CPUID.(7, 0):EDX) and Linux grants this process the tile state
+ * (ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA: off for every process until it asks), -1 where the CPU lacks them,
+ * -2 where Linux refuses. */
+static int amx_request(unsigned bits) {
     unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || (d & bits) != bits) return -1;
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0 ? 1 : -2;
+}
+
+/* AMX on from `min_rows` rows and `min_elems` activations (rows x K) (min_rows 0: off). Returns 1 when on, 0 when
+ * turned off, -1 where the CPU has no AMX-INT8, -2 where Linux refuses the tile state (amx_request). */
+int kvq_amx_enable(int min_rows, int64_t min_elems) {
     amx_min_rows = 0;
     if (min_rows <= 0) return 0;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 25))) return -1;
-    if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) != 0) return -2;
-    amx_min_rows = min_rows, amx_min_elems = min_elems;
-    return 1;
+    const int rc = amx_request(AMX_TILE_BIT | AMX_INT8_BIT);
+    if (rc == 1) amx_min_rows = min_rows, amx_min_elems = min_elems;
+    return rc;
 }
 
 /* Tile rows for the last R (<= 16) rows of x: fewer than 16 for a short tail (a tile product costs by its
@@ -1208,27 +1218,29 @@ int kvq_gemm_f32(const float *x, int64_t M, int64_t K, const uint8_t *codes, int
 #define BG_PB 4
 #endif
 
-static int amx_granted = 0;
+static int amx_granted = 0; /* 0: not asked yet; else amx_request's answer for AMX-BF16 */
 
-/* 1 where the CPU has AMX-BF16 and Linux grants the tile state (once per process), else 0. */
+/* 1 where the CPU has AMX-BF16 and Linux grants the tile state (asked once per process), else 0. */
 static int amx_bf16_permit(void) {
-    if (amx_granted) return amx_granted > 0;
-    unsigned a, b, c, d;
-    const int ok = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 22)) && (d & (1u << 24)) &&
-                   syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
-    amx_granted = ok ? 1 : -1;
-    return ok;
+    if (!amx_granted) amx_granted = amx_request(AMX_TILE_BIT | AMX_BF16_BIT);
+    return amx_granted == 1;
 }
 
-/* fp32 [kc][16] (row stride 16) -> bf16 pairs [kc / 2][16][2], rounded to nearest even (kvq_dequant's rule). */
+/* 16 floats (as their bits) rounded to bf16, nearest even (kvq_dequant's rule), still in the high halves. */
+static inline __m512i bf16_round16(__m512i u) {
+    return _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)));
+}
+
+/* Lane c = (bf16 of u0[c], bf16 of u1[c]): a tile row of 16 columns' (k, k + 1) pairs. */
+static inline __m512i bf16_pairs16(__m512i u0, __m512i u1) {
+    return _mm512_or_si512(_mm512_srli_epi32(bf16_round16(u0), 16),
+                           _mm512_and_si512(bf16_round16(u1), _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+
+/* fp32 [kc][16] (row stride 16) -> bf16 pairs [kc / 2][16][2]. */
 static inline void bg_pairs(const float *in, int64_t kc, uint32_t *out) {
-    const __m512i bias = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1), hi = _mm512_set1_epi32((int)0xFFFF0000u);
-    for (int64_t r = 0; r < kc / 2; r++) {
-        const __m512i u0 = _mm512_loadu_si512(in + 2 * r * 16), u1 = _mm512_loadu_si512(in + (2 * r + 1) * 16);
-        const __m512i r0 = _mm512_add_epi32(_mm512_add_epi32(u0, bias), _mm512_and_si512(_mm512_srli_epi32(u0, 16), one));
-        const __m512i r1 = _mm512_add_epi32(_mm512_add_epi32(u1, bias), _mm512_and_si512(_mm512_srli_epi32(u1, 16), one));
-        _mm512_store_si512(out + 16 * r, _mm512_or_si512(_mm512_srli_epi32(r0, 16), _mm512_and_si512(r1, hi)));
-    }
+    for (int64_t r = 0; r < kc / 2; r++)
+        _mm512_store_si512(out + 16 * r, bf16_pairs16(_mm512_loadu_si512(in + 2 * r * 16), _mm512_loadu_si512(in + (2 * r + 1) * 16)));
 }
 
 /* bg_pack for the forms the int8 tiles read (4-bit codes, Q8_0; groups of a multiple of 32): each block's codes
@@ -1238,7 +1250,6 @@ static inline void bg_pairs(const float *in, int64_t kc, uint32_t *out) {
 static void bg_pack_tiles(const kvq_args *a, const int bits, int64_t q, int64_t k0, int64_t kc, uint32_t *out) {
     uint8_t codes[512] __attribute__((aligned(64)));
     const int64_t ng = a->K / a->G;
-    const __m512i bias = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1), hi = _mm512_set1_epi32((int)0xFFFF0000u);
     for (int h = 0; h < 2; h++) {
         const int64_t p = 2 * q + h; /* 16 weight rows: the groups of 8 2p, 2p + 1 */
         uint32_t *o = out + h * kc * 8;
@@ -1255,14 +1266,13 @@ static void bg_pack_tiles(const kvq_args *a, const int bits, int64_t q, int64_t 
             uint32_t *ob = o + (b * QK - k0) / 2 * 16;
             for (int s = 0; s < 8; s++) { /* k = 32 b + 4 s + t */
                 const __m512i v = _mm512_load_si512(codes + 64 * s);
-                __m512i r[4];
+                __m512i w[4];
                 for (int t = 0; t < 4; t++) {
                     const __m512i c = _mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * t), 24);
-                    const __m512i u = _mm512_castps_si512(_mm512_add_ps(_mm512_mul_ps(dw, _mm512_cvtepi32_ps(c)), mw));
-                    r[t] = _mm512_add_epi32(_mm512_add_epi32(u, bias), _mm512_and_si512(_mm512_srli_epi32(u, 16), one));
+                    w[t] = _mm512_castps_si512(_mm512_add_ps(_mm512_mul_ps(dw, _mm512_cvtepi32_ps(c)), mw));
                 }
-                _mm512_store_si512(ob + (2 * s) * 16, _mm512_or_si512(_mm512_srli_epi32(r[0], 16), _mm512_and_si512(r[1], hi)));
-                _mm512_store_si512(ob + (2 * s + 1) * 16, _mm512_or_si512(_mm512_srli_epi32(r[2], 16), _mm512_and_si512(r[3], hi)));
+                _mm512_store_si512(ob + (2 * s) * 16, bf16_pairs16(w[0], w[1]));
+                _mm512_store_si512(ob + (2 * s + 1) * 16, bf16_pairs16(w[2], w[3]));
             }
         }
     }
@@ -1385,9 +1395,7 @@ static void bg_row_to_bf16(const float *x, int64_t M, int64_t K, int64_t m, uint
         const int64_t kc = K - k0 < BG_KC ? K - k0 : BG_KC;
         uint16_t *out = xb + k0 * M + m * kc;
         for (int64_t i = 0; i < kc; i += 16) { /* kc is a multiple of 32 */
-            const __m512i u = _mm512_loadu_si512(x + m * K + k0 + i);
-            const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)),
-                                               _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)));
+            const __m512i r = bf16_round16(_mm512_loadu_si512(x + m * K + k0 + i));
             _mm256_storeu_si256((__m256i *)(out + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
         }
     }
@@ -1401,7 +1409,7 @@ int kvq_gemm_bf16(const float *x, int64_t M, int64_t K, const uint8_t *codes, in
                   const uint16_t *min_sup, int64_t min_per, int64_t G, int64_t N, float *y, int64_t ldy, int nthreads) {
     const kvq_args a = {NULL, NULL, NULL, NULL, codes, groups_of(scale_kind, scale, scale_sup, scale_per),
                         groups_of(min_kind, mins, min_sup, min_per), M, K, N, G, y, ldy, offset};
-    if (!form_ok(&a, bits) || K % QK != 0 || !(G == 16 || G % QK == 0)) return -3;
+    if (!form_ok(&a, bits) || K % QK != 0) return -3;
     if (!amx_bf16_permit()) return -2;
     uint16_t *xb = (uint16_t *)aligned_alloc(64, (size_t)(2 * M * K + 64));
     if (!xb) return -1;

@@ -298,17 +298,23 @@ def test_fp32_gemm_rows_and_threads_do_not_change_a_row(isa):
 
     if isa == "generic":
         pytest.skip("the plain C build has no fp32 GEMM")
-    gen = torch.Generator().manual_seed(12)
-    q, w = _gemm_problem("q4 min fp16 g32", gen)
+    _assert_rows_and_threads_do_not_change_a_row(int8dot_gemm_f32, "q4 min fp16 g32", 12, 13, (0, 6, 12))
+
+
+def _assert_rows_and_threads_do_not_change_a_row(gemm, kind: str, seed: int, rows: int, picks: tuple[int, ...]) -> None:
+    """gemm (a panel GEMM of cpu_int8dot.py) on `rows` rows: each of rows `picks` alone, and all of them on one
+    thread, bit-identical to the batch."""
+    gen = torch.Generator().manual_seed(seed)
+    q, w = _gemm_problem(kind, gen)
     lin = Int8DotCpu(q)
-    x = torch.randn(13, w.shape[1], generator=gen)
-    full = int8dot_gemm_f32(lin.lib, x, lin.args, lin.out_features)
-    for i in (0, 6, 12):
-        assert torch.equal(int8dot_gemm_f32(lin.lib, x[i:i + 1], lin.args, lin.out_features)[0], full[i])
+    x = torch.randn(rows, w.shape[1], generator=gen)
+    full = gemm(lin.lib, x, lin.args, lin.out_features)
+    for i in picks:
+        assert torch.equal(gemm(lin.lib, x[i:i + 1], lin.args, lin.out_features)[0], full[i])
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert torch.equal(int8dot_gemm_f32(lin.lib, x, lin.args, lin.out_features), full)
+        assert torch.equal(gemm(lin.lib, x, lin.args, lin.out_features), full)
     finally:
         torch.set_num_threads(threads)
 
@@ -382,19 +388,7 @@ def test_amx_bf16_gemm_rows_and_threads_do_not_change_a_row(isa):
 
     if not _amx_bf16_here(isa):
         pytest.skip("no AMX-BF16 tiles in this build / CPU")
-    gen = torch.Generator().manual_seed(15)
-    q, w = _gemm_problem("Q4_0 offset 8", gen)
-    lin = Int8DotCpu(q)
-    x = torch.randn(37, w.shape[1], generator=gen)
-    full = int8dot_gemm_bf16(lin.lib, x, lin.args, lin.out_features)
-    for i in (0, 20, 33, 36):
-        assert torch.equal(int8dot_gemm_bf16(lin.lib, x[i:i + 1], lin.args, lin.out_features)[0], full[i])
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        assert torch.equal(int8dot_gemm_bf16(lin.lib, x, lin.args, lin.out_features), full)
-    finally:
-        torch.set_num_threads(threads)
+    _assert_rows_and_threads_do_not_change_a_row(int8dot_gemm_bf16, "Q4_0 offset 8", 15, 37, (0, 20, 33, 36))
 
 
 def test_many_rows_take_the_amx_gemm_where_it_is_chosen(isa):

@@ -121,13 +121,17 @@ def amx_int8_for(flags: frozenset[str], build: str, switch: str = "") -> bool:
     """True when kvcli's int8 kernel may compute its integer sums on AMX tiles: the CPU has AMX-INT8, the
     AVX-512-VNNI build runs (its epilogue is AVX-512), and KVCLI_AMX (`switch`) is not "0". Linux must still
     grant the tile state at load (kvcli/model/int8dot_cpu.py asks)."""
-    return {"amx_tile", "amx_int8"} <= flags and build == "avx512vnni" and switch != "0"
+    return _amx_for("amx_int8", flags, build, switch)
 
 
 def amx_bf16_for(flags: frozenset[str], build: str, switch: str = "") -> bool:
     """True when calls with many rows may take kvcli's bf16 GEMM on AMX tiles (kvq_gemm_bf16): the CPU has
     AMX-BF16, the AVX-512-VNNI build runs, and KVCLI_AMX (`switch`) is not "0"."""
-    return {"amx_tile", "amx_bf16"} <= flags and build == "avx512vnni" and switch != "0"
+    return _amx_for("amx_bf16", flags, build, switch)
+
+
+def _amx_for(feature: str, flags: frozenset[str], build: str, switch: str) -> bool:
+    return {"amx_tile", feature} <= flags and build == "avx512vnni" and switch != "0"
 
 
 def build_isa() -> str:
