@@ -28,7 +28,9 @@
  * tiles of at most TILE tokens of one block (contiguous rows). Non-fp32 caches are converted in
  * registers (fp16 by F16C, bf16 by a shift, int8 / fp8 by integer widening) into an fp32 tile in L1,
  * once per tile: the scores then read each K row once per q head of the group, and P @ V reads V again,
- * from L1 rather than converting it each time.
+ * from L1 rather than converting it each time. That is the 8-wide (AVX2) path; AVX-512 builds run head dims
+ * that are multiples of 16 through span512 instead (rows converted in registers, tiles across block
+ * boundaries, see there), the same contract and, per head, an arithmetic independent of the other heads.
  *
  * Built at first use by kvcli_kernels/cpu_attention.py (cc -O3 -fopenmp); the OpenMP runtime is the one
  * torch already loaded, so torch.set_num_threads governs both.
@@ -40,6 +42,9 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define KVA_AVX2 1
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define KVA_AVX512 1 /* head_dim a multiple of 16: span512 below */
+#endif
 #endif
 
 enum { DT_F32 = 0, DT_F16 = 1, DT_BF16 = 2, DT_I8 = 3, DT_FP8 = 4 };
@@ -375,8 +380,226 @@ static inline __attribute__((always_inline)) void span(const kva_args *a, const 
     }
 }
 
+#ifdef KVA_AVX512
+/* The AVX-512 form of span (head_dim a multiple of 16). Decode attention over a long context was bound by
+ * instructions, not memory: the 8-wide path converts each tile to fp32 in L1 and reads it back per q head,
+ * reducing each score with horizontal adds (16.3 GB/s with the cache hot on a 2-core Xeon, where the machine
+ * streams about 24). Here rows are read in their stored dtype and converted in registers, 16 lanes at a time:
+ * a K row once per 4 q heads (the q rows as memory operands), a V row once per 4 heads' accumulators held in
+ * registers across the tile, 16 keys' scores reduced together by one transpose-and-add tree, and tiles run
+ * across block boundaries (a 16-token block no longer caps a tile at 16 keys). Per head the arithmetic does
+ * not depend on the other heads of the item, so query groups keep their bit-for-bit property. */
+
+/* Lanes i .. i + 15 of a stored row (dtype constant after inlining). */
+static inline __attribute__((always_inline)) __m512 load16(const char *row, const int dt, int64_t i) {
+    if (dt == DT_F32) return _mm512_loadu_ps((const float *)row + i);
+    if (dt == DT_F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + i)));
+    if (dt == DT_BF16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + i))), 16));
+    if (dt == DT_I8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)row + i))));
+    const __m256i c = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)((const uint8_t *)row + i)));
+    return _mm512_cvtph_ps(_mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(c, _mm256_set1_epi16(0x80)), 8),
+                                           _mm256_slli_epi16(_mm256_and_si256(c, _mm256_set1_epi16(0x7F)), 7)));
+}
+
+/* Lane u of the result = the sum of the 16 lanes of v[u / 4 + 4 (u % 4)] (a fixed tree: lanes l and l + 8,
+ * then + 4, + 2, + 1): store key u's partials at slot KEY_SLOT(u) and lane u is key u's score. */
+#define KEY_SLOT(u) ((((u) & 3) << 2) | ((u) >> 2))
+static inline __m512 reduce16(const __m512 *v) {
+    __m512 r1[8], r2[4], r3[2];
+    for (int k = 0; k < 8; k++)
+        r1[k] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0x44), _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0xEE));
+    for (int k = 0; k < 4; k++)
+        r2[k] = _mm512_add_ps(_mm512_shuffle_f32x4(r1[2 * k], r1[2 * k + 1], 0x88), _mm512_shuffle_f32x4(r1[2 * k], r1[2 * k + 1], 0xDD));
+    for (int k = 0; k < 2; k++) r3[k] = _mm512_add_ps(_mm512_unpacklo_ps(r2[2 * k], r2[2 * k + 1]), _mm512_unpackhi_ps(r2[2 * k], r2[2 * k + 1]));
+    return _mm512_add_ps(_mm512_shuffle_ps(r3[0], r3[1], _MM_SHUFFLE(1, 0, 1, 0)), _mm512_shuffle_ps(r3[0], r3[1], _MM_SHUFFLE(3, 2, 3, 2)));
+}
+
+/* One tile's keys: row pointers in the stored dtype (n real rows, then zero rows up to a multiple of 16),
+ * their score and probability factors. */
+typedef struct {
+    const char *k[TILE], *v[TILE];
+    float sc[TILE] __attribute__((aligned(64))), wv[TILE] __attribute__((aligned(64)));
+    int n;
+} kva_tile;
+
+/* Keys [t, min(t + TILE, t1)) of request req, KV head h, across block boundaries. */
+static inline __attribute__((always_inline)) void gather_tile(const kva_args *a, const int dt, int64_t req, int64_t h,
+                                                              int64_t t, int64_t t1, kva_tile *tl) {
+    const kva_cache *c = a->c;
+    const int64_t bs = c->block_size, esz = elem_size(dt);
+    const int n = (int)(t1 - t < TILE ? t1 - t : TILE);
+    for (int u = 0; u < n;) {
+        const int64_t pos = t + u, off = pos % bs, id = table_at(a->s, req, pos / bs);
+        const int run = (int)(bs - off < n - u ? bs - off : n - u);
+        const char *kb = (const char *)c->k + esz * (h * c->k_sh + id * c->k_sb + off * c->k_st);
+        const char *vb = (const char *)c->v + esz * (h * c->v_sh + id * c->v_sb + off * c->v_st);
+        for (int w = 0; w < run; w++) {
+            tl->k[u + w] = kb + w * esz * c->k_st, tl->v[u + w] = vb + w * esz * c->v_st;
+            tl->sc[u + w] = c->ks ? c->ks[h * c->ks_sh + id * c->ks_sb + (off + w) * c->ks_st] * a->scale : a->scale;
+            tl->wv[u + w] = c->vs ? c->vs[h * c->vs_sh + id * c->vs_sb + (off + w) * c->vs_st] * c->unit : 1.0f;
+        }
+        u += run;
+    }
+    for (int u = n; u < ((n + 15) & ~15); u++) tl->k[u] = tl->v[u] = (const char *)zero_row, tl->sc[u] = tl->wv[u] = 0.0f;
+    tl->n = n;
+}
+
+/* Scores of GJ heads (q rows q + j D) for the tile's keys into s [j][TILE], masked past nv[j], soft-capped;
+ * the rows of `next` (when not NULL) are prefetched a key at a time: asked for all at once, before the tile,
+ * they stalled the core on full fill buffers (16.2 against 13.1 ms for a decode step's attention over 8k keys
+ * on the 1B shape, 2-core Xeon, 2026-12-06, ad hoc). */
+static inline __attribute__((always_inline)) void scores512(const int GJ, const float *q, int64_t D, const int dt,
+                                                            const kva_tile *tl, const int *nv, const float cap, float *s,
+                                                            const kva_tile *next) {
+    __m512 part[4][16];
+    const int64_t row = D * elem_size(dt);
+    for (int c = 0; c < tl->n; c += 16) {
+        for (int u = 0; u < 16; u++) {
+            const char *kr = tl->k[c + u];
+            if (next && c + u < next->n) /* the next tile's rows, spread over this tile's work */
+                for (int64_t b = 0; b < row; b += 64) __builtin_prefetch(next->k[c + u] + b, 0, 3), __builtin_prefetch(next->v[c + u] + b, 0, 3);
+            __m512 acc[4];
+            for (int j = 0; j < GJ; j++) acc[j] = _mm512_setzero_ps();
+            for (int64_t i = 0; i < D; i += 16) {
+                const __m512 kv = load16(kr, dt, i);
+                for (int j = 0; j < GJ; j++) acc[j] = _mm512_fmadd_ps(kv, _mm512_loadu_ps(q + j * D + i), acc[j]);
+            }
+            for (int j = 0; j < GJ; j++) part[j][KEY_SLOT(u)] = acc[j];
+        }
+        for (int j = 0; j < GJ; j++) {
+            __m512 sv = _mm512_mul_ps(reduce16(part[j]), _mm512_load_ps(tl->sc + c));
+            if (cap > 0.0f) { /* as tile_update's: cap tanh(s / cap) = cap (e - 1) / (e + 1), e = exp(2 s / cap) */
+                const __m512 t = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(sv, _mm512_set1_ps(2.0f / cap)),
+                                                             _mm512_set1_ps(-18.0f)), _mm512_set1_ps(18.0f));
+                const __m512 e = exp16(t), one = _mm512_set1_ps(1.0f);
+                sv = _mm512_mul_ps(_mm512_set1_ps(cap), _mm512_div_ps(_mm512_sub_ps(e, one), _mm512_add_ps(e, one)));
+            }
+            const int rem = nv[j] - c;
+            const __mmask16 valid = rem >= 16 ? (__mmask16)0xFFFF : rem > 0 ? (__mmask16)((1u << rem) - 1) : (__mmask16)0;
+            _mm512_store_ps(s + j * TILE + c, _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), sv));
+        }
+    }
+}
+
+/* acc[j][i .. i + 16 NC) = acc * corr[j] + sum_u p[j][u] v[u] for GJ heads: the accumulators stay in
+ * registers across the tile, each V row is converted once for the GJ heads. */
+static inline __attribute__((always_inline)) void v_chunk512(const int GJ, const int NC, float *acc, const float *p,
+                                                             const float *corr, const kva_tile *tl, const int dt,
+                                                             int64_t D, int64_t i) {
+    __m512 a[4][4];
+    for (int j = 0; j < GJ; j++)
+        for (int c = 0; c < NC; c++) a[j][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + j * D + i + 16 * c), _mm512_set1_ps(corr[j]));
+    for (int u = 0; u < tl->n; u++) {
+        __m512 v[4];
+        for (int c = 0; c < NC; c++) v[c] = load16(tl->v[u], dt, i + 16 * c);
+        for (int j = 0; j < GJ; j++) {
+            const __m512 pj = _mm512_set1_ps(p[j * TILE + u]);
+            for (int c = 0; c < NC; c++) a[j][c] = _mm512_fmadd_ps(pj, v[c], a[j][c]);
+        }
+    }
+    for (int j = 0; j < GJ; j++)
+        for (int c = 0; c < NC; c++) _mm512_storeu_ps(acc + j * D + i + 16 * c, a[j][c]);
+}
+
+static inline __attribute__((always_inline)) void v_accumulate512(const int GJ, float *acc, const float *p,
+                                                                  const float *corr, const kva_tile *tl, const int dt,
+                                                                  int64_t D) {
+    int64_t i = 0;
+    for (; i + 64 <= D; i += 64) v_chunk512(GJ, 4, acc, p, corr, tl, dt, D, i);
+    for (; i < D; i += 16) v_chunk512(GJ, 1, acc, p, corr, tl, dt, D, i);
+}
+
+/* tile_update for one gathered tile: scores, online-softmax update of m, l and acc [G][D]. */
+static inline __attribute__((always_inline)) void tile_update512(const float *q, int64_t G, int64_t D, const int dt,
+                                                                 const kva_tile *tl, const int *nv, const float cap,
+                                                                 float *m, float *l, float *acc, const kva_tile *next) {
+    float s[MAX_QG * TILE] __attribute__((aligned(64))), p[MAX_QG * TILE] __attribute__((aligned(64))), corr[MAX_QG];
+    const int n16 = (tl->n + 15) & ~15;
+    for (int64_t j0 = 0; j0 < G; j0 += 4) {
+        switch (G - j0 < 4 ? G - j0 : 4) { /* constant head counts: the accumulators stay in registers */
+        case 4: scores512(4, q + j0 * D, D, dt, tl, nv + j0, cap, s + j0 * TILE, j0 ? NULL : next); break;
+        case 3: scores512(3, q + j0 * D, D, dt, tl, nv + j0, cap, s + j0 * TILE, j0 ? NULL : next); break;
+        case 2: scores512(2, q + j0 * D, D, dt, tl, nv + j0, cap, s + j0 * TILE, j0 ? NULL : next); break;
+        default: scores512(1, q + j0 * D, D, dt, tl, nv + j0, cap, s + j0 * TILE, j0 ? NULL : next);
+        }
+    }
+    for (int64_t j = 0; j < G; j++) {
+        __m512 vmax = _mm512_set1_ps(-INFINITY);
+        for (int c = 0; c < n16; c += 16) vmax = _mm512_max_ps(vmax, _mm512_load_ps(s + j * TILE + c));
+        const float mx = _mm512_reduce_max_ps(vmax), m_new = mx > m[j] ? mx : m[j];
+        if (m_new == -INFINITY) { /* nothing seen yet, nothing in this tile: probabilities 0, state as it is */
+            for (int c = 0; c < n16; c += 16) _mm512_store_ps(p + j * TILE + c, _mm512_setzero_ps());
+            corr[j] = 1.0f;
+            continue;
+        }
+        corr[j] = expf(m[j] - m_new);
+        __m512 vsum = _mm512_setzero_ps();
+        const __m512 mv = _mm512_set1_ps(m_new);
+        for (int c = 0; c < n16; c += 16) {
+            const __m512 e = exp16(_mm512_sub_ps(_mm512_load_ps(s + j * TILE + c), mv)); /* masked lanes: 0 */
+            vsum = _mm512_add_ps(vsum, e);
+            _mm512_store_ps(p + j * TILE + c, _mm512_mul_ps(e, _mm512_load_ps(tl->wv + c)));
+        }
+        l[j] = l[j] * corr[j] + _mm512_reduce_add_ps(vsum);
+        m[j] = m_new;
+    }
+    for (int64_t j0 = 0; j0 < G; j0 += 4) {
+        switch (G - j0 < 4 ? G - j0 : 4) {
+        case 4: v_accumulate512(4, acc + j0 * D, p + j0 * TILE, corr + j0, tl, dt, D); break;
+        case 3: v_accumulate512(3, acc + j0 * D, p + j0 * TILE, corr + j0, tl, dt, D); break;
+        case 2: v_accumulate512(2, acc + j0 * D, p + j0 * TILE, corr + j0, tl, dt, D); break;
+        default: v_accumulate512(1, acc + j0 * D, p + j0 * TILE, corr + j0, tl, dt, D);
+        }
+    }
+}
+
+/* span with AVX-512 tiles (same contract); the next tile is gathered before the current one is computed, and
+ * its rows are prefetched while it is. */
+static inline __attribute__((always_inline)) void span512(const kva_args *a, const int dt, int64_t r, int64_t nq,
+                                                          int64_t req, int64_t h, int64_t t0, int64_t t1, float *acc,
+                                                          float *m, float *l) {
+    const kva_cache *c = a->c;
+    const int64_t D = c->d, g = a->s->heads / c->kv_heads, G = nq * g;
+    float qg[MAX_QG * MAX_D] __attribute__((aligned(64)));
+    const float *q = a->q + row_of(a->s, r) * a->q_row + h * g * D;
+    int64_t lim[MAX_QG];
+    for (int64_t i = 0; i < nq; i++)
+        for (int64_t j = 0; j < g; j++) lim[i * g + j] = nq > 1 ? len_at(a->s, a->s->reqs ? a->s->reqs[r + i] : r + i) : t1;
+    if (nq > 1) {
+        for (int64_t i = 0; i < nq; i++)
+            memcpy(qg + i * g * D, a->q + row_of(a->s, r + i) * a->q_row + h * g * D, sizeof(float) * (size_t)(g * D));
+        q = qg;
+    }
+    kva_tile tiles[2];
+    int nv[MAX_QG], cur = 0;
+    for (int64_t j = 0; j < G; j++) m[j] = -INFINITY, l[j] = 0.0f;
+    memset(acc, 0, sizeof(float) * (size_t)(G * D));
+    if (t0 < t1) gather_tile(a, dt, req, h, t0, t1, &tiles[0]);
+    for (int64_t t = t0; t < t1; cur ^= 1) {
+        const kva_tile *tl = &tiles[cur], *next = t + tl->n < t1 ? &tiles[cur ^ 1] : NULL;
+        if (next) gather_tile(a, dt, req, h, t + tl->n, t1, &tiles[cur ^ 1]);
+        for (int64_t j = 0; j < G; j++) nv[j] = lim[j] - t >= tl->n ? tl->n : lim[j] - t > 0 ? (int)(lim[j] - t) : 0;
+        tile_update512(q, G, D, dt, tl, nv, a->s->softcap, m, l, acc, next);
+        t += tl->n;
+    }
+}
+#endif
+
 static void run_span(const kva_args *a, int64_t r, int64_t nq, int64_t req, int64_t h, int64_t t0, int64_t t1,
                      float *acc, float *m, float *l) {
+#ifdef KVA_AVX512
+    if (a->c->d % 16 == 0) {
+        switch (a->c->dtype) {
+        case DT_F32: span512(a, DT_F32, r, nq, req, h, t0, t1, acc, m, l); return;
+        case DT_F16: span512(a, DT_F16, r, nq, req, h, t0, t1, acc, m, l); return;
+        case DT_BF16: span512(a, DT_BF16, r, nq, req, h, t0, t1, acc, m, l); return;
+        case DT_I8: span512(a, DT_I8, r, nq, req, h, t0, t1, acc, m, l); return;
+        default: span512(a, DT_FP8, r, nq, req, h, t0, t1, acc, m, l); return;
+        }
+    }
+#endif
     switch (a->c->dtype) { /* constant dtypes: each case its own conversion loop */
     case DT_F32: span(a, DT_F32, r, nq, req, h, t0, t1, acc, m, l); break;
     case DT_F16: span(a, DT_F16, r, nq, req, h, t0, t1, acc, m, l); break;
