@@ -11,7 +11,9 @@
  * output in 16-column slices (6 x 16 register tiles over the block's keys). Query t (position
  * L - q_len + t) sees keys 0 .. its position; tiles skip the key blocks none of their rows sees.
  * Everything in fp32; each output row sums its keys in one fixed order, whatever q_len, thread count or
- * its neighbours.
+ * its neighbours. AVX-512 builds take 32 keys per score tile and 32 columns per P @ V slice (16-lane
+ * vectors, each lane in the same order: the AVX2 build's outputs bit for bit, tested), 1.27x the AVX2
+ * build's speed for a 512-token chunk after 8k keys on a 2-core Xeon (2026-12-06, ad hoc).
  *
  * Built at first use by kvcli_kernels/cpu_build.py (cc -O3 -fopenmp).
  */
@@ -22,6 +24,9 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define KVP_AVX2 1
+#if defined(__AVX512F__)
+#define KVP_AVX512 1 /* 32-key score tiles and 32-column P @ V slices: score_tile512, pv_tile512 */
+#endif
 #endif
 
 #define MR 6   /* rows per register tile */
@@ -72,13 +77,61 @@ static inline __attribute__((always_inline)) void pv_tile(const int R, const flo
     }
 }
 
+#ifdef KVP_AVX512
+/* score_tile on 32 keys in 16-lane vectors: each lane sums its key's products over d in the same order as
+ * score_tile's, so the scores are the same bit for bit (half the instructions). */
+static inline __attribute__((always_inline)) void score_tile512(const int R, const float *const *qr, const float *kt,
+                                                                int64_t D, float *s) {
+    __m512 c0[MR], c1[MR];
+    for (int r = 0; r < R; r++) c0[r] = c1[r] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d++) {
+        const __m512 b0 = _mm512_loadu_ps(kt + d * KB), b1 = _mm512_loadu_ps(kt + d * KB + 16);
+        for (int r = 0; r < R; r++) {
+            const __m512 a = _mm512_set1_ps(qr[r][d]);
+            c0[r] = _mm512_fmadd_ps(a, b0, c0[r]);
+            c1[r] = _mm512_fmadd_ps(a, b1, c1[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        _mm512_storeu_ps(s + r * KB, c0[r]);
+        _mm512_storeu_ps(s + r * KB + 16, c1[r]);
+    }
+}
+
+/* pv_tile on 32 columns (same per-lane order as pv_tile: the same outputs bit for bit). */
+static inline __attribute__((always_inline)) void pv_tile512(const int R, const float *p, const float *v, int64_t D,
+                                                             int nk, float *o, int64_t c) {
+    __m512 c0[MR], c1[MR];
+    for (int r = 0; r < R; r++) {
+        c0[r] = _mm512_loadu_ps(o + r * D + c);
+        c1[r] = _mm512_loadu_ps(o + r * D + c + 16);
+    }
+    for (int j = 0; j < nk; j++) {
+        const __m512 b0 = _mm512_loadu_ps(v + j * D + c), b1 = _mm512_loadu_ps(v + j * D + c + 16);
+        for (int r = 0; r < R; r++) {
+            const __m512 a = _mm512_set1_ps(p[r * KB + j]);
+            c0[r] = _mm512_fmadd_ps(a, b0, c0[r]);
+            c1[r] = _mm512_fmadd_ps(a, b1, c1[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        _mm512_storeu_ps(o + r * D + c, c0[r]);
+        _mm512_storeu_ps(o + r * D + c + 16, c1[r]);
+    }
+}
+#endif
+
 /* One 6-row tile against one key block: scores, online softmax, P @ V. o: the tile's output rows
  * (stride D), m / l: their running maxima and sums. pos[r]: the row's position (keys > pos masked). */
 static inline __attribute__((always_inline)) void tile_block(const int R, const float *const *qr, const int64_t *pos,
                                                              const float *kt, const float *v, int64_t kb, int nk,
                                                              int64_t D, float scale, float *o, float *m, float *l,
                                                              float *s) {
+#ifdef KVP_AVX512
+    for (int j0 = 0; j0 < nk; j0 += 32) score_tile512(R, qr, kt + j0, D, s + j0); /* kt is zero past nk up to KB */
+#else
     for (int j0 = 0; j0 < nk; j0 += 16) score_tile(R, qr, kt + j0, D, s + j0);
+#endif
     const __m256 sc = _mm256_set1_ps(scale), ninf = _mm256_set1_ps(-INFINITY);
     for (int r = 0; r < R; r++) {
         float *sr = s + r * KB;
@@ -107,7 +160,11 @@ static inline __attribute__((always_inline)) void tile_block(const int R, const 
             for (int64_t c = 0; c < D; c += 8) _mm256_storeu_ps(o + r * D + c, _mm256_mul_ps(_mm256_loadu_ps(o + r * D + c), av));
         }
     }
-    for (int64_t c = 0; c < D; c += 16) pv_tile(R, s, v, D, nk, o, c);
+    int64_t c = 0;
+#ifdef KVP_AVX512
+    for (; c + 32 <= D; c += 32) pv_tile512(R, s, v, D, nk, o, c);
+#endif
+    for (; c < D; c += 16) pv_tile(R, s, v, D, nk, o, c);
 }
 
 /* kt[d][j] = k[j][d] for the block's nk keys (rows of D floats), zero for j >= nk (finite, masked anyway):

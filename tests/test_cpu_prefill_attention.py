@@ -51,6 +51,7 @@ def _problem(t: int, length: int, h: int, kvh: int, d: int, seed: int):
     (70, 70, 4, 1, 64),  # GQA group 4, T past one 64-position work item
     (7, 200, 8, 2, 128),  # a short chunk after a long prefix: L not a multiple of the 64-key block
     (130, 300, 9, 3, 64),  # chunk and prefix both ragged
+    (9, 75, 4, 2, 48),  # head_dim 48: one 32-column slice and a 16-column one on AVX-512
 ])
 def test_matches_float64_reference(isa, t, length, h, kvh, d):
     from kvcli_kernels.cpu_prefill_attention import prefill_attention, supported
@@ -84,6 +85,22 @@ def test_a_row_does_not_depend_on_its_chunk_or_threads(isa):
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, full)
+
+
+@pytest.mark.skipif(not {"avx2", "avx512vnni"} <= set(ISAS), reason="needs both the AVX2 and the AVX-512 build")
+@pytest.mark.parametrize(("t", "length", "d"), [(13, 13, 16), (70, 150, 64), (9, 75, 48), (7, 200, 128)])
+def test_avx512_build_gives_the_avx2_builds_bits(t, length, d):
+    """The AVX-512 build's 32-key score tiles and 32-column P @ V slices sum each lane in the AVX2 build's
+    order: the same outputs bit for bit."""
+    from kvcli_kernels.cpu_prefill_attention import prefill_attention
+
+    q, k, v = _problem(t, length, 8, 2, d, seed=t + d)
+    outs = []
+    for isa in ("avx2", "avx512vnni"):
+        out = torch.empty(t, 8, d)
+        assert prefill_attention(_lib(isa), q, k, v, d ** -0.5, out)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_plain_c_build_has_none():
