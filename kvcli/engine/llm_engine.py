@@ -24,7 +24,7 @@ from kvcli.kvcache.interface import KVLayout, blocks_for
 from kvcli.kvcache.kv_cache import KVCache, bytes_per_block, usable_blocks_for_budget
 from kvcli.kvcache.retention import Retention
 from kvcli.metrics.collector import MetricsCollector
-from kvcli.metrics.memory import return_freed_heap
+from kvcli.metrics.memory import keep_step_buffers_in_heap, return_freed_heap
 from kvcli.metrics.snapshot import KVBreakdown, MemorySnapshot, Snapshot, SpecSummary
 from kvcli.metrics.stats import EngineFacts, RequestExtent, RunStats
 from kvcli.model.llama import LlamaModel
@@ -280,6 +280,8 @@ class LLMEngine:
     def _build_model(self, loaded: LoadedWeights, dtype: torch.dtype) -> None:
         """The model as the weight plan says (kvcli/model/weight_plan.py: how every weight runs, decided once)."""
         self.formats = dict(loaded.formats)
+        if self.device.type == "cpu":
+            keep_step_buffers_in_heap()  # prefill's MB-sized outputs reused, not page-faulted in afresh each step
         try:
             plan = plan_loaded(loaded, dequantize=self.options.dequantize, device=self.device, dtype=dtype,
                                backend=self.backend.name)
