@@ -1311,10 +1311,11 @@ __attribute__((target("amx-tile"))) static void bg_configure(int rows) {
 }
 
 /* C[32 rows][32 cols] (TWO = 1) or C[rows][32] (TWO = 0, tiles 0 / 1 / 4 as configured) += x[.., k0 .. k0 + kc]
- * W^T over one packed panel; C read from (or, when first, zero) and stored to c (row stride ldc floats). */
+ * W^T over one packed panel; C read from c (row stride ldc floats; zero when first) and stored to o (row stride
+ * ldo: c itself, or y at the last k). */
 __attribute__((target("amx-tile,amx-bf16"), always_inline)) static inline void bg_micro(const int TWO, const uint16_t *x, int64_t ldx,
-                                                                         const uint32_t *bp, int64_t kc, float *c,
-                                                                         int64_t ldc, int first) {
+                                                                         const uint32_t *bp, int64_t kc, const float *c,
+                                                                         int64_t ldc, int first, float *o, int64_t ldo) {
     const uint32_t *b1 = bp + kc * 8;
     if (first) {
         _tile_zero(0);
@@ -1343,11 +1344,11 @@ __attribute__((target("amx-tile,amx-bf16"), always_inline)) static inline void b
             _tile_dpbf16ps(3, 5, 7);
         }
     }
-    _tile_stored(0, c, 4 * ldc);
-    _tile_stored(1, c + 16, 4 * ldc);
+    _tile_stored(0, o, 4 * ldo);
+    _tile_stored(1, o + 16, 4 * ldo);
     if (TWO) {
-        _tile_stored(2, c + 16 * ldc, 4 * ldc);
-        _tile_stored(3, c + 16 * ldc + 16, 4 * ldc);
+        _tile_stored(2, o + 16 * ldo, 4 * ldo);
+        _tile_stored(3, o + 16 * ldo + 16, 4 * ldo);
     }
 }
 
@@ -1364,27 +1365,35 @@ __attribute__((target("amx-tile,amx-bf16"))) static void bg_panels(const kvq_arg
         for (int64_t k0 = 0; k0 < K; k0 += BG_KC) {
             const int64_t kc = K - k0 < BG_KC ? K - k0 : BG_KC;
             const uint16_t *xk = xb + k0 * M;
-            const int first = k0 == 0;
+            const int first = k0 == 0, last = k0 + kc == K;
             for (int64_t q = i0; q < i1; q++) bg_pack(a, bits, q, k0, kc, tmp, packed + (q - i0) * kc * 16);
-            bg_configure(16);
-            for (int64_t m0 = 0; m0 < full; m0 += 32) /* x's 32 rows stay in L1 while the panels pass */
+            for (int64_t m0 = 0; m0 < M; m0 += 32) { /* x's 32 rows stay in L1 while the panels pass */
+                const int64_t rows = M - m0 < 32 ? M - m0 : 32;
+                if (m0 == 0 || rows < 32) bg_configure(rows < 16 ? (int)rows : 16); /* a short tail: its own shape */
                 for (int64_t q = i0; q < i1; q++) {
                     const uint32_t *bp = packed + (q - i0) * kc * 16;
                     float *c = cbuf + m0 * ldc + 32 * (q - i0);
-                    if (m0 + 32 <= full)
-                        bg_micro(1, xk + m0 * kc, kc, bp, kc, c, ldc, first);
-                    else
-                        bg_micro(0, xk + m0 * kc, kc, bp, kc, c, ldc, first);
+                    /* the last k's sums go straight to y where the panel's 32 columns are all in it */
+                    const int direct = last && 32 * (q + 1) <= a->N;
+                    float *o = direct ? a->y + m0 * a->ldy + 32 * q : c;
+                    const int64_t ldo = direct ? a->ldy : ldc;
+                    if (rows == 32)
+                        bg_micro(1, xk + m0 * kc, kc, bp, kc, c, ldc, first, o, ldo);
+                    else if (rows <= 16)
+                        bg_micro(0, xk + m0 * kc, kc, bp, kc, c, ldc, first, o, ldo);
+                    else { /* 17-31 rows: a full 16-row tile, then the rest */
+                        bg_micro(0, xk + m0 * kc, kc, bp, kc, c, ldc, first, o, ldo);
+                        bg_configure((int)(rows - 16));
+                        bg_micro(0, xk + (m0 + 16) * kc, kc, bp, kc, c + 16 * ldc, ldc, first, o + 16 * ldo, ldo);
+                        bg_configure(16);
+                    }
                 }
-            if (full < M) {
-                bg_configure((int)(M - full));
-                for (int64_t q = i0; q < i1; q++)
-                    bg_micro(0, xk + full * kc, kc, packed + (q - i0) * kc * 16, kc, cbuf + full * ldc + 32 * (q - i0), ldc,
-                             first);
             }
         }
-        const int64_t cols = a->N - 32 * i0 < 32 * (i1 - i0) ? a->N - 32 * i0 : 32 * (i1 - i0);
-        for (int64_t m = 0; m < M; m++) memcpy(a->y + m * a->ldy + 32 * i0, cbuf + m * ldc, (size_t)cols * sizeof(float));
+        if (32 * i1 > a->N) /* the last panel reaches past N: its columns within N from cbuf */
+            for (int64_t m = 0; m < M; m++)
+                memcpy(a->y + m * a->ldy + 32 * (i1 - 1), cbuf + m * ldc + 32 * (i1 - 1 - i0),
+                       (size_t)(a->N - 32 * (i1 - 1)) * sizeof(float));
     }
     _tile_release();
 }

@@ -361,7 +361,7 @@ def test_amx_bf16_gemm_is_the_read_backs_product(isa, kind):
     """kvq_gemm_bf16, the many-row path on AMX CPUs: weight panels dequantized to bf16 on the fly (the read-back's
     bf16 weights, bit for bit) times x in bf16, fp32 sums on tiles: within fp32 summation error of the float64
     product of those same bf16 operands, for every code kind, ragged row counts (2 x 2 tiles of 16 rows, one
-    tile, a last short tile), a last panel of 8 weight rows and K panels with a tail. None where there are no
+    tile, a last short tile, a last 16 + 9 rows), a last panel of 8 weight rows and K panels with a tail. None where there are no
     AMX-BF16 tiles (other CPUs, the AVX2 and plain C builds)."""
     from kvcli_kernels.cpu_int8dot import int8dot_dequant, int8dot_gemm_bf16
 
@@ -370,7 +370,7 @@ def test_amx_bf16_gemm_is_the_read_backs_product(isa, kind):
     lin = Int8DotCpu(q)
     wb = int8dot_dequant(lin.lib, lin.args, torch.empty(w.shape, dtype=torch.bfloat16))
     assert torch.equal(wb, w.float().bfloat16())
-    for rows in (1, 5, 16, 17, 32, 40, 70):
+    for rows in (1, 5, 16, 17, 32, 40, 57, 70):
         x = torch.randn(rows, w.shape[1], generator=gen) * torch.rand(1, w.shape[1], generator=gen) * 3
         y = int8dot_gemm_bf16(lin.lib, x, lin.args, lin.out_features)
         if not _amx_bf16_here(isa):
