@@ -123,6 +123,10 @@ FIGURES: dict[str, Figure] = {f.name: f for f in [
            "(before the AMX bf16 GEMM) and in this tree, interleaved",
            ("--before", "ee03d89", "roofline", "--rounds", "3", "--", "--contexts", "512", "--rounds", "1"),
            in_make_figures=False),
+    # The AVX-512 decode/prefill attention and the heap policy (issue #30, 2026-12-06): 3d0a14d is the tree before them.
+    Figure("ab-decode-attention", "ab:main", "before/after: the bundled model's decode figure at 3d0a14d (before the "
+           "AVX-512 attention paths and the heap policy) and in this tree, interleaved",
+           ("--before", "3d0a14d", "decode", "--rounds", "3"), in_make_figures=False),
     Figure("ab-throughput", "ab:main", "before/after: the throughput trace at efe4681 and in this tree, interleaved",
            ("--before", "efe4681", "throughput", "--rounds", "3", "--", "--modes", "static,generate_batch"),
            in_make_figures=False),
