@@ -17,7 +17,6 @@ from kvcli.kvcache.retention import Retention
 from kvcli.model.layers import Rotary
 from kvcli.model.loader import load_config, load_weights
 from kvcli.options import ConfigError, EngineOptions
-from kvcli.runner.key_shift import rotate_by
 
 BS = 4
 
@@ -172,7 +171,7 @@ def test_simulated_engine_long_requests_with_preemption_and_speculation():
 
 # --- key re-rotation -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("scaling", [None, {"rope_type": "linear", "factor": 2.0}])
-def test_rotate_by_equals_the_keys_rotated_at_the_shifted_positions(scaling):
+def test_shift_keys_equals_the_keys_rotated_at_the_shifted_positions(scaling):
     rot = Rotary(64, 8192, 100000.0, scaling, torch.device("cpu"))
     g = torch.Generator().manual_seed(0)
     raw = torch.randn(40, 3, 64, generator=g) * 4
@@ -180,7 +179,7 @@ def test_rotate_by_equals_the_keys_rotated_at_the_shifted_positions(scaling):
     for delta in (16, 64, 2960):
         at_p = rot.apply(raw, rot.at(p, torch.float32))
         want = rot.apply(raw, rot.at(p - delta, torch.float32))
-        got = rotate_by(rot, at_p, delta)
+        got = rot.shift_keys(at_p, delta)
         assert (got - want).abs().max() < 2e-3 * raw.abs().max()
         assert not torch.allclose(at_p, want, atol=1e-2)  # the shift is not a no-op
 
@@ -306,8 +305,6 @@ def test_gemma3_local_layers_shift_by_their_own_rotary(tmp_path):
     them by the local rotary; turned by the global one they are far off."""
     from kquant_model import write_tiny_kquant_gguf
 
-    from kvcli.runner import model_runner
-
     path = write_tiny_kquant_gguf(tmp_path / "g3.gguf", arch="gemma3")
     loaded = load_weights(str(path))
     opts = dict(max_model_len=512, kv_budget="16MiB", kv_dtype="fp32", max_num_batched_tokens=64)
@@ -332,10 +329,10 @@ def test_gemma3_local_layers_shift_by_their_own_rotary(tmp_path):
 
     wk, pk, _ = kept_keys()
     assert (wk - pk).abs().max() <= 1e-4 * pk.abs().max()
-    real = model_runner.rotate_by
-    try:  # every layer turned by the global rotary (what the runner did before)
-        model_runner.rotate_by = lambda rotary, k, d: real(model.rotary, k, d)
+    local = model.layers[0].rotary
+    try:  # the local layers turned by the global rotary (what the runner did before)
+        local.shift_keys = model.rotary.shift_keys
         wk, pk, _ = kept_keys()
     finally:
-        model_runner.rotate_by = real
+        del local.shift_keys
     assert (wk - pk).abs().max() > 1e-2 * pk.abs().max()

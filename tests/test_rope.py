@@ -80,7 +80,7 @@ def test_the_attention_factor_scales_both_tables():
     scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}
     r = Rotary(HEAD_DIM, 512, THETA, scaling, torch.device("cpu"))
     assert r.attention_factor == pytest.approx(0.1 * math.log(4.0) + 1)
-    norms = (r.cos ** 2 + r.sin ** 2)[:, : HEAD_DIM // 2]
+    norms = (r.cos ** 2 + r.sin_signed ** 2)[:, : HEAD_DIM // 2]
     torch.testing.assert_close(norms, torch.full_like(norms, r.attention_factor ** 2))
 
 

@@ -18,7 +18,8 @@ def test_rotary_apply_is_bitwise_the_rotate_half_formula():
     rot = Rotary(64, 4096, 100000.0, None, torch.device("cpu"))
     positions = torch.tensor([0, 1, 17, 511, 4095, 300])
     cos = rot.cos[positions].unsqueeze(1)
-    sin = rot.sin[positions].unsqueeze(1)
+    half = rot.half  # sin's halves are equal: the signed table's second half is sin
+    sin = rot.sin_signed[positions, half:].repeat(1, 2).unsqueeze(1)
     for dtype in (torch.float32, torch.bfloat16):
         cs = rot.at(positions, dtype)
         for heads in (1, 12):

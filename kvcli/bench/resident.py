@@ -3,9 +3,10 @@
 own process as a user's would be.
 
 Printed per file: the file's tensor bytes, what kvcli holds after the load (inspect's `resident`: the kernel
-forms, a tied embedding counted once) and its ratio to the file, and what the process really grew by over
-the load (inspect's `measured_growth`: RSS) and its ratio to the resident figure; the rest of the growth is
-what is not weights (tokenizer, kernel libraries, rotary tables, a two-block KV pool). The files are written
+forms, a tied embedding counted once) and its ratio to the file, the rotary tables beside them (inspect's
+`tables`), and what the process really grew by over the load (inspect's `measured_growth`: RSS) and its ratio
+to the weights and tables held; the rest of the growth is what kvcli does not count (tokenizer, kernel
+libraries, a two-block KV pool, the allocator's slack). The files are written
 once into .cache/shapes (kvcli/bench/shapes.py: random but well-formed blocks, the bundled tokenizer).
 """
 
@@ -44,12 +45,12 @@ def main(argv: list[str] | None = None) -> None:
             p.error(str(e))
         rep = inspect(path)
         resident = sum(rep["resident"].values())
-        rows.append((f"{shape} {kind}", rep["file_tensor_bytes"], resident, rep["measured_growth"],
+        rows.append((f"{shape} {kind}", rep["file_tensor_bytes"], resident, rep["tables"], rep["measured_growth"],
                      rep["linear_paths"], rep["resident"]))
         print(f"{path.name}: {json.dumps(rep['resident'])}", flush=True)
     print()
-    print(f"{'file':<12} {'file MiB':>9} {'resident MiB':>13} {'vs file':>8} {'RSS growth MiB':>15} "
-          f"{'vs resident':>12}  linears")
-    for name, file_bytes, resident, growth, linears, _ in rows:
+    print(f"{'file':<12} {'file MiB':>9} {'resident MiB':>13} {'vs file':>8} {'tables MiB':>11} "
+          f"{'RSS growth MiB':>15} {'vs held':>8}  linears")
+    for name, file_bytes, resident, tables, growth, linears, _ in rows:
         print(f"{name:<12} {file_bytes / MIB:>9.1f} {resident / MIB:>13.1f} {resident / file_bytes:>7.3f}x "
-              f"{growth / MIB:>15.1f} {growth / resident:>11.3f}x  {linears}")
+              f"{tables / MIB:>11.1f} {growth / MIB:>15.1f} {growth / (resident + tables):>7.3f}x  {linears}")

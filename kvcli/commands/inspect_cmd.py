@@ -49,8 +49,9 @@ class InspectReport:
     sliding_window: int | None = None  # attention window (tokens)
     window_released: bool = False  # every layer slides: the paged layout gives back the blocks before it
     resident: dict[str, int] | None = None  # layers / embedding / lm_head, after load
-    # what the process grew by over the load (RSS on the host, the allocator's bytes on CUDA): the weights plus
-    # what is not weights (tokenizer, kernel libraries, rotary tables, the two-block KV pool)
+    tables: int | None = None  # the model's rotary tables, after load (not weights; held for the whole context)
+    # what the process grew by over the load (RSS on the host, the allocator's bytes on CUDA): the weights, the
+    # tables and what kvcli does not count (tokenizer, kernel libraries, the two-block KV pool)
     measured_growth: int | None = None
     linear_paths: str | None = None
     cpu_kernels: str | None = None  # kvcli's C kernels here: which build, or why none (model/int8dot_cpu.py)
@@ -189,6 +190,7 @@ def inspect_model(spec: str | None, options: EngineOptions, load: bool, context:
         rep.measured_growth = None if before is None or after is None else after - before
         rep.kv_dtype = engine.kv_dtype.name
         rep.resident = engine.model.weight_bytes()  # type: ignore[union-attr]
+        rep.tables = engine.model.table_bytes()  # type: ignore[union-attr]
         rep.linear_paths = engine.linear_mode
         if device.type == "cpu":
             from kvcli.native import registry
@@ -257,11 +259,15 @@ def render(rep: InspectReport, context: int) -> None:
     if rep.resident is not None:
         parts = ", ".join(f"{k} {human_bytes(v)}" for k, v in rep.resident.items())
         t.add_row("resident after load", f"{human_bytes(sum(rep.resident.values()))} ({parts})")
+        held = sum(rep.resident.values()) + (rep.tables or 0)
+        if rep.tables:
+            t.add_row("  + rotary tables", f"{human_bytes(rep.tables)} (every position of the context): "
+                                           f"{human_bytes(held)} held")
         if rep.measured_growth is not None:
             where = "GPU memory allocated" if rep.device.startswith("cuda") else "process RSS"
             t.add_row("measured at load", f"{where} grew {human_bytes(rep.measured_growth)} "
-                      f"({rep.measured_growth / max(1, sum(rep.resident.values())):.2f}x the resident weights; the "
-                      f"rest is tokenizer, kernels, tables)")
+                      f"({rep.measured_growth / max(1, held):.2f}x the weights and tables; the rest is the "
+                      f"tokenizer, kernel libraries and the KV pool)")
         t.add_row("linear paths", rep.linear_paths or "")
         if rep.cpu_kernels:
             t.add_row("kvcli C kernels", rep.cpu_kernels)

@@ -262,7 +262,6 @@ class Rotary:
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None,
                  device: torch.device) -> None:
         inv_freq, self.attention_factor = rope.frequencies(head_dim, theta, scaling, max_positions)
-        self.inv_freq = inv_freq
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
@@ -270,9 +269,14 @@ class Rotary:
         cos, sin = emb.cos(), emb.sin()
         if self.attention_factor != 1.0:
             cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        # Two tables, not three: sin's halves are equal (emb repeats freqs), so sin_signed holds it.
         self.cos = cos.to(device)
-        self.sin = sin.to(device)
-        self.sin_signed = torch.cat([-self.sin[:, :self.half], self.sin[:, self.half:]], dim=-1)
+        self.sin_signed = torch.cat([-sin[:, :self.half], sin[:, self.half:]], dim=-1).to(device)
+
+    @property
+    def nbytes(self) -> int:
+        """The tables' bytes (held for every position up to the model's context)."""
+        return self.cos.nbytes + self.sin_signed.nbytes
 
     def at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin rows for these positions, [T, 1, D]: once per forward, shared by every layer."""
@@ -288,12 +292,12 @@ class Rotary:
 
     def shift_keys(self, k: torch.Tensor, delta: int) -> torch.Tensor:
         """Keys already rotated at positions p, [N, kv_heads, D] (rotate-half layout), rotated to p - delta:
-        R(p - delta) = R(-delta) R(p), the pure rotation (no attention factor: the stored keys carry it
-        once already). Computed in fp32, returned in k's dtype; llama.cpp's context shift (K-shift)."""
-        angle = -float(delta) * self.inv_freq.to(k.device, torch.float64)
-        cos = torch.cat([angle.cos(), angle.cos()]).to(torch.float32)
-        sin = angle.sin().to(torch.float32)
-        sin_signed = torch.cat([-sin, sin])
+        R(p - delta) = R(-delta) R(p), the pure rotation. Its angles are the tables' row delta (the rotation by
+        +delta, computed as every position's was), divided by the attention factor the tables fold in (the
+        stored keys carry it once already); turning by -delta flips the sign of the sines. fp32 math, k's
+        dtype back; llama.cpp's context shift (K-shift)."""
+        cos = self.cos[delta].to(k.device, torch.float32) / self.attention_factor  # cos(-delta f) = cos(delta f)
+        sin_signed = -self.sin_signed[delta].to(k.device, torch.float32) / self.attention_factor
         x = k.to(torch.float32)
         out = x * cos + torch.roll(x, self.half, dims=-1) * sin_signed
         return out.to(k.dtype)

@@ -180,6 +180,11 @@ class LlamaModel:
             "lm_head": self.lm_head.nbytes,
         }
 
+    def table_bytes(self) -> int:
+        """What the model holds besides its weights: the rotary tables (cos and signed sin for every position
+        of the context, one pair per distinct rotary: Gemma 3's local layers have their own)."""
+        return sum({id(l.rotary): l.rotary.nbytes for l in self.layers}.values())
+
     @torch.inference_mode()
     def forward(
         self,

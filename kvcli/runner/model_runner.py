@@ -16,7 +16,6 @@ from kvcli.kvcache.interface import NULL_BLOCK
 from kvcli.kvcache.kv_cache import HostBlocks, KVCache
 from kvcli.model.llama import LlamaModel
 from kvcli.runner.cuda_graphs import DecodeGraphs
-from kvcli.runner.key_shift import rotate_by
 from kvcli.sampler import Penalties, apply_penalties, penalize_verification_rows, sample
 from kvcli.spec_decode.acceptance import accept
 
@@ -149,7 +148,7 @@ class ModelRunner:
             cache.copy_blocks(out.block_copies)
         for shift in out.key_shifts:  # a bounded cache dropped blocks: kept keys move down (kvcache/retention.py)
             cache.rotate_keys(list(shift.blocks),
-                              lambda k, layer, d=shift.delta: rotate_by(self.model.layers[layer].rotary, k, d))
+                              lambda k, layer, d=shift.delta: self.model.layers[layer].rotary.shift_keys(k, d))
 
     def execute(self, out: SchedulerOutput, all_logits: bool = False) -> RunnerOutput:
         """Run one step and sample. With all_logits (teacher forcing), return logits for every
