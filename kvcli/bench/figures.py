@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvcli.bench.harness import AVX2_ENV
+from kvcli.bench.harness import AVX2_ENV, NOAMX_ENV
 
 
 @dataclass(frozen=True)
@@ -84,6 +84,10 @@ FIGURES: dict[str, Figure] = {f.name: f for f in [
            ("--repeats", "5", "--new-tokens", "64"), AVX2_ENV, in_make_figures=False),
     Figure("roofline", "roofline:main", "batch 1 on a random-weight 1B-shape Q4_0 GGUF: kvcli vs llama.cpp at 512 "
            "and 8k, with the measured read bandwidth and matrix peak (~10 min)", in_make_figures=False),
+    Figure("roofline-noamx", "roofline:main", "the roofline figure on AVX-512 without AMX (kvcli's AMX paths and "
+           "oneDNN's held off; on a CPU without AMX, the plain run) (~10 min)", env=NOAMX_ENV, in_make_figures=False),
+    Figure("roofline-avx2", "roofline:main", "the roofline figure held to AVX2 (torch, kvcli's C kernels, llama.cpp's "
+           "AVX2 build) (~15 min)", env=AVX2_ENV, in_make_figures=False),
     Figure("verify-step", "verify_step:main", "a step of 1-8 query rows after a cached context against a 1-row "
            "decode step (what speculative verification costs)"),
     Figure("roofline-3b", "roofline:main", "the roofline figure on the 3B shape (Q4_0) at 512 and 4k (~15 min)",

@@ -28,6 +28,8 @@ RESULTS = REPO / "docs" / "results"
 
 # torch reads ATEN_CPU_CAPABILITY once, at import: a figure held to AVX2 re-executes itself with these set.
 AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+# AVX-512 without AMX on a CPU that has it: kvcli's tile paths off (capabilities.amx_*_for), oneDNN below AMX.
+NOAMX_ENV = {"KVCLI_AMX": "0", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}
 
 
 def sample_text(name: str) -> str:
