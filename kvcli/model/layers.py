@@ -298,6 +298,4 @@ class Rotary:
         dtype back; llama.cpp's context shift (K-shift)."""
         cos = self.cos[delta].to(k.device, torch.float32) / self.attention_factor  # cos(-delta f) = cos(delta f)
         sin_signed = -self.sin_signed[delta].to(k.device, torch.float32) / self.attention_factor
-        x = k.to(torch.float32)
-        out = x * cos + torch.roll(x, self.half, dims=-1) * sin_signed
-        return out.to(k.dtype)
+        return self.apply(k.to(torch.float32), (cos, sin_signed)).to(k.dtype)
