@@ -24,13 +24,12 @@
  * sliding window) and are computed as one item: their k x g heads share every K/V row read, each head
  * masked past its own row's length (a row's keys beyond its length get probability 0 and leave its
  * running maximum, sum and accumulator exactly as they were: the row's result is bit for bit what it
- * would be alone, wherever the spans are the same). group[r] = 0 marks the queries a group covers. Keys are processed in
- * tiles of at most TILE tokens of one block (contiguous rows). Non-fp32 caches are converted in
- * registers (fp16 by F16C, bf16 by a shift, int8 / fp8 by integer widening) into an fp32 tile in L1,
- * once per tile: the scores then read each K row once per q head of the group, and P @ V reads V again,
- * from L1 rather than converting it each time. That is the 8-wide (AVX2) path; AVX-512 builds run head dims
- * that are multiples of 16 through span512 instead (rows converted in registers, tiles across block
- * boundaries, see there), the same contract and, per head, an arithmetic independent of the other heads.
+ * would be alone, wherever the spans are the same). group[r] = 0 marks the queries a group covers. Keys are
+ * processed in tiles of at most TILE tokens, across block boundaries; in vector builds (span_tiles) each row
+ * is read in its stored dtype and converted in registers (fp16 by F16C, bf16 by a shift, int8 / fp8 by
+ * integer widening), 8 lanes at a time (AVX2), 16 where the build has AVX-512 and head_dim is a multiple of
+ * 16; builds without AVX2 convert each tile of one block to fp32 first (span), the same contract. Per head
+ * the arithmetic does not depend on the other heads of the item.
  *
  * Built at first use by kvcli_kernels/cpu_attention.py (cc -O3 -fopenmp); the OpenMP runtime is the one
  * torch already loaded, so torch.set_num_threads governs both.
@@ -112,35 +111,37 @@ static inline float f16_bits_to_f32(uint16_t h) {
  * torch_backend.py): sign from bit 7 to 15, exponent and mantissa from bits 0-6 to 7-13. */
 static inline uint16_t fp8_as_f16_bits(uint8_t c) { return (uint16_t)(((c & 0x80) << 8) | ((c & 0x7F) << 7)); }
 
+static inline int64_t table_at(const kva_step *s, int64_t req, int64_t i) {
+    return s->tables64 ? ((const int64_t *)s->tables)[req * s->t_row + i] : ((const int32_t *)s->tables)[req * s->t_row + i];
+}
+
+static inline int64_t len_at(const kva_step *s, int64_t req) {
+    return s->lens64 ? ((const int64_t *)s->lens)[req] : ((const int32_t *)s->lens)[req];
+}
+
+static inline int64_t row_of(const kva_step *s, int64_t r) { return s->rows ? s->rows[r] : r; }
+
+/* The item's queries for KV head h: rows r .. r + nq - 1's q heads of the GQA group side by side, as one group
+ * of nq g heads (copied to qg when nq > 1), and each head's key limit lim (its row's length; t1 for one row). */
+static inline const float *item_queries(const kva_args *a, int64_t r, int64_t nq, int64_t h, int64_t t1, float *qg,
+                                        int64_t *lim) {
+    const int64_t D = a->c->d, g = a->s->heads / a->c->kv_heads;
+    for (int64_t i = 0; i < nq; i++)
+        for (int64_t j = 0; j < g; j++) lim[i * g + j] = nq > 1 ? len_at(a->s, a->s->reqs ? a->s->reqs[r + i] : r + i) : t1;
+    if (nq == 1) return a->q + row_of(a->s, r) * a->q_row + h * g * D;
+    for (int64_t i = 0; i < nq; i++)
+        memcpy(qg + i * g * D, a->q + row_of(a->s, r + i) * a->q_row + h * g * D, sizeof(float) * (size_t)(g * D));
+    return qg;
+}
+
+#ifndef KVA_AVX2
+/* ---- the plain C path (builds without AVX2) ------------------------------------------------------------ */
+
 /* n rows of D elements (row stride st elements) of dtype dt -> fp32 rows of D at dst. */
 static inline __attribute__((always_inline)) void cvt_rows(const void *src, const int dt, int64_t st, int n,
                                                            int64_t D, float *dst) {
     for (int u = 0; u < n; u++) {
         float *o = dst + u * D;
-#ifdef KVA_AVX2
-        if (dt == DT_F16) {
-            const uint16_t *s = (const uint16_t *)src + u * st;
-            for (int64_t i = 0; i < D; i += 8) _mm256_store_ps(o + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + i))));
-        } else if (dt == DT_BF16) {
-            const uint16_t *s = (const uint16_t *)src + u * st;
-            for (int64_t i = 0; i < D; i += 8) {
-                const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(s + i)));
-                _mm256_store_ps(o + i, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
-            }
-        } else if (dt == DT_I8) {
-            const int8_t *s = (const int8_t *)src + u * st;
-            for (int64_t i = 0; i < D; i += 8)
-                _mm256_store_ps(o + i, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(s + i)))));
-        } else {
-            const uint8_t *s = (const uint8_t *)src + u * st;
-            const __m128i sgn = _mm_set1_epi16(0x80), mag = _mm_set1_epi16(0x7F);
-            for (int64_t i = 0; i < D; i += 8) {
-                const __m128i c = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(s + i)));
-                const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(c, sgn), 8), _mm_slli_epi16(_mm_and_si128(c, mag), 7));
-                _mm256_store_ps(o + i, _mm256_cvtph_ps(h));
-            }
-        }
-#else
         for (int64_t i = 0; i < D; i++) {
             if (dt == DT_F16) {
                 o[i] = f16_bits_to_f32(((const uint16_t *)src)[u * st + i]);
@@ -153,54 +154,8 @@ static inline __attribute__((always_inline)) void cvt_rows(const void *src, cons
                 o[i] = f16_bits_to_f32(fp8_as_f16_bits(((const uint8_t *)src)[u * st + i]));
             }
         }
-#endif
     }
 }
-
-#ifdef KVA_AVX2
-#include "cpu_simd.h" /* hsum8, hmax8, exp8 */
-
-/* Lane u of the result = the sum of the 8 lanes of a[u]. */
-static inline __m256 reduce8(const __m256 a[8]) {
-    const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
-    const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
-    const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
-    return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
-}
-
-/* acc[j] += sum_u p[j][u] v[u] for GJ heads j: 16 columns of the GJ accumulators held in registers
- * across the tile, so each broadcast probability feeds two FMAs (one load each, not one per FMA). */
-static inline __attribute__((always_inline)) void v_accumulate(const int GJ, float *acc, const float *p,
-                                                               const float *const *vr, int n, int64_t D) {
-    for (int64_t i = 0; i < D; i += 16) {
-        const int two = i + 8 < D;
-        __m256 a[4], b[4];
-        for (int j = 0; j < GJ; j++) {
-            a[j] = _mm256_loadu_ps(acc + j * D + i);
-            b[j] = two ? _mm256_loadu_ps(acc + j * D + i + 8) : _mm256_setzero_ps();
-        }
-        if (two) {
-            for (int u = 0; u < n; u++) {
-                const __m256 v0 = _mm256_loadu_ps(vr[u] + i), v1 = _mm256_loadu_ps(vr[u] + i + 8);
-                for (int j = 0; j < GJ; j++) {
-                    const __m256 pj = _mm256_broadcast_ss(p + j * TILE + u);
-                    a[j] = _mm256_fmadd_ps(pj, v0, a[j]);
-                    b[j] = _mm256_fmadd_ps(pj, v1, b[j]);
-                }
-            }
-        } else {
-            for (int u = 0; u < n; u++) {
-                const __m256 v0 = _mm256_loadu_ps(vr[u] + i);
-                for (int j = 0; j < GJ; j++) a[j] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + j * TILE + u), v0, a[j]);
-            }
-        }
-        for (int j = 0; j < GJ; j++) {
-            _mm256_storeu_ps(acc + j * D + i, a[j]);
-            if (two) _mm256_storeu_ps(acc + j * D + i + 8, b[j]);
-        }
-    }
-}
-#endif
 
 /* One tile of n keys (rows kr / vr, fp32; kr padded to a multiple of 8 with zero rows) for the g q heads
  * of one KV head: scores, online-softmax update of m, l and acc [g][D]. sc: per-key score factor,
@@ -210,62 +165,6 @@ static void tile_update(const float *q, int64_t g, int64_t D, const float *const
                         int n, const int *nv, const float *sc, const float *wv, const float cap, float *m, float *l,
                         float *acc) {
     float s[MAX_QG * TILE] __attribute__((aligned(32))), p[MAX_QG * TILE] __attribute__((aligned(32)));
-    const int n8 = (n + 7) & ~7;
-#ifdef KVA_AVX2
-    const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
-    for (int64_t j = 0; j < g; j++) {
-        const float *qj = q + j * D;
-        __m256 vmax = _mm256_set1_ps(-INFINITY);
-        for (int c = 0; c < n8; c += 8) {
-            __m256 a[8];
-            for (int u = 0; u < 8; u++) a[u] = _mm256_setzero_ps();
-            for (int64_t i = 0; i < D; i += 8) {
-                const __m256 qv = _mm256_loadu_ps(qj + i);
-                for (int u = 0; u < 8; u++) a[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[c + u] + i), a[u]);
-            }
-            __m256 sv = _mm256_mul_ps(reduce8(a), _mm256_loadu_ps(sc + c));
-            if (cap > 0.0f) { /* soft-capping (Gemma 2): cap tanh(s / cap) = cap (e - 1) / (e + 1), e = exp(2 s / cap),
-                               * 2 s / cap clamped to +-18 (tanh is 1 to fp32 there, exp8 stays finite) */
-                const __m256 t = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(sv, _mm256_set1_ps(2.0f / cap)),
-                                                             _mm256_set1_ps(-18.0f)), _mm256_set1_ps(18.0f));
-                const __m256 e = exp8(t), one = _mm256_set1_ps(1.0f);
-                sv = _mm256_mul_ps(_mm256_set1_ps(cap), _mm256_div_ps(_mm256_sub_ps(e, one), _mm256_add_ps(e, one)));
-            }
-            const __m256 valid = _mm256_cmp_ps(_mm256_add_ps(lane, _mm256_set1_ps((float)c)), _mm256_set1_ps((float)nv[j]), _CMP_LT_OQ);
-            sv = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), sv, valid);
-            _mm256_store_ps(s + j * TILE + c, sv);
-            vmax = _mm256_max_ps(vmax, sv);
-        }
-        const float mx = hmax8(vmax), m_new = mx > m[j] ? mx : m[j];
-        if (m_new == -INFINITY) { /* nothing seen yet, nothing in this tile: probabilities 0, state as it is */
-            for (int c = 0; c < n8; c += 8) _mm256_store_ps(p + j * TILE + c, _mm256_setzero_ps());
-            continue;
-        }
-        const float corr = expf(m[j] - m_new);
-        __m256 vsum = _mm256_setzero_ps();
-        const __m256 mv = _mm256_set1_ps(m_new);
-        for (int c = 0; c < n8; c += 8) {
-            const __m256 e = exp8(_mm256_sub_ps(_mm256_load_ps(s + j * TILE + c), mv));  /* padded lanes: 0 */
-            vsum = _mm256_add_ps(vsum, e);
-            _mm256_store_ps(p + j * TILE + c, _mm256_mul_ps(e, _mm256_loadu_ps(wv + c)));
-        }
-        l[j] = l[j] * corr + hsum8(vsum);
-        if (corr != 1.0f) {
-            const __m256 cv = _mm256_set1_ps(corr);
-            for (int64_t i = 0; i < D; i += 8) _mm256_storeu_ps(acc + j * D + i, _mm256_mul_ps(_mm256_loadu_ps(acc + j * D + i), cv));
-        }
-        m[j] = m_new;
-    }
-    for (int64_t j0 = 0; j0 < g; j0 += 4) {
-        switch (g - j0 < 4 ? g - j0 : 4) { /* constant head counts: accumulators stay in registers */
-        case 4: v_accumulate(4, acc + j0 * D, p + j0 * TILE, vr, n, D); break;
-        case 3: v_accumulate(3, acc + j0 * D, p + j0 * TILE, vr, n, D); break;
-        case 2: v_accumulate(2, acc + j0 * D, p + j0 * TILE, vr, n, D); break;
-        default: v_accumulate(1, acc + j0 * D, p + j0 * TILE, vr, n, D);
-        }
-    }
-#else
-    (void)n8;
     for (int64_t j = 0; j < g; j++) {
         const float *qj = q + j * D;
         float mx = -INFINITY;
@@ -295,8 +194,8 @@ static void tile_update(const float *q, int64_t g, int64_t D, const float *const
         for (int u = 0; u < nv[j]; u++)
             for (int64_t i = 0; i < D; i++) aj[i] += p[j * TILE + u] * vr[u][i];
     }
-#endif
 }
+
 
 /* Keys in the tile starting at t: up to TILE, within t's block and the span's end t1. */
 static inline int tile_len(int64_t t, int64_t t1, int64_t bs) {
@@ -310,16 +209,6 @@ static inline void prefetch_rows(const char *p, int64_t stride, int n, int64_t r
         for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(p + u * stride + b, 0, 3);
 }
 
-static inline int64_t table_at(const kva_step *s, int64_t req, int64_t i) {
-    return s->tables64 ? ((const int64_t *)s->tables)[req * s->t_row + i] : ((const int32_t *)s->tables)[req * s->t_row + i];
-}
-
-static inline int64_t len_at(const kva_step *s, int64_t req) {
-    return s->lens64 ? ((const int64_t *)s->lens)[req] : ((const int32_t *)s->lens)[req];
-}
-
-static inline int64_t row_of(const kva_step *s, int64_t r) { return s->rows ? s->rows[r] : r; }
-
 /* Keys [t0, t1) of queries r .. r + nq - 1 (one request: table row req) for KV head h: unnormalised acc
  * [nq g][D], maxima m and sums l; head i g + j is row r + i's q head h g + j and sees its row's keys only. */
 static inline __attribute__((always_inline)) void span(const kva_args *a, const int dt, int64_t r, int64_t nq,
@@ -328,15 +217,8 @@ static inline __attribute__((always_inline)) void span(const kva_args *a, const 
     const kva_cache *c = a->c;
     const int64_t D = c->d, g = a->s->heads / c->kv_heads, G = nq * g, bs = c->block_size, esz = elem_size(dt);
     float qg[MAX_QG * MAX_D] __attribute__((aligned(32)));
-    const float *q = a->q + row_of(a->s, r) * a->q_row + h * g * D;
     int64_t lim[MAX_QG];
-    for (int64_t i = 0; i < nq; i++)
-        for (int64_t j = 0; j < g; j++) lim[i * g + j] = nq > 1 ? len_at(a->s, a->s->reqs ? a->s->reqs[r + i] : r + i) : t1;
-    if (nq > 1) { /* the group's q heads side by side, as one GQA group of nq g heads */
-        for (int64_t i = 0; i < nq; i++)
-            memcpy(qg + i * g * D, a->q + row_of(a->s, r + i) * a->q_row + h * g * D, sizeof(float) * (size_t)(g * D));
-        q = qg;
-    }
+    const float *q = item_queries(a, r, nq, h, t1, qg, lim);
     float kt[TILE * MAX_D] __attribute__((aligned(32))), vt[TILE * MAX_D] __attribute__((aligned(32)));
     float sc[TILE], wv[TILE];
     int nv[MAX_QG];
@@ -379,42 +261,22 @@ static inline __attribute__((always_inline)) void span(const kva_args *a, const 
         t += n;
     }
 }
+#endif
 
-#ifdef KVA_AVX512
-/* The AVX-512 form of span (head_dim a multiple of 16). Decode attention over a long context was bound by
- * instructions, not memory: the 8-wide path converts each tile to fp32 in L1 and reads it back per q head,
- * reducing each score with horizontal adds (16.3 GB/s with the cache hot on a 2-core Xeon, where the machine
- * streams about 24). Here rows are read in their stored dtype and converted in registers, 16 lanes at a time:
- * a K row once per 4 q heads (the q rows as memory operands), a V row once per 4 heads' accumulators held in
- * registers across the tile, 16 keys' scores reduced together by one transpose-and-add tree, and tiles run
- * across block boundaries (a 16-token block no longer caps a tile at 16 keys). Per head the arithmetic does
- * not depend on the other heads of the item, so query groups keep their bit-for-bit property. */
+#ifdef KVA_AVX2
+#include "cpu_simd.h" /* hsum8, hmax8, exp8 (exp16) */
 
-/* Lanes i .. i + 15 of a stored row (dtype constant after inlining). */
-static inline __attribute__((always_inline)) __m512 load16(const char *row, const int dt, int64_t i) {
-    if (dt == DT_F32) return _mm512_loadu_ps((const float *)row + i);
-    if (dt == DT_F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + i)));
-    if (dt == DT_BF16)
-        return _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + i))), 16));
-    if (dt == DT_I8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)row + i))));
-    const __m256i c = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)((const uint8_t *)row + i)));
-    return _mm512_cvtph_ps(_mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(c, _mm256_set1_epi16(0x80)), 8),
-                                           _mm256_slli_epi16(_mm256_and_si256(c, _mm256_set1_epi16(0x7F)), 7)));
-}
-
-/* Lane u of the result = the sum of the 16 lanes of v[u / 4 + 4 (u % 4)] (a fixed tree: lanes l and l + 8,
- * then + 4, + 2, + 1): store key u's partials at slot KEY_SLOT(u) and lane u is key u's score. */
-#define KEY_SLOT(u) ((((u) & 3) << 2) | ((u) >> 2))
-static inline __m512 reduce16(const __m512 *v) {
-    __m512 r1[8], r2[4], r3[2];
-    for (int k = 0; k < 8; k++)
-        r1[k] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0x44), _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0xEE));
-    for (int k = 0; k < 4; k++)
-        r2[k] = _mm512_add_ps(_mm512_shuffle_f32x4(r1[2 * k], r1[2 * k + 1], 0x88), _mm512_shuffle_f32x4(r1[2 * k], r1[2 * k + 1], 0xDD));
-    for (int k = 0; k < 2; k++) r3[k] = _mm512_add_ps(_mm512_unpacklo_ps(r2[2 * k], r2[2 * k + 1]), _mm512_unpackhi_ps(r2[2 * k], r2[2 * k + 1]));
-    return _mm512_add_ps(_mm512_shuffle_ps(r3[0], r3[1], _MM_SHUFFLE(1, 0, 1, 0)), _mm512_shuffle_ps(r3[0], r3[1], _MM_SHUFFLE(3, 2, 3, 2)));
-}
+/* ---- the vector paths: rows read in their stored dtype, converted in registers --------------------------
+ * Decode attention over a long context was bound by instructions, not memory: converting each tile to fp32
+ * in L1 and reading it back per q head, one tile per block, reached 16.3 GB/s with the cache hot on a 2-core
+ * Xeon (AVX-512), where the machine streams about 24; the AVX2 build of that path held the 1B shape's decode
+ * at 8k to 62 % of its bandwidth bound (docs/results/roofline-avx2.txt, 2026-12-06). Both vector widths now
+ * read rows where they lie: a K row once per 4 q heads (the q rows as memory operands), a V row once per 4
+ * heads' accumulators held in registers across the tile, a vector's worth of keys' scores reduced together
+ * by one fixed tree, and tiles that run across block boundaries (a 16-token block no longer caps a tile at
+ * 16 keys). Per head the arithmetic does not depend on the other heads of the item, so query groups keep
+ * their bit-for-bit property. span256 (8 lanes) runs every head_dim (a multiple of 8) in AVX2 builds;
+ * AVX-512 builds take head dims that are multiples of 16 through span512. */
 
 /* One tile's keys: row pointers in the stored dtype (n real rows, then zero rows up to a multiple of 16),
  * their score and probability factors. */
@@ -446,10 +308,175 @@ static inline __attribute__((always_inline)) void gather_tile(const kva_args *a,
     tl->n = n;
 }
 
+/* The next tile's rows, spread over this tile's work: key u's, asked for while key u's score is computed
+ * (asked for all at once, before the tile, they stalled the core on full fill buffers: 16.2 against 13.1 ms
+ * for a decode step's attention over 8k keys on the 1B shape, 2-core Xeon, 2026-12-06, ad hoc). */
+static inline __attribute__((always_inline)) void prefetch_key(const kva_tile *next, int u, int64_t row_bytes) {
+    if (next && u < next->n)
+        for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(next->k[u] + b, 0, 3), __builtin_prefetch(next->v[u] + b, 0, 3);
+}
+
+/* Lanes i .. i + 7 of a stored row (dtype constant after inlining). */
+static inline __attribute__((always_inline)) __m256 load8(const char *row, const int dt, int64_t i) {
+    if (dt == DT_F32) return _mm256_loadu_ps((const float *)row + i);
+    if (dt == DT_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i)));
+    if (dt == DT_BF16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i))), 16));
+    if (dt == DT_I8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)row + i))));
+    const __m128i c = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)((const uint8_t *)row + i)));
+    return _mm256_cvtph_ps(_mm_or_si128(_mm_slli_epi16(_mm_and_si128(c, _mm_set1_epi16(0x80)), 8),
+                                        _mm_slli_epi16(_mm_and_si128(c, _mm_set1_epi16(0x7F)), 7)));
+}
+
+/* Lane u of the result = the sum of the 8 lanes of a[u]. */
+static inline __m256 reduce8(const __m256 a[8]) {
+    const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+    return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
 /* Scores of GJ heads (q rows q + j D) for the tile's keys into s [j][TILE], masked past nv[j], soft-capped;
- * the rows of `next` (when not NULL) are prefetched a key at a time: asked for all at once, before the tile,
- * they stalled the core on full fill buffers (16.2 against 13.1 ms for a decode step's attention over 8k keys
- * on the 1B shape, 2-core Xeon, 2026-12-06, ad hoc). */
+ * the rows of `next` (when not NULL) are prefetched a key at a time. */
+static inline __attribute__((always_inline)) void scores256(const int GJ, const float *q, int64_t D, const int dt,
+                                                            const kva_tile *tl, const int *nv, const float cap, float *s,
+                                                            const kva_tile *next) {
+    __m256 part[4][8];
+    const int64_t row = D * elem_size(dt);
+    const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int c = 0; c < tl->n; c += 8) {
+        for (int u = 0; u < 8; u++) {
+            const char *kr = tl->k[c + u];
+            prefetch_key(next, c + u, row);
+            __m256 acc[4];
+            for (int j = 0; j < GJ; j++) acc[j] = _mm256_setzero_ps();
+            for (int64_t i = 0; i < D; i += 8) {
+                const __m256 kv = load8(kr, dt, i);
+                for (int j = 0; j < GJ; j++) acc[j] = _mm256_fmadd_ps(kv, _mm256_loadu_ps(q + j * D + i), acc[j]);
+            }
+            for (int j = 0; j < GJ; j++) part[j][u] = acc[j];
+        }
+        for (int j = 0; j < GJ; j++) {
+            __m256 sv = _mm256_mul_ps(reduce8(part[j]), _mm256_load_ps(tl->sc + c));
+            if (cap > 0.0f) { /* soft-capping (Gemma 2): cap tanh(s / cap) = cap (e - 1) / (e + 1), e = exp(2 s / cap),
+                               * 2 s / cap clamped to +-18 (tanh is 1 to fp32 there, exp8 stays finite) */
+                const __m256 t = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(sv, _mm256_set1_ps(2.0f / cap)),
+                                                             _mm256_set1_ps(-18.0f)), _mm256_set1_ps(18.0f));
+                const __m256 e = exp8(t), one = _mm256_set1_ps(1.0f);
+                sv = _mm256_mul_ps(_mm256_set1_ps(cap), _mm256_div_ps(_mm256_sub_ps(e, one), _mm256_add_ps(e, one)));
+            }
+            const __m256 valid = _mm256_cmp_ps(lane, _mm256_set1_ps((float)(nv[j] - c)), _CMP_LT_OQ);
+            _mm256_store_ps(s + j * TILE + c, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), sv, valid));
+        }
+    }
+}
+
+/* acc[j][i .. i + 8 NC) = acc * corr[j] + sum_u p[j][u] v[u] for GJ heads: the accumulators stay in
+ * registers across the tile, each V row is converted once for the GJ heads. */
+static inline __attribute__((always_inline)) void v_chunk256(const int GJ, const int NC, float *acc, const float *p,
+                                                             const float *corr, const kva_tile *tl, const int dt,
+                                                             int64_t D, int64_t i) {
+    __m256 a[4][2];
+    for (int j = 0; j < GJ; j++)
+        for (int c = 0; c < NC; c++) a[j][c] = _mm256_mul_ps(_mm256_loadu_ps(acc + j * D + i + 8 * c), _mm256_set1_ps(corr[j]));
+    for (int u = 0; u < tl->n; u++) {
+        __m256 v[2];
+        for (int c = 0; c < NC; c++) v[c] = load8(tl->v[u], dt, i + 8 * c);
+        for (int j = 0; j < GJ; j++) {
+            const __m256 pj = _mm256_broadcast_ss(p + j * TILE + u);
+            for (int c = 0; c < NC; c++) a[j][c] = _mm256_fmadd_ps(pj, v[c], a[j][c]);
+        }
+    }
+    for (int j = 0; j < GJ; j++)
+        for (int c = 0; c < NC; c++) _mm256_storeu_ps(acc + j * D + i + 8 * c, a[j][c]);
+}
+
+static inline __attribute__((always_inline)) void v_accumulate256(const int GJ, float *acc, const float *p,
+                                                                  const float *corr, const kva_tile *tl, const int dt,
+                                                                  int64_t D) {
+    int64_t i = 0;
+    for (; i + 16 <= D; i += 16) v_chunk256(GJ, 2, acc, p, corr, tl, dt, D, i);
+    for (; i < D; i += 8) v_chunk256(GJ, 1, acc, p, corr, tl, dt, D, i);
+}
+
+/* One gathered tile for G heads: scores, online-softmax update of m, l and acc [G][D]. nv[j] <= n: the keys
+ * head j sees (a query group's rows see different lengths); a head that sees none keeps m, l and acc. */
+static inline __attribute__((always_inline)) void tile_update256(const float *q, int64_t G, int64_t D, const int dt,
+                                                                 const kva_tile *tl, const int *nv, const float cap,
+                                                                 float *m, float *l, float *acc, const kva_tile *next) {
+    float s[MAX_QG * TILE] __attribute__((aligned(32))), p[MAX_QG * TILE] __attribute__((aligned(32))), corr[MAX_QG];
+    const int n8 = (tl->n + 7) & ~7;
+    for (int64_t j0 = 0; j0 < G; j0 += 4) {
+        switch (G - j0 < 4 ? G - j0 : 4) { /* constant head counts: the accumulators stay in registers */
+        case 4: scores256(4, q + j0 * D, D, dt, tl, nv + j0, cap, s + j0 * TILE, j0 ? NULL : next); break;
+        case 3: scores256(3, q + j0 * D, D, dt, tl, nv + j0, cap, s + j0 * TILE, j0 ? NULL : next); break;
+        case 2: scores256(2, q + j0 * D, D, dt, tl, nv + j0, cap, s + j0 * TILE, j0 ? NULL : next); break;
+        default: scores256(1, q + j0 * D, D, dt, tl, nv + j0, cap, s + j0 * TILE, j0 ? NULL : next);
+        }
+    }
+    for (int64_t j = 0; j < G; j++) {
+        __m256 vmax = _mm256_set1_ps(-INFINITY);
+        for (int c = 0; c < n8; c += 8) vmax = _mm256_max_ps(vmax, _mm256_load_ps(s + j * TILE + c));
+        const float mx = hmax8(vmax), m_new = mx > m[j] ? mx : m[j];
+        if (m_new == -INFINITY) { /* nothing seen yet, nothing in this tile: probabilities 0, state as it is */
+            for (int c = 0; c < n8; c += 8) _mm256_store_ps(p + j * TILE + c, _mm256_setzero_ps());
+            corr[j] = 1.0f;
+            continue;
+        }
+        corr[j] = expf(m[j] - m_new);
+        __m256 vsum = _mm256_setzero_ps();
+        const __m256 mv = _mm256_set1_ps(m_new);
+        for (int c = 0; c < n8; c += 8) {
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_load_ps(s + j * TILE + c), mv)); /* masked lanes: 0 */
+            vsum = _mm256_add_ps(vsum, e);
+            _mm256_store_ps(p + j * TILE + c, _mm256_mul_ps(e, _mm256_load_ps(tl->wv + c)));
+        }
+        l[j] = l[j] * corr[j] + hsum8(vsum);
+        m[j] = m_new;
+    }
+    for (int64_t j0 = 0; j0 < G; j0 += 4) {
+        switch (G - j0 < 4 ? G - j0 : 4) {
+        case 4: v_accumulate256(4, acc + j0 * D, p + j0 * TILE, corr + j0, tl, dt, D); break;
+        case 3: v_accumulate256(3, acc + j0 * D, p + j0 * TILE, corr + j0, tl, dt, D); break;
+        case 2: v_accumulate256(2, acc + j0 * D, p + j0 * TILE, corr + j0, tl, dt, D); break;
+        default: v_accumulate256(1, acc + j0 * D, p + j0 * TILE, corr + j0, tl, dt, D);
+        }
+    }
+}
+#endif
+
+#ifdef KVA_AVX512
+/* The 16-lane form of the vector path above (head_dim a multiple of 16): 16 keys' scores reduced together by
+ * one transpose-and-add tree. */
+
+/* Lanes i .. i + 15 of a stored row (dtype constant after inlining). */
+static inline __attribute__((always_inline)) __m512 load16(const char *row, const int dt, int64_t i) {
+    if (dt == DT_F32) return _mm512_loadu_ps((const float *)row + i);
+    if (dt == DT_F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + i)));
+    if (dt == DT_BF16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + i))), 16));
+    if (dt == DT_I8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)row + i))));
+    const __m256i c = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)((const uint8_t *)row + i)));
+    return _mm512_cvtph_ps(_mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(c, _mm256_set1_epi16(0x80)), 8),
+                                           _mm256_slli_epi16(_mm256_and_si256(c, _mm256_set1_epi16(0x7F)), 7)));
+}
+
+/* Lane u of the result = the sum of the 16 lanes of v[u / 4 + 4 (u % 4)] (a fixed tree: lanes l and l + 8,
+ * then + 4, + 2, + 1): store key u's partials at slot KEY_SLOT(u) and lane u is key u's score. */
+#define KEY_SLOT(u) ((((u) & 3) << 2) | ((u) >> 2))
+static inline __m512 reduce16(const __m512 *v) {
+    __m512 r1[8], r2[4], r3[2];
+    for (int k = 0; k < 8; k++)
+        r1[k] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0x44), _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0xEE));
+    for (int k = 0; k < 4; k++)
+        r2[k] = _mm512_add_ps(_mm512_shuffle_f32x4(r1[2 * k], r1[2 * k + 1], 0x88), _mm512_shuffle_f32x4(r1[2 * k], r1[2 * k + 1], 0xDD));
+    for (int k = 0; k < 2; k++) r3[k] = _mm512_add_ps(_mm512_unpacklo_ps(r2[2 * k], r2[2 * k + 1]), _mm512_unpackhi_ps(r2[2 * k], r2[2 * k + 1]));
+    return _mm512_add_ps(_mm512_shuffle_ps(r3[0], r3[1], _MM_SHUFFLE(1, 0, 1, 0)), _mm512_shuffle_ps(r3[0], r3[1], _MM_SHUFFLE(3, 2, 3, 2)));
+}
+
+/* scores256 on 16 lanes. */
 static inline __attribute__((always_inline)) void scores512(const int GJ, const float *q, int64_t D, const int dt,
                                                             const kva_tile *tl, const int *nv, const float cap, float *s,
                                                             const kva_tile *next) {
@@ -458,8 +485,7 @@ static inline __attribute__((always_inline)) void scores512(const int GJ, const 
     for (int c = 0; c < tl->n; c += 16) {
         for (int u = 0; u < 16; u++) {
             const char *kr = tl->k[c + u];
-            if (next && c + u < next->n) /* the next tile's rows, spread over this tile's work */
-                for (int64_t b = 0; b < row; b += 64) __builtin_prefetch(next->k[c + u] + b, 0, 3), __builtin_prefetch(next->v[c + u] + b, 0, 3);
+            prefetch_key(next, c + u, row);
             __m512 acc[4];
             for (int j = 0; j < GJ; j++) acc[j] = _mm512_setzero_ps();
             for (int64_t i = 0; i < D; i += 16) {
@@ -557,21 +583,20 @@ static inline __attribute__((always_inline)) void tile_update512(const float *q,
 
 /* span with AVX-512 tiles (same contract); the next tile is gathered before the current one is computed, and
  * its rows are prefetched while it is. */
-static inline __attribute__((always_inline)) void span512(const kva_args *a, const int dt, int64_t r, int64_t nq,
-                                                          int64_t req, int64_t h, int64_t t0, int64_t t1, float *acc,
-                                                          float *m, float *l) {
+#endif
+
+#ifdef KVA_AVX2
+/* span with vector tiles of W lanes (8; 16 in AVX-512 builds), the same contract: the next tile is gathered
+ * before the current one is computed, and its rows are prefetched while it is. */
+static inline __attribute__((always_inline)) void span_tiles(const kva_args *a, const int dt, const int W, int64_t r,
+                                                             int64_t nq, int64_t req, int64_t h, int64_t t0, int64_t t1,
+                                                             float *acc, float *m, float *l) {
+    (void)W; /* 8 where the build has no 16-lane tiles */
     const kva_cache *c = a->c;
-    const int64_t D = c->d, g = a->s->heads / c->kv_heads, G = nq * g;
+    const int64_t D = c->d, G = nq * (a->s->heads / c->kv_heads);
     float qg[MAX_QG * MAX_D] __attribute__((aligned(64)));
-    const float *q = a->q + row_of(a->s, r) * a->q_row + h * g * D;
     int64_t lim[MAX_QG];
-    for (int64_t i = 0; i < nq; i++)
-        for (int64_t j = 0; j < g; j++) lim[i * g + j] = nq > 1 ? len_at(a->s, a->s->reqs ? a->s->reqs[r + i] : r + i) : t1;
-    if (nq > 1) {
-        for (int64_t i = 0; i < nq; i++)
-            memcpy(qg + i * g * D, a->q + row_of(a->s, r + i) * a->q_row + h * g * D, sizeof(float) * (size_t)(g * D));
-        q = qg;
-    }
+    const float *q = item_queries(a, r, nq, h, t1, qg, lim);
     kva_tile tiles[2];
     int nv[MAX_QG], cur = 0;
     for (int64_t j = 0; j < G; j++) m[j] = -INFINITY, l[j] = 0.0f;
@@ -581,34 +606,40 @@ static inline __attribute__((always_inline)) void span512(const kva_args *a, con
         const kva_tile *tl = &tiles[cur], *next = t + tl->n < t1 ? &tiles[cur ^ 1] : NULL;
         if (next) gather_tile(a, dt, req, h, t + tl->n, t1, &tiles[cur ^ 1]);
         for (int64_t j = 0; j < G; j++) nv[j] = lim[j] - t >= tl->n ? tl->n : lim[j] - t > 0 ? (int)(lim[j] - t) : 0;
-        tile_update512(q, G, D, dt, tl, nv, a->s->softcap, m, l, acc, next);
+#ifdef KVA_AVX512
+        if (W == 16) {
+            tile_update512(q, G, D, dt, tl, nv, a->s->softcap, m, l, acc, next);
+            t += tl->n;
+            continue;
+        }
+#endif
+        tile_update256(q, G, D, dt, tl, nv, a->s->softcap, m, l, acc, next);
         t += tl->n;
     }
 }
 #endif
 
+/* One work item: queries r .. r + nq - 1 of table row req, KV head h, keys [t0, t1). The dtype and width
+ * are constants in each case, so each is its own loop. */
 static void run_span(const kva_args *a, int64_t r, int64_t nq, int64_t req, int64_t h, int64_t t0, int64_t t1,
                      float *acc, float *m, float *l) {
-#ifdef KVA_AVX512
-    if (a->c->d % 16 == 0) {
-        switch (a->c->dtype) {
-        case DT_F32: span512(a, DT_F32, r, nq, req, h, t0, t1, acc, m, l); return;
-        case DT_F16: span512(a, DT_F16, r, nq, req, h, t0, t1, acc, m, l); return;
-        case DT_BF16: span512(a, DT_BF16, r, nq, req, h, t0, t1, acc, m, l); return;
-        case DT_I8: span512(a, DT_I8, r, nq, req, h, t0, t1, acc, m, l); return;
-        default: span512(a, DT_FP8, r, nq, req, h, t0, t1, acc, m, l); return;
-        }
-    }
+#if defined(KVA_AVX512)
+#define KVA_SPAN(DT) (a->c->d % 16 == 0 ? span_tiles(a, DT, 16, r, nq, req, h, t0, t1, acc, m, l) \
+                                        : span_tiles(a, DT, 8, r, nq, req, h, t0, t1, acc, m, l))
+#elif defined(KVA_AVX2)
+#define KVA_SPAN(DT) span_tiles(a, DT, 8, r, nq, req, h, t0, t1, acc, m, l)
+#else
+#define KVA_SPAN(DT) span(a, DT, r, nq, req, h, t0, t1, acc, m, l)
 #endif
-    switch (a->c->dtype) { /* constant dtypes: each case its own conversion loop */
-    case DT_F32: span(a, DT_F32, r, nq, req, h, t0, t1, acc, m, l); break;
-    case DT_F16: span(a, DT_F16, r, nq, req, h, t0, t1, acc, m, l); break;
-    case DT_BF16: span(a, DT_BF16, r, nq, req, h, t0, t1, acc, m, l); break;
-    case DT_I8: span(a, DT_I8, r, nq, req, h, t0, t1, acc, m, l); break;
-    default: span(a, DT_FP8, r, nq, req, h, t0, t1, acc, m, l);
+    switch (a->c->dtype) {
+    case DT_F32: KVA_SPAN(DT_F32); break;
+    case DT_F16: KVA_SPAN(DT_F16); break;
+    case DT_BF16: KVA_SPAN(DT_BF16); break;
+    case DT_I8: KVA_SPAN(DT_I8); break;
+    default: KVA_SPAN(DT_FP8);
     }
+#undef KVA_SPAN
 }
-
 /* Rows r .. r + nq - 1's outputs for KV head h from unnormalised acc [nq g][D] and sums l. */
 static void write_rows(const kva_args *a, int64_t r, int64_t nq, int64_t h, int64_t g, int64_t D, const float *acc,
                        const float *l) {

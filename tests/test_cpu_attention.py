@@ -11,24 +11,25 @@ import torch
 from kvcli.attention.torch_backend import TorchAttentionBackend, native_attention
 from kvcli.kvcache.kv_cache import LayerKV
 from kvcli.kvcache.kv_dtype import dequantize, quantize
+from kvcli.native.capabilities import build_isa
 
+from cpu_paths import built, runnable_isas
 from test_torch_backend import make_batch, reference
 
 lib = native_attention()
 pytestmark = pytest.mark.skipif(lib is None, reason="native kernels unavailable (KVCLI_NATIVE=0 or no compiler)")
 
 
-@pytest.fixture(params=["native", "generic"])
+@pytest.fixture(params=["native", *(i for i in runnable_isas() if i != build_isa())])
 def kernel(request):
-    """The build native_attention() picks, and the plain C one (what CPUs without AVX2 run)."""
+    """The build native_attention() picks, and the other builds this CPU runs: plain C (what CPUs without AVX2
+    run) and, on AVX-512 machines, the AVX2 build (its 8-lane tiles for every head dim)."""
     if request.param == "native":
         return lib
-    from kvcli.paths import cache_dir
-    from kvcli_kernels.cpu_attention import load, load_error
+    from kvcli_kernels.cpu_attention import load
 
-    generic = load("generic", str(cache_dir() / "native"))
-    assert generic is not None, load_error("generic")
-    return generic
+    return built(load, request.param)
+
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.int8,
           "fp8": torch.float8_e4m3fn}
