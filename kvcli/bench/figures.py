@@ -47,6 +47,9 @@ FIGURES: dict[str, Figure] = {f.name: f for f in [
            ("--workload", "alpaca", "--num-requests", "64"), AVX2_ENV),
     Figure("throughput-1b", "throughput:main", "the 64-request trace on the random-weight 1B shape (Q4_0): kvcli vs "
            "llama.cpp with 16 parallel sequences", ("--shape", "1b", "--workload", "alpaca", "--num-requests", "64")),
+    Figure("throughput-1b-avx2", "throughput:main", "the throughput-1b figure held to AVX2 (torch, kvcli's C kernels, "
+           "llama.cpp's AVX2 build)", ("--shape", "1b", "--workload", "alpaca", "--num-requests", "64"), AVX2_ENV,
+           in_make_figures=False),
     Figure("continue-past-window", "cli:main", "kvcli continue on a text 2.5x the context (the bounded KV cache)",
            ("continue", "samples/lunyu-zh.txt", "-n", "60", "--temperature", "0", "--no-live")),
     Figure("streaming", "streaming:quality", "bounded KV cache quality: recompute vs sinks + window vs no sinks "
@@ -92,6 +95,10 @@ FIGURES: dict[str, Figure] = {f.name: f for f in [
            "decode step (what speculative verification costs)"),
     Figure("roofline-3b", "roofline:main", "the roofline figure on the 3B shape (Q4_0) at 512 and 4k (~15 min)",
            ("--shape", "3b", "--contexts", "512,4096"), in_make_figures=False),
+    Figure("roofline-8b", "roofline:main", "the roofline figure on the 8B shape (Q4_K_M) at 512, one round (~10 min; "
+           "8k would take over half an hour of prefill on 2 cores)",
+           ("--shape", "8b", "--kind", "Q4_K_M", "--contexts", "512", "--rounds", "1", "--new-tokens", "16"),
+           in_make_figures=False),
     Figure("resident", "resident:main", "resident weights vs file bytes and measured RSS growth on 1B/3B/8B "
            "shapes (kvcli inspect)"),
     Figure("hf-quant", "hf_quant:main", "AWQ / GPTQ / compressed-tensors folders against the bundled GGUF",
