@@ -27,8 +27,8 @@
  * would be alone, wherever the spans are the same). group[r] = 0 marks the queries a group covers. Keys are
  * processed in tiles of at most TILE tokens, across block boundaries; in vector builds (span_tiles) each row
  * is read in its stored dtype and converted in registers (fp16 by F16C, bf16 by a shift, int8 / fp8 by
- * integer widening), 8 lanes at a time (AVX2), 16 where the build has AVX-512 and head_dim is a multiple of
- * 16; builds without AVX2 convert each tile of one block to fp32 first (span), the same contract. Per head
+ * integer widening), 8 lanes at a time in AVX2 builds, 16 in AVX-512 builds (a head_dim of 8 mod 16 ending
+ * with a half vector); builds without AVX2 convert each tile of one block to fp32 first (span), the same contract. Per head
  * the arithmetic does not depend on the other heads of the item.
  *
  * Built at first use by kvcli_kernels/cpu_attention.py (cc -O3 -fopenmp); the OpenMP runtime is the one
@@ -42,7 +42,7 @@
 #include <immintrin.h>
 #define KVA_AVX2 1
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-#define KVA_AVX512 1 /* head_dim a multiple of 16: span512 below */
+#define KVA_AVX512 1 /* 16-lane tiles (tile_update512) instead of 8-lane ones */
 #endif
 #endif
 
@@ -275,8 +275,8 @@ static inline __attribute__((always_inline)) void span(const kva_args *a, const 
  * heads' accumulators held in registers across the tile, a vector's worth of keys' scores reduced together
  * by one fixed tree, and tiles that run across block boundaries (a 16-token block no longer caps a tile at
  * 16 keys). Per head the arithmetic does not depend on the other heads of the item, so query groups keep
- * their bit-for-bit property. span256 (8 lanes) runs every head_dim (a multiple of 8) in AVX2 builds;
- * AVX-512 builds take head dims that are multiples of 16 through span512. */
+ * their bit-for-bit property. span_tiles runs every head_dim (a multiple of 8): on 8 lanes in AVX2 builds
+ * (tile_update256), on 16 in AVX-512 builds (tile_update512). */
 
 /* One tile's keys: row pointers in the stored dtype (n real rows, then zero rows up to a multiple of 16),
  * their score and probability factors. */
@@ -316,6 +316,7 @@ static inline __attribute__((always_inline)) void prefetch_key(const kva_tile *n
         for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(next->k[u] + b, 0, 3), __builtin_prefetch(next->v[u] + b, 0, 3);
 }
 
+#ifndef KVA_AVX512
 /* Lanes i .. i + 7 of a stored row (dtype constant after inlining). */
 static inline __attribute__((always_inline)) __m256 load8(const char *row, const int dt, int64_t i) {
     if (dt == DT_F32) return _mm256_loadu_ps((const float *)row + i);
@@ -444,21 +445,27 @@ static inline __attribute__((always_inline)) void tile_update256(const float *q,
         }
     }
 }
+#endif /* !KVA_AVX512 */
 #endif
 
 #ifdef KVA_AVX512
-/* The 16-lane form of the vector path above (head_dim a multiple of 16): 16 keys' scores reduced together by
- * one transpose-and-add tree. */
+/* The 16-lane form of the vector path above: 16 keys' scores reduced together by one transpose-and-add tree; a
+ * head_dim of 8 mod 16 ends each row with a half vector (no 8-lane code in these builds). */
 
-/* Lanes i .. i + 15 of a stored row (dtype constant after inlining). */
-static inline __attribute__((always_inline)) __m512 load16(const char *row, const int dt, int64_t i) {
-    if (dt == DT_F32) return _mm512_loadu_ps((const float *)row + i);
-    if (dt == DT_F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + i)));
-    if (dt == DT_BF16)
-        return _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + i))), 16));
-    if (dt == DT_I8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)row + i))));
-    const __m256i c = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)((const uint8_t *)row + i)));
+/* Lanes i .. i + 15 of a stored row (dtype and half constant after inlining); half: lanes i .. i + 7 only, zeros
+ * above (the last chunk of a head_dim of 8 mod 16: nothing past the row is read). */
+static inline __attribute__((always_inline)) __m512 load16(const char *row, const int dt, int64_t i, const int half) {
+    if (dt == DT_F32)
+        return half ? _mm512_zextps256_ps512(_mm256_loadu_ps((const float *)row + i)) : _mm512_loadu_ps((const float *)row + i);
+    if (dt == DT_F16 || dt == DT_BF16) {
+        const uint16_t *r = (const uint16_t *)row + i;
+        const __m256i h = half ? _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)r)) : _mm256_loadu_si256((const __m256i *)r);
+        if (dt == DT_F16) return _mm512_cvtph_ps(h);
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    const __m128i b = half ? _mm_loadl_epi64((const __m128i *)(row + i)) : _mm_loadu_si128((const __m128i *)(row + i));
+    if (dt == DT_I8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+    const __m256i c = _mm256_cvtepu8_epi16(b);
     return _mm512_cvtph_ps(_mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(c, _mm256_set1_epi16(0x80)), 8),
                                            _mm256_slli_epi16(_mm256_and_si256(c, _mm256_set1_epi16(0x7F)), 7)));
 }
@@ -476,7 +483,12 @@ static inline __m512 reduce16(const __m512 *v) {
     return _mm512_add_ps(_mm512_shuffle_ps(r3[0], r3[1], _MM_SHUFFLE(1, 0, 1, 0)), _mm512_shuffle_ps(r3[0], r3[1], _MM_SHUFFLE(3, 2, 3, 2)));
 }
 
-/* scores256 on 16 lanes. */
+/* 16 floats from p (half: 8, zeros above). */
+static inline __attribute__((always_inline)) __m512 lanes16(const float *q, const int half) {
+    return half ? _mm512_zextps256_ps512(_mm256_loadu_ps(q)) : _mm512_loadu_ps(q);
+}
+
+/* scores256's 16-lane form; a head_dim of 8 mod 16 ends with a half vector. */
 static inline __attribute__((always_inline)) void scores512(const int GJ, const float *q, int64_t D, const int dt,
                                                             const kva_tile *tl, const int *nv, const float cap, float *s,
                                                             const kva_tile *next) {
@@ -488,9 +500,14 @@ static inline __attribute__((always_inline)) void scores512(const int GJ, const 
             prefetch_key(next, c + u, row);
             __m512 acc[4];
             for (int j = 0; j < GJ; j++) acc[j] = _mm512_setzero_ps();
-            for (int64_t i = 0; i < D; i += 16) {
-                const __m512 kv = load16(kr, dt, i);
+            int64_t i = 0;
+            for (; i + 16 <= D; i += 16) {
+                const __m512 kv = load16(kr, dt, i, 0);
                 for (int j = 0; j < GJ; j++) acc[j] = _mm512_fmadd_ps(kv, _mm512_loadu_ps(q + j * D + i), acc[j]);
+            }
+            if (i < D) {
+                const __m512 kv = load16(kr, dt, i, 1);
+                for (int j = 0; j < GJ; j++) acc[j] = _mm512_fmadd_ps(kv, lanes16(q + j * D + i, 1), acc[j]);
             }
             for (int j = 0; j < GJ; j++) part[j][KEY_SLOT(u)] = acc[j];
         }
@@ -510,31 +527,37 @@ static inline __attribute__((always_inline)) void scores512(const int GJ, const 
 }
 
 /* acc[j][i .. i + 16 NC) = acc * corr[j] + sum_u p[j][u] v[u] for GJ heads: the accumulators stay in
- * registers across the tile, each V row is converted once for the GJ heads. */
-static inline __attribute__((always_inline)) void v_chunk512(const int GJ, const int NC, float *acc, const float *p,
-                                                             const float *corr, const kva_tile *tl, const int dt,
-                                                             int64_t D, int64_t i) {
+ * registers across the tile, each V row is converted once for the GJ heads. half (NC 1): columns i .. i + 7. */
+static inline __attribute__((always_inline)) void v_chunk512(const int GJ, const int NC, const int half, float *acc,
+                                                             const float *p, const float *corr, const kva_tile *tl,
+                                                             const int dt, int64_t D, int64_t i) {
     __m512 a[4][4];
     for (int j = 0; j < GJ; j++)
-        for (int c = 0; c < NC; c++) a[j][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + j * D + i + 16 * c), _mm512_set1_ps(corr[j]));
+        for (int c = 0; c < NC; c++) a[j][c] = _mm512_mul_ps(lanes16(acc + j * D + i + 16 * c, half), _mm512_set1_ps(corr[j]));
     for (int u = 0; u < tl->n; u++) {
         __m512 v[4];
-        for (int c = 0; c < NC; c++) v[c] = load16(tl->v[u], dt, i + 16 * c);
+        for (int c = 0; c < NC; c++) v[c] = load16(tl->v[u], dt, i + 16 * c, half);
         for (int j = 0; j < GJ; j++) {
             const __m512 pj = _mm512_set1_ps(p[j * TILE + u]);
             for (int c = 0; c < NC; c++) a[j][c] = _mm512_fmadd_ps(pj, v[c], a[j][c]);
         }
     }
     for (int j = 0; j < GJ; j++)
-        for (int c = 0; c < NC; c++) _mm512_storeu_ps(acc + j * D + i + 16 * c, a[j][c]);
+        for (int c = 0; c < NC; c++) {
+            if (half)
+                _mm256_storeu_ps(acc + j * D + i, _mm512_castps512_ps256(a[j][c]));
+            else
+                _mm512_storeu_ps(acc + j * D + i + 16 * c, a[j][c]);
+        }
 }
 
 static inline __attribute__((always_inline)) void v_accumulate512(const int GJ, float *acc, const float *p,
                                                                   const float *corr, const kva_tile *tl, const int dt,
                                                                   int64_t D) {
     int64_t i = 0;
-    for (; i + 64 <= D; i += 64) v_chunk512(GJ, 4, acc, p, corr, tl, dt, D, i);
-    for (; i < D; i += 16) v_chunk512(GJ, 1, acc, p, corr, tl, dt, D, i);
+    for (; i + 64 <= D; i += 64) v_chunk512(GJ, 4, 0, acc, p, corr, tl, dt, D, i);
+    for (; i + 16 <= D; i += 16) v_chunk512(GJ, 1, 0, acc, p, corr, tl, dt, D, i);
+    if (i < D) v_chunk512(GJ, 1, 1, acc, p, corr, tl, dt, D, i);
 }
 
 /* tile_update for one gathered tile: scores, online-softmax update of m, l and acc [G][D]. */
@@ -586,12 +609,11 @@ static inline __attribute__((always_inline)) void tile_update512(const float *q,
 #endif
 
 #ifdef KVA_AVX2
-/* span with vector tiles of W lanes (8; 16 in AVX-512 builds), the same contract: the next tile is gathered
+/* span with vector tiles (8 lanes; 16 in AVX-512 builds), the same contract: the next tile is gathered
  * before the current one is computed, and its rows are prefetched while it is. */
-static inline __attribute__((always_inline)) void span_tiles(const kva_args *a, const int dt, const int W, int64_t r,
-                                                             int64_t nq, int64_t req, int64_t h, int64_t t0, int64_t t1,
-                                                             float *acc, float *m, float *l) {
-    (void)W; /* 8 where the build has no 16-lane tiles */
+static inline __attribute__((always_inline)) void span_tiles(const kva_args *a, const int dt, int64_t r, int64_t nq,
+                                                             int64_t req, int64_t h, int64_t t0, int64_t t1, float *acc,
+                                                             float *m, float *l) {
     const kva_cache *c = a->c;
     const int64_t D = c->d, G = nq * (a->s->heads / c->kv_heads);
     float qg[MAX_QG * MAX_D] __attribute__((aligned(64)));
@@ -607,27 +629,21 @@ static inline __attribute__((always_inline)) void span_tiles(const kva_args *a, 
         if (next) gather_tile(a, dt, req, h, t + tl->n, t1, &tiles[cur ^ 1]);
         for (int64_t j = 0; j < G; j++) nv[j] = lim[j] - t >= tl->n ? tl->n : lim[j] - t > 0 ? (int)(lim[j] - t) : 0;
 #ifdef KVA_AVX512
-        if (W == 16) {
-            tile_update512(q, G, D, dt, tl, nv, a->s->softcap, m, l, acc, next);
-            t += tl->n;
-            continue;
-        }
-#endif
+        tile_update512(q, G, D, dt, tl, nv, a->s->softcap, m, l, acc, next);
+#else
         tile_update256(q, G, D, dt, tl, nv, a->s->softcap, m, l, acc, next);
+#endif
         t += tl->n;
     }
 }
 #endif
 
-/* One work item: queries r .. r + nq - 1 of table row req, KV head h, keys [t0, t1). The dtype and width
- * are constants in each case, so each is its own loop. */
+/* One work item: queries r .. r + nq - 1 of table row req, KV head h, keys [t0, t1). The dtype is a constant
+ * in each case, so each is its own loop. */
 static void run_span(const kva_args *a, int64_t r, int64_t nq, int64_t req, int64_t h, int64_t t0, int64_t t1,
                      float *acc, float *m, float *l) {
-#if defined(KVA_AVX512)
-#define KVA_SPAN(DT) (a->c->d % 16 == 0 ? span_tiles(a, DT, 16, r, nq, req, h, t0, t1, acc, m, l) \
-                                        : span_tiles(a, DT, 8, r, nq, req, h, t0, t1, acc, m, l))
-#elif defined(KVA_AVX2)
-#define KVA_SPAN(DT) span_tiles(a, DT, 8, r, nq, req, h, t0, t1, acc, m, l)
+#ifdef KVA_AVX2
+#define KVA_SPAN(DT) span_tiles(a, DT, r, nq, req, h, t0, t1, acc, m, l)
 #else
 #define KVA_SPAN(DT) span(a, DT, r, nq, req, h, t0, t1, acc, m, l)
 #endif
