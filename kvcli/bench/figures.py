@@ -138,6 +138,11 @@ FIGURES: dict[str, Figure] = {f.name: f for f in [
     Figure("ab-decode-attention", "ab:main", "before/after: the bundled model's decode figure at 3d0a14d (before the "
            "AVX-512 attention paths and the heap policy) and in this tree, interleaved",
            ("--before", "3d0a14d", "decode", "--rounds", "3"), in_make_figures=False),
+    # The AVX2 decode attention's register-resident form (issue #30, 2026-12-06): 6da4b92 is the tree before it.
+    Figure("ab-attention-avx2", "ab:main", "before/after: the AVX2 64-request trace on the bundled model (kvcli "
+           "only) at 6da4b92 (before the 8-lane register-resident decode attention) and in this tree, interleaved",
+           ("--before", "6da4b92", "throughput-avx2", "--rounds", "3", "--", "--compare", "none"),
+           in_make_figures=False),
     Figure("ab-throughput", "ab:main", "before/after: the throughput trace at efe4681 and in this tree, interleaved",
            ("--before", "efe4681", "throughput", "--rounds", "3", "--", "--modes", "static,generate_batch"),
            in_make_figures=False),
