@@ -560,7 +560,7 @@ static inline __attribute__((always_inline)) void v_accumulate512(const int GJ, 
     if (i < D) v_chunk512(GJ, 1, 1, acc, p, corr, tl, dt, D, i);
 }
 
-/* tile_update for one gathered tile: scores, online-softmax update of m, l and acc [G][D]. */
+/* tile_update256's 16-lane form. */
 static inline __attribute__((always_inline)) void tile_update512(const float *q, int64_t G, int64_t D, const int dt,
                                                                  const kva_tile *tl, const int *nv, const float cap,
                                                                  float *m, float *l, float *acc, const kva_tile *next) {
@@ -604,8 +604,6 @@ static inline __attribute__((always_inline)) void tile_update512(const float *q,
     }
 }
 
-/* span with AVX-512 tiles (same contract); the next tile is gathered before the current one is computed, and
- * its rows are prefetched while it is. */
 #endif
 
 #ifdef KVA_AVX2
