@@ -66,11 +66,11 @@ def write_tiny_kquant_gguf(path: Path, seed: int = 0, arch: str = "llama", chat_
     the file's tokenizer.chat_template instead of the bundled model's."""
     import gguf
 
-    from kvcli.model.kquant_encode import add_tensor, copy_fields, encode, finish, random_blocks
+    from kvcli.model.kquant_encode import add_tensor, copy_fields, encode, finish, open_reader, random_blocks
     from kvcli.model.loader import bundled_gguf_path
 
     rng = np.random.default_rng(seed)
-    src = gguf.GGUFReader(str(bundled_gguf_path()), "r")
+    src = open_reader(bundled_gguf_path())
     vocab = len(src.fields["tokenizer.ggml.tokens"].data)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name("tiny-kquant")

@@ -21,9 +21,9 @@ def variant(src, dst, extra: dict | None = None, drop: tuple[str, ...] = (), ten
     out and, optionally, one more tensor (name, float32 array)."""
     import gguf
 
-    from kvcli.model.kquant_encode import add_tensor, copy_fields, finish
+    from kvcli.model.kquant_encode import add_tensor, copy_fields, finish, open_reader
 
-    reader = gguf.GGUFReader(str(src), "r")
+    reader = open_reader(src)
     writer = gguf.GGUFWriter(str(dst), reader.fields["general.architecture"].contents())
     copy_fields(reader, writer, keep=lambda key: key not in drop and key not in (extra or {}))
     for key, (value, vtype) in (extra or {}).items():

@@ -7,9 +7,27 @@ the layouts are the same, which is what kvcli's loader reads). Block layouts: kq
 
 from __future__ import annotations
 
+import functools
+import os
+
 import numpy as np
 
 QK_K = 256
+
+
+def open_reader(path):
+    """gguf-py's GGUFReader of `path`, parsed once per process while the file is unchanged (same size and
+    mtime). Its parse of the bundled model's 49,152-token vocabulary takes ~3 s, and tests and benchmarks write
+    dozens of variants from one source file. The reader is read-only (mode "r"): callers share it."""
+    st = os.stat(path)
+    return _reader(os.fspath(path), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _reader(path: str, size: int, mtime_ns: int):
+    import gguf
+
+    return gguf.GGUFReader(path, "r")
 
 
 def _blocks(x: np.ndarray) -> np.ndarray:
@@ -134,7 +152,7 @@ def reencode_gguf(src: str, dst: str, type_for) -> dict[str, int]:
     tensor as it is). Quantized sources are dequantized by gguf-py first. Returns tensors per new type."""
     import gguf
 
-    reader = gguf.GGUFReader(src, "r")
+    reader = open_reader(src)
     arch = reader.fields["general.architecture"].contents()
     writer = gguf.GGUFWriter(dst, arch)
     copy_fields(reader, writer, keep=lambda key: key != "general.file_type")

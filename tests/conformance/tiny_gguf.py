@@ -154,11 +154,11 @@ def _meta(w, key: str, value) -> None:
 def write(v: Variant, path: Path, seed: int = 0) -> Path:
     import gguf
 
-    from kvcli.model.kquant_encode import add_tensor, copy_fields, encode, finish
+    from kvcli.model.kquant_encode import add_tensor, copy_fields, encode, finish, open_reader
     from kvcli.model.loader import bundled_gguf_path
 
     rng = np.random.default_rng(seed)
-    src = gguf.GGUFReader(str(bundled_gguf_path()), "r")
+    src = open_reader(bundled_gguf_path())
     spm = json.loads(SPM_VOCAB.read_text(encoding="utf-8")) if v.vocab == "spm" else None
     vocab = len(spm["tokens"]) if spm else len(src.fields["tokenizer.ggml.tokens"].data)
     h, d = v.hidden, v.dim
