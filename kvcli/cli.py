@@ -14,12 +14,12 @@ from typing import Annotated, Optional
 import typer
 
 from kvcli import __version__
-from kvcli.cli_errors import OneLineErrorGroup
+from kvcli.cli_help import KvcliGroup
 from kvcli.commands.engine_flags import FLAGS, NO_FLAGS, RETENTION, SPECULATION, EngineFlags, engine_flags
 
 
 app = typer.Typer(
-    cls=OneLineErrorGroup,
+    cls=KvcliGroup,
     name="kvcli",
     help="Run and profile long-context LLM generation through a paged KV cache.",
     no_args_is_help=True,

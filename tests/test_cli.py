@@ -28,6 +28,26 @@ def test_help_and_version():
     assert r.exit_code == 0 and r.stdout.startswith("kvcli ")
 
 
+@pytest.mark.parametrize("columns", [80, 100, "rich"])
+def test_help_never_cuts_an_option_name(columns):
+    """Every command's --help shows each option's names in full: at 80 and 100 columns (click's plain layout:
+    typer's rich table cut "--repetition-pe…" there) and at the narrowest width that keeps the rich table."""
+    import typer
+
+    from kvcli.cli_help import RICH_HELP_MIN_COLUMNS
+
+    width = RICH_HELP_MIN_COLUMNS if columns == "rich" else columns
+    for name, command in typer.main.get_command(app).commands.items():
+        r = runner.invoke(app, [name, "--help"], env={"COLUMNS": str(width)})
+        assert r.exit_code == 0, (name, r.output)
+        assert "…" not in r.stdout, (name, width, [line for line in r.stdout.splitlines() if "…" in line])
+        assert ("╭" in r.stdout) == (columns == "rich"), (name, width)  # which layout ran
+        for p in command.params:
+            for opt in (*p.opts, *p.secondary_opts):
+                if opt.startswith("--"):
+                    assert opt in r.stdout, (name, width, opt)
+
+
 @pytest.fixture()
 def files(tmp_path: Path) -> dict[str, Path]:
     f = {
