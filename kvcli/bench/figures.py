@@ -76,6 +76,9 @@ FIGURES: dict[str, Figure] = {f.name: f for f in [
            ("--repeats", "2", "--attention-backend", "invariant")),
     Figure("spec-default", "spec:main", "speculation at batch 1 on the default attention backend (the one-call C "
            "decode takes the verification steps)", ("--repeats", "2", "--skip-batch", "--skip-hf")),
+    Figure("spec-ceiling", "spec_ceiling:main", "the ceiling of speculation by prompt lookup: tokens per step of "
+           "the greedy continuation replayed at k = 1-7 (the speedup at a free verification), checked against the "
+           "engine"),
     Figure("spec-sampled", "spec:main", "speculation on sampled continuations (T=0.8)",
            ("--repeats", "2", "--skip-batch", "--skip-hf", "--temperature", "0.8"), in_make_figures=False),
     Figure("folder-quant", "folder_quant:main", "--quant on a dense folder: kvcli int4 vs NF4 vs fp32 vs the GGUF, "
