@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvcli.llm import LLM
+from kvcli.model.layers import rotary_table_bytes
 from engine_steps import teacher_forced
 
 pytestmark = pytest.mark.slow
@@ -108,8 +109,11 @@ def gemma3(gemma3_folder):
 @pytest.mark.parametrize("backend", ["torch", "invariant"])
 def test_gemma3_matches_transformers(gemma3, backend):
     path, ref = gemma3
-    c = LLM(str(path), quant="none", kv_budget="4MiB").engine.config
+    engine = LLM(str(path), quant="none", kv_budget="4MiB").engine
+    c = engine.config
     assert c.architecture == "gemma3" and c.layer_types == ("sliding",) * 5 + ("full",)
+    # plan's and inspect's count of the rotary tables before loading: the local layers' own pair included
+    assert c.local_rope_theta is not None and engine.model.table_bytes() == rotary_table_bytes(c)
     assert c.local_window == 8 and c.sliding_window is None
     assert compare(path, ref, backend) < 1e-4  # 40 tokens: the sliding layers drop keys from position 8 on
 

@@ -9,6 +9,7 @@ from typer.testing import CliRunner
 
 from cli_helpers import one_line_error
 from kvcli.cli import app
+from kvcli.commands.plan_cmd import USABLE
 
 runner = CliRunner()
 
@@ -33,6 +34,8 @@ def test_inspect_bundled_metadata_without_loading():
     assert fits["fp8"]["bytes_per_token"] == fits["int8"]["bytes_per_token"]  # e4m3 codes, same scales
     budget = rep["kv_budget"]
     assert 0 < budget < rep["memory_available"]
+    # what is left for KV: 90% of the memory less the file's tensors and the two rotary tables (8,192 x 64 fp32)
+    assert budget == int(rep["memory_available"] * USABLE) - rep["file_tensor_bytes"] - 2 * 8192 * 64 * 4
     for f in fits.values():  # plan's arithmetic: whole 16-token blocks, 4,096 contiguous, ~1,024 paged
         assert f["tokens_fit"] == budget // f["bytes_per_token"]
         assert f["requests_contiguous"] == budget // (f["bytes_per_token"] * 4096)
@@ -179,5 +182,6 @@ def test_resident_is_what_the_process_grows_by(tmp_path):
     assert rep["file_tensor_bytes"] - norms <= resident <= rep["file_tensor_bytes"], (resident, rep["tensors"])
     # two rotary tables (cos, signed sin) of fp32 for every position, not three
     assert rep["tables"] == 2 * rep["context_length"] * rep["head_dim"] * 4, rep["tables"]
+    assert rep["kv_budget"] == max(0, int(rep["memory_available"] * USABLE) - resident - rep["tables"])
     growth = rep["measured_growth"]
     assert 0.95 * (resident + rep["tables"]) <= growth <= resident + rep["tables"] + (64 << 20), (growth, resident)

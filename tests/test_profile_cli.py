@@ -94,6 +94,7 @@ def test_plan_numbers():
     out = plan_text("--batch", "16")
     assert "KV per token 512.0 KiB" in out  # fp16: 2 x 32 x 32 x 128 x 2 B
     assert "KV per request 2.0 GiB" in out  # per 4,096-token request
+    assert "rotary tables 4.0 MiB" in out and "minus weights and tables" in out  # 2 x 4,096 x 128 fp32
     # (24 GiB x 0.9 - 4.0 GiB of weights) / 2 GiB per contiguous request = 8; paged at 1,024 tokens = 35
     assert "requests, contiguous 8 " in out and "requests, paged 35 " in out
     assert "--batch 16 contiguous does not fit (8 max)" in out and "--batch 16 paged fits" in out

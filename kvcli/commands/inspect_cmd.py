@@ -19,6 +19,7 @@ from kvcli.commands.plan_cmd import USABLE, KVFit, kv_fits, paged_kv_held
 from kvcli.config import ModelConfig
 from kvcli.kvcache.block_manager import sliding_window_of
 from kvcli.kvcache.kv_groups import kv_groups_of
+from kvcli.model.layers import rotary_table_bytes
 from kvcli.model.loader import ModelLoadError, bundled_gguf_path, load_config
 from kvcli.options import ConfigError, EngineOptions
 from kvcli.view.plain_log import human_bytes
@@ -60,7 +61,7 @@ class InspectReport:
     weight_plan: list[tuple[str, str]] | None = None  # how each weight runs (kvcli/model/weight_plan.py)
     device: str = "cpu"
     memory_available: int = 0
-    kv_budget: int = 0  # what is left for KV: USABLE x available memory minus the weights
+    kv_budget: int = 0  # what is left for KV: USABLE x available memory minus the weights and rotary tables
     fits: list[KVFit] = field(default_factory=list)  # per KV dtype, at `context_length`
     kv_dtype: str | None = None  # what the engine picks here for these flags (needs the load: --no-load, None)
     layer_kinds: str | None = None  # per-layer attention (Gemma 3: "5 sliding of 512 per global layer")
@@ -201,7 +202,8 @@ def inspect_model(spec: str | None, options: EngineOptions, load: bool, context:
         weights = sum(rep.resident.values())
         del engine, loaded
     rep.memory_available = available_memory(device)
-    rep.kv_budget = max(0, int(rep.memory_available * USABLE) - weights)
+    tables = rep.tables if rep.tables is not None else rotary_table_bytes(config)
+    rep.kv_budget = max(0, int(rep.memory_available * USABLE) - weights - tables)
     ctx = context or config.max_position_embeddings
     rep.fits = kv_fits(config, rep.kv_budget, ctx, max(1, ctx // 4), options.block_size)
     return rep
@@ -278,7 +280,7 @@ def render(rep: InspectReport, context: int) -> None:
     else:
         t.add_row("resident after load", "not loaded (--no-load): the file's bytes are used below")
     t.add_row("memory", f"{human_bytes(rep.memory_available)} available on {rep.device}; KV budget "
-                        f"{human_bytes(rep.kv_budget)} ({USABLE:.0%} of it minus the weights)")
+                        f"{human_bytes(rep.kv_budget)} ({USABLE:.0%} of it minus the weights and rotary tables)")
     con.print(t)
     k = Table(title=f"KV per dtype · requests of {context:,} tokens (contiguous) or ~{max(1, context // 4):,} "
                     f"(paged, assumed context / 4)" + (" · * the engine's pick here" if rep.kv_dtype else ""),

@@ -14,6 +14,7 @@ from kvcli.kvcache.block_manager import sliding_window_of
 from kvcli.kvcache.kv_dtype import kv_dtype_of
 from kvcli.kvcache.kv_groups import kv_groups_of
 from kvcli.kvcache.interface import blocks_for
+from kvcli.model.layers import rotary_table_bytes
 from kvcli.model.loader import ModelLoadError, load_config
 from kvcli.options import ConfigError, EngineOptions, parse_bytes
 from kvcli.view.plain_log import human_bytes
@@ -125,7 +126,8 @@ def run_plan(a: PlanArgs, fail: Fail) -> int:
     per_tok = config.kv_bytes_per_token(kv_dtype)
     weights = weight_bytes(config)
     w_total = sum(weights.values())
-    kv_budget = int(mem * USABLE) - w_total
+    tables = rotary_table_bytes(config)
+    kv_budget = int(mem * USABLE) - w_total - tables
     dtype_name = str(kv_dtype).removeprefix("torch.")
     t = Table(title=f"kvcli plan · {config.name} · {human_bytes(mem)} memory · KV {dtype_name} · "
                     f"block {block_size}", title_justify="left", show_header=False)
@@ -133,6 +135,8 @@ def run_plan(a: PlanArgs, fail: Fail) -> int:
     t.add_column(justify="right")
     t.add_column(justify="right")
     t.add_row("weights (INT4)", human_bytes(w_total), ", ".join(f"{k} {human_bytes(v)}" for k, v in weights.items()))
+    t.add_row("rotary tables", human_bytes(tables), f"cos and sin, fp32, for all {config.max_position_embeddings:,} "
+                                                    "positions of the model's context")
     t.add_row("KV per token", human_bytes(per_tok),
               f"2 x {config.num_layers} layers x {config.num_kv_heads} KV heads x {config.head_dim}")
     t.add_row("KV per request", human_bytes(per_tok * context), f"at --context {context:,}")
@@ -149,10 +153,10 @@ def run_plan(a: PlanArgs, fail: Fail) -> int:
                   f"{held / max(per_tok * context, 1):.2f}x: the {windowed} windowed layers keep their own block "
                   f"tables and hold only their window")
     if kv_budget <= 0:
-        t.add_row("KV budget", "none", "the weights alone exceed 90% of memory")
+        t.add_row("KV budget", "none", f"the weights and tables alone exceed {USABLE:.0%} of memory")
         Console().print(t)
         return 1
-    t.add_row("KV budget", human_bytes(kv_budget), f"{USABLE:.0%} of memory minus weights")
+    t.add_row("KV budget", human_bytes(kv_budget), f"{USABLE:.0%} of memory minus weights and tables")
     fit = kv_fit(config, dtype_name, kv_budget, context, mean, block_size)
     t.add_row("tokens that fit", f"{fit.tokens_fit:,}", "")
     contiguous, paged = fit.requests_contiguous, fit.requests_paged

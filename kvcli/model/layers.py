@@ -250,6 +250,14 @@ class SwiGLU:
         return F.gelu(gate, approximate="tanh").mul_(up)
 
 
+def rotary_table_bytes(config) -> int:
+    """The bytes LlamaModel's rotary tables take for `config`, before anything loads (plan, inspect): cos and
+    signed sin in fp32 for every position of the model's context, one pair per rotary (Gemma 3's local layers
+    have their own)."""
+    pairs = 1 if config.local_rope_theta is None else 2
+    return pairs * 2 * config.max_position_embeddings * config.head_dim * 4
+
+
 class Rotary:
     """Rotate-half RoPE with a precomputed cos/sin table indexed by absolute position.
 
