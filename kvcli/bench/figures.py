@@ -76,6 +76,8 @@ FIGURES: dict[str, Figure] = {f.name: f for f in [
            ("--repeats", "2", "--attention-backend", "invariant")),
     Figure("spec-default", "spec:main", "speculation at batch 1 on the default attention backend (the one-call C "
            "decode takes the verification steps)", ("--repeats", "2", "--skip-batch", "--skip-hf")),
+    Figure("prefill-chunks", "prefill_chunks:main", "prefill tok/s by --max-batch-tokens (256-2048) on the 1B shape "
+           "and the bundled model, and how long one chunk step holds a running batch: the default's measurement"),
     Figure("spec-ceiling", "spec_ceiling:main", "the ceiling of speculation by prompt lookup: tokens per step of "
            "the greedy continuation replayed at k = 1-7 (the speedup at a free verification), checked against the "
            "engine"),
