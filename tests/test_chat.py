@@ -105,6 +105,8 @@ def test_chat_pipe_two_replies_status_on_stderr_and_save(tmp_path):
     assert sum("unknown command /nosuch" in line for line in err_lines) == 1
     assert sum("cannot write /nonexistent-dir/chat.json" in line for line in err_lines) == 1
     assert "KV blocks used (peak)" in p.stderr  # /stats and the exit summary
+    held = re.search(r"conversation: 2 turns holding ([\d,]+) tokens of the 8,192-token context", p.stderr)  # /stats
+    assert held and int(held.group(1).replace(",", "")) > turns[1]["prompt_tokens"], p.stderr  # both replies in it
     assert re.search(r"blocks x 16 tokens", p.stderr)  # /blocks
     assert "kvcli chat: 2 turns" in p.stderr
     assert re.search(r"/live +toggle the full dashboard", p.stderr)  # /help

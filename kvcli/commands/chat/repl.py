@@ -207,8 +207,8 @@ class ChatRepl:
         snap = e.snapshot()
         self.err.print(summary_table(snap, title="kvcli chat"))
         n = len(c.turns)
-        line = (f"conversation: {n} turn{'s' if n != 1 else ''}, {c.context_tokens():,} prompt tokens of a "
-                f"{e.max_model_len:,}-token context")
+        line = (f"conversation: {n} turn{'s' if n != 1 else ''} holding {c.context_tokens():,} tokens of the "
+                f"{e.max_model_len:,}-token context (the next prompt, before your message)")
         if c.dropped_turns:
             line += f" ({c.dropped_turns} oldest turns dropped)"
         line += f" · prefix-cache hits {snap.prefix_hit_tokens:,} tokens"
