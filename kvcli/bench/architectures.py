@@ -37,7 +37,7 @@ def write(path: Path, arch: str) -> None:
     from kvcli.model.loader import bundled_gguf_path
 
     rng = np.random.default_rng(0)
-    src = gguf.GGUFReader(str(bundled_gguf_path()), "r")
+    src = ke.open_reader(bundled_gguf_path())
     vocab = len(src.fields["tokenizer.ggml.tokens"].data)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(path.stem)

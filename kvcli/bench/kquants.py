@@ -42,7 +42,7 @@ def write_aligned(path: Path, quant: str) -> None:
 
     hidden, inter, layers, heads, kv = 768, 2048, 12, 12, 4
     rng = np.random.default_rng(0)
-    src = gguf.GGUFReader(str(bundled_gguf_path()), "r")
+    src = kquant_encode.open_reader(bundled_gguf_path())
     vocab = len(src.fields["tokenizer.ggml.tokens"].data)
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_name(path.stem)

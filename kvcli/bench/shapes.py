@@ -47,7 +47,7 @@ def write_shape(path: Path, shape: Shape, kind: str, seed: int = 0) -> Path:
 
     linear, embedding, head = KINDS[kind]
     rng = np.random.default_rng(seed)
-    src = gguf.GGUFReader(str(bundled_gguf_path()), "r")
+    src = kquant_encode.open_reader(bundled_gguf_path())
     vocab = len(src.fields["tokenizer.ggml.tokens"].data)
     h, d = shape.hidden, shape.hidden // shape.heads
     w = gguf.GGUFWriter(str(path), "llama")
