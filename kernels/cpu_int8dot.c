@@ -1453,3 +1453,318 @@ int kvq_gemm_bf16(const float *x, int64_t M, int64_t K, const uint8_t *codes, in
     return -2;
 }
 #endif
+
+/* ---- many rows: int8 activations of one level, a second level only in outlier blocks -----------------
+ * Prefill chunks on CPUs without AMX: llama.cpp's rounding of the activations (one int8 level per block of
+ * 32, its Q8 form) lets the integer dot product run at its full rate (AVX-512-VNNI: 64 products an
+ * instruction, twice bf16's), where the two levels of kvq_linear issue two products per multiply-add and the
+ * float GEMMs run at the float rate. One level alone loses precision in blocks that hold an outlier channel:
+ * their step, max|x| / 127, swamps the block's other values. So a block whose max|x| exceeds IG_OUTLIER times
+ * its row's RMS keeps the second level (x ~ d (q1 + q2 / 256), as kvq_linear). The rule reads the row alone,
+ * so a row's result does not depend on the rows beside it: a tile runs the second pass where any of its rows
+ * needs it, and a row without the level adds exact zeros. Mins multiply the rounded x's sum, as the codes do
+ * (llama.cpp's Q8_1 sum): the codes' mean (7.5 at 4 bits) times the block's rounding errors cancels against it.
+ * Measured on the bundled model, teacher-forced over 1,024 positions (960 prefilled in chunks of 320), against
+ * transformers' fp32 on the same weights (an ad hoc probe like tests/test_vs_transformers.py's agreement test,
+ * AMD EPYC, 2026-12-06): top-1 agreement / largest / median logit error
+ *   bf16 weights and activations (the read-back route this replaces)  0.994 / 0.50 / 0.13
+ *   one level everywhere                                              0.976 / 1.47 / 0.45
+ *   IG_OUTLIER 8                                                      0.985 / 1.64 / 0.26
+ *   IG_OUTLIER 4 (kept)                                               0.992 / 0.70 / 0.17
+ *   two levels everywhere (kvq_linear, below 256 rows)                1.000 / 0.04 / 0.01
+ * 4-bit codes only (maddubs' 16-bit pair sums of 8 steps stay below 2^15 at 4 bits: 16 x 15 x 127).
+ *
+ * Each thread takes panels of IG_W weight rows; per IG_KC k it unpacks IG_PB of them from the x8 layout
+ * (bytes [block][step][IG_W][4]: a step's vector holds 4 k of each column, the dot product's order) with their
+ * scales and mins as fp32, and runs every IG_MR rows of x past IG_NP panels in registers: int32 sums per block
+ * (8 steps), then y += (sum - offset sum(q)) d_w d_x (+ m_w d_x sum(q)) in fp32; the second level's sums go to
+ * their own accumulators, added once per IG_KC. Each output's k order is fixed whatever M and the thread count.
+ * IG_KC 2048, IG_PB 1: y is read and written once per 2,048 k (at 256 the 1B shape's 32 MB gate/up output went
+ * through memory 8 times a call: 0.23 -> 0.29 TMAC/s at 512 rows, AMD EPYC, 2026-12-06, ad hoc); IG_MR x IG_NP
+ * 6 x 2 on AVX-512 (12 + 12 accumulators), 4 x 2 on AVX2 (4 x 1, 6 x 1 and 3 x 2 were 0.7-0.95x as fast there). */
+#ifdef KVQ_AVX2
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#define IG_512 1
+#define IG_W 16
+#ifndef IG_MR
+#define IG_MR 6
+#endif
+#else
+#define IG_W 8
+#ifndef IG_MR
+#define IG_MR 4
+#endif
+#endif
+#ifndef IG_NP
+#define IG_NP 2
+#endif
+#define IG_KC 2048
+#define IG_PB 1 /* register tiles (IG_NP panels) per work item */
+#ifndef IG_OUTLIER
+#define IG_OUTLIER 4.0f
+#endif
+
+typedef struct {
+    const int8_t *q;     /* [M, nb, 2, 32]: level 1, then level 2 (zeros outside flagged blocks) */
+    const float *d;      /* [M, nb] */
+    const float *sx;     /* [M, nb]: sums of the rounded x (for mins) */
+    const int32_t *s;    /* [M, nb, 2]: offset x sum(level 1), offset x sum(level 2) */
+    const uint8_t *flag; /* [M, nb]: the block keeps its second level */
+    const int32_t *nflag; /* [M]: blocks of the row that keep it */
+    int64_t nb;
+} ig_x;
+
+/* Row x (K) into its levels (quantize_row's), the second one kept only in blocks past IG_OUTLIER x RMS. */
+static void ig_quantize_row(const float *x, int64_t K, int offset, int8_t *q, float *d, float *sx, int32_t *s,
+                            uint8_t *flag, int32_t *nflag) {
+    const int64_t nb = K / QK;
+    quantize_row(x, K, q, d, sx, NULL);
+    double ss = 0.0;
+    for (int64_t k = 0; k < K; k++) ss += (double)x[k] * x[k];
+    const float limit = IG_OUTLIER * (float)sqrt(ss / (double)K);
+    nflag[0] = 0;
+    for (int64_t b = 0; b < nb; b++) {
+        int8_t *qb = q + 2 * b * QK;
+        flag[b] = d[b] * 127.0f > limit;
+        nflag[0] += flag[b];
+        if (!flag[b]) memset(qb + QK, 0, QK);
+        int32_t s1 = 0, s2 = 0;
+        for (int j = 0; j < QK; j++) s1 += qb[j], s2 += qb[QK + j];
+        s[2 * b] = offset * s1, s[2 * b + 1] = offset * s2;
+        /* mins multiply the rounded x's sum, as the codes do: the codes' mean (7.5 for 4 bits) times the
+         * block's rounding errors cancels against it (against the exact sum, Q4_1 lost 1-2 % of |y|) */
+        sx[b] = d[b] * ((float)s1 + (float)s2 * (1.0f / 256.0f));
+    }
+}
+
+/* Panel p (weight rows IG_W p ..) for blocks b0 .. b0 + nbc into out ([nbc][8][IG_W][4] codes, then fp32 scales
+ * [nbc][IG_W], then mins [nbc][IG_W] where the weight has them). Rows past N: zero codes and scales. */
+static void ig_pack(const kvq_args *a, int64_t p, int64_t b0, int64_t nbc, uint8_t *out) {
+    const int64_t nb = a->K / QK, ng = a->K / a->G, ngroups = a->N / 8;
+    float *dw = (float *)(out + nbc * 8 * IG_W * 4), *mw = dw + nbc * IG_W;
+    for (int h = 0; h < IG_W / 8; h++) {
+        const int64_t g = p * (IG_W / 8) + h;
+        for (int64_t bi = 0; bi < nbc; bi++) {
+            const int64_t b = b0 + bi, gr = group_of(b, 0, a->G);
+            uint8_t *ob = out + bi * 8 * IG_W * 4 + 32 * h;
+            if (g >= ngroups) {
+                for (int s = 0; s < 8; s++) memset(ob + s * IG_W * 4, 0, 32);
+                memset(dw + bi * IG_W + 8 * h, 0, 32), memset(mw + bi * IG_W + 8 * h, 0, 32);
+                continue;
+            }
+            const uint8_t *cb = a->codes + (g * nb + b) * 128;
+            for (int s = 0; s < 8; s++) {
+                const __m256i c = _mm256_loadu_si256((const __m256i *)(cb + 32 * (s & 3)));
+                _mm256_storeu_si256((__m256i *)(ob + s * IG_W * 4),
+                                    _mm256_and_si256(s < 4 ? c : _mm256_srli_epi16(c, 4), _mm256_set1_epi8(0x0F)));
+            }
+            const __m256 sc = groups8(&a->scale, _mm256_setzero_ps(), g, gr, ng);
+            _mm256_storeu_ps(dw + bi * IG_W + 8 * h, sc);
+            _mm256_storeu_ps(mw + bi * IG_W + 8 * h, a->mins.kind ? groups8(&a->mins, sc, g, gr, ng) : _mm256_setzero_ps());
+        }
+    }
+}
+
+#ifdef IG_512
+typedef __m512i ig_vi;
+typedef __m512 ig_vf;
+#define IG_LOADW(p) _mm512_loadu_si512((const void *)(p))
+#define IG_BCAST(p) _mm512_set1_epi32(load32(p))
+#define IG_DOT(acc, w, x) _mm512_dpbusd_epi32((acc), (w), (x))
+#define IG_ZERO_I() _mm512_setzero_si512()
+#define IG_SUMS(acc) (acc)
+#define IG_CVT(v) _mm512_cvtepi32_ps(v)
+#define IG_SUB(a, b) _mm512_sub_epi32((a), (b))
+#define IG_SET1I(v) _mm512_set1_epi32(v)
+#define IG_SET1F(v) _mm512_set1_ps(v)
+#define IG_LOADF(p) _mm512_loadu_ps(p)
+#define IG_FMA(a, b, c) _mm512_fmadd_ps((a), (b), (c))
+#define IG_MUL(a, b) _mm512_mul_ps((a), (b))
+#define IG_ADD(a, b) _mm512_add_ps((a), (b))
+#define IG_ZERO_F() _mm512_setzero_ps()
+#else /* AVX2: maddubs pair sums (16-bit) summed over a block's 8 steps, widened once per block */
+typedef __m256i ig_vi;
+typedef __m256 ig_vf;
+#define IG_LOADW(p) _mm256_loadu_si256((const __m256i *)(p))
+#define IG_BCAST(p) _mm256_set1_epi32(load32(p))
+#define IG_DOT(acc, w, x) _mm256_add_epi16((acc), _mm256_maddubs_epi16((w), (x)))
+#define IG_ZERO_I() _mm256_setzero_si256()
+#define IG_SUMS(acc) _mm256_madd_epi16((acc), _mm256_set1_epi16(1))
+#define IG_CVT(v) _mm256_cvtepi32_ps(v)
+#define IG_SUB(a, b) _mm256_sub_epi32((a), (b))
+#define IG_SET1I(v) _mm256_set1_epi32(v)
+#define IG_SET1F(v) _mm256_set1_ps(v)
+#define IG_LOADF(p) _mm256_loadu_ps(p)
+#define IG_FMA(a, b, c) _mm256_fmadd_ps((a), (b), (c))
+#define IG_MUL(a, b) _mm256_mul_ps((a), (b))
+#define IG_ADD(a, b) _mm256_add_ps((a), (b))
+#define IG_ZERO_F() _mm256_setzero_ps()
+#endif
+
+/* One level's sums of block bi for R rows x NP panels, folded into f: f += (sum - s) d_w d_x (level 2: d_x / 256). */
+static inline __attribute__((always_inline)) void ig_level(const int R, const int NP, const ig_x *X, int64_t m0, int64_t b,
+                                                           const int lev, const uint8_t *const *wp, const float *const *dwp,
+                                                           int64_t bi, ig_vf f[IG_MR][IG_NP]) {
+    ig_vi acc[IG_MR][IG_NP];
+    for (int r = 0; r < R; r++)
+        for (int p = 0; p < NP; p++) acc[r][p] = IG_ZERO_I();
+    const int8_t *xq = X->q + (m0 * X->nb + b) * 2 * QK + lev * QK;
+    for (int s = 0; s < 8; s++) {
+        ig_vi w[IG_NP];
+        for (int p = 0; p < NP; p++) w[p] = IG_LOADW(wp[p] + (bi * 8 + s) * IG_W * 4);
+        for (int r = 0; r < R; r++) {
+            const ig_vi xv = IG_BCAST(xq + r * X->nb * 2 * QK + 4 * s);
+            for (int p = 0; p < NP; p++) acc[r][p] = IG_DOT(acc[r][p], w[p], xv);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        const int64_t i = (m0 + r) * X->nb + b;
+        const ig_vi t = IG_SET1I(X->s[2 * i + lev]);
+        const ig_vf dx = IG_SET1F(lev ? X->d[i] * (1.0f / 256.0f) : X->d[i]);
+        for (int p = 0; p < NP; p++)
+            f[r][p] = IG_FMA(IG_CVT(IG_SUB(IG_SUMS(acc[r][p]), t)), IG_MUL(IG_LOADF(dwp[p] + bi * IG_W), dx), f[r][p]);
+    }
+}
+
+/* Rows m0 .. m0 + R of y, columns of NP panels (ncols of them valid), over blocks b0 .. b0 + nbc. */
+static inline __attribute__((always_inline)) void ig_micro(const int R, const int NP, const ig_x *X, int64_t m0, int64_t b0,
+                                                           int64_t nbc, const uint8_t *const *wp, int mins, float *y,
+                                                           int64_t ldy, int first, int ncols) {
+    ig_vf f[IG_MR][IG_NP];
+    const float *dwp[IG_NP], *mwp[IG_NP];
+    for (int p = 0; p < NP; p++) {
+        dwp[p] = (const float *)(wp[p] + nbc * 8 * IG_W * 4);
+        mwp[p] = dwp[p] + nbc * IG_W;
+    }
+    for (int r = 0; r < R; r++)
+        for (int p = 0; p < NP; p++) f[r][p] = IG_ZERO_F();
+    for (int64_t bi = 0; bi < nbc; bi++) {
+        const int64_t b = b0 + bi;
+        ig_level(R, NP, X, m0, b, 0, wp, dwp, bi, f);
+        if (mins)
+            for (int r = 0; r < R; r++) {
+                const ig_vf sxv = IG_SET1F(X->sx[(m0 + r) * X->nb + b]);
+                for (int p = 0; p < NP; p++) f[r][p] = IG_FMA(IG_LOADF(mwp[p] + bi * IG_W), sxv, f[r][p]);
+            }
+    }
+    /* The second level, in its own pass over the blocks where some row of the tile keeps it (a branch in the
+     * loop above cost ~10 % on small K): its sums go to f2, added once; a row without the level adds zeros. */
+    int any = 0;
+    for (int r = 0; r < R; r++) any |= X->nflag[m0 + r] != 0;
+    if (any) {
+        ig_vf f2[IG_MR][IG_NP];
+        for (int r = 0; r < R; r++)
+            for (int p = 0; p < NP; p++) f2[r][p] = IG_ZERO_F();
+        for (int64_t bi = 0; bi < nbc; bi++) {
+            const int64_t b = b0 + bi;
+            int two = 0;
+            for (int r = 0; r < R; r++) two |= X->flag[(m0 + r) * X->nb + b];
+            if (two) ig_level(R, NP, X, m0, b, 1, wp, dwp, bi, f2);
+        }
+        for (int r = 0; r < R; r++)
+            for (int p = 0; p < NP; p++) f[r][p] = IG_ADD(f[r][p], f2[r][p]);
+    }
+    for (int r = 0; r < R; r++)
+        for (int p = 0; p < NP; p++) {
+            const int n = ncols - p * IG_W;
+            if (n <= 0) continue;
+            float *yr = y + (m0 + r) * ldy + p * IG_W;
+            if (n >= IG_W) {
+#ifdef IG_512
+                _mm512_storeu_ps(yr, first ? f[r][p] : _mm512_add_ps(_mm512_loadu_ps(yr), f[r][p]));
+#else
+                _mm256_storeu_ps(yr, first ? f[r][p] : _mm256_add_ps(_mm256_loadu_ps(yr), f[r][p]));
+#endif
+                continue;
+            }
+            float v[IG_W];
+            memcpy(v, &f[r][p], sizeof v);
+            for (int j = 0; j < n; j++) yr[j] = first ? v[j] : yr[j] + v[j];
+        }
+}
+
+#define IG_ROWS(NP)                                                                                    \
+    switch (R) {                                                                                       \
+    case IG_MR: ig_micro(IG_MR, NP, &X, m0, b0, nbc, wp, mins, yt, a->ldy, first, ncols); break;        \
+    default: for (int r = 0; r < R; r++) ig_micro(1, NP, &X, m0 + r, b0, nbc, wp, mins, yt, a->ldy, first, ncols); \
+    }
+
+/* y [M, N] (row stride ldy) = x [M, K] @ W^T with x rounded as above. Returns 0, -1 out of memory, -2 not built
+ * for this ISA or not 4-bit codes (the caller takes its float GEMM), -3 no loop for the groups. */
+int kvq_gemm_i8(const float *x, int64_t M, int64_t K, const uint8_t *codes, int bits, int offset, int scale_kind,
+                const void *scale, const uint16_t *scale_sup, int64_t scale_per, int min_kind, const void *mins_,
+                const uint16_t *min_sup, int64_t min_per, int64_t G, int64_t N, float *y, int64_t ldy, int nthreads) {
+    if (bits != 4) return -2;
+    const kvq_args a0 = {NULL, NULL, NULL, NULL, codes, groups_of(scale_kind, scale, scale_sup, scale_per),
+                         groups_of(min_kind, mins_, min_sup, min_per), M, K, N, G, y, ldy, offset};
+    const kvq_args *a = &a0;
+    if (G % QK != 0 || K % QK != 0 || N % 8 != 0) return -3;
+    const int64_t nb = K / QK;
+    int8_t *q = (int8_t *)malloc((size_t)(2 * M * K));
+    float *d = (float *)malloc(sizeof(float) * (size_t)(M * nb)), *sx = (float *)malloc(sizeof(float) * (size_t)(M * nb));
+    int32_t *s = (int32_t *)malloc(sizeof(int32_t) * (size_t)(2 * M * nb));
+    uint8_t *flag = (uint8_t *)malloc((size_t)(M * nb));
+    int32_t *nflag = (int32_t *)malloc(sizeof(int32_t) * (size_t)M);
+    if (!q || !d || !sx || !s || !flag || !nflag) {
+        free(q), free(d), free(sx), free(s), free(flag), free(nflag);
+        return -1;
+    }
+    const ig_x X = {q, d, sx, s, flag, nflag, nb};
+    const int mins = min_kind != KVQ_NONE;
+    const int64_t npanels = (N + IG_W - 1) / IG_W, ntiles = (npanels + IG_NP - 1) / IG_NP;
+    const int64_t nitems = (ntiles + IG_PB - 1) / IG_PB;
+    const size_t panel_bytes = (size_t)(IG_KC / QK) * (8 * IG_W * 4 + 2 * IG_W * sizeof(float));
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+    {
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++)
+            ig_quantize_row(x + m * K, K, offset, q + 2 * m * K, d + m * nb, sx + m * nb, s + 2 * m * nb, flag + m * nb,
+                            nflag + m);
+        uint8_t *buf = (uint8_t *)aligned_alloc(64, panel_bytes * IG_PB * IG_NP);
+        if (!buf) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < nitems; item++) {
+            if (!buf) continue;
+            const int64_t t0 = item * IG_PB, t1 = t0 + IG_PB < ntiles ? t0 + IG_PB : ntiles;
+            for (int64_t k0 = 0; k0 < K; k0 += IG_KC) {
+                const int64_t b0 = k0 / QK, nbc = (K - k0 < IG_KC ? K - k0 : IG_KC) / QK;
+                const size_t pb = (size_t)nbc * (8 * IG_W * 4 + 2 * IG_W * sizeof(float));
+                const int first = k0 == 0;
+                for (int64_t t = t0; t < t1; t++)
+                    for (int p = 0; p < IG_NP && t * IG_NP + p < npanels; p++)
+                        ig_pack(a, t * IG_NP + p, b0, nbc, buf + ((t - t0) * IG_NP + p) * pb);
+                for (int64_t m0 = 0; m0 < M; m0 += IG_MR) {
+                    const int R = (int)(M - m0 < IG_MR ? M - m0 : IG_MR);
+                    for (int64_t t = t0; t < t1; t++) {
+                        const uint8_t *wp[IG_NP];
+                        for (int p = 0; p < IG_NP; p++) wp[p] = buf + ((t - t0) * IG_NP + p) * pb;
+                        const int64_t c0 = t * IG_NP * IG_W;
+                        const int ncols = (int)(N - c0 < IG_NP * IG_W ? N - c0 : IG_NP * IG_W);
+                        float *yt = y + c0;
+                        if (ncols > (IG_NP - 1) * IG_W) {
+                            IG_ROWS(IG_NP)
+                        } else {
+                            IG_ROWS(1)
+                        }
+                    }
+                }
+            }
+        }
+        free(buf);
+    }
+    free(q), free(d), free(sx), free(s), free(flag), free(nflag);
+    return failed ? -1 : 0;
+}
+#else
+int kvq_gemm_i8(const float *x, int64_t M, int64_t K, const uint8_t *codes, int bits, int offset, int scale_kind,
+                const void *scale, const uint16_t *scale_sup, int64_t scale_per, int min_kind, const void *mins,
+                const uint16_t *min_sup, int64_t min_per, int64_t G, int64_t N, float *y, int64_t ldy, int nthreads) {
+    (void)x, (void)M, (void)K, (void)codes, (void)bits, (void)offset, (void)scale_kind, (void)scale, (void)scale_sup, (void)scale_per;
+    (void)min_kind, (void)mins, (void)min_sup, (void)min_per, (void)G, (void)N, (void)y, (void)ldy, (void)nthreads;
+    return -2;
+}
+#endif

@@ -57,6 +57,8 @@ def load(isa: str, cache_dir: str) -> ctypes.CDLL | None:
         lib.kvq_gemm_f32.restype = i32
         lib.kvq_gemm_bf16.argtypes = lib.kvq_linear.argtypes
         lib.kvq_gemm_bf16.restype = i32
+        lib.kvq_gemm_i8.argtypes = lib.kvq_linear.argtypes
+        lib.kvq_gemm_i8.restype = i32
         lib.kvq_amx_enable.argtypes = [i32, i64]
         lib.kvq_amx_enable.restype = i32
         lib._kvq_declared = True
@@ -104,6 +106,13 @@ def int8dot_gemm_bf16(lib: ctypes.CDLL, x: torch.Tensor, weight: tuple, out_feat
     the fly (the read-back's bf16 weights and activations, fp32 sums); None where there are no AMX-BF16 tiles
     (the CPU, Linux or the build)."""
     return _panel_gemm(lib.kvq_gemm_bf16, x, weight, out_features)
+
+
+def int8dot_gemm_i8(lib: ctypes.CDLL, x: torch.Tensor, weight: tuple, out_features: int) -> torch.Tensor | None:
+    """x fp32 [M, K] contiguous -> fp32 [M, N] by the integer GEMM with one int8 level of activations per block of
+    32 (a second in blocks past IG_OUTLIER x the row's RMS; cpu_int8dot.c); None where the build has no such
+    kernel (no AVX2) or the codes are not 4-bit."""
+    return _panel_gemm(lib.kvq_gemm_i8, x, weight, out_features)
 
 
 def _panel_gemm(fn, x: torch.Tensor, weight: tuple, out_features: int) -> torch.Tensor | None:

@@ -212,13 +212,20 @@ def test_k_quants_stay_in_their_files_bytes(type_name, ratio):
     assert lin.nbytes == pytest.approx(file_bytes / ratio)
 
 
-def test_many_rows_take_the_read_back_and_agree():
+def test_many_rows_take_their_route_and_agree():
+    """From the route's row count: 8-bit codes a float GEMM (bf16 within 1e-2, fp32 within 1e-5); 4-bit codes the
+    same, or where the route says the int8 GEMM (within fp32 rounding of its own rounding of x)."""
     gen = torch.Generator().manual_seed(9)
-    q = _q4(64, 256, 32, True, False, gen)
-    lin = Int8DotCpu(q)
-    x = torch.randn(lin.dense_min_rows, 256, generator=gen)
-    tol = 1e-2 if lin.dense_dtype == torch.bfloat16 else 1e-5
-    assert _check(lin, q.dequantize(), x) < tol
+    for q in (_q8(64, 256, gen), _q4(64, 256, 32, True, False, gen)):
+        lin = Int8DotCpu(q)
+        x = torch.randn(lin.dense_min_rows, 256, generator=gen)
+        if lin.int8_min_rows is not None and len(x) >= lin.int8_min_rows:
+            assert q.bits == 4
+            ref = _i8_reference(q, x, OUTLIER)
+            assert ((lin(x).double() - ref).abs().amax(-1) / ref.abs().amax(-1)).max().item() < 1e-5
+            continue
+        tol = 1e-2 if lin.dense_dtype == torch.bfloat16 else 1e-5
+        assert _check(lin, q.dequantize(), x) < tol
 
 
 def test_resident_bytes_are_the_files_for_q4_1():
@@ -301,13 +308,16 @@ def test_fp32_gemm_rows_and_threads_do_not_change_a_row(isa):
     _assert_rows_and_threads_do_not_change_a_row(int8dot_gemm_f32, "q4 min fp16 g32", 12, 13, (0, 6, 12))
 
 
-def _assert_rows_and_threads_do_not_change_a_row(gemm, kind: str, seed: int, rows: int, picks: tuple[int, ...]) -> None:
+def _assert_rows_and_threads_do_not_change_a_row(gemm, kind: str, seed: int, rows: int, picks: tuple[int, ...],
+                                                 outlier_rows: tuple[int, ...] = ()) -> None:
     """gemm (a panel GEMM of cpu_int8dot.py) on `rows` rows: each of rows `picks` alone, and all of them on one
-    thread, bit-identical to the batch."""
+    thread, bit-identical to the batch; `outlier_rows` get an outlier channel."""
     gen = torch.Generator().manual_seed(seed)
     q, w = _gemm_problem(kind, gen)
     lin = Int8DotCpu(q)
     x = torch.randn(rows, w.shape[1], generator=gen)
+    for i in outlier_rows:
+        x[i, 37] = 40.0
     full = gemm(lin.lib, x, lin.args, lin.out_features)
     for i in picks:
         assert torch.equal(gemm(lin.lib, x[i:i + 1], lin.args, lin.out_features)[0], full[i])
@@ -449,3 +459,80 @@ def test_amx_tiles_give_the_dpbusd_loops_sums_bit_for_bit(kind):
             assert _check(lin, q.dequantize(), x) < REL_BOUND
     finally:
         int8dot_cpu.restore_tiles(lib)
+
+
+# --- the many-row integer GEMM: one int8 level of activations, a second in outlier blocks ----------------
+
+OUTLIER = 4.0  # IG_OUTLIER in cpu_int8dot.c: a block keeps its second level past this many times its row's RMS
+FOUR_BIT = ["Q4_K two-level", "Q4_0 offset 8", "zero points g64", "q4 min fp16 g32", "q4 no-min fp16 g32",
+            "q4 min fp32 g128"]
+
+
+def _one_level_rounding(x: torch.Tensor, outlier: float | None) -> torch.Tensor:
+    """x as kvq_gemm_i8 rounds it (cpu_int8dot.c): per block of 32, d = max|x| / 127, q1 = round(x / d); the
+    remainder in steps of d / 256 only in blocks whose max|x| exceeds `outlier` x the row's RMS (None: never)."""
+    m, k = x.shape
+    xb = x.view(m, k // 32, 32)
+    amax = xb.abs().amax(-1, keepdim=True)
+    t = xb * torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    r1 = torch.round(t)
+    r2 = torch.round((t - r1) * 256.0).clamp(-127, 127)
+    d = amax / 127.0
+    if outlier is None:
+        r2 = torch.zeros_like(r2)
+    else:
+        limit = (outlier * x.double().pow(2).mean(-1).sqrt().float())[:, None, None]
+        r2 = r2 * (d * 127.0 > limit)
+    return (d.double() * (r1.double() + r2.double() / 256.0)).view(m, k)
+
+
+def _i8_reference(q: QuantTensor, x: torch.Tensor, outlier: float | None) -> torch.Tensor:
+    """The weight against the rounded x (codes and mins alike: llama.cpp's Q8_1 sum)."""
+    return _one_level_rounding(x, outlier) @ q.dequantize().double().t()
+
+
+@pytest.mark.parametrize("kind", FOUR_BIT)
+def test_int8_gemm_matches_its_rounding(isa, kind):
+    """kvq_gemm_i8, the many-row path where there are no AMX tiles: exact integer sums of the codes against x
+    rounded to one int8 level per block (two in blocks holding an outlier), scaled in fp32: within fp32 rounding
+    of a float64 reference of that rounding, for every tail of the row tile, a last panel of 8 weight rows and K
+    panels with a tail. Rows with an outlier channel take the second level (the one-level reference is then
+    measurably off); the plain C build and 8-bit codes have no such kernel."""
+    from kvcli_kernels.cpu_int8dot import int8dot_gemm_i8
+
+    gen = torch.Generator().manual_seed(17)
+    q, w = _gemm_problem(kind, gen)
+    lin = Int8DotCpu(q)
+    for rows in (1, 3, 6, 7, 13, 40):
+        x = torch.randn(rows, w.shape[1], generator=gen) * (torch.rand(1, w.shape[1], generator=gen) + 0.5)
+        x[::2, 37] = 40.0  # an outlier channel in every other row (RMS ~1)
+        y = int8dot_gemm_i8(lin.lib, x, lin.args, lin.out_features)
+        if isa == "generic":
+            assert y is None
+            return
+        ref = _i8_reference(q, x, OUTLIER)
+        scale = ref.abs().amax(-1)
+        err = ((y.double() - ref).abs().amax(-1) / scale).max().item()
+        assert err < 1e-5, f"{isa} {kind} rows {rows}: max relative error {err:.2e}"
+        one = ((y.double() - _i8_reference(q, x, None)).abs().amax(-1) / scale)
+        assert one[::2].min().item() > 1e-4  # the second level where a row holds an outlier
+
+
+def test_int8_gemm_takes_only_4_bit_codes(isa):
+    from kvcli_kernels.cpu_int8dot import int8dot_gemm_i8
+
+    gen = torch.Generator().manual_seed(18)
+    q, w = _gemm_problem("q8 fp16", gen)
+    lin = Int8DotCpu(q)
+    assert int8dot_gemm_i8(lin.lib, torch.randn(8, w.shape[1]), lin.args, lin.out_features) is None
+
+
+def test_int8_gemm_rows_and_threads_do_not_change_a_row(isa):
+    """A row's rounding, and whether its blocks take the second level, depend on that row alone: alone, in a
+    batch (beside rows with outliers) or on one thread, bit-identical."""
+    from kvcli_kernels.cpu_int8dot import int8dot_gemm_i8
+
+    if isa == "generic":
+        pytest.skip("the plain C build has no integer GEMM")
+    _assert_rows_and_threads_do_not_change_a_row(int8dot_gemm_i8, "Q4_0 offset 8", 19, 13, (0, 5, 6, 12),
+                                                 outlier_rows=(1, 7))

@@ -11,7 +11,7 @@ import torch
 
 from kvcli.config import ModelConfig
 from kvcli.model.quant import QuantTensor, random_q4
-from kvcli.model.weight_plan import (GEMM_F32_MIN_ROWS, INT8DOT_AMX_MIN_ROWS, INT8DOT_DENSE_MIN_ROWS, Native,
+from kvcli.model.weight_plan import (GEMM_F32_MIN_ROWS, INT8_GEMM_MIN_ROWS, INT8DOT_AMX_MIN_ROWS, INT8DOT_DENSE_MIN_ROWS, Native,
                                      TileRule, choose_tier, int8dot_tiles, plan_linear, plan_model)
 from kvcli.native.capabilities import CpuCapabilities, amx_int8_for, build_isa_for, native_bf16_for
 
@@ -78,7 +78,12 @@ def test_a_linear_takes_the_best_form_its_tier_has_for_it():
     cpu = plan_linear(w, "cpu", torch.float32, AVX2, NATIVE)
     assert cpu.form == "int8dot-cpu" and cpu.route.dense_min_rows == GEMM_F32_MIN_ROWS and cpu.route.gemm == "fp32-gemm"
     fast = plan_linear(w, "cpu", torch.float32, BF16, NATIVE)
-    assert fast.route == fast.route.__class__(INT8DOT_DENSE_MIN_ROWS, "read-back", torch.bfloat16)
+    assert fast.route == fast.route.__class__(INT8DOT_DENSE_MIN_ROWS, "read-back", torch.bfloat16, INT8_GEMM_MIN_ROWS)
+    assert cpu.route.int8_min_rows == INT8_GEMM_MIN_ROWS  # 4-bit codes: the int8 GEMM from there, on both ISAs
+    wide = plan_linear(q8(64), "cpu", torch.float32, BF16, NATIVE)  # 8-bit codes: never (maddubs would saturate)
+    assert wide.route == wide.route.__class__(INT8DOT_DENSE_MIN_ROWS, "read-back", torch.bfloat16)
+    amx = replace(BF16, amx_bf16=True)  # AMX: the bf16 GEMM on tiles, faster there
+    assert plan_linear(w, "cpu", torch.float32, amx, NATIVE).route.int8_min_rows is None
     assert plan_linear(w, "cpu", torch.float32, BF16, NATIVE, row_invariant=True).route.dense_min_rows is None
     # without kvcli's kernel: torch's int4 kernel, and its exact fallback where rows are not a multiple of 16
     assert plan_linear(w, "cpu", torch.float32, AVX2, NO_NATIVE).form == "int4-cpu"

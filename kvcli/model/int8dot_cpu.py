@@ -14,7 +14,10 @@ exact: on the AVX2 build (torch's kernels AVX2, bf16 emulated) from 32 rows kvcl
 weight panels dequantized on the fly (kvq_gemm_f32: with two int8 levels the integer kernel's ceiling
 is below an fp32 GEMM's there, scripts/probe_int8_throughput.py); on AMX-BF16 CPUs from 256 rows the same in
 bf16 on AMX tiles (kvq_gemm_bf16); elsewhere from 256 rows a read-back of the weight into a reused buffer and
-torch's GEMM, bf16 where the CPU has native bf16 dot products.
+torch's GEMM, bf16 where the CPU has native bf16 dot products. Without AMX, 4-bit codes take kvcli's integer GEMM
+from 256 rows instead (kvq_gemm_i8: activations at one int8 level per block, llama.cpp's, and a second level in
+blocks holding an outlier; as close to the fp32 model as the bf16 read-back it replaces, measured in
+cpu_int8dot.c).
 
 Not bit-exact with the exact path, but close: the weights are exact, and each activation is held as two
 int8 levels per block of 32 (x ~ d (q1 + q2 / 256), d = max|x| / 127: ~15 bits, finer than bf16). On
@@ -37,7 +40,7 @@ import torch.nn.functional as F
 from kvcli.native import registry
 from kvcli.native.scratch import scratch
 from kvcli_kernels.cpu_int8dot import (F16, F32, NEG_SUB, NONE, SUB, SUB_I8, ZERO, Groups, groups_x8, int8dot_dequant,
-                                       int8dot_gemm_bf16, int8dot_gemm_f32, int8dot_linear, pack_x8_native, weight_args)
+                                       int8dot_gemm_bf16, int8dot_gemm_f32, int8dot_gemm_i8, int8dot_linear, pack_x8_native, weight_args)
 
 if TYPE_CHECKING:
     from kvcli.model.quant import QuantTensor
@@ -157,12 +160,15 @@ class Int8DotCpu:
             from kvcli.model.weight_plan import int8dot_route
             from kvcli.native.capabilities import capabilities
 
-            route = int8dot_route(capabilities())
+            route = int8dot_route(capabilities(), four_bit=weight.kind == "q4")
         self.dense_dtype = route.dense_dtype
         # From dense_min_rows rows a float GEMM (None: the integer kernel at every row count): a fused one
         # (fp32, or bf16 on AMX tiles) where the route says, else (or where it is refused) a read-back + torch's.
         self.gemm = {"fp32-gemm": int8dot_gemm_f32, "amx-bf16-gemm": int8dot_gemm_bf16}.get(route.gemm)
         self.dense_min_rows: int | None = route.dense_min_rows
+        # From int8_min_rows rows 4-bit codes take the integer GEMM with one activation level (kvq_gemm_i8; None
+        # where the build has none: then the float GEMM above).
+        self.int8_min_rows: int | None = route.int8_min_rows
 
     @property
     def nbytes(self) -> int:
@@ -183,6 +189,10 @@ class Int8DotCpu:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] -> [M, N] in x's dtype."""
         if self.dense_min_rows is not None and x.shape[0] >= self.dense_min_rows:
+            if self.int8_min_rows is not None and x.shape[0] >= self.int8_min_rows:
+                y = int8dot_gemm_i8(self.lib, x.float().contiguous(), self.args, self.out_features)
+                if y is not None:
+                    return y.to(x.dtype)
             if self.gemm is not None:
                 y = self.gemm(self.lib, x.float().contiguous(), self.args, self.out_features)
                 if y is not None:

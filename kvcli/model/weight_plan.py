@@ -70,6 +70,12 @@ GEMM_F32_MIN_ROWS = 32
 # prefetching): 1B shape (K 2048 / 8192) tiles 1.02x the loop's step time at 6 rows, 0.86x at 8, 0.76x at 12;
 # SmolLM2-135M (K 576 / 1536) 1.28x at 6, 1.03x at 12, 0.88x at 16: too little work per block at small K for the
 # tiles' overheads, hence the activation count. Per linear: python -m kvcli.bench int8dot-ops-1b.
+# Without AMX, 4-bit codes take kvq_gemm_i8 from this many rows (activations at one int8 level per block, a second
+# in blocks holding an outlier: cpu_int8dot.c), where the float GEMMs above ran: at 512 rows of the 1B shape's
+# Q4_0 linears 0.57-0.73x the bf16 read-back's time on AVX-512-VNNI and 0.68-0.83x kvcli's fp32 GEMM's on the AVX2
+# build (AMD EPYC, 2026-12-06; python -m kvcli.bench int8dot-ops-1b). Not lower: the float GEMMs' threshold reason
+# (prompts of 32-255 rows against llama.cpp's logits in tests/conformance) holds for it too.
+INT8_GEMM_MIN_ROWS = 256
 INT8DOT_AMX_MIN_ROWS = 8
 INT8DOT_AMX_MIN_ELEMS = 9216
 INT4_DENSE_MIN_ROWS = 256  # torch's int4 kernel: from about here on a read-back + GEMM beats it (both ISAs)
@@ -236,15 +242,17 @@ def int8dot_takes(weight: QuantTensor, rows: int | None = None) -> bool:
     return n % 8 == 0 and k % 32 == 0 and k % g == 0 and groups_ok
 
 
-def int8dot_route(caps: CpuCapabilities, row_invariant: bool = False) -> RowRoute:
+def int8dot_route(caps: CpuCapabilities, row_invariant: bool = False, four_bit: bool = False) -> RowRoute:
+    """The row route of an int8dot-cpu weight; `four_bit`: its codes are 4-bit (what kvq_gemm_i8 takes)."""
     if row_invariant:
         return ONE_ROUTE
     dense_dtype = torch.bfloat16 if caps.native_bf16 else torch.float32
-    if caps.fp32_gemm_preferred:
-        return RowRoute(GEMM_F32_MIN_ROWS, "fp32-gemm", dense_dtype)
     if caps.amx_bf16:  # the read-back's numbers, on AMX tiles without the read-back (a read-back where refused)
         return RowRoute(INT8DOT_DENSE_MIN_ROWS, "amx-bf16-gemm", torch.bfloat16)
-    return RowRoute(INT8DOT_DENSE_MIN_ROWS, "read-back", dense_dtype)
+    int8 = INT8_GEMM_MIN_ROWS if four_bit and caps.build_isa in ("avx2", "avx512vnni") else None
+    if caps.fp32_gemm_preferred:
+        return RowRoute(GEMM_F32_MIN_ROWS, "fp32-gemm", dense_dtype, int8)
+    return RowRoute(INT8DOT_DENSE_MIN_ROWS, "read-back", dense_dtype, int8)
 
 
 @dataclass(frozen=True)
@@ -301,7 +309,7 @@ def plan_linear(weight: QuantTensor | Bnb4bitWeight | torch.Tensor, tier: str, d
     n = rows or weight.shape[0]
     if tier == "cpu":
         if native.int8dot and int8dot_takes(weight, n):
-            return mk("int8dot-cpu", int8dot_route(caps, row_invariant))
+            return mk("int8dot-cpu", int8dot_route(caps, row_invariant, weight.kind == "q4"))
         tier = "int4-cpu"
     if tier == "int4-cpu":
         if weight.kind != "q4":
@@ -371,7 +379,8 @@ def plan_model(config, weights: dict, *, tier: str, dtype: torch.dtype, device: 
     table = weights["model.embed_tokens.weight"] if tied else weights["lm_head.weight"]
     if tier == "cpu" and isinstance(table, QuantTensor) and native.int8dot and int8dot_takes(table):
         route = int8dot_route(caps, row_invariant)
-        # Never a read-back for the whole vocabulary (a 57-113 MB transient): the fused GEMM, or one kernel.
+        # Never a read-back for the whole vocabulary (a 57-113 MB transient): the fused GEMM, or one kernel; never
+        # the int8 GEMM's one activation level either (the logits perplexity scores).
         head = HeadPlan("int8dot-cpu", torch.float32, tied, route if route.gemm == "fp32-gemm" else ONE_ROUTE)
     else:
         slices = (device.type == "cpu" and head_dtype == torch.bfloat16 and not caps.native_bf16
