@@ -124,6 +124,12 @@ FIGURES: dict[str, Figure] = {f.name: f for f in [
            in_make_figures=False),
     Figure("int8dot-ops-1b", "int8dot:main", "the int8dot-ops figure on the 1B shape's linears, around where the "
            "read-back starts to pay (taken on a Xeon with AMX)", ("--shape", "1b"), in_make_figures=False),
+    Figure("int8-gemm-1b", "int8dot:main", "the 1B shape's linears from 32 rows: kvcli's int8 GEMM (one activation "
+           "level) beside the bf16 read-back + GEMM and the fused fp32 GEMM", ("--shape", "1b", "--many-rows", "--calls",
+                                                                               "5"), in_make_figures=False),
+    Figure("int8-gemm-1b-avx2", "int8dot:main", "the int8-gemm-1b figure held to AVX2", ("--shape", "1b", "--many-rows",
+                                                                                       "--calls", "5"),
+           env=AVX2_ENV, in_make_figures=False),
     Figure("weight-tiers", "weight_tiers:main", "decode per weight tier: kvcli's kernel, torch's int4 (no C compiler), "
            "codes dequantized per call", in_make_figures=False),
     # Before and after the house redesign (issue #26: weight plan, kvcli/native, step types, engine flags, this

@@ -4,7 +4,10 @@ take it from GEMM_F32_MIN_ROWS rows) and its bf16 GEMM on AMX tiles (where the C
 engine takes it from INT8DOT_DENSE_MIN_ROWS rows instead of the read-back), on SmolLM2-135M's linear shapes and its vocabulary projection,
 with the error of each against a float64 reference. Where the CPU has AMX-INT8, the int8dot kernel is
 timed twice: its dpbusd loop, and its integer sums on AMX tiles (the same outputs, bit for bit; the
-engine takes the tiles by weight_plan.int8dot_tiles' rule). Run it twice to see both ISAs:
+engine takes the tiles by weight_plan.int8dot_tiles' rule). A second table times the many-row integer GEMM with
+one int8 level of activations (kvq_gemm_i8: the engine takes it from INT8_GEMM_MIN_ROWS rows for 4-bit codes on
+CPUs without AMX) beside the float routes it replaces, with its error against the exact float64 product (its
+rounding of x, not a kernel error). Run it twice to see both ISAs:
 
   python -m kvcli.bench int8dot-ops
   ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python -m kvcli.bench int8dot-ops
@@ -40,16 +43,62 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     return ((y.double() - ref).abs().max() / ref.abs().max()).item()
 
 
+def many_row(ours, x: torch.Tensor, ref: torch.Tensor, t_rb: float, t_f: float | None, calls: int) -> str | None:
+    """One row of the many-row table (None where the build has no int8 GEMM)."""
+    from kvcli_kernels.cpu_int8dot import int8dot_gemm_i8
+
+    n = ours.out_features
+    y = int8dot_gemm_i8(ours.lib, x, ours.args, n)
+    if y is None:
+        return None
+    t_i8 = best_ms(lambda: int8dot_gemm_i8(ours.lib, x, ours.args, n), calls)
+    f_cols = ("n/a", "n/a") if t_f is None else (f"{t_f:.3f}", f"{t_i8 / t_f:.2f}x")
+    return (f"| {n} x {x.shape[1]} | {len(x)} | {t_i8:.3f} | {t_rb:.3f} | {f_cols[0]} | {t_i8 / t_rb:.2f}x | "
+            f"{f_cols[1]} | {rel_err(y, ref):.1e} |")
+
+
+def print_many(rows: list[str | None]) -> None:
+    if not rows or None in rows:
+        print("\nint8 GEMM (kvq_gemm_i8): n/a in this build")
+        return
+    print("\n| weight [N x K] | rows | int8 GEMM ms | read-back + GEMM ms | fused fp32 GEMM ms | int8 / read-back | "
+          "int8 / fused | int8 GEMM rel. error |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("\n".join(rows))
+
+
+def main_many(a, shapes, row_counts: list[int], gen: torch.Generator) -> None:
+    """--many-rows: the int8 GEMM beside the read-back + GEMM and the fused fp32 GEMM (Q4_1-style weights, as the
+    table above; Q4_0's offset costs one integer subtraction a block)."""
+    from kvcli.bench.internals import Int8DotCpu, quantize_q4
+    from kvcli_kernels.cpu_int8dot import int8dot_gemm_f32
+
+    out = []
+    for n, k in shapes:
+        q = quantize_q4(torch.randn(n, k, generator=gen) * 0.02)
+        ours = Int8DotCpu(q)
+        w = q.dequantize().double()
+        for rows in row_counts:
+            x = torch.randn(rows, k, generator=gen)
+            t_rb = best_ms(lambda: F.linear(x.to(ours.dense_dtype), ours.dense(ours.dense_dtype)), a.calls)
+            fused = int8dot_gemm_f32(ours.lib, x, ours.args, n)
+            t_f = best_ms(lambda: int8dot_gemm_f32(ours.lib, x, ours.args, n), a.calls) if fused is not None else None
+            out.append(many_row(ours, x, x.double() @ w.t(), t_rb, t_f, a.calls))
+    print_many(out)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--shape", choices=sorted(LINEARS), default="smollm2",
                     help="whose linear shapes: SmolLM2-135M's (default) or the 1B shape's (kvcli/bench/shapes.py), "
                          "at row counts around where the read-back starts to pay")
+    ap.add_argument("--many-rows", action="store_true",
+                    help="only the many-row table: the int8 GEMM beside the float routes, from 32 rows")
     a = ap.parse_args(argv)
     from kvcli.bench.internals import Int4Cpu
     from kvcli.bench.internals import Int8DotCpu, native_library, restore_tiles, tile_rule
-    from kvcli_kernels.cpu_int8dot import int8dot_gemm_bf16, int8dot_gemm_f32
+    from kvcli_kernels.cpu_int8dot import int8dot_gemm_bf16, int8dot_gemm_f32, int8dot_gemm_i8
     from kvcli.bench.internals import QuantTensor, quantize_q4
 
     lib = native_library()
@@ -69,11 +118,15 @@ def main(argv: list[str] | None = None) -> None:
 
     lib.kvq_amx_enable(0, 0)  # the dpbusd loop, unless on_tiles
     gen = torch.Generator().manual_seed(0)
+    shapes, row_counts = LINEARS[a.shape]
+    if a.many_rows:
+        main_many(a, shapes, [r for r in row_counts if r >= 32], gen)
+        return
     print("\n| weight [N x K] | rows | int8dot ms | AMX tiles ms | int4-cpu ms | read-back + GEMM ms | fused fp32 GEMM ms | "
           "int8dot / int4-cpu | tiles / int8dot | fused / int8dot | int8dot rel. error | int4-cpu rel. error | "
           "fused rel. error | AMX bf16 GEMM ms | AMX GEMM / read-back |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    shapes, row_counts = LINEARS[a.shape]
+    many = []  # the int8 GEMM's rows, printed after
     for n, k in shapes:
         q = quantize_q4(torch.randn(n, k, generator=gen) * 0.02)
         ours = Int8DotCpu(q)
@@ -81,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
         w = q.dequantize().double()
         for rows in row_counts:
             x = torch.randn(rows, k, generator=gen)
-            ours.dense_min_rows = torch4.dense_min_rows = None  # each kernel itself at every row count
+            ours.dense_min_rows = ours.int8_min_rows = torch4.dense_min_rows = None  # each kernel itself, every row count
             t_ours, t_t4 = best_ms(lambda: ours(x), a.calls), best_ms(lambda: torch4(x), a.calls)
             t_amx = on_tiles(lambda: best_ms(lambda: ours(x), a.calls)) if tiles else None
             if tiles and not torch.equal(on_tiles(lambda: ours(x)), ours(x)):
@@ -96,9 +149,12 @@ def main(argv: list[str] | None = None) -> None:
             has_bf16 = int8dot_gemm_bf16(ours.lib, x, ours.args, n) is not None
             t_b = best_ms(lambda: int8dot_gemm_bf16(ours.lib, x, ours.args, n), a.calls) if has_bf16 else None
             b_cols = ("n/a", "n/a") if t_b is None else (f"{t_b:.3f}", f"{t_b / t_rb:.2f}x")
+            if rows >= 32:
+                many.append(many_row(ours, x, ref, t_rb, t_f, a.calls))
             print(f"| {n} x {k} | {rows} | {t_ours:.3f} | {amx_cols[0]} | {t_t4:.3f} | {t_rb:.3f} | {f_cols[0]} | "
                   f"{t_ours / t_t4:.2f}x | {amx_cols[1]} | {f_cols[1]} | {rel_err(ours(x), ref):.1e} | "
                   f"{rel_err(torch4(x), ref):.1e} | {f_cols[2]} | {b_cols[0]} | {b_cols[1]} |")
+    print_many(many)
     # The vocabulary projection: a Q8_0 table, int8dot as stored vs the bf16 GEMM it replaced.
     n, k = 49152, shapes[0][1]  # the hidden size
     wt = torch.randn(n, k, generator=gen) * 0.05
@@ -106,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     codes = torch.round(wt.view(n, k // 32, 32) / d.float().unsqueeze(-1)).clamp(-127, 127).to(torch.int8).view(n, k)
     table = QuantTensor("q8", codes, d, None, 32)
     head = Int8DotCpu(table)
-    head.dense_min_rows = None
+    head.dense_min_rows = head.int8_min_rows = None
     wb = table.dequantize().to(torch.bfloat16)
     print(f"\n| vocabulary projection {n} x {k} | rows | int8dot (Q8_0 as stored) ms | AMX tiles ms | bf16 GEMM ms | "
           "fused fp32 GEMM ms |")

@@ -188,11 +188,11 @@ class Int8DotCpu:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] -> [M, N] in x's dtype."""
+        if self.int8_min_rows is not None and x.shape[0] >= self.int8_min_rows:
+            y = int8dot_gemm_i8(self.lib, x.float().contiguous(), self.args, self.out_features)
+            if y is not None:
+                return y.to(x.dtype)
         if self.dense_min_rows is not None and x.shape[0] >= self.dense_min_rows:
-            if self.int8_min_rows is not None and x.shape[0] >= self.int8_min_rows:
-                y = int8dot_gemm_i8(self.lib, x.float().contiguous(), self.args, self.out_features)
-                if y is not None:
-                    return y.to(x.dtype)
             if self.gemm is not None:
                 y = self.gemm(self.lib, x.float().contiguous(), self.args, self.out_features)
                 if y is not None:

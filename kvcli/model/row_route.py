@@ -19,15 +19,19 @@ class RowRoute:
     dense_min_rows: int | None = None
     gemm: str = "read-back"
     dense_dtype: torch.dtype = torch.float32
-    int8_min_rows: int | None = None  # 4-bit codes from here: kvq_gemm_i8 instead of `gemm` (never below dense_min_rows)
+    int8_min_rows: int | None = None  # 4-bit codes from here: kvq_gemm_i8 instead of the form's kernel or `gemm`
 
-    def __post_init__(self) -> None:
-        if self.int8_min_rows is not None and (self.dense_min_rows is None or self.int8_min_rows < self.dense_min_rows):
-            raise ValueError("a route's int8 GEMM starts at or after its float GEMM")
+    @property
+    def first_other_rows(self) -> int | None:
+        """The fewest rows a call takes another path than the form's own kernel with (None: never)."""
+        rows = [r for r in (self.dense_min_rows, self.int8_min_rows) if r is not None]
+        return min(rows) if rows else None
 
     def describe(self) -> str:
-        if self.dense_min_rows is None:
+        if self.first_other_rows is None:
             return "one kernel at every row count"
+        if self.dense_min_rows is None:
+            return f"kvcli's int8 GEMM (one activation level, two in outlier blocks) from {self.int8_min_rows} rows"
         what = {"fp32-gemm": "kvcli's fp32 GEMM", "amx-bf16-gemm": "kvcli's bf16 GEMM on AMX tiles"}.get(
             self.gemm, f"{str(self.dense_dtype)[6:]} read-back + GEMM")
         text = f"{what} from {self.dense_min_rows} rows"

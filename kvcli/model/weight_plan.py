@@ -71,10 +71,12 @@ GEMM_F32_MIN_ROWS = 32
 # SmolLM2-135M (K 576 / 1536) 1.28x at 6, 1.03x at 12, 0.88x at 16: too little work per block at small K for the
 # tiles' overheads, hence the activation count. Per linear: python -m kvcli.bench int8dot-ops-1b.
 # Without AMX, 4-bit codes take kvq_gemm_i8 from this many rows (activations at one int8 level per block, a second
-# in blocks holding an outlier: cpu_int8dot.c), where the float GEMMs above ran: at 512 rows of the 1B shape's
-# Q4_0 linears 0.57-0.73x the bf16 read-back's time on AVX-512-VNNI and 0.68-0.83x kvcli's fp32 GEMM's on the AVX2
-# build (AMD EPYC, 2026-12-06; python -m kvcli.bench int8dot-ops-1b). Not lower: the float GEMMs' threshold reason
-# (prompts of 32-255 rows against llama.cpp's logits in tests/conformance) holds for it too.
+# in blocks holding an outlier: cpu_int8dot.c), where the float GEMMs above ran: on the 1B shape's linears at 256-512
+# rows 0.77-0.88x the bf16 read-back's time on AVX-512-VNNI and 0.67-0.83x the fused fp32 GEMM's on the AVX2 build,
+# 0.32-0.76x from 32 to 64 rows (AMD EPYC, 2026-12-06; python -m kvcli.bench int8-gemm-1b, int8-gemm-1b-avx2).
+# Not lower: from 32 rows the Q4_K variant of tests/conformance went past its bound against llama.cpp (5.2e-2 vs
+# the exact model's 4.2e-2 + 1e-3, 2026-12-06: llama.cpp rounds Q4_K's activations per 256, not per 32), the
+# same reason the float GEMMs start at 256 where bf16 runs.
 INT8_GEMM_MIN_ROWS = 256
 INT8DOT_AMX_MIN_ROWS = 8
 INT8DOT_AMX_MIN_ELEMS = 9216
@@ -125,7 +127,7 @@ class LinearPlan:
     bias: bool = False
 
     def describe(self) -> str:
-        return self.form if self.route.dense_min_rows is None else f"{self.form} ({self.route.describe()})"
+        return self.form if self.route.first_other_rows is None else f"{self.form} ({self.route.describe()})"
 
 
 @dataclass(frozen=True)
@@ -157,7 +159,7 @@ class HeadPlan:
     def describe(self) -> str:
         src = "the embedding table" if self.tied else "lm_head"
         if self.form == "int8dot-cpu":
-            extra = "" if self.route.dense_min_rows is None else f", {self.route.describe()}"
+            extra = "" if self.route.first_other_rows is None else f", {self.route.describe()}"
             return f"int8dot-cpu ({src} as stored{extra})"
         slices = ", fp32 slices from 4 rows" if self.fp32_slices else ""
         return f"{str(self.dtype)[6:]} GEMM ({src}{slices})"
@@ -189,8 +191,8 @@ class WeightPlan:
     @property
     def has_row_routes(self) -> bool:
         """Whether some matmul takes another path from some row count on (what row invariance turns off)."""
-        return self.head.fp32_slices or self.head.route.dense_min_rows is not None or any(
-            p.route.dense_min_rows is not None for p in self.linears())
+        return self.head.fp32_slices or self.head.route.first_other_rows is not None or any(
+            p.route.first_other_rows is not None for p in self.linears())
 
     def linears(self) -> Iterable[LinearPlan]:
         for layer in self.layers:
@@ -423,7 +425,7 @@ def _native_decode(plan: WeightPlan, native: Native) -> tuple[bool, str, int | N
             for p in proj.parts:
                 if p.form != "int8dot-cpu":
                     return False, f"{proj.name} runs {p.form}", None
-    rows = [p.route.dense_min_rows for p in plan.linears() if p.route.dense_min_rows is not None]
+    rows = [p.route.first_other_rows for p in plan.linears() if p.route.first_other_rows is not None]
     max_rows = min(rows) if rows else None
     return True, f"every layer, steps of one token per request{f' and under {max_rows} rows' if max_rows else ''}", \
         max_rows
