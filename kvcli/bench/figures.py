@@ -157,6 +157,11 @@ FIGURES: dict[str, Figure] = {f.name: f for f in [
     Figure("ab-throughput", "ab:main", "before/after: the throughput trace at efe4681 and in this tree, interleaved",
            ("--before", "efe4681", "throughput", "--rounds", "3", "--", "--modes", "static,generate_batch"),
            in_make_figures=False),
+    # The int8 GEMM for prefill chunks without AMX (issue #30, items 2-3): 54ea48f is the tree before it.
+    Figure("ab-prefill-int8", "ab:main", "before/after: the bundled model's batch-1 prefill and decode at 512 and 4k "
+           "(kvcli only) at 54ea48f (bf16 read-back for 256+-row chunks) and in this tree (the int8 GEMM), interleaved",
+           ("--before", "54ea48f", "cpu", "--rounds", "3", "--", "--engines", "kvcli", "--repeats", "1"),
+           in_make_figures=False),
     # Query groups in the C decode kernel (issue #30, item 4): c5dfea2 is the tree before them.
     Figure("ab-verify-step", "ab:main", "before/after: the verify-step figure at c5dfea2 (a verification's rows read "
            "the KV once each) and in this tree (once per request), interleaved",
