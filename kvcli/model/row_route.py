@@ -30,15 +30,13 @@ class RowRoute:
     def describe(self) -> str:
         if self.first_other_rows is None:
             return "one kernel at every row count"
-        if self.dense_min_rows is None:
-            return f"kvcli's int8 GEMM (one activation level, two in outlier blocks) from {self.int8_min_rows} rows"
+        int8 = f"kvcli's int8 GEMM (one activation level, two in outlier blocks) from {self.int8_min_rows} rows"
+        if self.dense_min_rows is None or (self.int8_min_rows is not None and self.int8_min_rows <= self.dense_min_rows):
+            return int8  # (the float GEMM only where the build has no int8 GEMM)
         what = {"fp32-gemm": "kvcli's fp32 GEMM", "amx-bf16-gemm": "kvcli's bf16 GEMM on AMX tiles"}.get(
             self.gemm, f"{str(self.dense_dtype)[6:]} read-back + GEMM")
         text = f"{what} from {self.dense_min_rows} rows"
-        if self.int8_min_rows is not None:
-            text += (f", kvcli's int8 GEMM (one activation level, two in outlier blocks) from {self.int8_min_rows} "
-                     "rows for 4-bit codes")
-        return text
+        return text if self.int8_min_rows is None else f"{text}, {int8}"
 
 
 ONE_ROUTE = RowRoute()
