@@ -1500,12 +1500,17 @@ int kvq_gemm_bf16(const float *x, int64_t M, int64_t K, const uint8_t *codes, in
 #endif
 #define IG_KC 2048
 #define IG_PB 1 /* register tiles (IG_NP panels) per work item */
+#ifndef IG_MB_BYTES
+#define IG_MB_BYTES (384 << 10)
+#endif
 #ifndef IG_OUTLIER
 #define IG_OUTLIER 4.0f
 #endif
 
 typedef struct {
-    const int8_t *q;     /* [M, nb, 2, 32]: level 1, then level 2 (zeros outside flagged blocks) */
+    const int8_t *q;     /* [2, M, K]: level 1, then level 2 (zeros outside flagged blocks); planes apart, so that
+                          * the first pass reads K bytes a row, not 2K */
+    int64_t plane;       /* M K */
     const float *d;      /* [M, nb] */
     const float *sx;     /* [M, nb]: sums of the rounded x (for mins) */
     const int32_t *s;    /* [M, nb, 2]: offset x sum(level 1), offset x sum(level 2) */
@@ -1515,10 +1520,10 @@ typedef struct {
 } ig_x;
 
 /* Row x (K) into its levels (quantize_row's), the second one kept only in blocks past IG_OUTLIER x RMS. */
-static void ig_quantize_row(const float *x, int64_t K, int offset, int8_t *q, float *d, float *sx, int32_t *s,
-                            uint8_t *flag, int32_t *nflag) {
+static void ig_quantize_row(const float *x, int64_t K, int offset, int8_t *q, int8_t *q1, int8_t *q2, float *d,
+                            float *sx, int32_t *s, uint8_t *flag, int32_t *nflag) {
     const int64_t nb = K / QK;
-    quantize_row(x, K, q, d, sx, NULL);
+    quantize_row(x, K, q, d, sx, NULL); /* q: [nb, 2, 32] scratch of the row, split into the planes below */
     double ss = 0.0;
     for (int64_t k = 0; k < K; k++) ss += (double)x[k] * x[k];
     const float limit = IG_OUTLIER * (float)sqrt(ss / (double)K);
@@ -1534,6 +1539,7 @@ static void ig_quantize_row(const float *x, int64_t K, int offset, int8_t *q, fl
         /* mins multiply the rounded x's sum, as the codes do: the codes' mean (7.5 for 4 bits) times the
          * block's rounding errors cancels against it (against the exact sum, Q4_1 lost 1-2 % of |y|) */
         sx[b] = d[b] * ((float)s1 + (float)s2 * (1.0f / 256.0f));
+        memcpy(q1 + b * QK, qb, QK), memcpy(q2 + b * QK, qb + QK, QK);
     }
 }
 
@@ -1608,12 +1614,12 @@ static inline __attribute__((always_inline)) void ig_level(const int R, const in
     ig_vi acc[IG_MR][IG_NP];
     for (int r = 0; r < R; r++)
         for (int p = 0; p < NP; p++) acc[r][p] = IG_ZERO_I();
-    const int8_t *xq = X->q + (m0 * X->nb + b) * 2 * QK + lev * QK;
+    const int8_t *xq = X->q + lev * X->plane + (m0 * X->nb + b) * QK;
     for (int s = 0; s < 8; s++) {
         ig_vi w[IG_NP];
         for (int p = 0; p < NP; p++) w[p] = IG_LOADW(wp[p] + (bi * 8 + s) * IG_W * 4);
         for (int r = 0; r < R; r++) {
-            const ig_vi xv = IG_BCAST(xq + r * X->nb * 2 * QK + 4 * s);
+            const ig_vi xv = IG_BCAST(xq + r * X->nb * QK + 4 * s);
             for (int p = 0; p < NP; p++) acc[r][p] = IG_DOT(acc[r][p], w[p], xv);
         }
     }
@@ -1709,46 +1715,60 @@ int kvq_gemm_i8(const float *x, int64_t M, int64_t K, const uint8_t *codes, int 
         free(q), free(d), free(sx), free(s), free(flag), free(nflag);
         return -1;
     }
-    const ig_x X = {q, d, sx, s, flag, nflag, nb};
+    const ig_x X = {q, M * K, d, sx, s, flag, nflag, nb};
     const int mins = min_kind != KVQ_NONE;
     const int64_t npanels = (N + IG_W - 1) / IG_W, ntiles = (npanels + IG_NP - 1) / IG_NP;
     const int64_t nitems = (ntiles + IG_PB - 1) / IG_PB;
     const size_t panel_bytes = (size_t)(IG_KC / QK) * (8 * IG_W * 4 + 2 * IG_W * sizeof(float));
+    /* Rows per pass over a thread's panels: their first level (IG_MB_BYTES of x) stays in L2 while the panels
+     * pass, where all M rows (e.g. 512 x 8192 bytes) were read again for every panel pair (SmolLM2's shapes at
+     * 512 rows: 1.93 -> 1.44 ms for 960 x 576, 2.95 -> 2.21 for 576 x 1536, ad hoc; 192, 384 and 768 KiB were
+     * within the run-to-run spread of each other on the 1B and SmolLM2 shapes, AMD EPYC, 2026-12-06). */
+    const int64_t mb = (IG_MB_BYTES / K) / IG_MR * IG_MR > IG_MR ? (IG_MB_BYTES / K) / IG_MR * IG_MR : IG_MR;
     int failed = 0;
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
     {
+        int8_t *row = (int8_t *)malloc((size_t)(2 * K));
 #pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; m++)
-            ig_quantize_row(x + m * K, K, offset, q + 2 * m * K, d + m * nb, sx + m * nb, s + 2 * m * nb, flag + m * nb,
-                            nflag + m);
-        uint8_t *buf = (uint8_t *)aligned_alloc(64, panel_bytes * IG_PB * IG_NP);
+        for (int64_t m = 0; m < M; m++) {
+            if (row)
+                ig_quantize_row(x + m * K, K, offset, row, q + m * K, q + M * K + m * K, d + m * nb, sx + m * nb,
+                                s + 2 * m * nb, flag + m * nb, nflag + m);
+        }
+        free(row);
+        uint8_t *buf = row ? (uint8_t *)aligned_alloc(64, panel_bytes * IG_PB * IG_NP) : NULL;
         if (!buf) {
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp for schedule(static)
-        for (int64_t item = 0; item < nitems; item++) {
-            if (!buf) continue;
-            const int64_t t0 = item * IG_PB, t1 = t0 + IG_PB < ntiles ? t0 + IG_PB : ntiles;
-            for (int64_t k0 = 0; k0 < K; k0 += IG_KC) {
-                const int64_t b0 = k0 / QK, nbc = (K - k0 < IG_KC ? K - k0 : IG_KC) / QK;
-                const size_t pb = (size_t)nbc * (8 * IG_W * 4 + 2 * IG_W * sizeof(float));
-                const int first = k0 == 0;
-                for (int64_t t = t0; t < t1; t++)
-                    for (int p = 0; p < IG_NP && t * IG_NP + p < npanels; p++)
-                        ig_pack(a, t * IG_NP + p, b0, nbc, buf + ((t - t0) * IG_NP + p) * pb);
-                for (int64_t m0 = 0; m0 < M; m0 += IG_MR) {
-                    const int R = (int)(M - m0 < IG_MR ? M - m0 : IG_MR);
-                    for (int64_t t = t0; t < t1; t++) {
-                        const uint8_t *wp[IG_NP];
-                        for (int p = 0; p < IG_NP; p++) wp[p] = buf + ((t - t0) * IG_NP + p) * pb;
-                        const int64_t c0 = t * IG_NP * IG_W;
-                        const int ncols = (int)(N - c0 < IG_NP * IG_W ? N - c0 : IG_NP * IG_W);
-                        float *yt = y + c0;
-                        if (ncols > (IG_NP - 1) * IG_W) {
-                            IG_ROWS(IG_NP)
-                        } else {
-                            IG_ROWS(1)
+#pragma omp barrier
+        /* this thread's items: a static share, as `omp for schedule(static)` would give */
+        const int nt = omp_get_num_threads(), me = omp_get_thread_num();
+        const int64_t i0 = nitems * me / nt, i1 = nitems * (me + 1) / nt;
+        for (int64_t mlo = 0; mlo < M && !failed; mlo += mb) {
+            const int64_t mhi = mlo + mb < M ? mlo + mb : M;
+            for (int64_t item = i0; item < i1; item++) {
+                const int64_t t0 = item * IG_PB, t1 = t0 + IG_PB < ntiles ? t0 + IG_PB : ntiles;
+                for (int64_t k0 = 0; k0 < K; k0 += IG_KC) {
+                    const int64_t b0 = k0 / QK, nbc = (K - k0 < IG_KC ? K - k0 : IG_KC) / QK;
+                    const size_t pb = (size_t)nbc * (8 * IG_W * 4 + 2 * IG_W * sizeof(float));
+                    const int first = k0 == 0;
+                    for (int64_t t = t0; t < t1; t++)
+                        for (int p = 0; p < IG_NP && t * IG_NP + p < npanels; p++)
+                            ig_pack(a, t * IG_NP + p, b0, nbc, buf + ((t - t0) * IG_NP + p) * pb);
+                    for (int64_t m0 = mlo; m0 < mhi; m0 += IG_MR) {
+                        const int R = (int)(mhi - m0 < IG_MR ? mhi - m0 : IG_MR);
+                        for (int64_t t = t0; t < t1; t++) {
+                            const uint8_t *wp[IG_NP];
+                            for (int p = 0; p < IG_NP; p++) wp[p] = buf + ((t - t0) * IG_NP + p) * pb;
+                            const int64_t c0 = t * IG_NP * IG_W;
+                            const int ncols = (int)(N - c0 < IG_NP * IG_W ? N - c0 : IG_NP * IG_W);
+                            float *yt = y + c0;
+                            if (ncols > (IG_NP - 1) * IG_W) {
+                                IG_ROWS(IG_NP)
+                            } else {
+                                IG_ROWS(1)
+                            }
                         }
                     }
                 }
