@@ -72,8 +72,8 @@ GEMM_F32_MIN_ROWS = 32
 # tiles' overheads, hence the activation count. Per linear: python -m kvcli.bench int8dot-ops-1b.
 # Without AMX, 4-bit codes take kvq_gemm_i8 from this many rows (activations at one int8 level per block, a second
 # in blocks holding an outlier: cpu_int8dot.c), where the float GEMMs above ran: on the 1B shape's linears at 256-512
-# rows 0.77-0.88x the bf16 read-back's time on AVX-512-VNNI and 0.67-0.83x the fused fp32 GEMM's on the AVX2 build,
-# 0.32-0.76x from 32 to 64 rows (AMD EPYC, 2026-12-06; python -m kvcli.bench int8-gemm-1b, int8-gemm-1b-avx2).
+# rows 0.72-0.87x the bf16 read-back's time on AVX-512-VNNI and 0.74-0.86x the fused fp32 GEMM's on the AVX2 build,
+# 0.39-0.76x from 32 to 64 rows (AMD EPYC, 2026-12-06; python -m kvcli.bench int8-gemm-1b, int8-gemm-1b-avx2).
 # Not lower: from 32 rows the Q4_K variant of tests/conformance went past its bound against llama.cpp (5.2e-2 vs
 # the exact model's 4.2e-2 + 1e-3, 2026-12-06: llama.cpp rounds Q4_K's activations per 256, not per 32), the
 # same reason the float GEMMs start at 256 where bf16 runs.
