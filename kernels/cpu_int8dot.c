@@ -36,6 +36,17 @@
 #endif
 #define TILE_M 4  /* x rows per pass over a weight row: its blocks are unpacked once for all of them */
 
+/* A many-row GEMM where this build has none (kvq_gemm_f32 / _bf16 / _i8): returns -2, the caller takes another. */
+#define KVQ_GEMM_ABSENT(name)                                                                                        \
+    int name(const float *x, int64_t M, int64_t K, const uint8_t *codes, int bits, int offset, int scale_kind,       \
+             const void *scale, const uint16_t *scale_sup, int64_t scale_per, int min_kind, const void *mins,        \
+             const uint16_t *min_sup, int64_t min_per, int64_t G, int64_t N, float *y, int64_t ldy, int nthreads) { \
+        (void)x, (void)M, (void)K, (void)codes, (void)bits, (void)offset, (void)scale_kind, (void)scale;            \
+        (void)scale_sup, (void)scale_per, (void)min_kind, (void)mins, (void)min_sup, (void)min_per, (void)G;        \
+        (void)N, (void)y, (void)ldy, (void)nthreads;                                                                \
+        return -2;                                                                                                  \
+    }
+
 /* Per-group values (scales or mins), in the x8 order [N / 8, K / G, 8]:
  *   KVQ_F16 / KVQ_F32  the value itself
  *   KVQ_SUB            v (uint8) * sup (fp16, one per `per_super` groups: [N / 8, K / (G per_super), 8]),
@@ -1190,13 +1201,7 @@ int kvq_gemm_f32(const float *x, int64_t M, int64_t K, const uint8_t *codes, int
     return failed ? -1 : 0;
 }
 #else
-int kvq_gemm_f32(const float *x, int64_t M, int64_t K, const uint8_t *codes, int bits, int offset, int scale_kind,
-                 const void *scale, const uint16_t *scale_sup, int64_t scale_per, int min_kind, const void *mins,
-                 const uint16_t *min_sup, int64_t min_per, int64_t G, int64_t N, float *y, int64_t ldy, int nthreads) {
-    (void)x, (void)M, (void)K, (void)codes, (void)bits, (void)offset, (void)scale_kind, (void)scale, (void)scale_sup, (void)scale_per;
-    (void)min_kind, (void)mins, (void)min_sup, (void)min_per, (void)G, (void)N, (void)y, (void)ldy, (void)nthreads;
-    return -2;
-}
+KVQ_GEMM_ABSENT(kvq_gemm_f32)
 #endif
 
 /* ---- many rows on AMX-BF16: a bf16 GEMM over weight panels dequantized on the fly ---------------------
@@ -1445,13 +1450,7 @@ int kvq_gemm_bf16(const float *x, int64_t M, int64_t K, const uint8_t *codes, in
     return failed ? -1 : 0;
 }
 #else
-int kvq_gemm_bf16(const float *x, int64_t M, int64_t K, const uint8_t *codes, int bits, int offset, int scale_kind,
-                  const void *scale, const uint16_t *scale_sup, int64_t scale_per, int min_kind, const void *mins,
-                  const uint16_t *min_sup, int64_t min_per, int64_t G, int64_t N, float *y, int64_t ldy, int nthreads) {
-    (void)x, (void)M, (void)K, (void)codes, (void)bits, (void)offset, (void)scale_kind, (void)scale, (void)scale_sup, (void)scale_per;
-    (void)min_kind, (void)mins, (void)min_sup, (void)min_per, (void)G, (void)N, (void)y, (void)ldy, (void)nthreads;
-    return -2;
-}
+KVQ_GEMM_ABSENT(kvq_gemm_bf16)
 #endif
 
 /* ---- many rows: int8 activations of one level, a second level only in outlier blocks -----------------
@@ -1780,11 +1779,5 @@ int kvq_gemm_i8(const float *x, int64_t M, int64_t K, const uint8_t *codes, int 
     return failed ? -1 : 0;
 }
 #else
-int kvq_gemm_i8(const float *x, int64_t M, int64_t K, const uint8_t *codes, int bits, int offset, int scale_kind,
-                const void *scale, const uint16_t *scale_sup, int64_t scale_per, int min_kind, const void *mins,
-                const uint16_t *min_sup, int64_t min_per, int64_t G, int64_t N, float *y, int64_t ldy, int nthreads) {
-    (void)x, (void)M, (void)K, (void)codes, (void)bits, (void)offset, (void)scale_kind, (void)scale, (void)scale_sup, (void)scale_per;
-    (void)min_kind, (void)mins, (void)min_sup, (void)min_per, (void)G, (void)N, (void)y, (void)ldy, (void)nthreads;
-    return -2;
-}
+KVQ_GEMM_ABSENT(kvq_gemm_i8)
 #endif
