@@ -108,7 +108,7 @@ def test_matches_float64_reference(isa, kind):
     n, k = 136, 256  # 17 groups of 8 rows: tiles of 4 groups plus a partial one
     q = WEIGHTS[kind](n, k, gen)
     lin = Int8DotCpu(q)
-    lin.dense_min_rows = lin.int8_min_rows = None  # the integer kernel at every row count
+    lin.kernel_at_every_row_count()
     w = q.dequantize()
     for rows in (1, 2, 3, 5, 8, 33):  # every tail of the 4-row tiles
         x = torch.randn(rows, k, generator=gen) * torch.rand(1, k, generator=gen) * 3
@@ -129,7 +129,7 @@ def test_packed_codes_equal_signed_codes_bitwise(isa, kind):
     bits = 8 if kind == "q6 offset 32" else 5 if q.kind == "q5" else 6
     assert (packed.bits, signed.bits) == (bits, 8)
     assert packed.codes.numel() == 136 * 512 * bits // 8
-    packed.dense_min_rows = signed.dense_min_rows = packed.int8_min_rows = signed.int8_min_rows = None
+    packed.kernel_at_every_row_count(), signed.kernel_at_every_row_count()
     for rows in (1, 2, 3, 4, 5, 9):
         x = torch.randn(rows, 512, generator=gen) * 3
         x[:, 7] *= 50
@@ -177,7 +177,7 @@ def test_rows_do_not_depend_on_their_batch(isa):
     gen = torch.Generator().manual_seed(3)
     q = _q4(64, 320, 32, True, False, gen)
     lin = Int8DotCpu(q)
-    lin.dense_min_rows = lin.int8_min_rows = None
+    lin.kernel_at_every_row_count()
     x = torch.randn(11, 320, generator=gen)
     x[4] = 0
     full = lin(x)
@@ -351,7 +351,7 @@ def test_many_rows_take_the_fp32_gemm_where_it_is_chosen(isa):
     x = torch.randn(n, w.shape[1], generator=gen)
     assert _check(lin, w, x) < 1e-5  # the integer kernel's two levels alone give ~5e-5
     few = lin(x[:n - 1])
-    lin.dense_min_rows = lin.int8_min_rows = None
+    lin.kernel_at_every_row_count()
     assert torch.equal(lin(x[:n - 1]), few)  # below the threshold: the integer kernel
     head = VocabHead(HeadPlan("int8dot-cpu", torch.float32, True, route), table=Int8DotCpu(q, route=route))
     assert head.int8dot.dense_min_rows == n and "fp32 GEMM" in head.path
@@ -426,7 +426,7 @@ def test_many_rows_take_the_amx_gemm_where_it_is_chosen(isa):
     if _amx_bf16_here(isa):
         assert torch.equal(y, int8dot_gemm_bf16(lin.lib, x, lin.args, lin.out_features))
     few = lin(x[:7])
-    lin.dense_min_rows = lin.int8_min_rows = None
+    lin.kernel_at_every_row_count()
     assert torch.equal(lin(x[:7]), few)
 
 
@@ -448,7 +448,7 @@ def test_amx_tiles_give_the_dpbusd_loops_sums_bit_for_bit(kind):
             k = 256
             q = WEIGHTS[kind](n, k, gen)
             lin = Int8DotCpu(q)
-            lin.dense_min_rows = lin.int8_min_rows = None
+            lin.kernel_at_every_row_count()
             for rows in (1, 2, 3, 5, 6, 7, 9, 16, 17, 24, 30, 37):
                 x = torch.randn(rows, k, generator=gen)
                 lib.kvq_amx_enable(0, 0)

@@ -134,7 +134,8 @@ def main(argv: list[str] | None = None) -> None:
         w = q.dequantize().double()
         for rows in row_counts:
             x = torch.randn(rows, k, generator=gen)
-            ours.dense_min_rows = ours.int8_min_rows = torch4.dense_min_rows = None  # each kernel itself, every row count
+            ours.kernel_at_every_row_count()  # each kernel itself at every row count
+            torch4.dense_min_rows = None
             t_ours, t_t4 = best_ms(lambda: ours(x), a.calls), best_ms(lambda: torch4(x), a.calls)
             t_amx = on_tiles(lambda: best_ms(lambda: ours(x), a.calls)) if tiles else None
             if tiles and not torch.equal(on_tiles(lambda: ours(x)), ours(x)):
@@ -162,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     codes = torch.round(wt.view(n, k // 32, 32) / d.float().unsqueeze(-1)).clamp(-127, 127).to(torch.int8).view(n, k)
     table = QuantTensor("q8", codes, d, None, 32)
     head = Int8DotCpu(table)
-    head.dense_min_rows = head.int8_min_rows = None
+    head.kernel_at_every_row_count()
     wb = table.dequantize().to(torch.bfloat16)
     print(f"\n| vocabulary projection {n} x {k} | rows | int8dot (Q8_0 as stored) ms | AMX tiles ms | bf16 GEMM ms | "
           "fused fp32 GEMM ms |")

@@ -40,7 +40,8 @@ import torch.nn.functional as F
 from kvcli.native import registry
 from kvcli.native.scratch import scratch
 from kvcli_kernels.cpu_int8dot import (F16, F32, NEG_SUB, NONE, SUB, SUB_I8, ZERO, Groups, groups_x8, int8dot_dequant,
-                                       int8dot_gemm_bf16, int8dot_gemm_f32, int8dot_gemm_i8, int8dot_linear, pack_x8_native, weight_args)
+                                       int8dot_gemm_bf16, int8dot_gemm_f32, int8dot_gemm_i8, int8dot_linear,
+                                       pack_x8_native, weight_args)
 
 if TYPE_CHECKING:
     from kvcli.model.quant import QuantTensor
@@ -169,6 +170,12 @@ class Int8DotCpu:
         # From int8_min_rows rows 4-bit codes take the integer GEMM with one activation level (kvq_gemm_i8; None
         # where the build has none: then the float GEMM above).
         self.int8_min_rows: int | None = route.int8_min_rows
+
+    def kernel_at_every_row_count(self) -> "Int8DotCpu":
+        """Turn the row route off: the integer kernel at every row count (what benchmarks and tests time and check
+        it by)."""
+        self.dense_min_rows = self.int8_min_rows = None
+        return self
 
     @property
     def nbytes(self) -> int:

@@ -70,6 +70,8 @@ GEMM_F32_MIN_ROWS = 32
 # prefetching): 1B shape (K 2048 / 8192) tiles 1.02x the loop's step time at 6 rows, 0.86x at 8, 0.76x at 12;
 # SmolLM2-135M (K 576 / 1536) 1.28x at 6, 1.03x at 12, 0.88x at 16: too little work per block at small K for the
 # tiles' overheads, hence the activation count. Per linear: python -m kvcli.bench int8dot-ops-1b.
+INT8DOT_AMX_MIN_ROWS = 8
+INT8DOT_AMX_MIN_ELEMS = 9216
 # Without AMX, 4-bit codes take kvq_gemm_i8 from this many rows (activations at one int8 level per block, a second
 # in blocks holding an outlier: cpu_int8dot.c), where the float GEMMs above ran: on the 1B shape's linears at 256-512
 # rows 0.72-0.87x the bf16 read-back's time on AVX-512-VNNI and 0.74-0.86x the fused fp32 GEMM's on the AVX2 build,
@@ -78,8 +80,6 @@ GEMM_F32_MIN_ROWS = 32
 # the exact model's 4.2e-2 + 1e-3, 2026-12-06: llama.cpp rounds Q4_K's activations per 256, not per 32), the
 # same reason the float GEMMs start at 256 where bf16 runs.
 INT8_GEMM_MIN_ROWS = 256
-INT8DOT_AMX_MIN_ROWS = 8
-INT8DOT_AMX_MIN_ELEMS = 9216
 INT4_DENSE_MIN_ROWS = 256  # torch's int4 kernel: from about here on a read-back + GEMM beats it (both ISAs)
 TRITON_INT8_GROUPS = (16, 32, 64, 128)
 
