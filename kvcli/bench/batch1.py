@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import gc
 import sys
+from collections.abc import Callable
 
 from kvcli.bench.engines import HFEngine, KvcliEngine, LlamaCppEngine
 from kvcli.bench.harness import best, busy_note, interleaved, load1, sample_text
@@ -76,19 +77,30 @@ def decode(argv: list[str]) -> int:
     return 0
 
 
+_EACH_ROUND = "(each round)"
+
+
 def best_rounds(engines: dict, ids: list[int], contexts: list[int], new_tokens: int, rounds: int,
-                notes: list[str]) -> dict[str, dict[int, tuple[float, float]]]:
+                notes: list[str], each_round: Callable[[], object] | None = None
+                ) -> dict[str, dict[int, tuple[float, float]]]:
     """{engine: {context: (prefill tok/s, decode tok/s)}}, the best of `rounds` interleaved rounds (each engine
     once per round, every context; llama.cpp's worker one process per round). An engine whose every round
-    failed (llama.cpp's worker) is left out, its note appended to `notes`."""
+    failed (llama.cpp's worker) is left out, its note appended to `notes`. each_round, when given, runs first in
+    every round (the roofline's bandwidth probe: a bound measured beside the runs it bounds, on a machine whose
+    bandwidth moves between minutes)."""
     def measure(name: str, _round: int):
+        if name == _EACH_ROUND:
+            return each_round()
         eng = engines[name]
         if name == "llama.cpp":
             return eng.timed_many(ids, contexts, new_tokens)
         return {n: eng.timed(ids[:n], new_tokens) for n in contexts}
 
     results: dict[str, dict[int, tuple[float, float]]] = {}
-    for name, samples in interleaved(list(engines), rounds, measure).samples.items():
+    names = ([_EACH_ROUND] if each_round is not None else []) + list(engines)
+    for name, samples in interleaved(names, rounds, measure).samples.items():
+        if name == _EACH_ROUND:
+            continue
         samples = [s for s in samples if s is not None]
         if not samples:
             notes.append(engines[name].note)

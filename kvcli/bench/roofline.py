@@ -2,13 +2,17 @@
 GGUF of a 1B (default) or 3B shape (kvcli/bench/shapes.py), prefill and decode at 512 and 8k tokens of context,
 rounds interleaved, and the two bounds measured in the same run:
 
-  read bandwidth  the best of several passes of torch's sum over a 1 GiB fp32 tensor on every thread (what a
-                  decode step that reads each weight byte once could reach); the decode bound at context n is
-                  bandwidth / (weight bytes + KV bytes read at n), per engine (its resident weights, its KV
-                  format: kvcli's default here, llama.cpp's f16)
-  matrix peak     the best of torch's bf16 and fp32 GEMMs at 2048^3 on every thread (a measured ceiling, not the
-                  datasheet's); prefill MACs per token = the linear weights' count (attention's share excluded,
-                  so the prefill share is a lower bound at 8k)
+  read bandwidth  kernels/cpu_probe.c streaming a 1 GiB buffer on every thread with the vector loads kvcli's
+                  kernels use, best of 5 passes, measured at the start of every round (this VM's bandwidth moves
+                  between minutes: 33 and 55 GB/s within one minute on the AMD EPYC); the bound takes the best
+                  round, as the engines' figures do. The decode bound at context n is bandwidth / (weight bytes +
+                  KV bytes read at n), per engine (its resident weights, its KV format: kvcli's default here,
+                  llama.cpp's f16). torch's sum over the buffer where the probe is not built.
+  matrix peak     the larger of torch's best GEMM at 2048^3 (bf16 or fp32; oneDNN's AMX tiles where the CPU has
+                  them) and kernels/cpu_probe.c's register-only loop of the int8 dot-product instruction kvcli's
+                  int8 GEMM issues (vpdpbusd, or vpmaddubsw on AVX2): measured ceilings, not the datasheet's.
+                  Prefill MACs per token = the linear weights' count (attention's share excluded, so the prefill
+                  share is a lower bound at 8k)
 
 prefill tok/s = N / time to the first token from an empty cache; decode tok/s = tokens / time after the first,
 best of --rounds rounds after a warm-up (llama.cpp's worker warms up on each context itself).
@@ -28,21 +32,51 @@ from kvcli.bench.shapes import SHAPES, shape_file
 GIB = 2**30
 
 
-def read_bandwidth(passes: int = 7) -> float:
-    """Bytes per second of torch's sum over a 1 GiB fp32 tensor (best pass)."""
+def _probe():
+    """kvcli's probe library (kernels/cpu_probe.c), or None where this build has none."""
+    from kvcli.native.registry import library
+
+    return library("probe")
+
+
+def read_bandwidth(passes: int = 5) -> float:
+    """Bytes per second reading a 1 GiB buffer on every thread (best pass): the C probe's vector loads, or
+    torch's sum over it where the probe is not built."""
     import torch
 
-    x = torch.rand(GIB // 4)
+    lib = _probe()
+    x = _bandwidth_buffer()
     best = float("inf")
     for _ in range(passes):
-        t = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t)
+        if lib is not None:
+            from kvcli_kernels.cpu_probe import read_pass
+
+            seconds, done, _ = read_pass(lib, x, torch.get_num_threads())
+            best = min(best, seconds * GIB / done)
+        else:
+            t = time.perf_counter()
+            x.view(torch.float32).sum()
+            best = min(best, time.perf_counter() - t)
     return GIB / best
 
 
+def bandwidth_method() -> str:
+    return "C probe, vector loads" if _probe() is not None else "torch sum"
+
+
+_buffer = []
+
+
+def _bandwidth_buffer():
+    import torch
+
+    if not _buffer:  # random bits: no page is shared or zero (a fresh zero page can read from one frame)
+        _buffer.append(torch.randint(-2**62, 2**62, (GIB // 8,), dtype=torch.int64))
+    return _buffer[0]
+
+
 def matrix_peak(n: int = 2048, passes: int = 5) -> tuple[float, str]:
-    """(MAC/s, dtype) of torch's best GEMM here at n^3."""
+    """(MAC/s, what) of the fastest of torch's GEMMs at n^3 and kvcli's int8 dot-product loop here."""
     import torch
 
     out = []
@@ -54,7 +88,14 @@ def matrix_peak(n: int = 2048, passes: int = 5) -> tuple[float, str]:
             t = time.perf_counter()
             a @ b
             best = min(best, time.perf_counter() - t)
-        out.append((n**3 / best, str(dtype)[6:]))
+        out.append((n**3 / best, f"torch {str(dtype)[6:]} GEMM {n}^3"))
+    lib = _probe()
+    if lib is not None:
+        from kvcli_kernels.cpu_probe import int8_peak_instruction, int8_peak_pass
+
+        runs = [int8_peak_pass(lib, 1 << 22, torch.get_num_threads()) for _ in range(passes)]
+        out.append((max(macs / seconds for seconds, macs, _ in runs),
+                    f"int8 {int8_peak_instruction(lib)} on registers"))
     return max(out)
 
 
@@ -74,8 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(str(e))
     load_before = load1()
 
-    bandwidth = read_bandwidth()
-    peak, peak_dtype = matrix_peak()
+    peak, peak_what = matrix_peak()
+    bandwidths: list[float] = []
     kv = KvcliEngine(model=str(path), max_model_len=max(contexts) + a.new_tokens + 16, max_num_batched_tokens=512,
                      kv_budget="2GiB")
     config = kv.llm.engine.config
@@ -91,7 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     for n in contexts:
         kv.timed(ids[:n], a.new_tokens)  # warm-up
 
-    results = best_rounds(engines, ids, contexts, a.new_tokens, a.rounds, notes)
+    results = best_rounds(engines, ids, contexts, a.new_tokens, a.rounds, notes,
+                          each_round=lambda: bandwidths.append(read_bandwidth()))
+    bandwidth = max(bandwidths)
     if llama.version:
         notes.append(llama.version)
 
@@ -106,8 +149,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{config.hidden_size}, {config.num_layers} layers, ffn {config.intermediate_size}, heads "
           f"{config.num_heads}/{config.num_kv_heads}); kvcli {kv.linear_mode} weights, {kv.kv_dtype} KV; "
           f"{a.new_tokens} new tokens, greedy, batch 1")
-    print(f"read bandwidth (torch sum over 1 GiB, every thread): {bandwidth / 1e9:.1f} GB/s; matrix peak (torch "
-          f"{peak_dtype} GEMM 2048^3): {peak / 1e12:.3f} TMAC/s; linear MACs per token: {macs / 1e9:.2f} G\n")
+    rounds_gbs = ", ".join(f"{b / 1e9:.1f}" for b in bandwidths)
+    print(f"read bandwidth ({bandwidth_method()} over 1 GiB, every thread, best of 5 at each round's start): "
+          f"{bandwidth / 1e9:.1f} GB/s (rounds: {rounds_gbs}); matrix peak ({peak_what}): {peak / 1e12:.3f} "
+          f"TMAC/s; linear MACs per token: {macs / 1e9:.2f} G\n")
     print("| context | engine | weight MiB | prefill tok/s | prefill share of peak | decode tok/s | decode bound "
           "tok/s | decode share of bound | kvcli decode ratio | kvcli prefill ratio |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")

@@ -40,6 +40,8 @@ LIBRARIES = {
     "swiglu": NativeLibrary("kvcli_kernels.cpu_swiglu", simd_only=True, what="SwiGLU"),
     "decode_layers": NativeLibrary("kvcli_kernels.cpu_decode_layers", simd_only=True,
                                    what="every layer of a decode step in one call"),
+    "probe": NativeLibrary("kvcli_kernels.cpu_probe", simd_only=True,
+                           what="read bandwidth and int8 peak (benchmarks only)"),
 }
 
 
