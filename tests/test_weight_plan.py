@@ -11,8 +11,9 @@ import torch
 
 from kvcli.config import ModelConfig
 from kvcli.model.quant import QuantTensor, random_q4
-from kvcli.model.weight_plan import (GEMM_F32_MIN_ROWS, INT8_GEMM_MIN_ROWS, INT8DOT_AMX_MIN_ROWS, INT8DOT_DENSE_MIN_ROWS, Native,
-                                     TileRule, choose_tier, int8dot_tiles, plan_linear, plan_model)
+from kvcli.model.weight_plan import (GEMM_F32_MIN_ROWS, INT8_GEMM_BLOCK32_MIN_ROWS, INT8_GEMM_MIN_ROWS,
+                                     INT8DOT_AMX_MIN_ROWS, INT8DOT_DENSE_MIN_ROWS, Native, TileRule, choose_tier,
+                                     int8dot_tiles, plan_linear, plan_model)
 from kvcli.native.capabilities import CpuCapabilities, amx_int8_for, build_isa_for, native_bf16_for
 
 AVX2 = CpuCapabilities("an AVX2 CPU", "x86_64", frozenset({"avx2", "fma", "f16c"}), "AVX2", "avx2", False)
@@ -24,8 +25,8 @@ NO_NATIVE = Native()
 CPU = torch.device("cpu")
 
 
-def q4(n: int, k: int = 64, seed: int = 0) -> QuantTensor:
-    return random_q4(n, k, 0.02, torch.Generator().manual_seed(seed))
+def q4(n: int, k: int = 64, seed: int = 0, group: int = 32) -> QuantTensor:
+    return random_q4(n, k, 0.02, torch.Generator().manual_seed(seed), group)
 
 
 def q8(n: int, k: int = 64) -> QuantTensor:
@@ -78,8 +79,14 @@ def test_a_linear_takes_the_best_form_its_tier_has_for_it():
     cpu = plan_linear(w, "cpu", torch.float32, AVX2, NATIVE)
     assert cpu.form == "int8dot-cpu" and cpu.route.dense_min_rows == GEMM_F32_MIN_ROWS and cpu.route.gemm == "fp32-gemm"
     fast = plan_linear(w, "cpu", torch.float32, BF16, NATIVE)
-    assert fast.route == fast.route.__class__(INT8DOT_DENSE_MIN_ROWS, "read-back", torch.bfloat16, INT8_GEMM_MIN_ROWS)
-    assert cpu.route.int8_min_rows == INT8_GEMM_MIN_ROWS  # 4-bit codes: the int8 GEMM from there, on both ISAs
+    assert fast.route == fast.route.__class__(INT8DOT_DENSE_MIN_ROWS, "read-back", torch.bfloat16,
+                                              INT8_GEMM_BLOCK32_MIN_ROWS)
+    # 4-bit codes: the int8 GEMM on both ISAs, from 32 rows in plain groups of 32 (Q4_0 / Q4_1: llama.cpp rounds
+    # their activations per 32 too), from 256 in the other forms (Q4_K's sub-scales, zero points, wider groups)
+    assert cpu.route.int8_min_rows == INT8_GEMM_BLOCK32_MIN_ROWS
+    for other in (replace(w, sub_scale=torch.ones_like(w.scale, dtype=torch.uint8)),
+                  replace(w, min=None, zero=torch.zeros_like(w.scale, dtype=torch.uint8)), q4(64, k=128, group=64)):
+        assert plan_linear(other, "cpu", torch.float32, BF16, NATIVE).route.int8_min_rows == INT8_GEMM_MIN_ROWS
     wide = plan_linear(q8(64), "cpu", torch.float32, BF16, NATIVE)  # 8-bit codes: never (maddubs would saturate)
     assert wide.route == wide.route.__class__(INT8DOT_DENSE_MIN_ROWS, "read-back", torch.bfloat16)
     amx = replace(BF16, amx_bf16=True)  # AMX: the bf16 GEMM on tiles, faster there

@@ -161,7 +161,7 @@ class Int8DotCpu:
             from kvcli.model.weight_plan import int8dot_route
             from kvcli.native.capabilities import capabilities
 
-            route = int8dot_route(capabilities(), four_bit=weight.kind == "q4")
+            route = int8dot_route(capabilities(), weight=weight)
         self.dense_dtype = route.dense_dtype
         # From dense_min_rows rows a float GEMM (None: the integer kernel at every row count): a fused one
         # (fp32, or bf16 on AMX tiles) where the route says, else (or where it is refused) a read-back + torch's.

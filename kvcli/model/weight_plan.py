@@ -76,10 +76,17 @@ INT8DOT_AMX_MIN_ELEMS = 9216
 # in blocks holding an outlier: cpu_int8dot.c), where the float GEMMs above ran: on the 1B shape's linears at 256-512
 # rows 0.72-0.87x the bf16 read-back's time on AVX-512-VNNI and 0.74-0.86x the fused fp32 GEMM's on the AVX2 build,
 # 0.39-0.76x from 32 to 64 rows (AMD EPYC, 2026-12-06; python -m kvcli.bench int8-gemm-1b, int8-gemm-1b-avx2).
-# Not lower: from 32 rows the Q4_K variant of tests/conformance went past its bound against llama.cpp (5.2e-2 vs
-# the exact model's 4.2e-2 + 1e-3, 2026-12-06: llama.cpp rounds Q4_K's activations per 256, not per 32), the
-# same reason the float GEMMs start at 256 where bf16 runs.
+# Not lower in general: from 32 rows the Q4_K variant of tests/conformance went past its bound against llama.cpp
+# (5.2e-2 vs the exact model's 4.2e-2 + 1e-3, 2026-12-06: llama.cpp rounds Q4_K's activations per 256, not per 32),
+# the same reason the float GEMMs start at 256 where bf16 runs.
 INT8_GEMM_MIN_ROWS = 256
+# ... but from 32 rows for 4-bit codes with one scale (and min) per group of 32, no sub-scales or zero points (the
+# Q4_0 / Q4_1 forms, kvcli's own int4): llama.cpp rounds these forms' activations to one int8 level per 32 itself
+# (Q8_0 / Q8_1), as kvq_gemm_i8 does outside outlier blocks, and with the int8 GEMM from 32 rows the Q4_0 / Q4_1
+# variants came closer to llama.cpp, not farther (2.45e-2 / 2.47e-2 against the exact model's 2.98e-2 / 3.15e-2,
+# 2026-12-06). Where batched decode steps of 32-64 rows run (the 64-request trace), that is 0.39-0.76x the time of
+# the float GEMMs above (the tables named above). Not lower: the fp32 GEMM's own threshold on AVX2.
+INT8_GEMM_BLOCK32_MIN_ROWS = 32
 INT4_DENSE_MIN_ROWS = 256  # torch's int4 kernel: from about here on a read-back + GEMM beats it (both ISAs)
 TRITON_INT8_GROUPS = (16, 32, 64, 128)
 
@@ -244,14 +251,26 @@ def int8dot_takes(weight: QuantTensor, rows: int | None = None) -> bool:
     return n % 8 == 0 and k % 32 == 0 and k % g == 0 and groups_ok
 
 
-def int8dot_route(caps: CpuCapabilities, row_invariant: bool = False, four_bit: bool = False) -> RowRoute:
-    """The row route of an int8dot-cpu weight; `four_bit`: its codes are 4-bit (what kvq_gemm_i8 takes)."""
+def int8_gemm_min_rows(weight: QuantTensor) -> int | None:
+    """From how many rows kvq_gemm_i8 may take this weight on a CPU without AMX (None: never; it takes 4-bit codes
+    only): INT8_GEMM_BLOCK32_MIN_ROWS for the forms llama.cpp itself multiplies with activations rounded per 32,
+    INT8_GEMM_MIN_ROWS for the others (see both)."""
+    if weight.kind != "q4":
+        return None
+    per_32 = weight.group_size == 32 and weight.sub_scale is None and weight.sub_min is None and weight.zero is None
+    return INT8_GEMM_BLOCK32_MIN_ROWS if per_32 else INT8_GEMM_MIN_ROWS
+
+
+def int8dot_route(caps: CpuCapabilities, row_invariant: bool = False, weight: QuantTensor | None = None) -> RowRoute:
+    """The row route of an int8dot-cpu weight (without `weight`: never the int8 GEMM, as for the vocabulary
+    table)."""
     if row_invariant:
         return ONE_ROUTE
     dense_dtype = torch.bfloat16 if caps.native_bf16 else torch.float32
     if caps.amx_bf16:  # the read-back's numbers, on AMX tiles without the read-back (a read-back where refused)
         return RowRoute(INT8DOT_DENSE_MIN_ROWS, "amx-bf16-gemm", torch.bfloat16)
-    int8 = INT8_GEMM_MIN_ROWS if four_bit and caps.build_isa in ("avx2", "avx512vnni") else None
+    int8_ok = weight is not None and caps.build_isa in ("avx2", "avx512vnni")
+    int8 = int8_gemm_min_rows(weight) if int8_ok else None
     if caps.fp32_gemm_preferred:
         return RowRoute(GEMM_F32_MIN_ROWS, "fp32-gemm", dense_dtype, int8)
     return RowRoute(INT8DOT_DENSE_MIN_ROWS, "read-back", dense_dtype, int8)
@@ -311,7 +330,7 @@ def plan_linear(weight: QuantTensor | Bnb4bitWeight | torch.Tensor, tier: str, d
     n = rows or weight.shape[0]
     if tier == "cpu":
         if native.int8dot and int8dot_takes(weight, n):
-            return mk("int8dot-cpu", int8dot_route(caps, row_invariant, weight.kind == "q4"))
+            return mk("int8dot-cpu", int8dot_route(caps, row_invariant, weight))
         tier = "int4-cpu"
     if tier == "int4-cpu":
         if weight.kind != "q4":
