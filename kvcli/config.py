@@ -77,12 +77,17 @@ class ModelConfig:
         return sum(per_layer * (min(tokens, self.layer_window(i) or tokens) if windowed else tokens)
                    for i in range(self.num_layers))
 
-    def num_params(self) -> int:
-        h, i, L = self.hidden_size, self.intermediate_size, self.num_layers
+    def layer_linear_macs(self) -> int:
+        """Multiply-adds of every layer's linears for one token (q, k, v, o, gate, up, down; the vocabulary
+        projection and attention's own products not included)."""
+        h = self.hidden_size
         qkv = h * (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
-        per_layer = qkv + self.num_heads * self.head_dim * h + 3 * h * i + 2 * h
+        return self.num_layers * (qkv + self.num_heads * self.head_dim * h + 3 * h * self.intermediate_size)
+
+    def num_params(self) -> int:
+        h, L = self.hidden_size, self.num_layers
         emb = self.vocab_size * h
-        return L * per_layer + emb * (1 if self.tie_word_embeddings else 2) + h
+        return self.layer_linear_macs() + L * 2 * h + emb * (1 if self.tie_word_embeddings else 2) + h
 
     @staticmethod
     def from_hf_dict(cfg: dict, name: str = "model") -> "ModelConfig":

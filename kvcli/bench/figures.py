@@ -47,6 +47,9 @@ FIGURES: dict[str, Figure] = {f.name: f for f in [
            ("--workload", "alpaca", "--num-requests", "64"), AVX2_ENV),
     Figure("throughput-1b", "throughput:main", "the 64-request trace on the random-weight 1B shape (Q4_0): kvcli vs "
            "llama.cpp with 16 parallel sequences", ("--shape", "1b", "--workload", "alpaca", "--num-requests", "64")),
+    Figure("throughput-1b-noamx", "throughput:main", "the throughput-1b figure on AVX-512 without AMX (kvcli's AMX "
+           "paths and oneDNN's held off; on a CPU without AMX, the plain run)",
+           ("--shape", "1b", "--workload", "alpaca", "--num-requests", "64"), NOAMX_ENV, in_make_figures=False),
     Figure("throughput-1b-avx2", "throughput:main", "the throughput-1b figure held to AVX2 (torch, kvcli's C kernels, "
            "llama.cpp's AVX2 build)", ("--shape", "1b", "--workload", "alpaca", "--num-requests", "64"), AVX2_ENV,
            in_make_figures=False),
@@ -162,6 +165,14 @@ FIGURES: dict[str, Figure] = {f.name: f for f in [
            "(kvcli only) at 54ea48f (bf16 read-back for 256+-row chunks) and in this tree (the int8 GEMM), interleaved",
            ("--before", "54ea48f", "cpu", "--rounds", "3", "--", "--engines", "kvcli", "--repeats", "1"),
            in_make_figures=False),
+    # The int8 GEMM from 32 rows for Q4_0 / Q4_1 forms (issue #30, the 64-request trace): 6c55b77 is the tree before.
+    Figure("ab-int8-rows", "ab:main", "before/after: the bundled model's 64-request trace (kvcli only) at 6c55b77 "
+           "(batched decode steps of 32-255 rows in the two-level kernel) and in this tree (the int8 GEMM), interleaved",
+           ("--before", "6c55b77", "throughput", "--rounds", "3", "--", "--workload", "alpaca", "--num-requests", "64",
+            "--llama-cpp", "none", "--compare", "none"), in_make_figures=False),
+    Figure("ab-int8-rows-1b", "ab:main", "the ab-int8-rows comparison on the random-weight 1B shape (Q4_0)",
+           ("--before", "6c55b77", "throughput", "--rounds", "2", "--", "--shape", "1b", "--workload", "alpaca",
+            "--num-requests", "64", "--llama-cpp", "none", "--compare", "none"), in_make_figures=False),
     # Query groups in the C decode kernel (issue #30, item 4): c5dfea2 is the tree before them.
     Figure("ab-verify-step", "ab:main", "before/after: the verify-step figure at c5dfea2 (a verification's rows read "
            "the KV once each) and in this tree (once per request), interleaved",

@@ -89,14 +89,24 @@ def matrix_peak(n: int = 2048, passes: int = 5) -> tuple[float, str]:
             a @ b
             best = min(best, time.perf_counter() - t)
         out.append((n**3 / best, f"torch {str(dtype)[6:]} GEMM {n}^3"))
-    lib = _probe()
-    if lib is not None:
-        from kvcli_kernels.cpu_probe import int8_peak_instruction, int8_peak_pass
-
-        runs = [int8_peak_pass(lib, 1 << 22, torch.get_num_threads()) for _ in range(passes)]
-        out.append((max(macs / seconds for seconds, macs, _ in runs),
-                    f"int8 {int8_peak_instruction(lib)} on registers"))
+    int8 = int8_peak(passes)
+    if int8 is not None:
+        out.append(int8)
     return max(out)
+
+
+def int8_peak(passes: int = 5) -> tuple[float, str] | None:
+    """(multiply-adds per second, what) of the int8 dot-product instruction kvcli's kernels issue, on registers on
+    every thread (kernels/cpu_probe.c); None where the probe is not built."""
+    import torch
+
+    lib = _probe()
+    if lib is None:
+        return None
+    from kvcli_kernels.cpu_probe import int8_peak_instruction, int8_peak_pass
+
+    runs = [int8_peak_pass(lib, 1 << 22, torch.get_num_threads()) for _ in range(passes)]
+    return max(macs / seconds for seconds, macs, _ in runs), f"int8 {int8_peak_instruction(lib)} on registers"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,9 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     file_bytes = path.stat().st_size
     weights = {"kvcli": kv.weight_bytes(), "llama.cpp": file_bytes}
     kv_token = {"kvcli": config.kv_bytes_per_token(kv.kv_dtype), "llama.cpp": config.kv_bytes_per_token("fp16")}
-    macs = config.num_layers * (2 * config.hidden_size * config.num_heads * config.head_dim
-                                + 2 * config.hidden_size * config.num_kv_heads * config.head_dim
-                                + 3 * config.hidden_size * config.intermediate_size)
+    macs = config.layer_linear_macs()
     print(busy_note(load_before, load1()))
     print(f"model: random-weight {a.shape} llama shape, {a.kind} ({path.name}, {file_bytes / GIB:.2f} GiB; hidden "
           f"{config.hidden_size}, {config.num_layers} layers, ffn {config.intermediate_size}, heads "

@@ -5,6 +5,12 @@ the C-token context cached (C a multiple of the block size), then a request of t
 whose first step computes exactly those n rows and samples one token (a verification step of 1 + k rows is
 such a step, n = 1 + k). The wall time of that engine step (scheduler, model, sampler) is taken for each n in
 turn within a round, --rounds rounds, medians; printed as ms and as the ratio to the 1-row step.
+
+The last column is the floor the arithmetic sets: the 1-row step plus, for each further row, its linears' and
+vocabulary projection's multiply-adds x 2 (kvcli's integer loop takes two int8 levels of every activation, so that
+a verification row is plain decode's row bit for bit) at the int8 dot-product instruction's peak, measured on
+registers in the same run (kernels/cpu_probe.c). A step cannot be cheaper than that with these numerics on this
+CPU, whatever the rest of it costs.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import statistics
 import time
 
 from kvcli.bench.harness import busy_note, load1, sample_text
+from kvcli.bench.roofline import int8_peak
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,14 +67,23 @@ def main(argv: list[str] | None = None) -> int:
                 samples.setdefault((c, n), []).append(step_ms(c, n, r + 1))
     print(busy_note(load_before, load1()))
     print(f"bundled SmolLM2-135M Q4_1, {eng.linear_mode} weights, {eng.kv_dtype.name} KV, batch 1; median of "
-          f"{a.rounds} rounds\n")
-    print("| context | query rows | step ms | vs 1 row |")
-    print("|---:|---:|---:|---:|")
+          f"{a.rounds} rounds")
+    cfg = eng.config
+    row_macs = cfg.layer_linear_macs() + cfg.vocab_size * cfg.hidden_size
+    peak = int8_peak() if eng.linear_mode == "int8dot-cpu" else None
+    row_floor_ms = None if peak is None else 2 * row_macs / peak[0] * 1e3
+    if row_floor_ms is not None:
+        print(f"a row's multiply-adds: {row_macs / 1e6:.1f} M, two int8 products each; {peak[1]}: "
+              f"{peak[0] / 1e12:.3f} TMAC/s on every thread, so at least {row_floor_ms:.2f} ms a row")
+    print()
+    print("| context | query rows | step ms | vs 1 row | floor vs 1 row |")
+    print("|---:|---:|---:|---:|---:|")
     for c in contexts:
         base = statistics.median(samples[(c, rows[0])])
         for n in rows:
             ms = statistics.median(samples[(c, n)])
-            print(f"| {c} | {n} | {ms:.2f} | {ms / base:.2f}x |")
+            floor = "n/a" if row_floor_ms is None else f"{1 + (n - rows[0]) * row_floor_ms / base:.2f}x"
+            print(f"| {c} | {n} | {ms:.2f} | {ms / base:.2f}x | {floor} |")
     for c in contexts:
         if 6 in rows and 1 in rows:
             r = statistics.median(samples[(c, 6)]) / statistics.median(samples[(c, 1)])
