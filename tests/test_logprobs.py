@@ -20,8 +20,7 @@ def run(engine, prompt, params, logprobs):
     return req, outs
 
 
-def test_logprobs_match_teacher_forcing(int4_llm):
-    e = int4_llm.engine
+def _check_against_teacher_forcing(e, abs_tol: float) -> None:
     req, outs = run(e, PROMPT, SamplingParams(max_tokens=12, ignore_eos=True), 3)
     assert len(outs) == 12 and all(o.logprobs is not None for o in outs)
     for o in outs:
@@ -31,10 +30,26 @@ def test_logprobs_match_teacher_forcing(int4_llm):
         assert [lp for _, lp in o.logprobs.top] == sorted((lp for _, lp in o.logprobs.top), reverse=True)
     nll = e.score(req.prompt_token_ids + req.output_token_ids, first_scored=req.num_prompt_tokens)
     got = [o.logprobs.logprob for o in outs]
-    assert got == pytest.approx([-float(x) for x in nll], abs=2e-2)
+    assert got == pytest.approx([-float(x) for x in nll], abs=abs_tol)
     # a request that did not ask has none
     _, plain = run(e, PROMPT, SamplingParams(max_tokens=3), None)
     assert all(o.logprobs is None for o in plain)
+
+
+def test_logprobs_match_teacher_forcing():
+    """Row-invariant, a decoded token's log probability is its teacher-forced score (the same rows' numbers)."""
+    from kvcli.llm import LLM
+
+    _check_against_teacher_forcing(LLM(max_num_batched_tokens=512, kv_budget="64MiB",
+                                       attention_backend="invariant").engine, 1e-4)
+
+
+def test_logprobs_match_teacher_forcing_on_the_default_path(int4_llm):
+    """On the default path score()'s prefill rows may take another matmul than decode's single rows: on CPUs
+    without AMX 32+ rows of Q4_0 / Q4_1 codes take the int8 GEMM's one activation level (weight_plan.py), decode
+    rows the kernel's two; up to 0.07 nats apart on the bundled model (2026-12-06), so the bound is 0.15: a
+    token's logprob reported for another row or position is off by far more."""
+    _check_against_teacher_forcing(int4_llm.engine, 0.15)
 
 
 def test_logprobs_with_speculation(int4_llm):
