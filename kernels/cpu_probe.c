@@ -2,9 +2,9 @@
  * kvcli/bench/roofline.py, times these calls and divides):
  *
  *   kvp_read       read bandwidth: every thread streams its contiguous share of a buffer with vector loads into
- *                  eight independent accumulators, as a decode step streams its weight panels. torch's sum over
- *                  a large tensor, used before, measured 30-52 GB/s on the same AMD EPYC between runs (its
- *                  reduction's own arithmetic and thread setup in the loop), and kvcli's decode read 106 % of it.
+ *                  eight independent accumulators, as a decode step streams its weight panels (torch's sum over
+ *                  a large tensor, used before, is not that loop; on the AMD EPYC VM both move together with the
+ *                  machine's bandwidth phases, which is why the roofline measures every round).
  *   kvp_int8_peak  the integer dot-product instruction kvcli's int8 GEMM issues, on registers only (no memory):
  *                  512-bit vpdpbusd on AVX-512-VNNI (64 multiply-adds each), 256-bit vpmaddubsw on AVX2 (32, the
  *                  16-bit sums added as the GEMM adds them); twelve independent chains hide the latency.

@@ -212,11 +212,15 @@ def test_kv_cache_rotates_only_the_keys_of_the_named_blocks(kv_dtype, tol):
 
 
 # --- the bundled model ---------------------------------------------------------------------------------
+def _bundled(**opts):
+    loaded = load_weights(None)
+    engine = LLMEngine(loaded, EngineOptions(kv_budget="64MiB", max_model_len=2048, **opts))
+    return loaded, engine.model
+
+
 @pytest.fixture(scope="module")
 def loaded_model():
-    loaded = load_weights(None)
-    engine = LLMEngine(loaded, EngineOptions(kv_budget="64MiB", max_model_len=2048))
-    return loaded, engine.model
+    return _bundled()
 
 
 def engine_for(loaded_model, **opts) -> LLMEngine:
@@ -261,9 +265,7 @@ def invariant_model():
     """The bundled model planned row-invariant (one kernel at every row count): a token's K/V then do not depend on
     how many rows its step had (prefill chunks of 32+ rows otherwise take the int8 GEMM's one activation level on
     CPUs without AMX, decode rows the kernel's two)."""
-    loaded = load_weights(None)
-    engine = LLMEngine(loaded, EngineOptions(kv_budget="64MiB", max_model_len=2048, attention_backend="invariant"))
-    return loaded, engine.model
+    return _bundled(attention_backend="invariant")
 
 
 @pytest.mark.parametrize(("kv_dtype", "tol"), [("fp32", 1e-4), ("int8", 6e-2)])
@@ -271,8 +273,7 @@ def test_kept_keys_equal_keys_recomputed_at_compact_positions(invariant_model, t
     """Layer 0's K/V depend only on the token and its position: after drops (and their re-rotations), the kept
     keys must be those of the kept tokens computed from scratch at their compact positions."""
     ids = text_ids[:330]
-    loaded_model = invariant_model
-    w = engine_for(loaded_model, kv_window=100, kv_dtype=kv_dtype, attention_backend="invariant")
+    w = engine_for(invariant_model, kv_window=100, kv_dtype=kv_dtype, attention_backend="invariant")
     req = w.add_request(ids, SamplingParams(max_tokens=50, ignore_eos=True))
     run_until_prefilled(w, req)
     for _ in range(20):
@@ -282,7 +283,7 @@ def test_kept_keys_equal_keys_recomputed_at_compact_positions(invariant_model, t
     assert d >= 200 and held <= w.retention.max_slots
     kept = req.all_token_ids[:16] + req.all_token_ids[16 + d:req.num_computed_tokens]
     assert len(kept) == held
-    p = engine_for(loaded_model, kv_dtype=kv_dtype, attention_backend="invariant")
+    p = engine_for(invariant_model, kv_dtype=kv_dtype, attention_backend="invariant")
     ref = p.add_request(kept, SamplingParams(max_tokens=5, ignore_eos=True))
     run_until_prefilled(p, ref)
     (wk, wv), (pk, pv) = layer_cache(w, req.req_id, held), layer_cache(p, ref.req_id, held)
