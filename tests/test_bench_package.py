@@ -209,3 +209,19 @@ def test_the_llama_cpp_worker_imports_llama_cpp_not_its_neighbour():
     assert p.returncode == 0, p.stderr[-1500:]
     rows = json.loads(p.stdout.strip().splitlines()[-1])["batch1"]
     assert rows[0]["context"] == 8 and rows[0]["decode_tok_s"] > 0
+
+
+def test_conformance_margins_table_reads_what_the_suite_recorded() -> None:
+    """The conformance-margins figure prints the suite's own measurements: a compared variant's error, bound and
+    margin (bound - error), the quantized routes where recorded, a refusal as the outcome."""
+    from kvcli.bench.conformance import table
+
+    rows = [{"variant": "q4_0", "weights": "Q4_0", "outcome": "compared", "error": 0.0245, "bound": 0.0308,
+             "exact": 0.0298, "invariant": 0.0297, "greedy_same": True},
+            {"variant": "plain", "weights": "F32", "outcome": "compared", "error": 2e-6, "bound": 1e-3,
+             "greedy_same": False},
+            {"variant": "odd", "weights": "F32", "outcome": "refused by kvcli", "why": "unknown key x"}]
+    lines = table(rows)
+    assert lines[2] == "| q4_0 | Q4_0 | 2.45e-02 | 3.08e-02 | 6.30e-03 | 2.97e-02 | 2.98e-02 | yes |"
+    assert lines[3] == "| plain | F32 | 2.00e-06 | 1.00e-03 | 9.98e-04 | — | — | no |"
+    assert lines[4].startswith("| odd | F32 | refused by kvcli: unknown key x |")

@@ -113,6 +113,8 @@ FIGURES: dict[str, Figure] = {f.name: f for f in [
            in_make_figures=False),
     Figure("serve", "serve:main", "kvcli serve against the in-process engine, and kvcli watch's cost",
            ("--threads", "1", "--rounds", "3"), in_make_figures=False),
+    Figure("conformance-margins", "conformance:main", "the GGUF conformance suite's measured errors against "
+           "llama.cpp beside the bounds it asserts, per variant file (~1 min)", in_make_figures=False),
     Figure("lm-eval", "lm_eval_check:main", "lm-eval's local-completions on kvcli serve against its hf backend, "
            "per-item log-likelihoods (lm-eval from its own venv)", in_make_figures=False),
     Figure("serve-vs-llama-server", "serve_vs_llama:main", "kvcli serve beside llama.cpp's llama-server",

@@ -9,6 +9,9 @@ exactly may instead be refused in one line: never a silently different model."""
 
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
 
 from engines import LlamaCppError, kvcli_logits, relative_error, run_llama_cpp
@@ -48,6 +51,15 @@ def _ids(v: Variant) -> str:
     return v.name
 
 
+def record(variant: Variant, **fields) -> None:
+    """Where KVCLI_CONFORMANCE_MARGINS names a file (the conformance-margins figure, kvcli/bench/conformance.py),
+    one JSON line per variant with what the test measured: the suite itself asserts and prints nothing."""
+    path = os.environ.get("KVCLI_CONFORMANCE_MARGINS")
+    if path:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"variant": variant.name, "weights": variant.weights, **fields}) + "\n")
+
+
 @pytest.mark.parametrize("variant", VARIANTS, ids=_ids)
 def test_variant_matches_llama_cpp(variant: Variant, llama_cpp, tokens, tmp_path):
     from kvcli.model.gguf_loader import GGUFError
@@ -64,20 +76,28 @@ def test_variant_matches_llama_cpp(variant: Variant, llama_cpp, tokens, tmp_path
         with pytest.raises((GGUFError, ModelLoadError)) as info:  # kvcli must not load what llama.cpp refuses
             kvcli_logits(path, tokens)
         assert "\n" not in str(info.value) and str(info.value)
+        record(variant, outcome="refused by both")
         return
     assert not variant.refused, f"llama.cpp loads {variant.name}, which the suite expects it to refuse"
     try:
         got, gen = kvcli_logits(path, tokens, greedy=GREEDY)
     except (GGUFError, ModelLoadError) as e:  # refused in one line: allowed, never a different model
         assert "\n" not in str(e) and str(e), e
+        record(variant, outcome="refused by kvcli", why=str(e))
         pytest.skip(f"kvcli refuses {variant.name} in one line: {e}")
     err = relative_error(got, want)
+    same = gen == ref["greedy"]
     if variant.weights == "F32":
+        record(variant, outcome="compared", error=err, bound=F32_TOLERANCE, greedy_same=same)
         assert err < F32_TOLERANCE, f"{variant.name} ({variant.note}): logits {err:.2e} relative from llama.cpp's"
-        assert gen == ref["greedy"], f"{variant.name}: greedy tokens differ: kvcli {gen} llama.cpp {ref['greedy']}"
+        assert same, f"{variant.name}: greedy tokens differ: kvcli {gen} llama.cpp {ref['greedy']}"
         return
     exact, _ = kvcli_logits(path, tokens, dequantize=True)
     floor = relative_error(exact, want)  # llama.cpp's activation rounding, as far as the exact model sees it
+    if os.environ.get("KVCLI_CONFORMANCE_MARGINS"):  # the figure also shows the one-kernel-at-every-row-count route
+        invariant, _ = kvcli_logits(path, tokens, attention_backend="invariant")
+        record(variant, outcome="compared", error=err, bound=floor + 1e-3, exact=floor,
+               invariant=relative_error(invariant, want), greedy_same=same)
     assert floor < QUANT_TOLERANCE, f"{variant.name}: the dequantized model is {floor:.2e} from llama.cpp"
     assert err <= floor + 1e-3, (f"{variant.name} ({variant.note}): kvcli's integer path is {err:.2e} from "
                                  f"llama.cpp, the exactly dequantized model {floor:.2e}")
