@@ -225,3 +225,12 @@ def test_conformance_margins_table_reads_what_the_suite_recorded() -> None:
     assert lines[2] == "| q4_0 | Q4_0 | 2.45e-02 | 3.08e-02 | 6.30e-03 | 2.97e-02 | 2.98e-02 | yes |"
     assert lines[3] == "| plain | F32 | 2.00e-06 | 1.00e-03 | 9.98e-04 | — | — | no |"
     assert lines[4].startswith("| odd | F32 | refused by kvcli: unknown key x |")
+
+
+def test_header_command_reproduces_the_figure() -> None:
+    """A figure's header names the command that reproduces it: its name and the caller's arguments; the figure's
+    own arguments are named apart (in the command they would be passed twice: `kvcli continue continue ...`)."""
+    assert harness.command_line("decode", ["--repeats", "1"]) == "python -m kvcli.bench decode --repeats 1"
+    line = harness.command_line("continue", [], FIGURES["continue"].args)
+    assert line.startswith("python -m kvcli.bench continue  (the figure's own arguments, first: continue ")
+    assert "kvcli.bench continue continue" not in line

@@ -45,7 +45,7 @@ def merge_args(own: tuple[str, ...], argv: list[str]) -> list[str]:
 def run_figure(fig: Figure, argv: list[str]) -> int:
     """Print the header, then run the figure in this process (the environment is already the figure's)."""
     args = merge_args(fig.args, argv)
-    header(fig.name, args)
+    header(fig.name, argv, own=fig.args)
     if fig.entry.startswith("script:"):
         cmd = shlex.split(fig.entry[len("script:"):]) + argv
         return subprocess.run(cmd, cwd=REPO).returncode

@@ -143,8 +143,11 @@ def load_average() -> str:
         return "n/a"
 
 
-def command_line(figure: str, argv: Sequence[str]) -> str:
-    return "python -m kvcli.bench " + shlex.join([figure, *argv])
+def command_line(figure: str, argv: Sequence[str], own: Sequence[str] = ()) -> str:
+    """The command that reproduces the figure: its name and the caller's arguments (the figure adds its own, which
+    are named after it, not repeated in it: `python -m kvcli.bench continue continue ...` would pass them twice)."""
+    line = "python -m kvcli.bench " + shlex.join([figure, *argv])
+    return line + (f"  (the figure's own arguments, first: {shlex.join(own)})" if own else "")
 
 
 def machine() -> str:
@@ -158,13 +161,14 @@ def machine() -> str:
         return f"machine: {m.cpu_name()}, {m.cpu_isa()}, {os.cpu_count()} cores (machine line failed: {exc!r})"
 
 
-def header(figure: str, argv: Sequence[str], out=None) -> None:
-    """What every figure prints first: its name and the date, the machine line, the load, the command."""
+def header(figure: str, argv: Sequence[str], out=None, own: Sequence[str] = ()) -> None:
+    """What every figure prints first: its name and the date, the machine line, the load, the command (`argv`: the
+    caller's arguments, `own`: those the figure adds before them)."""
     out = out or sys.stdout
     print(f"# {figure} — {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC", file=out)
     print(machine(), file=out)
     print(f"load average: {load_average()}", file=out)
-    print(f"command: {command_line(figure, argv)}", file=out)
+    print(f"command: {command_line(figure, argv, own)}", file=out)
     print(file=out, flush=True)
 
 
