@@ -154,6 +154,10 @@ FIGURES: dict[str, Figure] = {f.name: f for f in [
     Figure("ab-decode-attention", "ab:main", "before/after: the bundled model's decode figure at 3d0a14d (before the "
            "AVX-512 attention paths and the heap policy) and in this tree, interleaved",
            ("--before", "3d0a14d", "decode", "--rounds", "3"), in_make_figures=False),
+    # Whether the bundled model's batch-1 decode moved since 2026-12-03 (a57316f: the oldest tree that runs beside
+    # Hugging Face's `kernels` package in the venv), or only this VM's phase (the cpu figure re-taken 2026-12-06).
+    Figure("ab-decode-1203", "ab:main", "before/after: the bundled model's decode figure at a57316f (2026-12-03) and "
+           "in this tree, interleaved", ("--before", "a57316f", "decode", "--rounds", "3"), in_make_figures=False),
     # The AVX2 decode attention's register-resident form (issue #30, 2026-12-06): 6da4b92 is the tree before it.
     Figure("ab-attention-avx2", "ab:main", "before/after: the AVX2 64-request trace on the bundled model (kvcli "
            "only) at 6da4b92 (before the 8-lane register-resident decode attention) and in this tree, interleaved",
