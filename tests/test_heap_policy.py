@@ -48,4 +48,7 @@ def test_step_sized_buffers_are_reused_not_faulted_in_again():
     pages = 8 * (56 << 20) // 4096  # what 8 steps' buffers fault in when every one is fresh
     off, on = _faults("off"), _faults("on")
     assert off > pages // 2, f"glibc's default policy faulted {off} of {pages} pages: the test measures nothing"
-    assert on < pages // 5, f"{on} page faults with the policy on (of {pages}; {off} without)"
+    # With the policy on, 8 steps still fault 12-21 % of those pages (13,312-24,576 of 114,688 in runs of
+    # 2026-12-06 on a 2-core AMD EPYC VM; one fresh-clone CI run crossed the 1/5 this bound had): a quarter still
+    # fails a policy that is off (~100 %) or half-working.
+    assert on < pages // 4, f"{on} page faults with the policy on (of {pages}; {off} without)"
