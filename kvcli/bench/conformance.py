@@ -27,10 +27,8 @@ from kvcli.bench.llama_cpp_runner import python_for
 TEST = "tests/conformance/test_llama_cpp.py"
 
 
-def _llama_build() -> str:
-    py = python_for("native")
-    if py is None:
-        return ""
+def _llama_build(py) -> str:
+    """llama-cpp-python's version and its build's features, from the conformance venv's python `py`."""
     code = "import llama_cpp as L; print(L.__version__, '|', L.llama_print_system_info().decode())"
     out = subprocess.run([str(py), "-c", code], capture_output=True, text=True, timeout=120)
     return out.stdout.strip()
@@ -61,7 +59,8 @@ def main(argv: list[str]) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variants", default="", help="comma-separated variant names (default: every one)")
     args = ap.parse_args(argv)
-    if python_for("native") is None:
+    py = python_for("native")  # (it imports llama_cpp in that venv to check it: once)
+    if py is None:
         print("llama.cpp's conformance build is missing: run `bash scripts/build_llama_cpp_python.sh` "
               "(make test builds it)", file=sys.stderr)
         return 1
@@ -76,7 +75,7 @@ def main(argv: list[str]) -> int:
         with open(record, encoding="utf-8") as f:
             rows = [json.loads(line) for line in f if line.strip()]
     summary = next((ln for ln in reversed(p.stdout.splitlines()) if ln.strip()), "")
-    print(f"llama.cpp: llama-cpp-python {_llama_build()}")
+    print(f"llama.cpp: llama-cpp-python {_llama_build(py)}")
     print(f"suite: pytest {' '.join(t.removeprefix(TEST) or TEST for t in targets)} -> {summary.strip('= ')}")
     print()
     print("\n".join(table(rows)))
