@@ -46,7 +46,12 @@
 #endif
 #endif
 
-enum { DT_F32 = 0, DT_F16 = 1, DT_BF16 = 2, DT_I8 = 3, DT_FP8 = 4 };
+/* KV dtype codes (kvcli_kernels/kv_formats.py); macros, not an enum: KVA_DTYPES below is tested by #if */
+#define DT_F32 0
+#define DT_F16 1
+#define DT_BF16 2
+#define DT_I8 3
+#define DT_FP8 4
 
 #define TILE 32       /* keys per tile (fewer at block ends); a multiple of 8 */
 #define MAX_D 256     /* head_dim limit of the stack buffers (the launcher falls back above) */
@@ -637,23 +642,85 @@ static inline __attribute__((always_inline)) void span_tiles(const kva_args *a, 
 #endif
 
 /* One work item: queries r .. r + nq - 1 of table row req, KV head h, keys [t0, t1). The dtype is a constant
- * in each case, so each is its own loop. */
-static void run_span(const kva_args *a, int64_t r, int64_t nq, int64_t req, int64_t h, int64_t t0, int64_t t1,
-                     float *acc, float *m, float *l) {
+ * in each span_<dtype>, so each is its own loop, and its own function (one function holding all five took the
+ * compiler twice as long). Each loop is also about a second of a machine's first compile, so a build holds the
+ * dtypes in KVA_DTYPES (bit 1 << DT_x): the library kvcli loads holds fp16's, the CPU default, and any other
+ * dtype is built on first need as a library of its own (-DKVA_DTYPES=1 << DT_x) whose loop this one calls
+ * through kva_add_dtype (kvcli_kernels/cpu_attention.py, with_dtype). Same source, flags and structs. */
+#ifndef KVA_DTYPES
+#define KVA_DTYPES (1 << DT_F16)
+#endif
+typedef void (*kva_span_fn)(const kva_args *a, int64_t r, int64_t nq, int64_t req, int64_t h, int64_t t0, int64_t t1,
+                            float *acc, float *m, float *l);
 #ifdef KVA_AVX2
 #define KVA_SPAN(DT) span_tiles(a, DT, r, nq, req, h, t0, t1, acc, m, l)
 #else
 #define KVA_SPAN(DT) span(a, DT, r, nq, req, h, t0, t1, acc, m, l)
 #endif
-    switch (a->c->dtype) {
-    case DT_F32: KVA_SPAN(DT_F32); break;
-    case DT_F16: KVA_SPAN(DT_F16); break;
-    case DT_BF16: KVA_SPAN(DT_BF16); break;
-    case DT_I8: KVA_SPAN(DT_I8); break;
-    default: KVA_SPAN(DT_FP8);
+#define KVA_SPAN_FN(NAME, DT)                                                                                   \
+    static __attribute__((noinline)) void NAME(const kva_args *a, int64_t r, int64_t nq, int64_t req, int64_t h, \
+                                               int64_t t0, int64_t t1, float *acc, float *m, float *l) {        \
+        KVA_SPAN(DT);                                                                                           \
     }
+#if KVA_DTYPES & (1 << DT_F32)
+KVA_SPAN_FN(span_f32, DT_F32)
+#define SPAN_F32 span_f32
+#else
+#define SPAN_F32 NULL
+#endif
+#if KVA_DTYPES & (1 << DT_F16)
+KVA_SPAN_FN(span_f16, DT_F16)
+#define SPAN_F16 span_f16
+#else
+#define SPAN_F16 NULL
+#endif
+#if KVA_DTYPES & (1 << DT_BF16)
+KVA_SPAN_FN(span_bf16, DT_BF16)
+#define SPAN_BF16 span_bf16
+#else
+#define SPAN_BF16 NULL
+#endif
+#if KVA_DTYPES & (1 << DT_I8)
+KVA_SPAN_FN(span_i8, DT_I8)
+#define SPAN_I8 span_i8
+#else
+#define SPAN_I8 NULL
+#endif
+#if KVA_DTYPES & (1 << DT_FP8)
+KVA_SPAN_FN(span_fp8, DT_FP8)
+#define SPAN_FP8 span_fp8
+#else
+#define SPAN_FP8 NULL
+#endif
+#undef KVA_SPAN_FN
 #undef KVA_SPAN
+
+#define N_DTYPES 5
+/* The loop per dtype this library runs: its own, and those added by kva_add_dtype (NULL: none yet). */
+static kva_span_fn spans[N_DTYPES] = {SPAN_F32, SPAN_F16, SPAN_BF16, SPAN_I8, SPAN_FP8};
+
+/* This build's own loop for dtype dt (NULL where KVA_DTYPES leaves it out), for another library's kva_add_dtype. */
+void *kva_span(int dt) { return dt >= 0 && dt < N_DTYPES && ((KVA_DTYPES >> dt) & 1) ? (void *)spans[dt] : NULL; }
+
+/* Runs dtype dt's caches through `fn` (kva_span of a build that holds it). Returns 0, or -2 for a bad argument. */
+int kva_add_dtype(int dt, void *fn) {
+    if (dt < 0 || dt >= N_DTYPES || !fn) return -2;
+    spans[dt] = (kva_span_fn)fn;
+    return 0;
 }
+
+/* The dtypes this library runs now (bit 1 << DT_x). */
+int kva_dtypes(void) {
+    int mask = 0;
+    for (int dt = 0; dt < N_DTYPES; dt++) mask |= spans[dt] ? 1 << dt : 0;
+    return mask;
+}
+
+static void run_span(const kva_args *a, int64_t r, int64_t nq, int64_t req, int64_t h, int64_t t0, int64_t t1,
+                     float *acc, float *m, float *l) {
+    spans[a->c->dtype](a, r, nq, req, h, t0, t1, acc, m, l); /* (kva_decode has checked it is there) */
+}
+
 /* Rows r .. r + nq - 1's outputs for KV head h from unnormalised acc [nq g][D] and sums l. */
 static void write_rows(const kva_args *a, int64_t r, int64_t nq, int64_t h, int64_t g, int64_t D, const float *acc,
                        const float *l) {
@@ -669,12 +736,13 @@ static void write_rows(const kva_args *a, int64_t r, int64_t nq, int64_t h, int6
 
 /* Decode attention for the step's requests over one layer's cache: q, out [tokens, heads, D] with row
  * strides q_row, out_row, on up to nthreads threads. Returns 0, -1 when out of memory, -2 for
- * unsupported shapes. */
+ * unsupported shapes, -4 for a KV dtype whose loop this library does not run (kva_add_dtype). */
 int kva_decode(const kva_step *st, const kva_cache *c, const float *q, int64_t q_row, float *out, int64_t out_row,
                int nthreads) {
     const kva_args args = {st, c, q, out, q_row, out_row, st->scale * c->unit}, *a = &args;
     const int64_t n = st->n, kvh = c->kv_heads, D = c->d;
     if (kvh <= 0 || st->heads % kvh || st->heads / kvh > MAX_G || D % 8 || D > MAX_D || D <= 0) return -2;
+    if (c->dtype < 0 || c->dtype >= N_DTYPES || !spans[c->dtype]) return -4;
     const int64_t g = st->heads / kvh;
     if (n == 0) return 0;
     /* per query: rows in its unit (0: covered by a group), first key, key count, spans, span length, first item */

@@ -3,7 +3,10 @@
 Built at first use by cpu_build.py; `load(isa, cache_dir)` returns None, with the reason in
 `load_error(isa)`, where there is no compiler or the build fails: callers keep torch's path.
 The kernel reads K/V through the block table in the cache's own dtype (fp32, fp16, bf16, int8 and fp8
-with per-token scales). A call has a per-step half (DecodeStep: requests, tables, lengths) and a
+with per-token scales). The loaded library holds fp16's loop (the CPU default); `run` (and
+`with_dtype`, for callers that reach kva_decode from C) builds another dtype's on its first cache, as a
+library of its own whose loop the first one calls: each dtype's loop is about a second of a machine's
+first compile, which a first load waits for. A call has a per-step half (DecodeStep: requests, tables, lengths) and a
 per-layer half (CacheView: the pool's tensors), each built once, so the per-layer `run` costs one
 ctypes call; `decode_attention` does all three for one-off calls (tests, benchmarks).
 """
@@ -53,8 +56,35 @@ def load(isa: str, cache_dir: str) -> ctypes.CDLL | None:
             return None
         lib.kva_decode.argtypes = [ctypes.POINTER(_Step), ctypes.POINTER(_Cache), _ptr, _i64, _ptr, _i64, _i32]
         lib.kva_decode.restype = ctypes.c_int
+        _declare_dtypes(lib)
+        lib._kva_build = (isa, cache_dir)
+        lib._kva_dtypes = {code for code in DTYPE_CODES.values() if lib.kva_dtypes() >> code & 1}
+        lib._kva_loops = []  # the libraries holding the dtypes' loops added since (kept loaded)
         lib._kva_declared = True
     return lib
+
+
+def _declare_dtypes(lib: ctypes.CDLL) -> None:
+    lib.kva_span.argtypes, lib.kva_span.restype = [_i32], _ptr
+    lib.kva_add_dtype.argtypes, lib.kva_add_dtype.restype = [_i32, _ptr], _i32
+    lib.kva_dtypes.argtypes, lib.kva_dtypes.restype = [], _i32
+
+
+def with_dtype(lib: ctypes.CDLL, code: int) -> bool:
+    """Whether `lib` (from load) runs caches of dtype `code` (DT_*), building that dtype's loop on first need
+    (its own library, -DKVA_DTYPES, linked into lib through kva_add_dtype). False where that build fails."""
+    if code in lib._kva_dtypes:
+        return True
+    isa, cache_dir = lib._kva_build
+    loop = build(_SOURCE, isa, cache_dir, (f"-DKVA_DTYPES={1 << code}",))
+    if loop is None:
+        return False
+    _declare_dtypes(loop)
+    if lib.kva_add_dtype(code, loop.kva_span(code)) != 0:
+        return False
+    lib._kva_loops.append(loop)
+    lib._kva_dtypes.add(code)
+    return True
 
 
 def load_error(isa: str) -> str | None:
@@ -105,6 +135,7 @@ class CacheView:
                  v_scale: torch.Tensor | None = None) -> None:
         assert cache_supported(k_heads, v_heads, k_scale, v_scale)
         self.k_heads = k_heads
+        self.code = DTYPE_CODES[k_heads.dtype]
         self._keep = (k_heads, v_heads, k_scale, v_scale)
         quantized = k_scale is not None and v_scale is not None
         self.args = _Cache(k_heads.data_ptr(), v_heads.data_ptr(), *_strides(k_heads), *_strides(v_heads),
@@ -112,7 +143,7 @@ class CacheView:
                            *(_strides(k_scale) if quantized else (0, 0, 0)),
                            *(_strides(v_scale) if quantized else (0, 0, 0)),
                            k_heads.shape[0], k_heads.shape[3], k_heads.shape[2],
-                           FP8_UNIT if k_heads.dtype == torch.float8_e4m3fn else 1.0, DTYPE_CODES[k_heads.dtype])
+                           FP8_UNIT if k_heads.dtype == torch.float8_e4m3fn else 1.0, self.code)
         self.ref = ctypes.byref(self.args)
 
 
@@ -143,6 +174,9 @@ def run(lib: ctypes.CDLL, step: DecodeStep, cache: CacheView, q: torch.Tensor, o
     """Writes the step's decode rows of `out` (fp32, laid out like q) from q, on torch's thread count
     unless given; the caller has checked query_supported (this is the per-layer call: no checks beyond
     the kernel's own)."""
+    if cache.code not in lib._kva_dtypes and not with_dtype(lib, cache.code):
+        raise RuntimeError(f"cpu_attention: the loop for KV dtype {cache.k_heads.dtype} did not build: "
+                           f"{build_error(_SOURCE, lib._kva_build[0])}")
     rc = lib.kva_decode(step.ref, cache.ref, q.data_ptr(), q.stride(0), out.data_ptr(), out.stride(0),
                         torch.get_num_threads() if nthreads is None else nthreads)
     if rc == -1:

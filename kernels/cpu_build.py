@@ -1,15 +1,20 @@
 """Builds kvcli's C kernels for the CPU (cpu_*.c beside this file) at first use, once per machine.
 
-Each source is compiled with the machine's C compiler (about a second) into
-`cache_dir/<name>-<isa>-<hash>.so`, one build per source, ISA flags and compiler version; later processes
-load the cached build. `build()` returns None, with the reason in `build_error()`, where there is no
-compiler or the build fails: callers fall back to torch's kernels.
+Each source is compiled with the machine's C compiler into `cache_dir/<name>-<isa>-<hash>.so`, one build
+per source, ISA flags, -D variant and compiler version; later processes load the cached build. A machine's
+first load compiles every source's plain build, as many at once as there are cores, largest first (about 3 s
+on 2 cores); a variant (cpu_attention.c's loop for a KV dtype other than fp16) when first asked for.
+`build()` returns None, with the reason in `build_error()`, where there is no compiler or the build fails:
+callers fall back to torch's kernels.
 
 ISA names (the caller decides from the CPU's flags and the ISA torch dispatches to, so that
 ATEN_CPU_CAPABILITY=avx2 measures the AVX2 build on an AVX-512 machine):
   "avx512vnni"  AVX2 + FMA + F16C code, integer dot products by AVX-512-VNNI (dpbusd on 256-bit vectors)
   "avx2"        AVX2 + FMA + F16C
   "generic"     plain C (any architecture; the compiler vectorizes what it can)
+AMX code (cpu_int8dot.c's tile loops) is compiled into the AVX-512-VNNI build only where the CPU reports
+AMX tiles (`-DKVCLI_AMX`): it runs nowhere else, and it was half of that file's compile time. Whether it
+runs is decided at load (kvcli/native/capabilities.py, Linux's permission request).
 The libraries use OpenMP: torch is imported first, so their libgomp.so.1 resolves to the runtime torch
 already loaded (same soname) and torch.set_num_threads governs both.
 """
@@ -23,6 +28,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 ISA_FLAGS = {
@@ -50,43 +56,89 @@ def _compiler() -> tuple[str, str]:
         return "", f"{cc} does not run: {e}"
 
 
-def _flags(isa: str) -> list[str]:
-    return ["-O3", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off", *ISA_FLAGS[isa]]
+@functools.lru_cache(maxsize=1)
+def _cpu_has_amx() -> bool:
+    """Whether /proc/cpuinfo reports AMX tiles (False where it cannot be read: no AMX code is built)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return any(line.startswith("flags") and "amx_tile" in line.split() for line in f)
+    except OSError:
+        return False
 
 
-def _lib_path(source: Path, isa: str, cache_dir: str) -> Path:
+def _flags(isa: str, defines: tuple[str, ...] = ()) -> list[str]:
+    amx = ["-DKVCLI_AMX"] if isa == "avx512vnni" and _cpu_has_amx() else []
+    return ["-O3", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off", *ISA_FLAGS[isa], *amx, *defines]
+
+
+def _lib_path(source: Path, isa: str, cache_dir: str, defines: tuple[str, ...] = ()) -> Path:
     # The headers beside the sources (cpu_*.h) are part of every build: a change to one rebuilds all.
     headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("cpu_*.h")))
-    key = hashlib.sha256(source.read_bytes() + headers + " ".join(_flags(isa)).encode() + _compiler()[1].encode())
+    key = hashlib.sha256(source.read_bytes() + headers + " ".join(_flags(isa, defines)).encode() +
+                         _compiler()[1].encode())
     return Path(cache_dir) / f"{source.stem}-{isa}-{key.hexdigest()[:16]}.so"
+
+
+def _start(source: Path, isa: str, cache_dir: str, defines: tuple[str, ...] = ()) -> tuple | None:
+    """Starts the compiler on `source` unless its build exists: (name, lib path, temporary path, process,
+    its stderr file)."""
+    lib_path = _lib_path(source, isa, cache_dir, defines)
+    if lib_path.exists():
+        return None
+    lib_path.parent.mkdir(parents=True, exist_ok=True)
+    # Built under a temporary name and renamed: processes building at once never load half a file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib_path.parent)
+    os.close(fd)
+    err = tempfile.TemporaryFile(mode="w+")  # (a file, not a pipe: nothing blocks while others are waited for)
+    proc = subprocess.Popen([_compiler()[0], *_flags(isa, defines), str(source), "-o", tmp, "-lm"],
+                            stdout=subprocess.DEVNULL, stderr=err, text=True)
+    return source.name, lib_path, tmp, proc, err
+
+
+def _finish(job: tuple) -> str | None:
+    """Waits for a compiler _start began; its error, or None."""
+    name, lib_path, tmp, proc, err = job
+    proc.wait()
+    with err:
+        err.seek(0)
+        lines = err.read().strip().splitlines()
+    if proc.returncode != 0:
+        os.unlink(tmp)
+        return f"{_compiler()[0]} failed: {(lines or ['?'])[-1]}"
+    os.replace(tmp, lib_path)
+    return None
+
+
+def _compile(sources: list[Path], isa: str, cache_dir: str, defines: tuple[str, ...] = ()) -> dict[str, str]:
+    """Builds the sources without a build, as many at once as this process has cores, the largest file first
+    (the longest compile: cpu_int8dot.c's takes as long as most others together, so it starts at once on a core
+    of its own while the rest share the other; all at once, each took a share of every core until the last).
+    Returns source name -> error."""
+    pending = sorted(sources, key=lambda p: p.stat().st_size, reverse=True)
+    slots = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    running: list[tuple] = []
+    errors = {}
+    while pending or running:
+        while pending and len(running) < slots:
+            job = _start(pending.pop(0), isa, cache_dir, defines)
+            if job is not None:
+                running.append(job)
+        done = [job for job in running if job[3].poll() is not None]
+        if not done:
+            time.sleep(0.005)
+        for job in done:
+            running.remove(job)
+            error = _finish(job)
+            if error:
+                errors[job[0]] = error
+    return errors
 
 
 @functools.lru_cache(maxsize=None)
 def _build_missing(isa: str, cache_dir: str) -> dict[str, str]:
-    """Compile every cpu_*.c without a build for this ISA at once (the first model load on a machine waits
-    for the slowest, not the sum: ~3 s -> ~1.5 s on 2 cores); returns source name -> error."""
-    cc = _compiler()[0]
-    jobs = []
-    for source in sorted(Path(__file__).parent.glob("cpu_*.c")):
-        lib_path = _lib_path(source, isa, cache_dir)
-        if lib_path.exists():
-            continue
-        lib_path.parent.mkdir(parents=True, exist_ok=True)
-        # Built under a temporary name and renamed: processes building at once never load half a file.
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib_path.parent)
-        os.close(fd)
-        proc = subprocess.Popen([cc, *_flags(isa), str(source), "-o", tmp, "-lm"], stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, text=True)
-        jobs.append((source.name, lib_path, tmp, proc))
-    errors = {}
-    for name, lib_path, tmp, proc in jobs:
-        _, err = proc.communicate()
-        if proc.returncode != 0:
-            os.unlink(tmp)
-            errors[name] = f"{cc} failed: {(err.strip().splitlines() or ['?'])[-1]}"
-        else:
-            os.replace(tmp, lib_path)
-    return errors
+    """Compiles every cpu_*.c without a build for this ISA (a machine's first model load); returns source name
+    -> error."""
+    return _compile(sorted(Path(__file__).parent.glob("cpu_*.c")), isa, cache_dir)
 
 
 def check_structs(lib: ctypes.CDLL, source: str, isa: str, size_fn: str, mirrors: list[type]) -> ctypes.CDLL | None:
@@ -105,16 +157,23 @@ def check_structs(lib: ctypes.CDLL, source: str, isa: str, size_fn: str, mirrors
 
 
 @functools.lru_cache(maxsize=None)
-def build(source: str, isa: str, cache_dir: str) -> ctypes.CDLL | None:
+def build(source: str, isa: str, cache_dir: str, defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """The library built from `source` for `isa`, or None (the reason in build_error). `defines` (-D flags)
+    make a variant of it, its own build, compiled when first asked for (the plain build of every source
+    compiles at once, at the first ask on a machine)."""
     import torch  # noqa: F401  (first: the library's libgomp.so.1 must resolve to torch's)
 
     cc, version = _compiler()
     if not cc:
         _errors[(source, isa)] = version
         return None
-    lib_path = _lib_path(Path(__file__).with_name(source), isa, cache_dir)
+    path = Path(__file__).with_name(source)
+    lib_path = _lib_path(path, isa, cache_dir, defines)
     if not lib_path.exists():
-        error = _build_missing(isa, cache_dir).get(source)
+        if defines:
+            error = _compile([path], isa, cache_dir, defines).get(source)
+        else:
+            error = _build_missing(isa, cache_dir).get(source)
         if error or not lib_path.exists():
             _errors[(source, isa)] = error or f"{lib_path.name} was not built"
             return None

@@ -492,32 +492,36 @@ static inline __attribute__((always_inline)) void group_tile(const kvq_args *a, 
         for (int64_t r = 0; r < R; r++) group_tile(a, BITS, G16, KSUB, 1, g, m0 + r);    \
     }
 
+/* Groups g0 .. g1 - 1 against rows m0 .. m0 + R - 1 of x, for one form: each form its own function, so the
+ * compiler meets seven small loops rather than one function holding them all (a first load's compile). */
+#define FORM_TILES(NAME, CASES, BITS, G16, KSUB)                                                         \
+    static __attribute__((noinline)) void NAME(const kvq_args *a, int64_t g0, int64_t g1, int64_t m0, \
+                                               int64_t R) {                                            \
+        for (int64_t g = g0; g < g1; g++) {                                                            \
+            CASES(BITS, G16, KSUB)                                                                     \
+        }                                                                                              \
+    }
+/* one unrolled loop per form a file has; the generic scale reads for the others (form_ok) */
+FORM_TILES(tiles_q4k, TILE_CASES, 4, 0, 1)     /* Q4_K */
+FORM_TILES(tiles_q4, TILE_CASES, 4, 0, 0)      /* Q4_0, Q4_1, AWQ / GPTQ */
+FORM_TILES(tiles_q5k, TILE_CASES_41, 5, 0, 1)  /* Q5_K */
+FORM_TILES(tiles_q5, TILE_CASES_41, 5, 0, 0)   /* Q5_0, Q5_1 */
+FORM_TILES(tiles_q6k, TILE_CASES_41, 6, 1, 2)  /* Q6_K */
+FORM_TILES(tiles_q8g16, TILE_CASES_41, 8, 1, 0) /* 8-bit codes in groups of 16 */
+FORM_TILES(tiles_q8, TILE_CASES, 8, 0, 0)      /* Q8_0 */
+#undef FORM_TILES
+
 static void gemm_tile(const kvq_args *a, const int bits, int64_t t) {
     const int64_t g0 = t * TILE_G, g1 = g0 + TILE_G < a->N / 8 ? g0 + TILE_G : a->N / 8;
     const int ksub = a->G == QK && a->scale.kind == KVQ_SUB && a->mins.kind == KVQ_NEG_SUB && a->scale.shift >= 0 &&
                      a->mins.shift >= 0;
-    for (int64_t m0 = 0; m0 < a->M; m0 += TILE_M) {
-        const int64_t R = a->M - m0 < TILE_M ? a->M - m0 : TILE_M;
-        for (int64_t g = g0; g < g1; g++) {
-            /* one unrolled loop per form a file has (each costs compile time at first use): the
-             * generic scale reads for the others (form_ok) */
-            if (bits == 4 && ksub) { /* Q4_K */
-                TILE_CASES(4, 0, 1)
-            } else if (bits == 4) { /* Q4_0, Q4_1, AWQ / GPTQ */
-                TILE_CASES(4, 0, 0)
-            } else if (bits == 5 && ksub) { /* Q5_K */
-                TILE_CASES_41(5, 0, 1)
-            } else if (bits == 5) { /* Q5_0, Q5_1 */
-                TILE_CASES_41(5, 0, 0)
-            } else if (bits == 6) { /* Q6_K */
-                TILE_CASES_41(6, 1, 2)
-            } else if (a->G == 16) {
-                TILE_CASES_41(8, 1, 0)
-            } else { /* Q8_0 */
-                TILE_CASES(8, 0, 0)
-            }
-        }
-    }
+    void (*tiles)(const kvq_args *, int64_t, int64_t, int64_t, int64_t) =
+        bits == 4 ? (ksub ? tiles_q4k : tiles_q4)
+        : bits == 5 ? (ksub ? tiles_q5k : tiles_q5)
+        : bits == 6 ? tiles_q6k
+        : a->G == 16 ? tiles_q8g16
+        : tiles_q8;
+    for (int64_t m0 = 0; m0 < a->M; m0 += TILE_M) tiles(a, g0, g1, m0, a->M - m0 < TILE_M ? a->M - m0 : TILE_M);
 }
 
 /* Whether gemm_tile has a loop for this weight: 4-bit codes in groups of a multiple of 32; 5-bit ones
@@ -547,7 +551,10 @@ static int form_ok(const kvq_args *a, int bits) {
  * Per-block scales bound K per tile product to 32 (one block, half a tile's depth) and make every block's
  * sums go through memory (tile store, vector loads): the epilogue's vector work, not the tiles, bounds it.
  * Two panels share x's tiles (amx_tile2). Measured per linear in docs/results/int8dot-ops-1b.txt. */
-#if defined(KVQ_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__x86_64__) && defined(__linux__)
+/* Compiled only where the build asks for it (KVCLI_AMX: the CPU reports AMX, kvcli_kernels/cpu_build.py):
+ * elsewhere the code could never run, and it is half of this file's compile time. */
+#if defined(KVCLI_AMX) && defined(KVQ_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__x86_64__) && \
+    defined(__linux__)
 #define KVQ_AMX 1
 #include <cpuid.h>
 #include <sys/syscall.h>
@@ -782,9 +789,9 @@ __attribute__((target("amx-tile"))) static void amx_configure(int MT) {
 /* Panels p0 .. p1 - 1 (16 weight rows each) against rows m_begin .. m_end - 1 of x: tiles of 16 rows and a
  * shorter last one (amx_tile_rows). A panel that meets more than one tile of x is unpacked once into `panel`
  * (K / 32 x 512 bytes). */
-__attribute__((target("amx-tile,amx-int8"))) static void amx_panels(const kvq_args *a, const int bits, int64_t p0,
-                                                                      int64_t p1, int64_t m_begin, int64_t m_end,
-                                                                      uint8_t *panel) {
+__attribute__((target("amx-tile,amx-int8"), always_inline)) static inline void amx_panels_of(
+    const kvq_args *a, const int bits, const int SIGNED, int64_t p0, int64_t p1, int64_t m_begin, int64_t m_end,
+    uint8_t *panel) {
     uint8_t bbuf[2 * 512] __attribute__((aligned(64)));
     int32_t cbuf[2 * 4 * 16 * 16] __attribute__((aligned(64)));
     const int64_t nb = a->K / QK;
@@ -814,19 +821,34 @@ __attribute__((target("amx-tile,amx-int8"))) static void amx_panels(const kvq_ar
     } else {                                                                \
         AMX_ROWS(amx_tile, BITS, SIGNED)                                    \
     }
-            if (bits == 4 && a->offset) { /* Q4_0: codes less 8, signed */
-                AMX_CASES(4, 1)
-            } else if (bits == 4) {
-                AMX_CASES(4, 0)
-            } else {
-                AMX_CASES(8, 1)
-            }
+            AMX_CASES(bits, SIGNED)
 #undef AMX_CASES
 #undef AMX_ROWS
         }
         p += np;
     }
     _tile_release();
+}
+
+/* One function per form (as gemm_tile's loops: one holding all three took the compiler twice as long). */
+#define AMX_PANELS_FN(NAME, BITS, SIGNED)                                                                         \
+    __attribute__((target("amx-tile,amx-int8"), noinline)) static void NAME(                                     \
+        const kvq_args *a, int64_t p0, int64_t p1, int64_t m_begin, int64_t m_end, uint8_t *panel) {            \
+        amx_panels_of(a, BITS, SIGNED, p0, p1, m_begin, m_end, panel);                                            \
+    }
+AMX_PANELS_FN(amx_panels_q4_signed, 4, 1) /* Q4_0: codes less 8, signed */
+AMX_PANELS_FN(amx_panels_q4, 4, 0)
+AMX_PANELS_FN(amx_panels_q8, 8, 1)
+#undef AMX_PANELS_FN
+
+static void amx_panels(const kvq_args *a, const int bits, int64_t p0, int64_t p1, int64_t m_begin, int64_t m_end,
+                       uint8_t *panel) {
+    if (bits == 4 && a->offset)
+        amx_panels_q4_signed(a, p0, p1, m_begin, m_end, panel);
+    else if (bits == 4)
+        amx_panels_q4(a, p0, p1, m_begin, m_end, panel);
+    else
+        amx_panels_q8(a, p0, p1, m_begin, m_end, panel);
 }
 
 /* Rows of x per pass over the weights: their two levels (2K bytes a row) stay in L2 while the panels pass. */

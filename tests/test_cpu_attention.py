@@ -282,3 +282,28 @@ def test_cache_views_follow_their_layer():
     del layer
     gc.collect()
     assert not be._native_views
+
+
+def test_each_dtype_loop_is_built_on_first_need(tmp_path):
+    """A fresh build holds fp16's loop only (each dtype's loop is about a second of a machine's first
+    compile); kva_decode refuses another dtype's cache (-4) until with_dtype builds that loop as a library of
+    its own and links it in; then the answer is the dense reference's."""
+    from kvcli_kernels import cpu_attention as A
+
+    fresh = A.load(build_isa(), str(tmp_path))
+    assert fresh is not None and fresh.kva_dtypes() == 1 << A.DTYPE_CODES[torch.float16]
+    assert A.DTYPE_CODES[torch.float16] in fresh._kva_dtypes
+    gen = torch.Generator().manual_seed(7)
+    kc, vc, ks, vs, tables, per_req = paged_cache(LENS, 2, 64, 16, "int8", gen)
+    q = torch.randn(len(LENS), 6, 64, generator=gen)
+    lens = torch.tensor(LENS, dtype=torch.int32)
+    step = A.DecodeStep(tables, lens, 6, 0.125)
+    view = A.CacheView(kc, vc, ks, vs)
+    out = torch.full_like(q, float("nan"))
+    assert fresh.kva_decode(step.ref, view.ref, q.data_ptr(), q.stride(0), out.data_ptr(), out.stride(0), 1) == -4
+    assert out.isnan().all()
+    assert A.with_dtype(fresh, view.code) and fresh.kva_dtypes() >> view.code & 1
+    builds = sorted(p.name for p in tmp_path.glob("cpu_attention-*.so"))
+    assert len(builds) == 2, builds  # the library and the int8 loop's
+    A.run(fresh, step, view, q, out)
+    torch.testing.assert_close(out, dense_decode(q, per_req, 0.125, 0), **TOL)

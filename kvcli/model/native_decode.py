@@ -136,14 +136,15 @@ class NativeDecode:
         if entry is not None and entry[0]() is kv_cache and all(a is b for a, b in zip(entry[3], views)):
             return entry
         from kvcli_kernels import cpu_decode_layers as D
+        from kvcli_kernels.cpu_attention import with_dtype
         from kvcli_kernels.cpu_rope_kv import DTYPE_CODES, cache_supported
 
         first = kv_cache.layers[0]
         if first.k_scale is not None or not cache_supported(first.k, first.v):
             return None
         libs = self._libs()
-        if libs is None:
-            return None
+        if libs is None or not with_dtype(registry.library("attention"), DTYPE_CODES[first.k.dtype]):
+            return None  # (with_dtype: the C call reaches kva_decode, which runs the dtypes linked into it)
         d = self.desc
         k = first.k
         model_args = D.Model(
