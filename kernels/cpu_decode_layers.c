@@ -22,7 +22,8 @@ typedef int (*rope_kv_fn)(const float *qkv, int64_t T, int64_t qkv_row, int64_t 
                           const float *cos, const float *sin_signed, int64_t table_rows, const int64_t *positions,
                           const int64_t *slots, float *q_out, void *k, void *v, int dt, int64_t block_size,
                           int64_t num_slots, int64_t k_sb, int64_t k_st, int64_t k_sh, int64_t v_sb, int64_t v_st,
-                          int64_t v_sh, int nthreads);
+                          int64_t v_sh, float *ks, float *vs, int64_t s_sb, int64_t s_st, int64_t s_sh,
+                          int nthreads);
 typedef int (*attention_fn)(const void *step, const void *cache, const float *q, int64_t q_row, float *out,
                             int64_t out_row, int nthreads);
 typedef int (*swiglu_fn)(const float *gu, int64_t M, int64_t F, int64_t row, float *out, int nthreads);
@@ -51,6 +52,7 @@ typedef struct {
     const float *attn_norm, *ffn_norm;
     kvd_linear qkv, o, gate_up, down;
     void *k, *v;        /* the layer's cache storage (strides are the model's) */
+    float *ks, *vs;     /* an int8 / fp8 cache's scales (strides are the model's), or NULL */
     const void *cache;  /* its kva_cache (cpu_attention.c) */
     const float *q_norm, *k_norm; /* per-head RMSNorm weights [head_dim] before the rotary (Qwen3), or NULL */
     const float *attn_post_norm, *ffn_post_norm; /* on the attention / MLP output before the add (Gemma 3), or NULL */
@@ -70,6 +72,7 @@ typedef struct {
     const float *cos, *sin_signed;
     int64_t table_rows;
     int64_t kv_dtype, block_size, num_slots, k_sb, k_st, k_sh, v_sb, v_st, v_sh;
+    int64_t s_sb, s_st, s_sh; /* the scales' strides (int8 / fp8 caches; 0 otherwise) */
 } kvd_model;
 
 /* sizeof each struct above, for the launcher's check against its ctypes mirror (cpu_build.check_structs). */
@@ -117,7 +120,7 @@ int kvd_decode_layers(const kvd_model *m, const kvd_layer *layers, int64_t n_lay
         if (m->rope_kv(qkv, T, nqkv, m->heads, m->kv_heads, m->head_dim, L->cos ? L->cos : m->cos,
                        L->cos ? L->sin_signed : m->sin_signed, m->table_rows, positions, L->slots ? L->slots : slots, q, L->k, L->v,
                        (int)m->kv_dtype, m->block_size, m->num_slots, m->k_sb, m->k_st, m->k_sh, m->v_sb, m->v_st,
-                       m->v_sh, nthreads))
+                       m->v_sh, L->ks, L->vs, m->s_sb, m->s_st, m->s_sh, nthreads))
             return fail + 2;
         if (m->attention(L->step ? L->step : step, L->cache, q, qd, att, qd, nthreads)) return fail + 3;
         if (linear(m, &L->o, att, T, qd, y, nthreads)) return fail + 1;

@@ -35,7 +35,7 @@ class Linear(ctypes.Structure):
 
 class Layer(ctypes.Structure):
     _fields_ = [("attn_norm", _ptr), ("ffn_norm", _ptr), ("qkv", Linear), ("o", Linear), ("gate_up", Linear),
-                ("down", Linear), ("k", _ptr), ("v", _ptr), ("cache", _ptr), ("q_norm", _ptr), ("k_norm", _ptr),
+                ("down", Linear), ("k", _ptr), ("v", _ptr), ("ks", _ptr), ("vs", _ptr), ("cache", _ptr), ("q_norm", _ptr), ("k_norm", _ptr),
                 ("attn_post_norm", _ptr), ("ffn_post_norm", _ptr), ("cos", _ptr), ("sin_signed", _ptr), ("step", _ptr),
                 ("slots", _ptr)]
 
@@ -45,7 +45,8 @@ class Model(ctypes.Structure):
                 ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64), ("hidden", _i64), ("ffn", _i64),
                 ("eps", _f32), ("cos", _ptr), ("sin_signed", _ptr), ("table_rows", _i64),
                 ("kv_dtype", _i64), ("block_size", _i64), ("num_slots", _i64), ("k_sb", _i64), ("k_st", _i64),
-                ("k_sh", _i64), ("v_sb", _i64), ("v_st", _i64), ("v_sh", _i64)]
+                ("k_sh", _i64), ("v_sb", _i64), ("v_st", _i64), ("v_sh", _i64), ("s_sb", _i64), ("s_st", _i64),
+                ("s_sh", _i64)]
 
 
 def load(isa: str, cache_dir: str) -> ctypes.CDLL | None:

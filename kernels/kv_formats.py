@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from kvcli.kvcache.kv_dtype import KV_DTYPES
 
-# Storage dtype -> the C kernels' code: DT_* of cpu_attention.c (all five), cpu_rope_kv.c (the float ones).
+# Storage dtype -> the C kernels' code: DT_* of cpu_attention.c and cpu_rope_kv.c.
 DTYPE_CODES = {d.storage: d.kernel_code for d in KV_DTYPES.values()}
-FLOAT_DTYPE_CODES = {d.storage: d.kernel_code for d in KV_DTYPES.values() if not d.quantized}
 # Quantized storage dtype -> (QUANT id, qmax) of the Triton cache-write kernel.
 QUANT_FORMATS = {d.storage: (d.quant_code, d.qmax) for d in KV_DTYPES.values() if d.quantized}

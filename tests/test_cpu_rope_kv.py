@@ -3,8 +3,9 @@ TorchAttentionBackend.write_kv (themselves checked against the textbook rotate-h
 test_rotary.py): q and the cache must be equal bit for bit, for every build the machine runs.
 
 Ragged on purpose: row counts 1 to past the threading threshold, GQA 9/3, 4/4, 8/1, head_dim 16 / 64 / 128
-and 6 (an odd half: the scalar tails), fp32 / fp16 / bf16 caches in head-major and token-major storage,
-scattered and padding (negative) slots, and inputs with fp16 overflow and subnormals."""
+and 6 (an odd half: the scalar tails), fp32 / fp16 / bf16 caches and int8 / fp8 ones with their per-token
+scales (kv_dtype.quantize's codes) in head-major and token-major storage, scattered and padding (negative)
+slots, and inputs with fp16 overflow and subnormals."""
 
 from __future__ import annotations
 
@@ -28,11 +29,13 @@ def _lib(isa: str):
 
 
 def _cache(blocks: int, bs: int, kvh: int, d: int, dtype: torch.dtype, head_major: bool) -> LayerKV:
-    def one() -> torch.Tensor:
-        if head_major:  # kvcli's storage: [kvh, blocks, bs, D] seen as [blocks, bs, kvh, D]
-            return torch.full((kvh, blocks, bs, d), 7.0, dtype=dtype).movedim(0, 2)
-        return torch.full((blocks, bs, kvh, d), 7.0, dtype=dtype)
-    return LayerKV(one(), one())
+    def one(*row: int, dt: torch.dtype = dtype) -> torch.Tensor:
+        if head_major:  # kvcli's storage: [kvh, blocks, bs(, D)] seen as [blocks, bs, kvh(, D)]
+            return torch.full((kvh, blocks, bs, *row), 7.0, dtype=dt).movedim(0, 2)
+        return torch.full((blocks, bs, kvh, *row), 7.0, dtype=dt)
+    if dtype in (torch.int8, torch.float8_e4m3fn):
+        return LayerKV(one(d), one(d), one(dt=torch.float32), one(dt=torch.float32))
+    return LayerKV(one(d), one(d))
 
 
 def _meta(slots: torch.Tensor) -> AttentionMetadata:
@@ -59,7 +62,7 @@ def _reference(rot: Rotary, qkv: torch.Tensor, positions: torch.Tensor, h: int, 
     (3, 2, 2, 6),  # half a head of 3: no 8-wide vectors at all
     (300, 9, 3, 64),  # a prefill chunk: rows split across threads
 ])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.float8_e4m3fn])
 @pytest.mark.parametrize("head_major", [True, False])
 def test_matches_rotary_apply_and_write_kv_bitwise(isa, t, h, kvh, d, dtype, head_major):
     from kvcli_kernels.cpu_rope_kv import rope_kv
@@ -78,13 +81,45 @@ def test_matches_rotary_apply_and_write_kv_bitwise(isa, t, h, kvh, d, dtype, hea
     want_cache = _cache(blocks, bs, kvh, d, dtype, head_major)
     want_q = _reference(rot, qkv, positions, h, kvh, d, want_cache, meta)
     got_cache = _cache(blocks, bs, kvh, d, dtype, head_major)
-    got_q = rope_kv(lib, qkv, h, kvh, rot.cos, rot.sin_signed, positions, slots, got_cache.k, got_cache.v)
+    got_q = rope_kv(lib, qkv, h, kvh, rot.cos, rot.sin_signed, positions, slots, got_cache.k, got_cache.v,
+                    got_cache.k_scale, got_cache.v_scale)
 
     assert got_q.shape == (t, h, d) and got_q.is_contiguous()
     assert torch.equal(got_q, want_q)
-    for got, want in ((got_cache.k, want_cache.k), (got_cache.v, want_cache.v)):
-        assert torch.equal(got.view(torch.int16) if dtype != torch.float32 else got,
-                           want.view(torch.int16) if dtype != torch.float32 else want)  # bits, inf included
+    bits = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16,
+            torch.int8: torch.int8, torch.float8_e4m3fn: torch.uint8}[dtype]
+    for got, want in zip(got_cache.tensors(), want_cache.tensors()):  # bits: inf, fp8 NaN and -0 included
+        assert torch.equal(got.view(bits if got.dtype == dtype else torch.int32),
+                           want.view(bits if want.dtype == dtype else torch.int32))
+
+
+@pytest.mark.parametrize("isa", runnable_isas())
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])
+def test_quantized_codes_at_every_rounding_edge(isa, dtype):
+    """Rows built to land on the codes' rounding edges after the scale's division (halves between int8 codes,
+    fp8's subnormals and ties at every exponent, an all-zero row: scale 0, codes 0): the stored codes and
+    scales are kv_dtype.quantize's, bit for bit."""
+    from kvcli_kernels.cpu_rope_kv import rope_kv
+
+    lib = _lib(isa)
+    d, kvh, h = 16, 1, 1
+    qmax = 127.0 if dtype == torch.int8 else 448.0
+    gen = torch.Generator().manual_seed(3)
+    levels = torch.arange(-2 * qmax, 2 * qmax + 1) / 2  # every half step to +-qmax
+    rows = [levels[i:i + d - 1] for i in range(0, levels.numel() - d, d - 1)]
+    rows += [torch.rand(d - 1, generator=gen) * 2.0 ** e for e in range(-12, 2)]  # subnormal and tie regions
+    v = torch.stack([torch.cat([r, torch.tensor([qmax])]) for r in rows] + [torch.zeros(d)])  # amax: qmax
+    t = v.shape[0]
+    rot = Rotary(d, 8, 10000.0, None, torch.device("cpu"))
+    qkv = torch.cat([torch.randn(t, (h + kvh) * d, generator=gen), v * 1.5], 1)  # scale 1.5: divided back
+    positions, slots = torch.zeros(t, dtype=torch.int64), torch.arange(t)
+    meta = _meta(slots)
+    want, got = _cache(-(-t // 16), 16, kvh, d, dtype, True), _cache(-(-t // 16), 16, kvh, d, dtype, True)
+    _reference(rot, qkv, positions, h, kvh, d, want, meta)
+    rope_kv(lib, qkv, h, kvh, rot.cos, rot.sin_signed, positions, slots, got.k, got.v, got.k_scale, got.v_scale)
+    raw = torch.int8 if dtype == torch.int8 else torch.uint8
+    assert torch.equal(got.v.view(raw), want.v.view(raw)) and torch.equal(got.v_scale, want.v_scale)
+    assert torch.equal(got.k.view(raw), want.k.view(raw)) and torch.equal(got.k_scale, want.k_scale)
 
 
 @pytest.mark.parametrize("isa", runnable_isas())
@@ -116,6 +151,8 @@ def test_backend_offers_it_only_where_it_applies(monkeypatch):
     assert backend.rope_kv_writer(rot.cos, rot.sin_signed, pos, meta, plain, 9, 3) is not None
     scaled = LayerKV(torch.zeros(2, 16, 3, 64, dtype=torch.int8), torch.zeros(2, 16, 3, 64, dtype=torch.int8),
                      torch.ones(2, 16, 3), torch.ones(2, 16, 3))
-    assert backend.rope_kv_writer(rot.cos, rot.sin_signed, pos, meta, scaled, 9, 3) is None  # int8: quantized on write
+    assert backend.rope_kv_writer(rot.cos, rot.sin_signed, pos, meta, scaled, 9, 3) is not None  # int8 + scales
+    unscaled = LayerKV(torch.zeros(2, 16, 3, 64, dtype=torch.int8), torch.zeros(2, 16, 3, 64, dtype=torch.int8))
+    assert backend.rope_kv_writer(rot.cos, rot.sin_signed, pos, meta, unscaled, 9, 3) is None  # codes need scales
     assert backend.rope_kv_writer(rot.cos.bfloat16(), rot.sin_signed, pos, meta, plain, 9, 3) is None
     assert TorchAttentionBackend(native=False).rope_kv_writer(rot.cos, rot.sin_signed, pos, meta, plain, 9, 3) is None

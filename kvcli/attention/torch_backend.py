@@ -160,13 +160,13 @@ class TorchAttentionBackend:
         fused q/k/v output (fp32 [T, (heads + 2 kv_heads) * D], rows contiguous) and its cache and returns
         q rotated, [T, heads, D]. cos / sin_signed: the rotary tables [positions, D] with the sign of
         rotate-half folded in (layers.Rotary). None where it does not apply (native kernels off or not
-        built, a scaled or non-CPU cache, tables not fp32; `first`, any layer's cache, stands for all):
+        built, a non-CPU cache, tables not fp32; `first`, any layer's cache, stands for all):
         the caller rotates and calls write_kv."""
-        if not self.native or first.k_scale is not None or cos.dtype != torch.float32 or cos.device.type != "cpu":
+        if not self.native or cos.dtype != torch.float32 or cos.device.type != "cpu":
             return None
         from kvcli_kernels.cpu_rope_kv import cache_supported, rope_kv
 
-        if not cache_supported(first.k, first.v):
+        if not cache_supported(first.k, first.v, first.k_scale, first.v_scale):
             return None
         if self._rope_kv_lib is False:
             self._rope_kv_lib = native_rope_kv()
@@ -178,7 +178,8 @@ class TorchAttentionBackend:
 
         def write(qkv: torch.Tensor, cache: LayerKV) -> torch.Tensor:
             qkv = qkv if qkv.dtype == torch.float32 and qkv.stride(-1) == 1 else qkv.float().contiguous()
-            return rope_kv(lib, qkv, heads, kv_heads, cos, sin_signed, pos, slots, cache.k, cache.v)
+            return rope_kv(lib, qkv, heads, kv_heads, cos, sin_signed, pos, slots, cache.k, cache.v, cache.k_scale,
+                           cache.v_scale)
 
         return write
 

@@ -11,7 +11,7 @@ and Gemma 3's per-head q/k norms and Gemma 3's norms after attention and MLP) an
 rotary tables and windows (Gemma 3's local layers),
 fp32 compute; per step: every request decodes one token or a few (a speculative verification of 1 + k rows,
 each row a decode query of its own length: torch_backend._native_rows_step), fewer rows than the linears' float-GEMM
-threshold, a cache the rotary/KV-store and attention kernels read (fp32 / fp16 / bf16), the torch
+threshold, a cache the rotary/KV-store and attention kernels read (fp32 / fp16 / bf16, int8 / fp8 with their scales), the torch
 backend's native attention. Anything else goes layer by layer.
 """
 
@@ -137,10 +137,10 @@ class NativeDecode:
             return entry
         from kvcli_kernels import cpu_decode_layers as D
         from kvcli_kernels.cpu_attention import with_dtype
-        from kvcli_kernels.cpu_rope_kv import DTYPE_CODES, cache_supported
+        from kvcli_kernels.cpu_rope_kv import DTYPE_CODES, cache_supported, scale_args
 
         first = kv_cache.layers[0]
-        if first.k_scale is not None or not cache_supported(first.k, first.v):
+        if not cache_supported(first.k, first.v, first.k_scale, first.v_scale):
             return None
         libs = self._libs()
         if libs is None or not with_dtype(registry.library("attention"), DTYPE_CODES[first.k.dtype]):
@@ -150,14 +150,17 @@ class NativeDecode:
         model_args = D.Model(
             *libs, d.heads, d.kv_heads, d.head_dim, d.hidden, d.ffn, d.eps, d.cos.data_ptr(), d.sin_signed.data_ptr(),
             d.cos.shape[0], DTYPE_CODES[k.dtype], k.shape[1], k.shape[0] * k.shape[1], k.stride(0), k.stride(1),
-            k.stride(2), first.v.stride(0), first.v.stride(1), first.v.stride(2))
+            k.stride(2), first.v.stride(0), first.v.stride(1), first.v.stride(2),
+            *scale_args(first.k_scale, first.v_scale)[2:])
         layers = (D.Layer * len(d.layers))()
         for i, (layer, cache, view) in enumerate(zip(d.layers, kv_cache.layers, views)):
-            if cache.k.stride() != k.stride() or cache.v.stride() != first.v.stride() or cache.k.dtype != k.dtype:
+            if (cache.k.stride() != k.stride() or cache.v.stride() != first.v.stride() or cache.k.dtype != k.dtype
+                    or scale_args(cache.k_scale, cache.v_scale)[2:] != scale_args(first.k_scale, first.v_scale)[2:]):
                 return None
             layers[i] = D.Layer(layer.attn_norm.data_ptr(), layer.ffn_norm.data_ptr(),
                                 *(D.linear_args(list(parts)) for parts in (layer.qkv, layer.o, layer.gate_up, layer.down)),
-                                cache.k.data_ptr(), cache.v.data_ptr(), ctypes.addressof(view.args),
+                                cache.k.data_ptr(), cache.v.data_ptr(), *scale_args(cache.k_scale, cache.v_scale)[:2],
+                                ctypes.addressof(view.args),
                                 *(_ptrs(layer.q_norm, layer.k_norm, layer.attn_post_norm, layer.ffn_post_norm,
                                         layer.cos, layer.sin_signed)), None, None)
         # views hold the cache tensors and the kva_cache structs the layer array points into

@@ -8,7 +8,7 @@ reason when one is not available.
 `KVCLI_NATIVE=0` turns every C kernel off (torch's kernels instead); it is read when a model is built, so a
 test or a command can set it before building. Libraries that are SIMD code only (the prefill attention,
 SwiGLU and the one-call decode loop) are not offered on the plain C build. Builds are cached on disk by
-kvcli_kernels/cpu_build.py (one per source, ISA flags and compiler version), so only a machine's first
+kvcli_kernels/cpu_build.py (one per source, ISA flags, variant and compiler version), so only a machine's first
 load compiles.
 """
 
