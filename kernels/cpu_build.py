@@ -44,6 +44,12 @@ def build_error(source: str, isa: str) -> str | None:
     return _errors.get((source, isa))
 
 
+def compiler_line() -> str:
+    """The compiler's first --version line (benchmark headers), or why there is none."""
+    cc, version = _compiler()
+    return (version.splitlines() or [cc])[0] if cc else version
+
+
 @functools.lru_cache(maxsize=None)
 def _compiler() -> tuple[str, str]:
     """(cc, its --version text), or ("", why not)."""
@@ -66,7 +72,8 @@ def _cpu_has_amx() -> bool:
         return False
 
 
-def _flags(isa: str, defines: tuple[str, ...] = ()) -> list[str]:
+def compile_flags(isa: str, defines: tuple[str, ...] = ()) -> list[str]:
+    """The compiler's flags for a build of `isa` (and a variant's -D flags)."""
     amx = ["-DKVCLI_AMX"] if isa == "avx512vnni" and _cpu_has_amx() else []
     return ["-O3", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off", *ISA_FLAGS[isa], *amx, *defines]
 
@@ -74,7 +81,7 @@ def _flags(isa: str, defines: tuple[str, ...] = ()) -> list[str]:
 def _lib_path(source: Path, isa: str, cache_dir: str, defines: tuple[str, ...] = ()) -> Path:
     # The headers beside the sources (cpu_*.h) are part of every build: a change to one rebuilds all.
     headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("cpu_*.h")))
-    key = hashlib.sha256(source.read_bytes() + headers + " ".join(_flags(isa, defines)).encode() +
+    key = hashlib.sha256(source.read_bytes() + headers + " ".join(compile_flags(isa, defines)).encode() +
                          _compiler()[1].encode())
     return Path(cache_dir) / f"{source.stem}-{isa}-{key.hexdigest()[:16]}.so"
 
@@ -90,7 +97,7 @@ def _start(source: Path, isa: str, cache_dir: str, defines: tuple[str, ...] = ()
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib_path.parent)
     os.close(fd)
     err = tempfile.TemporaryFile(mode="w+")  # (a file, not a pipe: nothing blocks while others are waited for)
-    proc = subprocess.Popen([_compiler()[0], *_flags(isa, defines), str(source), "-o", tmp, "-lm"],
+    proc = subprocess.Popen([_compiler()[0], *compile_flags(isa, defines), str(source), "-o", tmp, "-lm"],
                             stdout=subprocess.DEVNULL, stderr=err, text=True)
     return source.name, lib_path, tmp, proc, err
 
@@ -109,7 +116,7 @@ def _finish(job: tuple) -> str | None:
     return None
 
 
-def _compile(sources: list[Path], isa: str, cache_dir: str, defines: tuple[str, ...] = ()) -> dict[str, str]:
+def compile_sources(sources: list[Path], isa: str, cache_dir: str, defines: tuple[str, ...] = ()) -> dict[str, str]:
     """Builds the sources without a build, as many at once as this process has cores, the largest file first
     (the longest compile: cpu_int8dot.c's takes as long as most others together, so it starts at once on a core
     of its own while the rest share the other; all at once, each took a share of every core until the last).
@@ -138,7 +145,7 @@ def _compile(sources: list[Path], isa: str, cache_dir: str, defines: tuple[str, 
 def _build_missing(isa: str, cache_dir: str) -> dict[str, str]:
     """Compiles every cpu_*.c without a build for this ISA (a machine's first model load); returns source name
     -> error."""
-    return _compile(sorted(Path(__file__).parent.glob("cpu_*.c")), isa, cache_dir)
+    return compile_sources(sorted(Path(__file__).parent.glob("cpu_*.c")), isa, cache_dir)
 
 
 def check_structs(lib: ctypes.CDLL, source: str, isa: str, size_fn: str, mirrors: list[type]) -> ctypes.CDLL | None:
@@ -171,7 +178,7 @@ def build(source: str, isa: str, cache_dir: str, defines: tuple[str, ...] = ()) 
     lib_path = _lib_path(path, isa, cache_dir, defines)
     if not lib_path.exists():
         if defines:
-            error = _compile([path], isa, cache_dir, defines).get(source)
+            error = compile_sources([path], isa, cache_dir, defines).get(source)
         else:
             error = _build_missing(isa, cache_dir).get(source)
         if error or not lib_path.exists():

@@ -39,6 +39,8 @@ FIGURES: dict[str, Figure] = {f.name: f for f in [
     Figure("cpu-avx2", "batch1:cpu", "the cpu figure with torch, kvcli's C kernels and llama.cpp held to AVX2",
            ("--repeats", "2"), AVX2_ENV),
     Figure("load", "load:main", "load time of the bundled model, empty and warm kvcli cache"),
+    Figure("build", "build_time:main", "compile time of kvcli's C kernels: each source, a first load's build, "
+           "the KV dtype loops built on first need"),
     Figure("continue", "cli:main", "kvcli continue on the 4k-token sample",
            ("continue", "samples/keepers-log.txt", "-n", "40", "--no-live")),
     Figure("throughput", "throughput:main", "64-request trace: kvcli vs transformers (3 ways) vs llama.cpp",
@@ -158,6 +160,11 @@ FIGURES: dict[str, Figure] = {f.name: f for f in [
     # Hugging Face's `kernels` package in the venv), or only this VM's phase (the cpu figure re-taken 2026-12-06).
     Figure("ab-decode-1203", "ab:main", "before/after: the bundled model's decode figure at a57316f (2026-12-03) and "
            "in this tree, interleaved", ("--before", "a57316f", "decode", "--rounds", "3"), in_make_figures=False),
+    # The C kernels' build split for a first load's compile time, and int8 / fp8 caches in the one-call decode loop
+    # (2026-12-06 evening): 41cb1fc is the tree before them.
+    Figure("ab-decode-build", "ab:main", "before/after: the bundled model's decode figure at 41cb1fc (before the "
+           "kernels' build split and quantized caches in the C decode loop) and in this tree, interleaved",
+           ("--before", "41cb1fc", "decode", "--rounds", "3"), in_make_figures=False),
     # The AVX2 decode attention's register-resident form (issue #30, 2026-12-06): 6da4b92 is the tree before it.
     Figure("ab-attention-avx2", "ab:main", "before/after: the AVX2 64-request trace on the bundled model (kvcli "
            "only) at 6da4b92 (before the 8-lane register-resident decode attention) and in this tree, interleaved",

@@ -24,7 +24,9 @@ WHERE: dict[str, str] = {  # name -> "module:attribute", or "module" for a modul
     "native_prefill_attention": "kvcli.attention.torch_backend:native_prefill_attention",
     "LayerKV": "kvcli.kvcache.kv_cache:LayerKV",
     "kv_dtype_of": "kvcli.kvcache.kv_dtype:kv_dtype_of",
+    "kv_dtype": "kvcli.kvcache.kv_dtype",
     "quantize": "kvcli.kvcache.kv_dtype:quantize",
+    # (build: the KV formats' table, kv_dtype.KV_DTYPES: their decode-attention loops are built on first need)
     # kv-dtype, kv-int4: teacher-forced perplexity through the engine
     "perplexity": "kvcli.engine.perplexity:perplexity",
     # weight-tiers: a model built under another weight tier than the engine would pick
