@@ -225,6 +225,25 @@ def test_backend_decode_rows_go_through_the_kernel(kv, window, storage):
     assert off._native_meta is None
 
 
+def test_a_dtype_whose_loop_does_not_build_takes_torchs_path(monkeypatch):
+    """Where an int8 cache's loop cannot be built at its first need (no compiler any more, a full disk), the
+    backend's decode rows take torch's path with the same answer, not an error in the middle of a step."""
+    import kvcli_kernels.cpu_attention as A
+
+    monkeypatch.setattr(A, "with_dtype", lambda lib, code: code in lib._kva_dtypes and code != A.DTYPE_CODES[torch.int8])
+    q_lens, kv_lens = [1, 1, 37, 1], [75, 70, 100, 300]
+    q, nk, nv, kc, vc, meta, dk, dv = make_batch(q_lens, kv_lens, 2, 3, 64, 16, 128, True, dtype=torch.float32,
+                                                 seed=5, window=0, storage="head")
+    cache = backend_cache("int8", kc, vc)
+    be = TorchAttentionBackend()
+    be.write_kv(nk, nv, cache, meta)
+    got = be.forward(q, cache, meta, 0.125)
+    assert be._native_ids and be._cache_view(cache) is None  # the step was planned, the view refused
+    rk = [dequantize(*quantize(k, torch.int8), torch.float32) for k in dk]
+    rv = [dequantize(*quantize(v, torch.int8), torch.float32) for v in dv]
+    torch.testing.assert_close(got, reference(q, rk, rv, q_lens, kv_lens, 3, 0.125, 0), atol=2e-5, rtol=1e-4)
+
+
 @pytest.mark.slow
 # Not int8: its quantize-on-write turns the two attention paths' rounding differences into flipped codes in
 # the next layers' K/V (logits 0.2 apart at the first step, before and after 2026-12-01's kernels), so

@@ -386,10 +386,10 @@ class TorchAttentionBackend:
         return None if any(v is None for v in views) else (step, views)  # type: ignore[return-value]
 
     def _cache_view(self, cache: LayerKV) -> CacheView | None:
-        """The kernel's view of a layer's pool (None: a format or shape it does not read), built once per
-        LayerKV rather than per step (~10 us of Python each); dropped when the LayerKV is, rebuilt if its
-        tensors are replaced."""
-        from kvcli_kernels.cpu_attention import CacheView, cache_supported
+        """The kernel's view of a layer's pool (None: a format or shape it does not read, or a dtype whose loop
+        does not build), built once per LayerKV rather than per step (~10 us of Python each); dropped when the
+        LayerKV is, rebuilt if its tensors are replaced."""
+        from kvcli_kernels.cpu_attention import CacheView, cache_supported, with_dtype
 
         key, tensors = id(cache), cache.tensors()
         entry = self._native_views.get(key)
@@ -401,6 +401,8 @@ class TorchAttentionBackend:
         ks = None if cache.k_scale is None else cache.k_scale.movedim(2, 0)
         vs = None if cache.v_scale is None else cache.v_scale.movedim(2, 0)
         view = CacheView(k, v, ks, vs) if cache_supported(k, v, ks, vs) else None
+        if view is not None and not (self._lib and with_dtype(self._lib, view.code)):
+            view = None  # this dtype's loop did not build (its first need builds it): torch's path
         views = self._native_views
         views[key] = (weakref.ref(cache, lambda _, key=key: views.pop(key, None)), tensors, view)
         return view

@@ -136,15 +136,14 @@ class NativeDecode:
         if entry is not None and entry[0]() is kv_cache and all(a is b for a, b in zip(entry[3], views)):
             return entry
         from kvcli_kernels import cpu_decode_layers as D
-        from kvcli_kernels.cpu_attention import with_dtype
         from kvcli_kernels.cpu_rope_kv import DTYPE_CODES, cache_supported, scale_args
 
         first = kv_cache.layers[0]
         if not cache_supported(first.k, first.v, first.k_scale, first.v_scale):
             return None
-        libs = self._libs()
-        if libs is None or not with_dtype(registry.library("attention"), DTYPE_CODES[first.k.dtype]):
-            return None  # (with_dtype: the C call reaches kva_decode, which runs the dtypes linked into it)
+        libs = self._libs()  # (the views come from the backend only for a dtype kva_decode runs: _cache_view)
+        if libs is None:
+            return None
         d = self.desc
         k = first.k
         model_args = D.Model(
