@@ -430,6 +430,20 @@ def test_many_rows_take_the_amx_gemm_where_it_is_chosen(isa):
     assert torch.equal(lin(x[:7]), few)
 
 
+@pytest.mark.skipif("avx512vnni" not in runnable_isas(), reason="no AVX-512-VNNI build here")
+def test_the_amx_code_compiles_where_it_cannot_run(tmp_path):
+    """The AMX tile loops are compiled only where the CPU has AMX (kernels/cpu_build.py, -DKVCLI_AMX): built here
+    with that flag anyway (into a scratch folder, never loaded), so that a change that breaks them fails on every
+    AVX-512 machine, not only on an AMX one."""
+    from pathlib import Path
+
+    from kvcli_kernels import cpu_build
+
+    source = Path(cpu_build.__file__).with_name("cpu_int8dot.c")
+    assert cpu_build.compile_sources([source], "avx512vnni", str(tmp_path), ("-DKVCLI_AMX",)) == {}
+    assert len(list(tmp_path.glob("cpu_int8dot-avx512vnni-*.so"))) == 1
+
+
 AMX_KINDS = ["Q4_0 offset 8", "Q4_K two-level", "q4 min fp16 g32", "q4 min fp32 g128", "zero points g64", "q8 fp16",
              "Q5_1"]  # Q5_1: no tile path (5-bit codes), the dpbusd loop whatever the switch
 
