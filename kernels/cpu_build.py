@@ -121,6 +121,8 @@ def compile_sources(sources: list[Path], isa: str, cache_dir: str, defines: tupl
     (the longest compile: cpu_int8dot.c's takes as long as most others together, so it starts at once on a core
     of its own while the rest share the other; all at once, each took a share of every core until the last).
     Returns source name -> error."""
+    if not _compiler()[0]:
+        return {source.name: _compiler()[1] for source in sources}
     pending = sorted(sources, key=lambda p: p.stat().st_size, reverse=True)
     slots = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     running: list[tuple] = []

@@ -430,7 +430,8 @@ def test_many_rows_take_the_amx_gemm_where_it_is_chosen(isa):
     assert torch.equal(lin(x[:7]), few)
 
 
-@pytest.mark.skipif("avx512vnni" not in runnable_isas(), reason="no AVX-512-VNNI build here")
+@pytest.mark.skipif("avx512vnni" not in runnable_isas() or registry.library("int8dot") is None,
+                    reason="no AVX-512-VNNI build here (or no C compiler, or KVCLI_NATIVE=0)")
 def test_the_amx_code_compiles_where_it_cannot_run(tmp_path):
     """The AMX tile loops are compiled only where the CPU has AMX (kernels/cpu_build.py, -DKVCLI_AMX): built here
     with that flag anyway (into a scratch folder, never loaded), so that a change that breaks them fails on every
