@@ -70,13 +70,18 @@ def _declare_dtypes(lib: ctypes.CDLL) -> None:
     lib.kva_dtypes.argtypes, lib.kva_dtypes.restype = [], _i32
 
 
+def loop_defines(code: int) -> tuple[str, ...]:
+    """The -D flags of the build holding dtype `code`'s loop alone."""
+    return (f"-DKVA_DTYPES={1 << code}",)
+
+
 def with_dtype(lib: ctypes.CDLL, code: int) -> bool:
     """Whether `lib` (from load) runs caches of dtype `code` (DT_*), building that dtype's loop on first need
     (its own library, -DKVA_DTYPES, linked into lib through kva_add_dtype). False where that build fails."""
     if code in lib._kva_dtypes:
         return True
     isa, cache_dir = lib._kva_build
-    loop = build(_SOURCE, isa, cache_dir, (f"-DKVA_DTYPES={1 << code}",))
+    loop = build(_SOURCE, isa, cache_dir, loop_defines(code))
     if loop is None:
         return False
     _declare_dtypes(loop)
@@ -152,7 +157,7 @@ def cache_supported(k_heads: torch.Tensor, v_heads: torch.Tensor, k_scale: torch
     """Whether the kernel reads this cache: a dtype it converts, head_dim a multiple of 8 within its
     buffers, unit-stride rows, scales exactly for int8 / fp8."""
     d = k_heads.shape[-1]
-    quantized = k_heads.dtype in (torch.int8, torch.float8_e4m3fn)
+    quantized = k_heads.dtype in kv_formats.QUANTIZED
     return (k_heads.device.type == "cpu" and k_heads.dim() == 4 and k_heads.dtype in DTYPE_CODES
             and v_heads.dtype == k_heads.dtype and v_heads.shape == k_heads.shape
             and d % 8 == 0 and d <= MAX_HEAD_DIM and k_heads.stride(-1) == 1 and v_heads.stride(-1) == 1
@@ -174,7 +179,7 @@ def run(lib: ctypes.CDLL, step: DecodeStep, cache: CacheView, q: torch.Tensor, o
     """Writes the step's decode rows of `out` (fp32, laid out like q) from q, on torch's thread count
     unless given; the caller has checked query_supported (this is the per-layer call: no checks beyond
     the kernel's own)."""
-    if cache.code not in lib._kva_dtypes and not with_dtype(lib, cache.code):
+    if not with_dtype(lib, cache.code):
         raise RuntimeError(f"cpu_attention: the loop for KV dtype {cache.k_heads.dtype} did not build: "
                            f"{build_error(_SOURCE, lib._kva_build[0])}")
     rc = lib.kva_decode(step.ref, cache.ref, q.data_ptr(), q.stride(0), out.data_ptr(), out.stride(0),

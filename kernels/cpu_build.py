@@ -143,11 +143,16 @@ def compile_sources(sources: list[Path], isa: str, cache_dir: str, defines: tupl
     return errors
 
 
+def sources() -> list[Path]:
+    """Every kernel source (cpu_*.c beside this file)."""
+    return sorted(Path(__file__).parent.glob("cpu_*.c"))
+
+
 @functools.lru_cache(maxsize=None)
 def _build_missing(isa: str, cache_dir: str) -> dict[str, str]:
     """Compiles every cpu_*.c without a build for this ISA (a machine's first model load); returns source name
     -> error."""
-    return compile_sources(sorted(Path(__file__).parent.glob("cpu_*.c")), isa, cache_dir)
+    return compile_sources(sources(), isa, cache_dir)
 
 
 def check_structs(lib: ctypes.CDLL, source: str, isa: str, size_fn: str, mirrors: list[type]) -> ctypes.CDLL | None:

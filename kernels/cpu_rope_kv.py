@@ -12,7 +12,6 @@ from kvcli_kernels.cpu_build import build
 
 _SOURCE = "cpu_rope_kv.c"
 DTYPE_CODES = kv_formats.DTYPE_CODES  # cache storage dtype -> DT_* of cpu_rope_kv.c (kv_formats.py)
-QUANTIZED = (torch.int8, torch.float8_e4m3fn)  # stored with a scale per token and KV head
 _ERRORS = {-2: "a position outside the rotary table", -3: "a KV slot outside the cache",
            -4: "an unsupported cache dtype or head size"}
 
@@ -37,7 +36,7 @@ def cache_supported(k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor | No
     if not (k.device.type == "cpu" and k.dim() == 4 and k.dtype in DTYPE_CODES and v.dtype == k.dtype
             and v.shape == k.shape and k.stride(3) == 1 and v.stride(3) == 1):
         return False
-    if k.dtype not in QUANTIZED:
+    if k.dtype not in kv_formats.QUANTIZED:
         return k_scale is None and v_scale is None
     return (k_scale is not None and v_scale is not None and all(
         s.dtype == torch.float32 and s.device.type == "cpu" and s.shape == k.shape[:3] for s in (k_scale, v_scale))

@@ -12,5 +12,7 @@ from kvcli.kvcache.kv_dtype import KV_DTYPES
 
 # Storage dtype -> the C kernels' code: DT_* of cpu_attention.c and cpu_rope_kv.c.
 DTYPE_CODES = {d.storage: d.kernel_code for d in KV_DTYPES.values()}
+# Storage dtypes stored with a scale per token and KV head (int8, fp8).
+QUANTIZED = frozenset(d.storage for d in KV_DTYPES.values() if d.quantized)
 # Quantized storage dtype -> (QUANT id, qmax) of the Triton cache-write kernel.
 QUANT_FORMATS = {d.storage: (d.quant_code, d.qmax) for d in KV_DTYPES.values() if d.quantized}

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
-from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -19,12 +18,13 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
 
     import torch  # noqa: F401  (cpu_build loads libraries after torch; imported here for the same process)
-    from kvcli_kernels import cpu_build
+    from kvcli_kernels import cpu_attention, cpu_build
     from kvcli.bench.internals import kv_dtype
     from kvcli.native.capabilities import build_isa
 
     isa = build_isa()
-    sources = sorted(Path(cpu_build.__file__).parent.glob("cpu_*.c"))
+    sources = cpu_build.sources()
+    attention = next(s for s in sources if s.name == "cpu_attention.c")
     print(f"kvcli C kernels, {isa} build: {' '.join(cpu_build.compile_flags(isa))}; compiler: "
           f"{cpu_build.compiler_line()}")
     alone: dict[str, list[float]] = {s.name: [] for s in sources}
@@ -48,8 +48,7 @@ def main(argv: list[str] | None = None) -> None:
                 continue
             with tempfile.TemporaryDirectory() as tmp:
                 t = time.perf_counter()
-                errors = cpu_build.compile_sources([Path(cpu_build.__file__).with_name("cpu_attention.c")], isa, tmp,
-                                            (f"-DKVA_DTYPES={1 << d.kernel_code}",))
+                errors = cpu_build.compile_sources([attention], isa, tmp, cpu_attention.loop_defines(d.kernel_code))
                 variants[d.name].append(time.perf_counter() - t)
                 if errors:
                     raise SystemExit(f"cpu_attention.c for {d.name}: {errors}")

@@ -27,7 +27,7 @@ from kvcli.bench.llama_cpp_runner import python_for
 TEST = "tests/conformance/test_llama_cpp.py"
 
 
-def _llama_build(py) -> str:
+def _llama_build(py: "os.PathLike[str]") -> str:
     """llama-cpp-python's version and its build's features, from the conformance venv's python `py`."""
     code = "import llama_cpp as L; print(L.__version__, '|', L.llama_print_system_info().decode())"
     out = subprocess.run([str(py), "-c", code], capture_output=True, text=True, timeout=120)

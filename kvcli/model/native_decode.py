@@ -146,15 +146,15 @@ class NativeDecode:
             return None
         d = self.desc
         k = first.k
+        scale_strides = scale_args(first.k_scale, first.v_scale)[2:]  # every layer's alike (checked below)
         model_args = D.Model(
             *libs, d.heads, d.kv_heads, d.head_dim, d.hidden, d.ffn, d.eps, d.cos.data_ptr(), d.sin_signed.data_ptr(),
             d.cos.shape[0], DTYPE_CODES[k.dtype], k.shape[1], k.shape[0] * k.shape[1], k.stride(0), k.stride(1),
-            k.stride(2), first.v.stride(0), first.v.stride(1), first.v.stride(2),
-            *scale_args(first.k_scale, first.v_scale)[2:])
+            k.stride(2), first.v.stride(0), first.v.stride(1), first.v.stride(2), *scale_strides)
         layers = (D.Layer * len(d.layers))()
         for i, (layer, cache, view) in enumerate(zip(d.layers, kv_cache.layers, views)):
             if (cache.k.stride() != k.stride() or cache.v.stride() != first.v.stride() or cache.k.dtype != k.dtype
-                    or scale_args(cache.k_scale, cache.v_scale)[2:] != scale_args(first.k_scale, first.v_scale)[2:]):
+                    or scale_args(cache.k_scale, cache.v_scale)[2:] != scale_strides):
                 return None
             layers[i] = D.Layer(layer.attn_norm.data_ptr(), layer.ffn_norm.data_ptr(),
                                 *(D.linear_args(list(parts)) for parts in (layer.qkv, layer.o, layer.gate_up, layer.down)),
