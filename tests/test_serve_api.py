@@ -7,13 +7,13 @@ roles, models.retrieve, cached tokens; then the official openai SDK, if installe
 from __future__ import annotations
 
 import json
-import statistics
 import threading
 import time
 
 import httpx
 import pytest
 
+from kvcli.view.plain_log import percentile
 from test_serve import ServeProcess, _first_chunk_then_drop, post, sse, wait_idle
 
 pytestmark = pytest.mark.slow
@@ -145,7 +145,9 @@ def test_huge_prompt_refused_fast_and_health_answers(busy_server, size, status):
     for t in streams:
         t.join()
     assert len(times) >= 24
-    p99 = statistics.quantiles(times, n=100)[98]
+    # interpolated within the samples: statistics.quantiles' default extrapolates past the largest of ~30
+    # probes (it once put p99 at 154 ms when no probe took over 96 ms)
+    p99 = percentile(times, 99)
     print(f"health p99 {p99 * 1000:.1f} ms over {len(times)} probes, {len(tokens)} stream chunks, "
           f"RSS {rss_before / 2**20:.0f} -> {rss_after / 2**20:.0f} MiB")
     assert p99 < 0.1, (p99, max(times))
