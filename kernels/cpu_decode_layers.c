@@ -15,8 +15,12 @@
 
 typedef int (*linear_fn)(const float *x, int64_t M, int64_t K, const uint8_t *codes, int bits, int offset, int scale_kind,
                          const void *scale, const uint16_t *scale_sup, int64_t scale_per, int min_kind,
-                         const void *mins, const uint16_t *min_sup, int64_t min_per, int64_t G, int64_t N, float *y,
-                         int64_t ldy, int nthreads);
+                         const void *mins, const uint16_t *min_sup, int64_t min_per, int64_t G, int one_level,
+                         int64_t N, float *y, int64_t ldy, int nthreads);
+typedef int (*gemm_fn)(const float *x, int64_t M, int64_t K, const uint8_t *codes, int bits, int offset, int scale_kind,
+                       const void *scale, const uint16_t *scale_sup, int64_t scale_per, int min_kind, const void *mins,
+                       const uint16_t *min_sup, int64_t min_per, int64_t G, int64_t N, float *y, int64_t ldy,
+                       int nthreads);
 typedef void (*rmsnorm_fn)(const float *x, const float *w, float *out, int64_t M, int64_t K, float eps, int nthreads);
 typedef int (*rope_kv_fn)(const float *qkv, int64_t T, int64_t qkv_row, int64_t H, int64_t KVH, int64_t D,
                           const float *cos, const float *sin_signed, int64_t table_rows, const int64_t *positions,
@@ -29,7 +33,7 @@ typedef int (*attention_fn)(const void *step, const void *cache, const float *q,
 typedef int (*swiglu_fn)(const float *gu, int64_t M, int64_t F, int64_t row, float *out, int nthreads);
 
 /* Mirrored by kvcli_kernels/cpu_decode_layers.py (Part, Linear, Layer, Model): keep field order and types. */
-typedef struct { /* kvq_linear's weight arguments (kvcli_kernels.cpu_int8dot.weight_args) and N */
+typedef struct { /* kvq_linear's weight arguments (kvcli_kernels.cpu_int8dot.weight_args), N and its route */
     const uint8_t *codes;
     int64_t bits, offset, scale_kind;
     const void *scale;
@@ -37,7 +41,8 @@ typedef struct { /* kvq_linear's weight arguments (kvcli_kernels.cpu_int8dot.wei
     int64_t scale_per, min_kind;
     const void *mins;
     const uint16_t *min_sup;
-    int64_t min_per, group_size, n;
+    int64_t min_per, group_size, one_level, n;
+    int64_t int8_min_rows; /* from this many rows kvq_gemm_i8 (the weight's row route), 0: never */
 } kvd_part;
 
 /* One fused projection (q/k/v, gate/up) held as up to KVD_PARTS weights of different forms (a Q4_K_M file:
@@ -73,6 +78,7 @@ typedef struct {
     int64_t table_rows;
     int64_t kv_dtype, block_size, num_slots, k_sb, k_st, k_sh, v_sb, v_st, v_sh;
     int64_t s_sb, s_st, s_sh; /* the scales' strides (int8 / fp8 caches; 0 otherwise) */
+    gemm_fn gemm_i8;          /* kvq_gemm_i8, for parts whose route takes it at the step's rows */
 } kvd_model;
 
 /* sizeof each struct above, for the launcher's check against its ctypes mirror (cpu_build.check_structs). */
@@ -90,8 +96,18 @@ static int linear(const kvd_model *m, const kvd_linear *w, const float *x, int64
     float *col = y;
     for (int64_t p = 0; p < w->nparts; p++) {
         const kvd_part *q = w->part + p;
+        if (q->int8_min_rows > 0 && T >= q->int8_min_rows) { /* as Int8DotCpu.__call__: -2, none in this build */
+            const int rc = m->gemm_i8(x, T, K, q->codes, (int)q->bits, (int)q->offset, (int)q->scale_kind, q->scale,
+                                      q->scale_sup, q->scale_per, (int)q->min_kind, q->mins, q->min_sup, q->min_per,
+                                      q->group_size, q->n, col, w->n, nt);
+            if (rc == 0) {
+                col += q->n;
+                continue;
+            }
+            if (rc != -2) return 1;
+        }
         if (m->linear(x, T, K, q->codes, (int)q->bits, (int)q->offset, (int)q->scale_kind, q->scale, q->scale_sup, q->scale_per,
-                      (int)q->min_kind, q->mins, q->min_sup, q->min_per, q->group_size, q->n, col, w->n, nt))
+                      (int)q->min_kind, q->mins, q->min_sup, q->min_per, q->group_size, (int)q->one_level, q->n, col, w->n, nt))
             return 1;
         col += q->n;
     }

@@ -21,7 +21,7 @@ class Part(ctypes.Structure):
 
     _fields_ = [("codes", _ptr), ("bits", _i64), ("offset", _i64), ("scale_kind", _i64), ("scale", _ptr), ("scale_sup", _ptr),
                 ("scale_per", _i64), ("min_kind", _i64), ("mins", _ptr), ("min_sup", _ptr), ("min_per", _i64),
-                ("group_size", _i64), ("n", _i64)]
+                ("group_size", _i64), ("one_level", _i64), ("n", _i64), ("int8_min_rows", _i64)]
 
 
 MAX_PARTS = 3  # KVD_PARTS
@@ -46,7 +46,7 @@ class Model(ctypes.Structure):
                 ("eps", _f32), ("cos", _ptr), ("sin_signed", _ptr), ("table_rows", _i64),
                 ("kv_dtype", _i64), ("block_size", _i64), ("num_slots", _i64), ("k_sb", _i64), ("k_st", _i64),
                 ("k_sh", _i64), ("v_sb", _i64), ("v_st", _i64), ("v_sh", _i64), ("s_sb", _i64), ("s_st", _i64),
-                ("s_sh", _i64)]
+                ("s_sh", _i64), ("gemm_i8", _ptr)]
 
 
 def load(isa: str, cache_dir: str) -> ctypes.CDLL | None:
@@ -65,12 +65,13 @@ def address(fn: ctypes._CFuncPtr) -> int:  # type: ignore[name-defined]
     return ctypes.cast(fn, ctypes.c_void_p).value or 0
 
 
-def linear_args(parts: list[tuple[tuple, int]]) -> Linear:
-    """From each part's kvcli_kernels.cpu_int8dot.weight_args(...) and output features, in output order."""
+def linear_args(parts: list[tuple[tuple, int, int]]) -> Linear:
+    """From each part's kvcli_kernels.cpu_int8dot.weight_args(...), output features and the rows from which its
+    route takes kvq_gemm_i8 (0: never), in output order."""
     if not 1 <= len(parts) <= MAX_PARTS:
         raise ValueError(f"a linear of {len(parts)} parts (1 to {MAX_PARTS})")
-    held = (Part * MAX_PARTS)(*(Part(*weight, n) for weight, n in parts))
-    return Linear(len(parts), sum(n for _, n in parts), held)
+    held = (Part * MAX_PARTS)(*(Part(*weight, n, int8_rows) for weight, n, int8_rows in parts))
+    return Linear(len(parts), sum(n for _, n, _ in parts), held)
 
 
 def scratch_floats(rows: int, model: Model) -> int:

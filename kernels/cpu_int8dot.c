@@ -5,7 +5,9 @@
  * (quantize_row), and its exact float sum sx. A weight block of 32 codes q with scale d and min m
  * (w = d q + m) then contributes
  *     d (dx / 256) sum(q (256 q1 + q2)) + m sx
- * where the sum is exact integer arithmetic (AVX2 maddubs, or AVX-512-VNNI dpbusd). Weight layout
+ * where the sum is exact integer arithmetic (AVX2 maddubs, or AVX-512-VNNI dpbusd). 4-bit codes with one scale
+ * per 32 (Q4_0 / Q4_1) take one level outside outlier blocks where the caller asks (one_level: the rounding and
+ * order of kvq_gemm_i8, so both kernels give a row the same bits; one_level_tile). Weight layout
  * (interleaved by 8 rows, see group_tile) is built by pack_x8 in cpu_int8dot.py. Scales and mins per group
  * of G (a multiple of 32) are kvq_groups: the file's own form where it can be read directly (fp16, or
  * K-quants' 8-bit multipliers of an fp16 value per super-block, or AWQ/GPTQ zero points), else fp32.
@@ -35,6 +37,12 @@
 #define PREFETCH_BLOCKS 16 /* how far ahead of its block the loop asks for the weight codes (prefetch_lines) */
 #endif
 #define TILE_M 4  /* x rows per pass over a weight row: its blocks are unpacked once for all of them */
+/* One activation level (see "one level" below): a block keeps its second level past this many times its row's
+ * RMS; sums are gathered per ONE_LEVEL_KC k and added to the output once per such chunk (kvq_gemm_i8's panels). */
+#ifndef IG_OUTLIER
+#define IG_OUTLIER 4.0f
+#endif
+#define ONE_LEVEL_KC 2048
 
 /* A many-row GEMM where this build has none (kvq_gemm_f32 / _bf16 / _i8): returns -2, the caller takes another. */
 #define KVQ_GEMM_ABSENT(name)                                                                                        \
@@ -88,6 +96,9 @@ typedef struct {
     int64_t ldy;
     int offset; /* unsigned codes (bits 4, 5, 6): the code offset the kernel takes off, w = d (q - offset) + m */
     const float *dxs;   /* AMX: [M, K / 32] dx / 256 */
+    int one_level;       /* activations at one level outside outlier blocks (4-bit codes, one scale per 32) */
+    const uint8_t *flag; /* one level: [M, K / 32] the block keeps its second level */
+    const int32_t *lv;   /* one level: [M, K / 32, 2] offset x sum(q1), offset x sum(q2) */
 } kvq_args;
 
 static inline float f16_to_f32(uint16_t h) {
@@ -130,9 +141,21 @@ static inline float group_value(const kvq_groups *q, const kvq_groups *scale, in
  * again in steps of d / 256. One int8 level alone (llama.cpp's Q8) loses too much on models with
  * outlier channels (SmolLM2: top-1 agreement with the fp32 reference 0.93 instead of 0.97); with the
  * second the activations carry ~15 bits, finer than bf16's 8, for one more integer pass over the codes
- * already in registers. Stored per block: q1[32], q2[32]. */
+ * already in registers. Stored per block: q1[32], q2[32].
+ *
+ * One level (outlier > 0; see "one level" below): the second level is kept only in blocks whose max|x|
+ * exceeds `outlier` x the row's RMS (flag[b] = 1), zeroed elsewhere; s then holds the rounded x's sum
+ * d (sum(q1) + sum(q2) / 256) (mins multiply it, as the codes do) and lv[2 b], lv[2 b + 1] offset x sum(q1),
+ * offset x sum(q2). Both kernels that round so (kvq_linear's one-level loop, kvq_gemm_i8) call this. */
 
-static void quantize_row(const float *x, int64_t K, int8_t *q, float *d, float *s, int32_t *xs) {
+static void quantize_row(const float *x, int64_t K, int8_t *q, float *d, float *s, int32_t *xs, float outlier,
+                         int offset, uint8_t *flag, int32_t *lv) {
+    float limit = 0.0f;
+    if (outlier > 0.0f) {
+        double ss = 0.0;
+        for (int64_t k = 0; k < K; k++) ss += (double)x[k] * x[k];
+        limit = outlier * (float)sqrt(ss / (double)K);
+    }
     for (int64_t b = 0; b < K / QK; b++) {
         const float *xb = x + b * QK;
         int8_t *qb = q + 2 * b * QK;
@@ -186,6 +209,16 @@ static void quantize_row(const float *x, int64_t K, int8_t *q, float *d, float *
             qb[QK + j] = (int8_t)(r2 > 127.0f ? 127.0f : r2 < -127.0f ? -127.0f : r2);
         }
 #endif
+        if (outlier > 0.0f) {
+            flag[b] = d[b] * 127.0f > limit;
+            if (!flag[b]) memset(qb + QK, 0, QK);
+            int32_t s1 = 0, s2 = 0;
+            for (int j = 0; j < QK; j++) s1 += qb[j], s2 += qb[QK + j];
+            lv[2 * b] = offset * s1, lv[2 * b + 1] = offset * s2;
+            /* mins multiply the rounded x's sum, as the codes do: the codes' mean (7.5 for 4 bits) times the
+             * block's rounding errors cancels against it (against the exact sum, Q4_1 lost 1-2 % of |y|) */
+            s[b] = d[b] * ((float)s1 + (float)s2 * (1.0f / 256.0f));
+        }
         if (xs)
             for (int h = 0; h < 2; h++) {
                 int32_t s1 = 0, s2 = 0;
@@ -474,6 +507,73 @@ static inline __attribute__((always_inline)) void group_tile(const kvq_args *a, 
 #endif
 }
 
+/* ---- one level: 4-bit codes with one scale (and min) per 32, few rows ---------------------------------
+ * The activations rounded as kvq_gemm_i8 rounds them (one int8 level per block, the second only in outlier
+ * blocks: quantize_row with IG_OUTLIER), and summed in its order, so that a row's result is the same bit for
+ * bit whichever of the two kernels a call of its row count takes: per ONE_LEVEL_KC chunk of k, level 1's
+ * block sums f += (sum(q1 w) - offset sum(q1)) d_w d_x, the min's f += m_w sx, level 2's (flagged blocks)
+ * f2 += (sum(q2 w) - offset sum(q2)) d_w (d_x / 256); then y = f + f2 for the first chunk, y + (f + f2) after.
+ * Half the dot products of the two-level loop (group_tile) in blocks without an outlier. */
+#ifdef KVQ_AVX2
+static inline __attribute__((always_inline)) void one_level_tile(const kvq_args *a, const int R, int64_t g, int64_t m0) {
+    const int64_t nb = a->K / QK;
+    const int mins = a->mins.kind != KVQ_NONE;
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    __m256 y[TILE_M];
+    for (int64_t b0 = 0; b0 < nb; b0 += ONE_LEVEL_KC / QK) {
+        const int64_t b1 = b0 + ONE_LEVEL_KC / QK < nb ? b0 + ONE_LEVEL_KC / QK : nb;
+        __m256 f[TILE_M], f2[TILE_M];
+        for (int r = 0; r < R; r++) f[r] = f2[r] = _mm256_setzero_ps();
+        for (int64_t b = b0; b < b1; b++) {
+            const __m256 dw = groups8(&a->scale, _mm256_setzero_ps(), g, b, nb);
+            const __m256 mw = mins ? groups8(&a->mins, dw, g, b, nb) : _mm256_setzero_ps();
+            const uint8_t *c = a->codes + (g * nb + b) * 128;
+            prefetch_lines(c + PREFETCH_BLOCKS * 128, 128);
+            __m256i w[8];
+            for (int st = 0; st < 4; st++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(c + 32 * st));
+                w[st] = _mm256_and_si256(v, m4);
+                w[st + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+            }
+            for (int r = 0; r < R; r++) {
+                const int64_t xi = (m0 + r) * nb + b;
+                const int8_t *xq = a->qx + (m0 + r) * 2 * a->K + 2 * b * QK;
+                for (int lev = 0; lev < 2; lev++) {
+                    if (lev == 1 && !a->flag[xi]) break;
+                    const int8_t *xl = xq + lev * QK;
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+                    /* two chains: dpbusd's latency (4-5 cycles) would otherwise bound a single row */
+                    __m256i i1 = _mm256_setzero_si256(), i1b = _mm256_setzero_si256();
+                    for (int st = 0; st < 8; st += 2) {
+                        i1 = _mm256_dpbusd_epi32(i1, w[st], bcast4(xl + 4 * st));
+                        i1b = _mm256_dpbusd_epi32(i1b, w[st + 1], bcast4(xl + 4 * st + 4));
+                    }
+                    const __m256i isum = _mm256_add_epi32(i1, i1b);
+#else
+                    /* 8 pair sums of at most 2 * 15 * 127 stay inside int16 */
+                    __m256i p = _mm256_maddubs_epi16(w[0], bcast4(xl));
+                    for (int st = 1; st < 8; st++) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(w[st], bcast4(xl + 4 * st)));
+                    const __m256i isum = _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+#endif
+                    const __m256 sum = _mm256_cvtepi32_ps(_mm256_sub_epi32(isum, _mm256_set1_epi32(a->lv[2 * xi + lev])));
+                    if (lev == 0) {
+                        f[r] = _mm256_fmadd_ps(sum, _mm256_mul_ps(dw, _mm256_set1_ps(a->dx[xi])), f[r]);
+                        if (mins) f[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a->sx[xi]), f[r]);
+                    } else {
+                        f2[r] = _mm256_fmadd_ps(sum, _mm256_mul_ps(dw, _mm256_set1_ps(a->dx[xi] * (1.0f / 256.0f))), f2[r]);
+                    }
+                }
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            const __m256 t = _mm256_add_ps(f[r], f2[r]);
+            y[r] = b0 == 0 ? t : _mm256_add_ps(y[r], t);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(a->y + (m0 + r) * a->ldy + 8 * g, y[r]);
+}
+#endif
+
 /* Constant bits, group kind and row count: each case is its own unrolled loop, accumulators in registers. */
 #define TILE_CASES(BITS, G16, KSUB)                              \
     switch (R) {                                                 \
@@ -511,11 +611,25 @@ FORM_TILES(tiles_q8g16, TILE_CASES_41, 8, 1, 0) /* 8-bit codes in groups of 16 *
 FORM_TILES(tiles_q8, TILE_CASES, 8, 0, 0)      /* Q8_0 */
 #undef FORM_TILES
 
+#ifdef KVQ_AVX2
+static __attribute__((noinline)) void tiles_q4_one(const kvq_args *a, int64_t g0, int64_t g1, int64_t m0, int64_t R) {
+    for (int64_t g = g0; g < g1; g++) switch (R) {
+        case 4: one_level_tile(a, 4, g, m0); break;
+        case 3: one_level_tile(a, 3, g, m0); break;
+        case 2: one_level_tile(a, 2, g, m0); break;
+        default: one_level_tile(a, 1, g, m0);
+        }
+}
+#endif
+
 static void gemm_tile(const kvq_args *a, const int bits, int64_t t) {
     const int64_t g0 = t * TILE_G, g1 = g0 + TILE_G < a->N / 8 ? g0 + TILE_G : a->N / 8;
     const int ksub = a->G == QK && a->scale.kind == KVQ_SUB && a->mins.kind == KVQ_NEG_SUB && a->scale.shift >= 0 &&
                      a->mins.shift >= 0;
     void (*tiles)(const kvq_args *, int64_t, int64_t, int64_t, int64_t) =
+#ifdef KVQ_AVX2
+        a->one_level ? tiles_q4_one :
+#endif
         bits == 4 ? (ksub ? tiles_q4k : tiles_q4)
         : bits == 5 ? (ksub ? tiles_q5k : tiles_q5)
         : bits == 6 ? tiles_q6k
@@ -528,6 +642,10 @@ static void gemm_tile(const kvq_args *a, const int bits, int64_t t) {
  * too; 6-bit ones only as Q6_K (groups of 16, int8 sub-scales of an fp16 d, no mins); 8-bit ones in
  * groups of 16 or a multiple of 32. */
 static int form_ok(const kvq_args *a, int bits) {
+    if (a->one_level) /* 4-bit codes, one fp16 / fp32 scale (and min) per 32 (the plain C build: its own loop over
+                       * the same rounding, in its own order; it has no kvq_gemm_i8 to agree with) */
+        return bits == 4 && a->G == QK && (a->scale.kind == KVQ_F16 || a->scale.kind == KVQ_F32) &&
+               (a->mins.kind == KVQ_NONE || a->mins.kind == KVQ_F16 || a->mins.kind == KVQ_F32);
     switch (bits) {
     case 4:
     case 5: return a->G % QK == 0;
@@ -877,16 +995,21 @@ int kvq_amx_enable(int min_rows, int64_t min_elems) {
 #endif
 
 /* y [M, N] (row stride ldy) = x [M, K] @ W^T. bits 4, 5, 6 (unsigned codes, less `offset`) or 8 (int8
- * codes, offset 0). Returns 0, -1 when out of memory, -3 for a form gemm_tile has no loop for. */
+ * codes, offset 0). one_level: the activations rounded and summed as kvq_gemm_i8 does (one_level_tile; 4-bit
+ * codes with one scale per 32), else two levels everywhere. Returns 0, -1 when out of memory, -3 for a form
+ * gemm_tile has no loop for. */
 int kvq_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, int bits, int offset, int scale_kind,
                const void *scale, const uint16_t *scale_sup, int64_t scale_per, int min_kind, const void *mins,
-               const uint16_t *min_sup, int64_t min_per, int64_t G, int64_t N, float *y, int64_t ldy, int nthreads) {
+               const uint16_t *min_sup, int64_t min_per, int64_t G, int one_level, int64_t N, float *y, int64_t ldy,
+               int nthreads) {
     const int64_t nb = K / QK, ntiles = (N / 8 + TILE_G - 1) / TILE_G;
-    const kvq_args form = {NULL, NULL, NULL, NULL, codes, groups_of(scale_kind, scale, scale_sup, scale_per),
-                           groups_of(min_kind, mins, min_sup, min_per), M, K, N, G, y, ldy, offset};
+    kvq_args form = {NULL, NULL, NULL, NULL, codes, groups_of(scale_kind, scale, scale_sup, scale_per),
+                     groups_of(min_kind, mins, min_sup, min_per), M, K, N, G, y, ldy, offset};
+    form.one_level = one_level != 0;
     if (!form_ok(&form, bits)) return -3;
-#ifdef KVQ_AMX
-    const int amx = amx_min_rows > 0 && M >= amx_min_rows && M * K >= amx_min_elems && amx_form_ok(&form, bits);
+#ifdef KVQ_AMX /* (the tiles sum both levels in the two-level form: not for one level) */
+    const int amx = !one_level && amx_min_rows > 0 && M >= amx_min_rows && M * K >= amx_min_elems &&
+                    amx_form_ok(&form, bits);
     const int64_t Mp = amx ? amx_padded_rows(M) : M; /* AMX reads whole tiles: zero rows, results dropped */
 #else
     const int amx = 0;
@@ -894,20 +1017,22 @@ int kvq_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, int b
 #endif
     int8_t *qx = (int8_t *)malloc((size_t)(2 * Mp * K));
     float *dx = (float *)calloc((size_t)(Mp * nb), sizeof(float)), *sx = (float *)calloc((size_t)(Mp * nb), sizeof(float));
-    const int need_xs = offset != 0 && bits != 8;
+    const int need_xs = offset != 0 && bits != 8 && !one_level;
     int32_t *xs = need_xs ? (int32_t *)calloc((size_t)(2 * Mp * nb), sizeof(int32_t)) : NULL;
-    if (!qx || !dx || !sx || (need_xs && !xs)) {
-        free(qx), free(dx), free(sx), free(xs);
+    uint8_t *flag = one_level ? (uint8_t *)malloc((size_t)(Mp * nb)) : NULL;
+    int32_t *lv = one_level ? (int32_t *)malloc(sizeof(int32_t) * (size_t)(2 * Mp * nb)) : NULL;
+    if (!qx || !dx || !sx || (need_xs && !xs) || (one_level && (!flag || !lv))) {
+        free(qx), free(dx), free(sx), free(xs), free(flag), free(lv);
         return -1;
     }
     if (Mp > M) memset(qx + 2 * M * K, 0, (size_t)(2 * (Mp - M) * K));
     float *dxs = amx ? (float *)calloc((size_t)(Mp * nb), sizeof(float)) : NULL; /* AMX's epilogue: dx / 256 */
     if (amx && !dxs) {
-        free(qx), free(dx), free(sx), free(xs);
+        free(qx), free(dx), free(sx), free(xs), free(flag), free(lv);
         return -1;
     }
     kvq_args a = form;
-    a.qx = qx, a.dx = dx, a.sx = sx, a.xs = xs, a.dxs = dxs;
+    a.qx = qx, a.dx = dx, a.sx = sx, a.xs = xs, a.dxs = dxs, a.flag = flag, a.lv = lv;
     int failed = 0;
     /* below ~64k weights a second thread costs more to wake than it saves */
     const int nt = N * K < (1 << 16) ? 1 : nthreads;
@@ -915,7 +1040,8 @@ int kvq_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, int b
     {
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++) {
-            quantize_row(x + m * K, K, qx + 2 * m * K, dx + m * nb, sx + m * nb, xs ? xs + 2 * m * nb : NULL);
+            quantize_row(x + m * K, K, qx + 2 * m * K, dx + m * nb, sx + m * nb, xs ? xs + 2 * m * nb : NULL,
+                         one_level ? IG_OUTLIER : 0.0f, offset, flag ? flag + m * nb : NULL, lv ? lv + 2 * m * nb : NULL);
             for (int64_t b = 0; dxs && b < nb; b++) dxs[m * nb + b] = dx[m * nb + b] / 256.0f;
         }
         if (amx) { /* (after the loop's implicit barrier: x is quantized) */
@@ -931,12 +1057,8 @@ int kvq_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, int b
         }
     }
     free(dxs);
-    if (failed) {
-        free(qx), free(dx), free(sx), free(xs);
-        return -1;
-    }
-    free(qx), free(dx), free(sx), free(xs);
-    return 0;
+    free(qx), free(dx), free(sx), free(xs), free(flag), free(lv);
+    return failed ? -1 : 0;
 }
 
 /* Codes [N, K] (uint8 below 2^bits; int8 for bits 8, as bytes) into the layout above, [N / 8, K / 32,
@@ -1519,15 +1641,11 @@ KVQ_GEMM_ABSENT(kvq_gemm_bf16)
 #ifndef IG_NP
 #define IG_NP 2
 #endif
-#define IG_KC 2048
+#define IG_KC ONE_LEVEL_KC
 #define IG_PB 1 /* register tiles (IG_NP panels) per work item */
 #ifndef IG_MB_BYTES
 #define IG_MB_BYTES (384 << 10)
 #endif
-#ifndef IG_OUTLIER
-#define IG_OUTLIER 4.0f
-#endif
-
 typedef struct {
     const int8_t *q;     /* [2, M, K]: level 1, then level 2 (zeros outside flagged blocks); planes apart, so that
                           * the first pass reads K bytes a row, not 2K */
@@ -1540,26 +1658,15 @@ typedef struct {
     int64_t nb;
 } ig_x;
 
-/* Row x (K) into its levels (quantize_row's), the second one kept only in blocks past IG_OUTLIER x RMS. */
+/* Row x (K) into its levels (quantize_row's one-level rounding), split into the two planes. */
 static void ig_quantize_row(const float *x, int64_t K, int offset, int8_t *q, int8_t *q1, int8_t *q2, float *d,
                             float *sx, int32_t *s, uint8_t *flag, int32_t *nflag) {
     const int64_t nb = K / QK;
-    quantize_row(x, K, q, d, sx, NULL); /* q: [nb, 2, 32] scratch of the row, split into the planes below */
-    double ss = 0.0;
-    for (int64_t k = 0; k < K; k++) ss += (double)x[k] * x[k];
-    const float limit = IG_OUTLIER * (float)sqrt(ss / (double)K);
+    quantize_row(x, K, q, d, sx, NULL, IG_OUTLIER, offset, flag, s); /* q: [nb, 2, 32] scratch of the row */
     nflag[0] = 0;
     for (int64_t b = 0; b < nb; b++) {
-        int8_t *qb = q + 2 * b * QK;
-        flag[b] = d[b] * 127.0f > limit;
+        const int8_t *qb = q + 2 * b * QK;
         nflag[0] += flag[b];
-        if (!flag[b]) memset(qb + QK, 0, QK);
-        int32_t s1 = 0, s2 = 0;
-        for (int j = 0; j < QK; j++) s1 += qb[j], s2 += qb[QK + j];
-        s[2 * b] = offset * s1, s[2 * b + 1] = offset * s2;
-        /* mins multiply the rounded x's sum, as the codes do: the codes' mean (7.5 for 4 bits) times the
-         * block's rounding errors cancels against it (against the exact sum, Q4_1 lost 1-2 % of |y|) */
-        sx[b] = d[b] * ((float)s1 + (float)s2 * (1.0f / 256.0f));
         memcpy(q1 + b * QK, qb, QK), memcpy(q2 + b * QK, qb + QK, QK);
     }
 }

@@ -47,17 +47,18 @@ def load(isa: str, cache_dir: str) -> ctypes.CDLL | None:
     if lib is not None and not hasattr(lib, "_kvq_declared"):
         i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
         groups = [i32, ptr, ptr, i64]
-        lib.kvq_linear.argtypes = [ptr, i64, i64, ptr, i32, i32, *groups, *groups, i64, i64, ptr, i64, i32]
+        gemm = [ptr, i64, i64, ptr, i32, i32, *groups, *groups, i64, i64, ptr, i64, i32]
+        lib.kvq_linear.argtypes = [*gemm[:15], i32, *gemm[15:]]  # + one_level after the group size
         lib.kvq_linear.restype = i32
         lib.kvq_dequant.argtypes = [ptr, i32, i32, *groups, *groups, i64, i64, i64, i64, ptr, ptr, i32]
         lib.kvq_dequant.restype = None
         lib.kvq_pack.argtypes = [ptr, i64, i64, i32, ptr, i32]
         lib.kvq_pack.restype = None
-        lib.kvq_gemm_f32.argtypes = lib.kvq_linear.argtypes
+        lib.kvq_gemm_f32.argtypes = gemm
         lib.kvq_gemm_f32.restype = i32
-        lib.kvq_gemm_bf16.argtypes = lib.kvq_linear.argtypes
+        lib.kvq_gemm_bf16.argtypes = gemm
         lib.kvq_gemm_bf16.restype = i32
-        lib.kvq_gemm_i8.argtypes = lib.kvq_linear.argtypes
+        lib.kvq_gemm_i8.argtypes = gemm
         lib.kvq_gemm_i8.restype = i32
         lib.kvq_amx_enable.argtypes = [i32, i64]
         lib.kvq_amx_enable.restype = i32
@@ -74,22 +75,30 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 def weight_args(codes: torch.Tensor, bits: int, scale: Groups, mins: Groups, group_size: int,
-                offset: int = 0) -> tuple:
-    """The weight's arguments of kvq_linear / kvq_dequant, built once per weight (pointers into tensors
-    the caller keeps alive): per-call argument building was ~0.4 ms of a 13 ms decode step. offset: of
-    unsigned codes (bits 5, 6), w = d (q - offset) + m."""
-    return (codes.data_ptr(), bits, offset, *scale.args(), *mins.args(), group_size)
+                offset: int = 0, one_level: bool = False) -> tuple:
+    """The weight's arguments of kvq_linear, built once per weight (pointers into tensors the caller keeps
+    alive): per-call argument building was ~0.4 ms of a 13 ms decode step. offset: of unsigned codes (bits 4-6),
+    w = d (q - offset) + m. one_level: kvq_linear rounds the activations as kvq_gemm_i8 does (one int8 level, two
+    in outlier blocks; 4-bit codes with one scale per 32), so that a row's result is the same in both kernels;
+    else two levels everywhere. The other entry points take the same tuple less one_level (form_args)."""
+    return (codes.data_ptr(), bits, offset, *scale.args(), *mins.args(), group_size, int(one_level))
+
+
+def form_args(weight: tuple) -> tuple:
+    """The weight's form (weight_args less the rounding choice): kvq_dequant's and the GEMMs' arguments."""
+    return weight[:-1]
 
 
 def int8dot_linear(lib: ctypes.CDLL, x: torch.Tensor, weight: tuple, out_features: int) -> torch.Tensor:
     """x fp32 [M, K] contiguous, `weight` from weight_args -> fp32 [M, N]."""
     m, k = x.shape
     y = torch.empty(m, out_features, dtype=torch.float32)
-    codes, bits, offset, *groups, group_size = weight
-    rc = lib.kvq_linear(x.data_ptr(), m, k, codes, bits, offset, *groups, group_size, out_features, y.data_ptr(),
-                        out_features, torch.get_num_threads())
+    rc = lib.kvq_linear(x.data_ptr(), m, k, *weight, out_features, y.data_ptr(), out_features, torch.get_num_threads())
     if rc == -3:
-        raise ValueError(f"int8dot: no kernel loop for {bits}-bit codes in groups of {group_size} of this scale form")
+        bits, group_size, one_level = weight[1], weight[-2], weight[-1]
+        rounding = " at one activation level" if one_level else ""
+        raise ValueError(f"int8dot: no kernel loop for {bits}-bit codes in groups of {group_size} of this scale "
+                         f"form{rounding}")
     if rc != 0:
         raise MemoryError(f"int8dot: no memory to quantize {m} x {k} activations")
     return y
@@ -118,7 +127,7 @@ def int8dot_gemm_i8(lib: ctypes.CDLL, x: torch.Tensor, weight: tuple, out_featur
 def _panel_gemm(fn, x: torch.Tensor, weight: tuple, out_features: int) -> torch.Tensor | None:
     m, k = x.shape
     y = torch.empty(m, out_features, dtype=torch.float32)
-    codes, bits, offset, *groups, group_size = weight
+    codes, bits, offset, *groups, group_size = form_args(weight)
     rc = fn(x.data_ptr(), m, k, codes, bits, offset, *groups, group_size, out_features, y.data_ptr(), out_features,
             torch.get_num_threads())
     if rc == -2:
@@ -134,7 +143,7 @@ def int8dot_dequant(lib: ctypes.CDLL, weight: tuple, out: torch.Tensor, first_ro
     """Rows first_row .. first_row + len(out) of the weight, as out's dtype (fp32 or bf16), into `out`."""
     n, k = out.shape
     f32 = out.dtype == torch.float32
-    lib.kvq_dequant(*weight, k, first_row, n, out.data_ptr() if f32 else None, None if f32 else out.data_ptr(),
+    lib.kvq_dequant(*form_args(weight), k, first_row, n, out.data_ptr() if f32 else None, None if f32 else out.data_ptr(),
                     torch.get_num_threads())
     return out
 

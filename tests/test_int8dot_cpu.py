@@ -19,6 +19,7 @@ from kvcli.model import int8dot_cpu
 from kvcli.model.int8dot_cpu import Int8DotCpu
 from kvcli.model.quant import QuantTensor, pack_nibbles
 from kvcli.native import registry
+from kvcli.native.capabilities import capabilities
 
 pytestmark = pytest.mark.skipif(int8dot_cpu.native_library() is None,
                                 reason=f"native kernel: {registry.status()}")
@@ -80,6 +81,8 @@ def _zero_points(n: int, k: int, gen: torch.Generator) -> QuantTensor:
     return QuantTensor("q4", pack_nibbles(codes), scale, None, 64, zero=zero)
 
 
+OUTLIER = 4.0  # IG_OUTLIER in cpu_int8dot.c: a block keeps its second level past this many times its row's RMS
+PER_32 = ("Q4_0 offset 8", "q4 min fp16 g32", "q4 no-min fp16 g32")  # weight_plan.rounds_per_32: one level
 WEIGHTS = {
     "Q4_K two-level": _gguf("Q4_K"),
     "Q5_K two-level": _gguf("Q5_K"),
@@ -104,15 +107,24 @@ def _check(lin: Int8DotCpu, w: torch.Tensor, x: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("kind", list(WEIGHTS))
 def test_matches_float64_reference(isa, kind):
+    """Two levels: within REL_BOUND of the exact product. Forms rounded per 32 where the int8 GEMM takes them
+    (one_level): within fp32 rounding of the product with x rounded as kvq_gemm_i8 rounds it."""
     gen = torch.Generator().manual_seed(7)
     n, k = 136, 256  # 17 groups of 8 rows: tiles of 4 groups plus a partial one
     q = WEIGHTS[kind](n, k, gen)
     lin = Int8DotCpu(q)
     lin.kernel_at_every_row_count()
+    # (the route reads this machine's build, not the isa fixture's library)
+    assert lin.one_level == (kind in PER_32 and capabilities().build_isa in ("avx2", "avx512vnni"))
     w = q.dequantize()
     for rows in (1, 2, 3, 5, 8, 33):  # every tail of the 4-row tiles
         x = torch.randn(rows, k, generator=gen) * torch.rand(1, k, generator=gen) * 3
         x[:, 5] *= 40  # an outlier channel, as real activations have
+        if lin.one_level:
+            ref = _i8_reference(q, x, OUTLIER)
+            err = ((lin(x).double() - ref).abs().amax(-1) / ref.abs().amax(-1)).max().item()
+            assert err < 1e-5, f"{isa} {kind} rows {rows}: max relative error {err:.2e} against the one-level rounding"
+            continue
         err = _check(lin, w, x)
         assert err < REL_BOUND, f"{isa} {kind} rows {rows}: max relative error {err:.2e}"
 
@@ -478,7 +490,6 @@ def test_amx_tiles_give_the_dpbusd_loops_sums_bit_for_bit(kind):
 
 # --- the many-row integer GEMM: one int8 level of activations, a second in outlier blocks ----------------
 
-OUTLIER = 4.0  # IG_OUTLIER in cpu_int8dot.c: a block keeps its second level past this many times its row's RMS
 FOUR_BIT = ["Q4_K two-level", "Q4_0 offset 8", "zero points g64", "q4 min fp16 g32", "q4 no-min fp16 g32",
             "q4 min fp32 g128"]
 
@@ -551,3 +562,33 @@ def test_int8_gemm_rows_and_threads_do_not_change_a_row(isa):
         pytest.skip("the plain C build has no integer GEMM")
     _assert_rows_and_threads_do_not_change_a_row(int8dot_gemm_i8, "Q4_0 offset 8", 19, 13, (0, 5, 6, 12),
                                                  outlier_rows=(1, 7))
+
+
+@pytest.mark.parametrize("kind", PER_32)
+def test_small_row_kernel_gives_the_int8_gemms_bits_in_one_level(isa, kind):
+    """Forms rounded per 32 (weight_plan.rounds_per_32) where the int8 GEMM takes them: kvq_linear rounds the
+    activations as kvq_gemm_i8 does and sums in its order (per 2,048 k, the second level's sums apart), so a row
+    gets the same bits from either kernel whatever call it is in: the switch between them is a matter of speed
+    (a 6-row verification step in one kernel, the plain decode step it replaces in the other). K of one chunk
+    and of three with a tail; rows with an outlier channel (their second level) and rows without; every tail of
+    the 4-row tile."""
+    from kvcli_kernels.cpu_int8dot import int8dot_gemm_i8, int8dot_linear
+
+    if isa == "generic":
+        pytest.skip("the plain C build has no integer GEMM")
+    gen = torch.Generator().manual_seed(23)
+    for k in (96, 4160):
+        q = WEIGHTS[kind](24, k, gen)
+        lin = Int8DotCpu(q)
+        assert lin.one_level and lin.args[-1] == 1
+        for rows in (1, 2, 3, 4, 5, 7, 13):
+            x = torch.randn(rows, k, generator=gen) * (torch.rand(1, k, generator=gen) + 0.5)
+            x[::2, 37] = 40.0  # an outlier channel in every other row (RMS ~1)
+            small = int8dot_linear(lin.lib, x, lin.args, lin.out_features)
+            assert torch.equal(small, int8dot_gemm_i8(lin.lib, x, lin.args, lin.out_features)), (kind, k, rows)
+            assert torch.equal(small[-1], int8dot_linear(lin.lib, x[-1:], lin.args, lin.out_features)[0])
+        # the second level ran where a row holds an outlier: two-level rounding is measurably elsewhere
+        ref = _i8_reference(q, x, OUTLIER)
+        one = _i8_reference(q, x, None)
+        err = lambda r: ((small.double() - r).abs().amax(-1) / r.abs().amax(-1))  # noqa: E731
+        assert err(ref).max().item() < 1e-5 and err(one)[::2].min().item() > 1e-4

@@ -11,7 +11,8 @@ import torch
 
 from kvcli.config import ModelConfig
 from kvcli.model.quant import QuantTensor, random_q4
-from kvcli.model.weight_plan import (GEMM_F32_MIN_ROWS, INT8_GEMM_BLOCK32_MIN_ROWS, INT8_GEMM_MIN_ROWS,
+from kvcli.model.weight_plan import (GEMM_F32_MIN_ROWS, INT8_GEMM_BLOCK32_MIN_ROWS, INT8_GEMM_BLOCK32_MIN_ROWS_VNNI,
+                                     INT8_GEMM_MIN_ROWS,
                                      INT8DOT_AMX_MIN_ROWS, INT8DOT_DENSE_MIN_ROWS, Native, TileRule, choose_tier,
                                      int8dot_tiles, plan_linear, plan_model)
 from kvcli.native.capabilities import CpuCapabilities, amx_int8_for, build_isa_for, native_bf16_for
@@ -80,18 +81,23 @@ def test_a_linear_takes_the_best_form_its_tier_has_for_it():
     assert cpu.form == "int8dot-cpu" and cpu.route.dense_min_rows == GEMM_F32_MIN_ROWS and cpu.route.gemm == "fp32-gemm"
     fast = plan_linear(w, "cpu", torch.float32, BF16, NATIVE)
     assert fast.route == fast.route.__class__(INT8DOT_DENSE_MIN_ROWS, "read-back", torch.bfloat16,
-                                              INT8_GEMM_BLOCK32_MIN_ROWS)
-    # 4-bit codes: the int8 GEMM on both ISAs, from 32 rows in plain groups of 32 (Q4_0 / Q4_1: llama.cpp rounds
-    # their activations per 32 too), from 256 in the other forms (Q4_K's sub-scales, zero points, wider groups)
-    assert cpu.route.int8_min_rows == INT8_GEMM_BLOCK32_MIN_ROWS
+                                              INT8_GEMM_BLOCK32_MIN_ROWS_VNNI, one_level=True)
+    # 4-bit codes: the int8 GEMM on both ISAs, in plain groups of 32 (Q4_0 / Q4_1: llama.cpp rounds their
+    # activations per 32 too) from 32 rows on AVX2 and 6 on AVX-512-VNNI, with the small-row kernel rounding them
+    # the same way below (one_level); from 256 in the other forms (Q4_K's sub-scales, zero points, wider groups),
+    # which keep two levels below
+    assert cpu.route.int8_min_rows == INT8_GEMM_BLOCK32_MIN_ROWS and cpu.route.one_level
     for other in (replace(w, sub_scale=torch.ones_like(w.scale, dtype=torch.uint8)),
                   replace(w, min=None, zero=torch.zeros_like(w.scale, dtype=torch.uint8)), q4(64, k=128, group=64)):
-        assert plan_linear(other, "cpu", torch.float32, BF16, NATIVE).route.int8_min_rows == INT8_GEMM_MIN_ROWS
+        route = plan_linear(other, "cpu", torch.float32, BF16, NATIVE).route
+        assert route.int8_min_rows == INT8_GEMM_MIN_ROWS and not route.one_level
     wide = plan_linear(q8(64), "cpu", torch.float32, BF16, NATIVE)  # 8-bit codes: never (maddubs would saturate)
     assert wide.route == wide.route.__class__(INT8DOT_DENSE_MIN_ROWS, "read-back", torch.bfloat16)
-    amx = replace(BF16, amx_bf16=True)  # AMX: the bf16 GEMM on tiles, faster there
+    amx = replace(BF16, amx_bf16=True)  # AMX: the bf16 GEMM on tiles, faster there; two levels below it
     assert plan_linear(w, "cpu", torch.float32, amx, NATIVE).route.int8_min_rows is None
-    assert plan_linear(w, "cpu", torch.float32, BF16, NATIVE, row_invariant=True).route.dense_min_rows is None
+    assert not plan_linear(w, "cpu", torch.float32, amx, NATIVE).route.one_level
+    invariant = plan_linear(w, "cpu", torch.float32, BF16, NATIVE, row_invariant=True).route
+    assert invariant.dense_min_rows is None and not invariant.one_level
     # without kvcli's kernel: torch's int4 kernel, and its exact fallback where rows are not a multiple of 16
     assert plan_linear(w, "cpu", torch.float32, AVX2, NO_NATIVE).form == "int4-cpu"
     assert plan_linear(q4(24), "cpu", torch.float32, AVX2, NO_NATIVE).form == "dequant-torch"
@@ -130,12 +136,15 @@ def test_a_model_plan_fuses_layouts_routes_rows_and_decides_the_one_call_decode(
     qkv = plan.layers[0][0]
     assert qkv.name == "qkv" and not qkv.grouped and len(qkv.parts[0].names) == 3
     assert plan.forms() == "int8dot-cpu" and plan.head.form == "int8dot-cpu" and plan.head.tied
-    assert plan.native_decode and plan.native_decode_max_rows == GEMM_F32_MIN_ROWS
+    # the C loop follows the int8 GEMM's route (4-bit codes in groups of 32 take it from 32 rows), not a float GEMM's
+    assert plan.native_decode and plan.native_decode_max_rows is None
     assert plan.by_projection()["v_proj"] == {"int8dot-cpu": 2}
-    # Q4_K_M-like: v in another layout -> q/k fused, v its own part (a group); still one C call
+    # Q4_K_M-like: v in another layout -> q/k fused, v its own part (a group); still one C call, for steps under the
+    # rows from which the 8-bit part takes the fp32 GEMM
     mixed = plan_model(c, tiny_weights(c, v_proj=lambda n, k: q8(n, k)), tier="cpu", dtype=torch.float32, device=CPU,
                        head_dtype=torch.bfloat16, caps=AVX2, native=NATIVE)
     assert [len(p.names) for p in mixed.layers[0][0].parts] == [2, 1] and mixed.native_decode
+    assert mixed.native_decode_max_rows == GEMM_F32_MIN_ROWS and f"under {GEMM_F32_MIN_ROWS} rows" in mixed.native_decode_why
     # without kvcli's kernels: torch's int4 tier, a bf16 dense vocabulary table, layer by layer
     slow = plan_model(c, tiny_weights(c), tier="cpu", dtype=torch.float32, device=CPU, head_dtype=torch.bfloat16,
                       caps=AVX2, native=NO_NATIVE)

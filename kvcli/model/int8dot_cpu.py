@@ -20,7 +20,12 @@ blocks holding an outlier; as close to the fp32 model as the bf16 read-back it r
 cpu_int8dot.c).
 
 Not bit-exact with the exact path, but close: the weights are exact, and each activation is held as two
-int8 levels per block of 32 (x ~ d (q1 + q2 / 256), d = max|x| / 127: ~15 bits, finer than bf16). On
+int8 levels per block of 32 (x ~ d (q1 + q2 / 256), d = max|x| / 127: ~15 bits, finer than bf16), except for
+4-bit codes with one scale (and min) per 32 (Q4_0 / Q4_1, kvcli's own int4) where the int8 GEMM takes them: there
+every row count rounds as kvq_gemm_i8 does, one level outside outlier blocks (the route's one_level; a row gets the
+same bits from either kernel, and the small-row loop issues half the dot products). The bundled model (Q4_1) then
+agrees with transformers' fp32 at 0.992 of 1,024 teacher-forced positions, kvcli's pick always inside the
+reference's top 2 (tests/test_vs_transformers.py, 2026-12-07). Before, with two levels everywhere: on
 the bundled model, teacher-forced over 1,024 positions (a /tmp probe like test_vs_transformers'
 agreement test, 2026-12-01 ~09:00 UTC): top-1 agreement with transformers' fp32 0.999 and largest
 logit error 0.03 (0.992 with prefill chunks read back to bf16); torch's int4 kernel with bf16
@@ -156,7 +161,6 @@ class Int8DotCpu:
             self.bits = 8
             q = weight.int8_codes()
         self.codes = pack_x8_native(lib, q, self.bits)
-        self.args = weight_args(self.codes, self.bits, self.scale, self.mins, self.group_size, offset)
         if route is None:
             from kvcli.model.weight_plan import int8dot_route
             from kvcli.native.capabilities import capabilities
@@ -170,6 +174,10 @@ class Int8DotCpu:
         # From int8_min_rows rows 4-bit codes take the integer GEMM with one activation level (kvq_gemm_i8; None
         # where the build has none: then the float GEMM above).
         self.int8_min_rows: int | None = route.int8_min_rows
+        # The integer kernel's rounding of the activations at every row count (the route's: one level where
+        # kvq_gemm_i8 takes the weight, so that both kernels give a row the same bits).
+        self.one_level = route.one_level
+        self.args = weight_args(self.codes, self.bits, self.scale, self.mins, self.group_size, offset, self.one_level)
 
     def kernel_at_every_row_count(self) -> "Int8DotCpu":
         """Turn the row route off: the integer kernel at every row count (what benchmarks and tests time and check

@@ -156,7 +156,8 @@ class LlamaModel:
         c = self.config
 
         def parts(lin: Linear | LinearGroup) -> tuple[tuple[tuple, int], ...]:
-            return tuple((p.kernel.args, p.out_features) for p in (lin.parts if isinstance(lin, LinearGroup) else [lin]))
+            return tuple((p.kernel.args, p.out_features, p.kernel.int8_min_rows or 0)
+                         for p in (lin.parts if isinstance(lin, LinearGroup) else [lin]))
 
         def weight(norm: RMSNorm | None) -> torch.Tensor | None:
             return None if norm is None else norm.weight

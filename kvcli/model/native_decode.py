@@ -31,7 +31,8 @@ if TYPE_CHECKING:
     from kvcli.attention.base import AttentionBackend, AttentionMetadata
     from kvcli.kvcache.kv_cache import KVCache
 
-Parts = tuple[tuple[tuple, int], ...]  # a projection's int8dot-cpu parts: (weight_args(...), output features)
+# a projection's int8dot-cpu parts: (weight_args(...), output features, rows from which kvq_gemm_i8 takes it or 0)
+Parts = tuple[tuple[tuple, int, int], ...]
 
 
 @dataclass(frozen=True)
@@ -144,13 +145,14 @@ class NativeDecode:
         libs = self._libs()  # (the views come from the backend only for a dtype kva_decode runs: _cache_view)
         if libs is None:
             return None
+        *libs, libs_gemm = libs
         d = self.desc
         k = first.k
         scale_strides = scale_args(first.k_scale, first.v_scale)[2:]  # every layer's alike (checked below)
         model_args = D.Model(
             *libs, d.heads, d.kv_heads, d.head_dim, d.hidden, d.ffn, d.eps, d.cos.data_ptr(), d.sin_signed.data_ptr(),
             d.cos.shape[0], DTYPE_CODES[k.dtype], k.shape[1], k.shape[0] * k.shape[1], k.stride(0), k.stride(1),
-            k.stride(2), first.v.stride(0), first.v.stride(1), first.v.stride(2), *scale_strides)
+            k.stride(2), first.v.stride(0), first.v.stride(1), first.v.stride(2), *scale_strides, libs_gemm)
         layers = (D.Layer * len(d.layers))()
         for i, (layer, cache, view) in enumerate(zip(d.layers, kv_cache.layers, views)):
             if (cache.k.stride() != k.stride() or cache.v.stride() != first.v.stride() or cache.k.dtype != k.dtype
@@ -168,7 +170,7 @@ class NativeDecode:
         return entry
 
     def _libs(self) -> tuple[int, ...] | None:
-        """Addresses of kvq_linear, kvq_rmsnorm, kvr_rope_kv, kva_decode, kvs_swiglu (or kvs_geglu)."""
+        """Addresses of kvq_linear, kvq_rmsnorm, kvr_rope_kv, kva_decode, kvs_swiglu (or kvs_geglu), kvq_gemm_i8."""
         from kvcli_kernels.cpu_decode_layers import address
 
         libs = [registry.library(n) for n in ("int8dot", "rmsnorm", "rope_kv", "attention", "swiglu")]
@@ -177,7 +179,7 @@ class NativeDecode:
         int8dot, norm, rope, attn, swiglu = libs
         act = swiglu.kvs_swiglu if self.desc.act == "silu" else swiglu.kvs_geglu
         return (address(int8dot.kvq_linear), address(norm.kvq_rmsnorm), address(rope.kvr_rope_kv),
-                address(attn.kva_decode), address(act))
+                address(attn.kva_decode), address(act), address(int8dot.kvq_gemm_i8))
 
 
 def _ptrs(*tensors: torch.Tensor | None) -> tuple[int | None, ...]:

@@ -85,8 +85,14 @@ INT8_GEMM_MIN_ROWS = 256
 # (Q8_0 / Q8_1), as kvq_gemm_i8 does outside outlier blocks, and with the int8 GEMM from 32 rows the Q4_0 / Q4_1
 # variants came closer to llama.cpp, not farther (2.45e-2 / 2.47e-2 against the exact model's 2.98e-2 / 3.15e-2,
 # 2026-12-06). Where batched decode steps of 32-64 rows run (the 64-request trace), that is 0.39-0.76x the time of
-# the float GEMMs above (the tables named above). Not lower: the fp32 GEMM's own threshold on AVX2.
+# the float GEMMs above (the tables named above). On the AVX2 build from 32 (the fp32 GEMM's own threshold there);
+# on AVX-512-VNNI from 6, below that the small-row kernel, which rounds these forms the same way (one_level in
+# int8dot_route) and gives a row the same bits, so where the switch lies is a matter of speed alone: kvq_gemm_i8's
+# 6-row register tile beat it from 6 rows on the 1B shape's linears (16384 x 2048, 2048 x 8192: 0.9-1.0x its time
+# at 6, 0.6-0.7x at 16) and SmolLM2's (0.65-0.9x), and lost below (1.2-1.8x at 4); held to AVX2 the small-row
+# kernel stayed ahead on the 1B shape up to 16 rows (AMD EPYC, 2026-12-07, ad hoc per-linear timings).
 INT8_GEMM_BLOCK32_MIN_ROWS = 32
+INT8_GEMM_BLOCK32_MIN_ROWS_VNNI = 6
 INT4_DENSE_MIN_ROWS = 256  # torch's int4 kernel: from about here on a read-back + GEMM beats it (both ISAs)
 TRITON_INT8_GROUPS = (16, 32, 64, 128)
 
@@ -251,14 +257,22 @@ def int8dot_takes(weight: QuantTensor, rows: int | None = None) -> bool:
     return n % 8 == 0 and k % 32 == 0 and k % g == 0 and groups_ok
 
 
-def int8_gemm_min_rows(weight: QuantTensor) -> int | None:
+def rounds_per_32(weight: QuantTensor) -> bool:
+    """4-bit codes with one scale (and min) per group of 32, no sub-scales or zero points: the forms llama.cpp
+    itself multiplies with activations rounded to one int8 level per 32 (Q4_0 / Q4_1, kvcli's own int4)."""
+    return weight.kind == "q4" and weight.group_size == 32 and weight.sub_scale is None and \
+        weight.sub_min is None and weight.zero is None
+
+
+def int8_gemm_min_rows(weight: QuantTensor, build_isa: str) -> int | None:
     """From how many rows kvq_gemm_i8 may take this weight on a CPU without AMX (None: never; it takes 4-bit codes
-    only): INT8_GEMM_BLOCK32_MIN_ROWS for the forms llama.cpp itself multiplies with activations rounded per 32,
-    INT8_GEMM_MIN_ROWS for the others (see both)."""
+    only): INT8_GEMM_BLOCK32_MIN_ROWS(_VNNI) for the forms rounded per 32 (rounds_per_32), INT8_GEMM_MIN_ROWS for
+    the others (see both)."""
     if weight.kind != "q4":
         return None
-    per_32 = weight.group_size == 32 and weight.sub_scale is None and weight.sub_min is None and weight.zero is None
-    return INT8_GEMM_BLOCK32_MIN_ROWS if per_32 else INT8_GEMM_MIN_ROWS
+    if not rounds_per_32(weight):
+        return INT8_GEMM_MIN_ROWS
+    return INT8_GEMM_BLOCK32_MIN_ROWS_VNNI if build_isa == "avx512vnni" else INT8_GEMM_BLOCK32_MIN_ROWS
 
 
 def int8dot_route(caps: CpuCapabilities, row_invariant: bool = False, weight: QuantTensor | None = None) -> RowRoute:
@@ -270,10 +284,14 @@ def int8dot_route(caps: CpuCapabilities, row_invariant: bool = False, weight: Qu
     if caps.amx_bf16:  # the read-back's numbers, on AMX tiles without the read-back (a read-back where refused)
         return RowRoute(INT8DOT_DENSE_MIN_ROWS, "amx-bf16-gemm", torch.bfloat16)
     int8_ok = weight is not None and caps.build_isa in ("avx2", "avx512vnni")
-    int8 = int8_gemm_min_rows(weight) if int8_ok else None
+    int8 = int8_gemm_min_rows(weight, caps.build_isa) if int8_ok else None
+    # Where the int8 GEMM takes a form rounded per 32, the small-row kernel rounds and sums as it does: one
+    # activation level outside outlier blocks at every row count (half the two-level loop's dot products), a
+    # row's result the same whichever kernel its call takes (speculation's verification rows against plain decode).
+    one_level = int8_ok and rounds_per_32(weight)
     if caps.fp32_gemm_preferred:
-        return RowRoute(GEMM_F32_MIN_ROWS, "fp32-gemm", dense_dtype, int8)
-    return RowRoute(INT8DOT_DENSE_MIN_ROWS, "read-back", dense_dtype, int8)
+        return RowRoute(GEMM_F32_MIN_ROWS, "fp32-gemm", dense_dtype, int8, one_level)
+    return RowRoute(INT8DOT_DENSE_MIN_ROWS, "read-back", dense_dtype, int8, one_level)
 
 
 @dataclass(frozen=True)
@@ -444,7 +462,7 @@ def _native_decode(plan: WeightPlan, native: Native) -> tuple[bool, str, int | N
             for p in proj.parts:
                 if p.form != "int8dot-cpu":
                     return False, f"{proj.name} runs {p.form}", None
-    rows = [p.route.first_other_rows for p in plan.linears() if p.route.first_other_rows is not None]
+    rows = [p.route.first_float_rows for p in plan.linears() if p.route.first_float_rows is not None]
     max_rows = min(rows) if rows else None
     return True, f"every layer, steps of one token per request{f' and under {max_rows} rows' if max_rows else ''}", \
         max_rows
