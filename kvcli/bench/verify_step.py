@@ -7,10 +7,11 @@ such a step, n = 1 + k). The wall time of that engine step (scheduler, model, sa
 turn within a round, --rounds rounds, medians; printed as ms and as the ratio to the 1-row step.
 
 The last column is the floor the arithmetic sets: the 1-row step plus, for each further row, its linears' and
-vocabulary projection's multiply-adds x 2 (kvcli's integer loop takes two int8 levels of every activation, so that
-a verification row is plain decode's row bit for bit) at the int8 dot-product instruction's peak, measured on
-registers in the same run (kernels/cpu_probe.c). A step cannot be cheaper than that with these numerics on this
-CPU, whatever the rest of it costs.
+vocabulary projection's int8 products at the int8 dot-product instruction's peak, measured on registers in the same
+run (kernels/cpu_probe.c): one product per multiply-add for weights rounded at one activation level (Q4_0 / Q4_1
+forms where the int8 GEMM takes them: the route's one_level; outlier blocks' second level not counted), two for the
+others (two int8 levels of every activation). A step cannot be cheaper than that with these numerics on this CPU,
+whatever the rest of it costs.
 """
 
 from __future__ import annotations
@@ -70,11 +71,15 @@ def main(argv: list[str] | None = None) -> int:
           f"{a.rounds} rounds")
     cfg = eng.config
     row_macs = cfg.layer_linear_macs() + cfg.vocab_size * cfg.hidden_size
+    one = sum(lin.in_features * lin.out_features for lin in eng.model.linears()
+              if lin.mode == "int8dot-cpu" and lin.plan.route.one_level)
+    products = 2 * row_macs - one  # the vocabulary projection: two levels
     peak = int8_peak() if eng.linear_mode == "int8dot-cpu" else None
-    row_floor_ms = None if peak is None else 2 * row_macs / peak[0] * 1e3
+    row_floor_ms = None if peak is None else products / peak[0] * 1e3
     if row_floor_ms is not None:
-        print(f"a row's multiply-adds: {row_macs / 1e6:.1f} M, two int8 products each; {peak[1]}: "
-              f"{peak[0] / 1e12:.3f} TMAC/s on every thread, so at least {row_floor_ms:.2f} ms a row")
+        print(f"a row's multiply-adds: {row_macs / 1e6:.1f} M, {one / 1e6:.1f} M of them at one int8 level, the rest "
+              f"two: {products / 1e6:.1f} M int8 products; {peak[1]}: {peak[0] / 1e12:.3f} TMAC/s on every thread, so "
+              f"at least {row_floor_ms:.2f} ms a row")
     print()
     print("| context | query rows | step ms | vs 1 row | floor vs 1 row |")
     print("|---:|---:|---:|---:|---:|")
