@@ -201,4 +201,19 @@ FIGURES: dict[str, Figure] = {f.name: f for f in [
     Figure("gpu-attention", "script:python3 scripts/gpu_check.py", "the first full GPU check on an H200: its decode "
            "attention (b) and KV-dtype (e) tables are current, the rest superseded by gpu-check", in_make_figures=False),
     Figure("gpu-env", "script:bash scripts/gpu_env.sh", "the GPU machine of the gpu-check runs", in_make_figures=False),
+    # One activation level for Q4_0 / Q4_1 forms at every row count, the int8 GEMM from 6 rows on AVX-512-VNNI and
+    # in the one-call C decode (issue #30, 2026-12-07): a5c4a1e is the tree before it.
+    Figure("ab-one-level", "ab:main", "before/after: the bundled model's decode figure at a5c4a1e (two activation "
+           "levels below the int8 GEMM's rows) and in this tree (one level, two in outlier blocks), interleaved",
+           ("--before", "a5c4a1e", "decode", "--rounds", "3", "--", "--repeats", "2"), in_make_figures=False),
+    Figure("ab-one-level-1b", "ab:main", "the ab-one-level comparison on the 1B shape: the roofline figure's 512-token "
+           "prefill and decode at a5c4a1e and in this tree, interleaved",
+           ("--before", "a5c4a1e", "roofline", "--rounds", "3", "--", "--contexts", "512", "--rounds", "1"),
+           in_make_figures=False),
+    Figure("ab-one-level-trace", "ab:main", "the ab-one-level comparison on the 1B shape's 64-request trace (kvcli "
+           "only)", ("--before", "a5c4a1e", "throughput", "--rounds", "2", "--", "--shape", "1b", "--workload",
+                     "alpaca", "--num-requests", "64", "--llama-cpp", "none", "--compare", "none"),
+           in_make_figures=False),
+    Figure("ab-one-level-verify", "ab:main", "the ab-one-level comparison on the verify-step figure",
+           ("--before", "a5c4a1e", "verify-step", "--rounds", "3", "--", "--rounds", "5"), in_make_figures=False),
 ]}
