@@ -214,6 +214,10 @@ FIGURES: dict[str, Figure] = {f.name: f for f in [
            "only)", ("--before", "a5c4a1e", "throughput", "--rounds", "2", "--", "--shape", "1b", "--workload",
                      "alpaca", "--num-requests", "64", "--llama-cpp", "none", "--compare", "none"),
            in_make_figures=False),
+    Figure("ab-one-level-bundled-trace", "ab:main", "the ab-one-level comparison on the bundled model's 64-request "
+           "trace (kvcli only)", ("--before", "a5c4a1e", "throughput", "--rounds", "3", "--", "--workload", "alpaca",
+                                  "--num-requests", "64", "--llama-cpp", "none", "--compare", "none"),
+           in_make_figures=False),
     Figure("ab-one-level-verify", "ab:main", "the ab-one-level comparison on the verify-step figure",
            ("--before", "a5c4a1e", "verify-step", "--rounds", "3", "--", "--rounds", "5"), in_make_figures=False),
 ]}
