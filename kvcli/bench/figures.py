@@ -218,6 +218,10 @@ FIGURES: dict[str, Figure] = {f.name: f for f in [
            "trace (kvcli only)", ("--before", "a5c4a1e", "throughput", "--rounds", "3", "--", "--workload", "alpaca",
                                   "--num-requests", "64", "--llama-cpp", "none", "--compare", "none"),
            in_make_figures=False),
+    Figure("ab-one-level-avx2", "ab:main", "the ab-one-level comparison held to AVX2 (torch and kvcli's C kernels): "
+           "the bundled model's decode, kvcli only",
+           ("--before", "a5c4a1e", "decode", "--rounds", "3", "--", "--repeats", "2", "--engines", "kvcli"), AVX2_ENV,
+           in_make_figures=False),
     Figure("ab-one-level-verify", "ab:main", "the ab-one-level comparison on the verify-step figure",
            ("--before", "a5c4a1e", "verify-step", "--rounds", "3", "--", "--rounds", "5"), in_make_figures=False),
 ]}
