@@ -52,12 +52,16 @@ def test_logprobs_match_teacher_forcing_on_the_default_path(int4_llm):
     _check_against_teacher_forcing(int4_llm.engine, 0.15)
 
 
-def test_logprobs_with_speculation(int4_llm):
+def test_logprobs_with_speculation():
     """Prompt lookup accepts several tokens a step here (the prompt repeats itself): every token still
-    gets its own row's log probability."""
+    gets its own row's log probability. Both engines fresh: int4_llm's prefix cache already holds this prompt
+    from the tests above, and a prompt prefilled over cached blocks rounds its last rows' activations from
+    slightly other inputs (the cached keys are fp16, a chunk's own are not yet): up to 0.03 nats apart at one
+    activation level (Q4_0 / Q4_1 forms since 2026-12-07), where speculation and plain decoding from the same
+    start agree (exactly, on the bundled model on AVX-512, 2026-12-07)."""
     from kvcli.llm import LLM
 
-    base = int4_llm.engine
+    base = LLM(max_num_batched_tokens=512, kv_budget="64MiB").engine
     spec = LLM(max_num_batched_tokens=512, kv_budget="64MiB", speculate="ngram").engine
     _, plain = run(base, PROMPT, SamplingParams(max_tokens=16, ignore_eos=True), 0)
     _, fast = run(spec, PROMPT, SamplingParams(max_tokens=16, ignore_eos=True), 0)
