@@ -303,6 +303,17 @@ static inline __attribute__((always_inline)) void prefetch_lines(const void *p, 
     if (bytes > 192) _mm_prefetch(c + 192, _MM_HINT_T0);
 }
 
+/* A block's 128 bytes of 4-bit codes (x8 layout) as 8 step vectors of unsigned bytes: chunk s's low nibbles are
+ * step s, its high nibbles step s + 4. */
+static inline __attribute__((always_inline)) void unpack_nibbles(const uint8_t *c, __m256i w[8]) {
+    const __m256i m = _mm256_set1_epi8(0x0F);
+    for (int s = 0; s < 4; s++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(c + 32 * s));
+        w[s] = _mm256_and_si256(v, m);
+        w[s + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);
+    }
+}
+
 static inline int32_t load32(const void *p) {
     int32_t v;
     memcpy(&v, p, 4);
@@ -371,12 +382,7 @@ static inline __attribute__((always_inline)) void group_tile(const kvq_args *a, 
         if (bits == 4 || bits == 5 || bits == 6) {
             const uint8_t *c = a->codes + (g * nb + b) * block_bytes(bits);
             prefetch_lines(c + PREFETCH_BLOCKS * block_bytes(bits), block_bytes(bits));
-            const __m256i m = _mm256_set1_epi8(0x0F);
-            for (int s = 0; s < 4; s++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(c + 32 * s));
-                w[s] = _mm256_and_si256(v, m);
-                w[s + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);
-            }
+            unpack_nibbles(c, w);
             if (bits != 4)
                 for (int s = 0; s < 8; s++) w[s] = high_bits(w[s], c + 128, bits, s);
         } else { /* bits 8 and 7 */
@@ -518,7 +524,6 @@ static inline __attribute__((always_inline)) void group_tile(const kvq_args *a, 
 static inline __attribute__((always_inline)) void one_level_tile(const kvq_args *a, const int R, int64_t g, int64_t m0) {
     const int64_t nb = a->K / QK;
     const int mins = a->mins.kind != KVQ_NONE;
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
     __m256 y[TILE_M];
     for (int64_t b0 = 0; b0 < nb; b0 += ONE_LEVEL_KC / QK) {
         const int64_t b1 = b0 + ONE_LEVEL_KC / QK < nb ? b0 + ONE_LEVEL_KC / QK : nb;
@@ -530,11 +535,7 @@ static inline __attribute__((always_inline)) void one_level_tile(const kvq_args 
             const uint8_t *c = a->codes + (g * nb + b) * 128;
             prefetch_lines(c + PREFETCH_BLOCKS * 128, 128);
             __m256i w[8];
-            for (int st = 0; st < 4; st++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(c + 32 * st));
-                w[st] = _mm256_and_si256(v, m4);
-                w[st + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-            }
+            unpack_nibbles(c, w);
             for (int r = 0; r < R; r++) {
                 const int64_t xi = (m0 + r) * nb + b;
                 const int8_t *xq = a->qx + (m0 + r) * 2 * a->K + 2 * b * QK;
