@@ -226,12 +226,17 @@ def test_k_quants_stay_in_their_files_bytes(type_name, ratio):
 
 def test_many_rows_take_their_route_and_agree():
     """From the route's row count: 8-bit codes a float GEMM (bf16 within 1e-2, fp32 within 1e-5); 4-bit codes the
-    same, or where the route says the int8 GEMM (within fp32 rounding of its own rounding of x)."""
+    same, or where the route says the int8 GEMM (within fp32 rounding of its own rounding of x); on AMX CPUs the
+    float GEMM over the int8 GEMM from there (dense_over_int8), which then takes the rows below."""
     gen = torch.Generator().manual_seed(9)
     for q in (_q8(64, 256, gen), _q4(64, 256, 32, True, False, gen)):
         lin = Int8DotCpu(q)
         x = torch.randn(lin.dense_min_rows, 256, generator=gen)
-        if lin.int8_min_rows is not None and len(x) >= lin.int8_min_rows:
+        if lin.route.dense_over_int8:  # the int8 GEMM below the float GEMM's row count
+            assert q.bits == 4 and lin.route.takes_int8(len(x) - 1) and not lin.route.takes_int8(len(x))
+            ref = _i8_reference(q, x[:-1], OUTLIER)
+            assert ((lin(x[:-1]).double() - ref).abs().amax(-1) / ref.abs().amax(-1)).max().item() < 1e-5
+        elif lin.route.takes_int8(len(x)):
             assert q.bits == 4
             ref = _i8_reference(q, x, OUTLIER)
             assert ((lin(x).double() - ref).abs().amax(-1) / ref.abs().amax(-1)).max().item() < 1e-5
@@ -466,7 +471,11 @@ AMX_KINDS = ["Q4_0 offset 8", "Q4_K two-level", "q4 min fp16 g32", "q4 min fp32 
 def test_amx_tiles_give_the_dpbusd_loops_sums_bit_for_bit(kind):
     """On AMX the integer kernel's block sums come from tile products (cpu_int8dot.c, amx_tile): the outputs
     equal the dpbusd loop's exactly, at ragged row counts (tiles of 16 rows and a last one of 2, 4, 8 or 16, padded)
-    and weights of 8 rows past a multiple of 16 (a half panel, alone or paired); within the float64 bound."""
+    and weights of 8 rows past a multiple of 16 (a half panel, alone or paired); within the float64 bound. Two levels
+    of activations for every form (the row-invariant route's; where the int8 GEMM takes Q4_0 / Q4_1 forms the engine
+    rounds them to one level, and the tiles are off for them)."""
+    from kvcli.model.row_route import ONE_ROUTE
+
     lib = int8dot_cpu.native_library()
     gen = torch.Generator().manual_seed(11)
     try:
@@ -474,8 +483,8 @@ def test_amx_tiles_give_the_dpbusd_loops_sums_bit_for_bit(kind):
         for n in (136, 120):
             k = 256
             q = WEIGHTS[kind](n, k, gen)
-            lin = Int8DotCpu(q)
-            lin.kernel_at_every_row_count()
+            lin = Int8DotCpu(q, route=ONE_ROUTE)
+            assert not lin.one_level
             for rows in (1, 2, 3, 5, 6, 7, 9, 16, 17, 24, 30, 37):
                 x = torch.randn(rows, k, generator=gen)
                 lib.kvq_amx_enable(0, 0)
@@ -571,7 +580,7 @@ def test_small_row_kernel_gives_the_int8_gemms_bits_in_one_level(isa, kind):
     gets the same bits from either kernel whatever call it is in: the switch between them is a matter of speed
     (a 6-row verification step in one kernel, the plain decode step it replaces in the other). K of one chunk
     and of three with a tail; rows with an outlier channel (their second level) and rows without; every tail of
-    the 4-row tile."""
+    the 4-row tile of 8 columns and the 8-row tile of 16 (AVX-512), and an odd group of 8 weight rows (N 24)."""
     from kvcli_kernels.cpu_int8dot import int8dot_gemm_i8, int8dot_linear
 
     if isa == "generic":
@@ -581,7 +590,7 @@ def test_small_row_kernel_gives_the_int8_gemms_bits_in_one_level(isa, kind):
         q = WEIGHTS[kind](24, k, gen)
         lin = Int8DotCpu(q)
         assert lin.one_level and lin.args[-1] == 1
-        for rows in (1, 2, 3, 4, 5, 7, 13):
+        for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 17):
             x = torch.randn(rows, k, generator=gen) * (torch.rand(1, k, generator=gen) + 0.5)
             x[::2, 37] = 40.0  # an outlier channel in every other row (RMS ~1)
             small = int8dot_linear(lin.lib, x, lin.args, lin.out_features)

@@ -83,7 +83,7 @@ def test_a_linear_takes_the_best_form_its_tier_has_for_it():
     assert fast.route == fast.route.__class__(INT8DOT_DENSE_MIN_ROWS, "read-back", torch.bfloat16,
                                               INT8_GEMM_BLOCK32_MIN_ROWS_VNNI, one_level=True)
     # 4-bit codes: the int8 GEMM on both ISAs, in plain groups of 32 (Q4_0 / Q4_1: llama.cpp rounds their
-    # activations per 32 too) from 32 rows on AVX2 and 6 on AVX-512-VNNI, with the small-row kernel rounding them
+    # activations per 32 too) from 32 rows on AVX2 and 9 on AVX-512-VNNI, with the small-row kernel rounding them
     # the same way below (one_level); from 256 in the other forms (Q4_K's sub-scales, zero points, wider groups),
     # which keep two levels below
     assert cpu.route.int8_min_rows == INT8_GEMM_BLOCK32_MIN_ROWS and cpu.route.one_level
@@ -93,9 +93,19 @@ def test_a_linear_takes_the_best_form_its_tier_has_for_it():
         assert route.int8_min_rows == INT8_GEMM_MIN_ROWS and not route.one_level
     wide = plan_linear(q8(64), "cpu", torch.float32, BF16, NATIVE)  # 8-bit codes: never (maddubs would saturate)
     assert wide.route == wide.route.__class__(INT8DOT_DENSE_MIN_ROWS, "read-back", torch.bfloat16)
-    amx = replace(BF16, amx_bf16=True)  # AMX: the bf16 GEMM on tiles, faster there; two levels below it
-    assert plan_linear(w, "cpu", torch.float32, amx, NATIVE).route.int8_min_rows is None
-    assert not plan_linear(w, "cpu", torch.float32, amx, NATIVE).route.one_level
+    # AMX: from 256 rows the bf16 GEMM on tiles, faster there than the int8 GEMM; below it the forms rounded per 32
+    # take the int8 GEMM and one level, as elsewhere, the others two levels (on int8 tiles)
+    amx = replace(BF16, amx_bf16=True)
+    route = plan_linear(w, "cpu", torch.float32, amx, NATIVE).route
+    assert route == route.__class__(INT8DOT_DENSE_MIN_ROWS, "amx-bf16-gemm", torch.bfloat16,
+                                    INT8_GEMM_BLOCK32_MIN_ROWS_VNNI, one_level=True, dense_over_int8=True)
+    assert [route.takes_int8(r) for r in (INT8_GEMM_BLOCK32_MIN_ROWS_VNNI - 1, INT8_GEMM_BLOCK32_MIN_ROWS_VNNI,
+                                          INT8DOT_DENSE_MIN_ROWS - 1, INT8DOT_DENSE_MIN_ROWS)] == [False, True, True, False]
+    assert route.first_float_rows == INT8DOT_DENSE_MIN_ROWS  # the one-call C decode stops below it
+    assert not fast.route.dense_over_int8 and fast.route.first_float_rows is None  # elsewhere: the int8 GEMM
+    for other in (q4(64, k=128, group=64), q8(64)):
+        assert plan_linear(other, "cpu", torch.float32, amx, NATIVE).route == route.__class__(
+            INT8DOT_DENSE_MIN_ROWS, "amx-bf16-gemm", torch.bfloat16)
     invariant = plan_linear(w, "cpu", torch.float32, BF16, NATIVE, row_invariant=True).route
     assert invariant.dense_min_rows is None and not invariant.one_level
     # without kvcli's kernel: torch's int4 kernel, and its exact fallback where rows are not a multiple of 16

@@ -14,10 +14,10 @@ exact: on the AVX2 build (torch's kernels AVX2, bf16 emulated) from 32 rows kvcl
 weight panels dequantized on the fly (kvq_gemm_f32: with two int8 levels the integer kernel's ceiling
 is below an fp32 GEMM's there, scripts/probe_int8_throughput.py); on AMX-BF16 CPUs from 256 rows the same in
 bf16 on AMX tiles (kvq_gemm_bf16); elsewhere from 256 rows a read-back of the weight into a reused buffer and
-torch's GEMM, bf16 where the CPU has native bf16 dot products. Without AMX, 4-bit codes take kvcli's integer GEMM
-from 256 rows instead (kvq_gemm_i8: activations at one int8 level per block, llama.cpp's, and a second level in
-blocks holding an outlier; as close to the fp32 model as the bf16 read-back it replaces, measured in
-cpu_int8dot.c).
+torch's GEMM, bf16 where the CPU has native bf16 dot products. 4-bit codes take kvcli's integer GEMM instead
+(kvq_gemm_i8: activations at one int8 level per block, llama.cpp's, and a second level in blocks holding an
+outlier; as close to the fp32 model as the bf16 read-back it replaces, measured in cpu_int8dot.c) from 256 rows, or
+from 9-32 rows in Q4_0 / Q4_1 forms (weight_plan.int8_gemm_min_rows); on AMX CPUs only below the bf16 GEMM's 256.
 
 Not bit-exact with the exact path, but close: the weights are exact, and each activation is held as two
 int8 levels per block of 32 (x ~ d (q1 + q2 / 256), d = max|x| / 127: ~15 bits, finer than bf16), except for
@@ -166,14 +166,13 @@ class Int8DotCpu:
             from kvcli.native.capabilities import capabilities
 
             route = int8dot_route(capabilities(), weight=weight)
+        # Which kernel a call's row count takes: from route.int8_min_rows 4-bit codes take the integer GEMM with one
+        # activation level (kvq_gemm_i8), from route.dense_min_rows a float GEMM (route.takes_int8 / takes_dense)
+        self.route = route
         self.dense_dtype = route.dense_dtype
-        # From dense_min_rows rows a float GEMM (None: the integer kernel at every row count): a fused one
-        # (fp32, or bf16 on AMX tiles) where the route says, else (or where it is refused) a read-back + torch's.
+        # The float GEMM: a fused one (fp32, or bf16 on AMX tiles) where the route says, else (or where it is
+        # refused) a read-back + torch's.
         self.gemm = {"fp32-gemm": int8dot_gemm_f32, "amx-bf16-gemm": int8dot_gemm_bf16}.get(route.gemm)
-        self.dense_min_rows: int | None = route.dense_min_rows
-        # From int8_min_rows rows 4-bit codes take the integer GEMM with one activation level (kvq_gemm_i8; None
-        # where the build has none: then the float GEMM above).
-        self.int8_min_rows: int | None = route.int8_min_rows
         # The integer kernel's rounding of the activations at every row count (the route's: one level where
         # kvq_gemm_i8 takes the weight, so that both kernels give a row the same bits).
         self.one_level = route.one_level
@@ -182,8 +181,18 @@ class Int8DotCpu:
     def kernel_at_every_row_count(self) -> "Int8DotCpu":
         """Turn the row route off: the integer kernel at every row count (what benchmarks and tests time and check
         it by)."""
-        self.dense_min_rows = self.int8_min_rows = None
+        from kvcli.model.row_route import ONE_ROUTE
+
+        self.route = ONE_ROUTE
         return self
+
+    @property
+    def dense_min_rows(self) -> int | None:
+        return self.route.dense_min_rows
+
+    @property
+    def int8_min_rows(self) -> int | None:
+        return self.route.int8_min_rows
 
     @property
     def nbytes(self) -> int:
@@ -203,11 +212,11 @@ class Int8DotCpu:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] -> [M, N] in x's dtype."""
-        if self.int8_min_rows is not None and x.shape[0] >= self.int8_min_rows:
+        if self.route.takes_int8(x.shape[0]):
             y = int8dot_gemm_i8(self.lib, x.float().contiguous(), self.args, self.out_features)
             if y is not None:
                 return y.to(x.dtype)
-        if self.dense_min_rows is not None and x.shape[0] >= self.dense_min_rows:
+        if self.dense_min_rows is not None and x.shape[0] >= self.dense_min_rows:  # (or where the int8 GEMM refused)
             if self.gemm is not None:
                 y = self.gemm(self.lib, x.float().contiguous(), self.args, self.out_features)
                 if y is not None:

@@ -72,7 +72,7 @@ GEMM_F32_MIN_ROWS = 32
 # tiles' overheads, hence the activation count. Per linear: python -m kvcli.bench int8dot-ops-1b.
 INT8DOT_AMX_MIN_ROWS = 8
 INT8DOT_AMX_MIN_ELEMS = 9216
-# Without AMX, 4-bit codes take kvq_gemm_i8 from this many rows (activations at one int8 level per block, a second
+# 4-bit codes take kvq_gemm_i8 from this many rows (on AMX CPUs only below INT8DOT_DENSE_MIN_ROWS: dense_over_int8) (activations at one int8 level per block, a second
 # in blocks holding an outlier: cpu_int8dot.c), where the float GEMMs above ran: on the 1B shape's linears at 256-512
 # rows 0.72-0.87x the bf16 read-back's time on AVX-512-VNNI and 0.74-0.86x the fused fp32 GEMM's on the AVX2 build,
 # 0.39-0.76x from 32 to 64 rows (AMD EPYC, 2026-12-06; python -m kvcli.bench int8-gemm-1b, int8-gemm-1b-avx2).
@@ -86,13 +86,15 @@ INT8_GEMM_MIN_ROWS = 256
 # variants came closer to llama.cpp, not farther (2.45e-2 / 2.47e-2 against the exact model's 2.98e-2 / 3.15e-2,
 # 2026-12-06). Where batched decode steps of 32-64 rows run (the 64-request trace), that is 0.39-0.76x the time of
 # the float GEMMs above (the tables named above). On the AVX2 build from 32 (the fp32 GEMM's own threshold there);
-# on AVX-512-VNNI from 6, below that the small-row kernel, which rounds these forms the same way (one_level in
-# int8dot_route) and gives a row the same bits, so where the switch lies is a matter of speed alone: kvq_gemm_i8's
-# 6-row register tile beat it from 6 rows on the 1B shape's linears (16384 x 2048, 2048 x 8192: 0.9-1.0x its time
-# at 6, 0.6-0.7x at 16) and SmolLM2's (0.65-0.9x), and lost below (1.2-1.8x at 4); held to AVX2 the small-row
-# kernel stayed ahead on the 1B shape up to 16 rows (AMD EPYC, 2026-12-07, ad hoc per-linear timings).
+# on AVX-512-VNNI from 9, below that the small-row kernel, which rounds these forms the same way (one_level in
+# int8dot_route) and gives a row the same bits, so where the switch lies is a matter of speed alone. Its 16-column
+# loop unpacks a block once for up to 8 rows (ONE_LEVEL_M in cpu_int8dot.c), with no panels packed per call: on the
+# 1B shape's linears 0.69x kvq_gemm_i8's time at 6 rows, 0.97x at 12, 1.19x at 24; on SmolLM2's 0.93x at 6, 0.97x
+# at 8, 1.16x at 12 (2-core Xeon with AMX, 2026-12-07, ad hoc per-linear timings). Before that loop (8 columns, 4
+# rows a pass) the switch was at 6 rows (AMD EPYC, 2026-12-07). Held to AVX2 the small-row kernel stayed ahead on
+# the 1B shape up to 16 rows (AMD EPYC, 2026-12-07).
 INT8_GEMM_BLOCK32_MIN_ROWS = 32
-INT8_GEMM_BLOCK32_MIN_ROWS_VNNI = 6
+INT8_GEMM_BLOCK32_MIN_ROWS_VNNI = 9
 INT4_DENSE_MIN_ROWS = 256  # torch's int4 kernel: from about here on a read-back + GEMM beats it (both ISAs)
 TRITON_INT8_GROUPS = (16, 32, 64, 128)
 
@@ -281,14 +283,20 @@ def int8dot_route(caps: CpuCapabilities, row_invariant: bool = False, weight: Qu
     if row_invariant:
         return ONE_ROUTE
     dense_dtype = torch.bfloat16 if caps.native_bf16 else torch.float32
-    if caps.amx_bf16:  # the read-back's numbers, on AMX tiles without the read-back (a read-back where refused)
-        return RowRoute(INT8DOT_DENSE_MIN_ROWS, "amx-bf16-gemm", torch.bfloat16)
     int8_ok = weight is not None and caps.build_isa in ("avx2", "avx512vnni")
     int8 = int8_gemm_min_rows(weight, caps.build_isa) if int8_ok else None
     # Where the int8 GEMM takes a form rounded per 32, the small-row kernel rounds and sums as it does: one
     # activation level outside outlier blocks at every row count (half the two-level loop's dot products), a
     # row's result the same whichever kernel its call takes (speculation's verification rows against plain decode).
     one_level = int8_ok and rounds_per_32(weight)
+    if caps.amx_bf16:  # the read-back's numbers, on AMX tiles without the read-back (a read-back where refused)
+        # from INT8DOT_DENSE_MIN_ROWS, where it takes 0.4-0.6x the int8 GEMM's time (docs/results/int8-gemm-1b.txt,
+        # a Xeon with AMX); below it the forms rounded per 32 take the int8 GEMM and one level as elsewhere (on
+        # SmolLM2 a 6-row verification step 0.89x, a 1-row decode step 0.91x the time of two levels on int8 tiles:
+        # docs/results/ab-amx-one-level.txt), the others two levels (on int8 tiles, int8dot_tiles)
+        if not one_level:
+            return RowRoute(INT8DOT_DENSE_MIN_ROWS, "amx-bf16-gemm", torch.bfloat16)
+        return RowRoute(INT8DOT_DENSE_MIN_ROWS, "amx-bf16-gemm", torch.bfloat16, int8, True, dense_over_int8=True)
     if caps.fp32_gemm_preferred:
         return RowRoute(GEMM_F32_MIN_ROWS, "fp32-gemm", dense_dtype, int8, one_level)
     return RowRoute(INT8DOT_DENSE_MIN_ROWS, "read-back", dense_dtype, int8, one_level)
