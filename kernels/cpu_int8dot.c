@@ -754,7 +754,8 @@ static int form_ok(const kvq_args *a, int bits) {
 /* ---- the same integer sums on AMX tiles (Intel, AMX-INT8) -------------------------------------------
  * Where the CPU has AMX and the process may use it (kvq_amx_enable), calls of at least `amx_min_rows` rows and
  * `amx_min_elems` activations (rows x K: small K leaves too little work per block for the tiles' overheads)
- * of 4-bit codes (groups of a multiple of 32) or Q8_0's int8 codes compute each block's two integer sums
+ * of 4-bit codes (groups of a multiple of 32), or of `amx_min_rows8` rows of Q8_0's int8 codes (whose dpbusd loop
+ * costs more per product: sign moves, twice the bytes), compute each block's two integer sums
  * with tile dot products instead of dpbusd: A = 16 (or fewer) rows of x's levels q1 / q2 of block b, read in
  * place from the quantized activations (K = 32 bytes a row, row stride 2K); B = 16 weight rows (the groups
  * 2p, 2p + 1) of the same block, unpacked from the x8 layout into the tile's 4-byte-interleaved ("VNNI")
@@ -777,6 +778,7 @@ static int form_ok(const kvq_args *a, int bits) {
 #define AMX_CHUNK_KB 1024 /* x's rows per pass over the weights: this many KiB of their levels */
 static int amx_min_rows = 0; /* 0: AMX off (the default until kvq_amx_enable) */
 static int64_t amx_min_elems = 0;
+static int amx_min_rows8 = 0;
 
 typedef struct { /* ldtilecfg's 64 bytes, palette 1 */
     uint8_t palette, start_row, reserved[14];
@@ -797,13 +799,14 @@ static int amx_request(unsigned bits) {
     return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0 ? 1 : -2;
 }
 
-/* AMX on from `min_rows` rows and `min_elems` activations (rows x K) (min_rows 0: off). Returns 1 when on, 0 when
- * turned off, -1 where the CPU has no AMX-INT8, -2 where Linux refuses the tile state (amx_request). */
-int kvq_amx_enable(int min_rows, int64_t min_elems) {
+/* AMX on from `min_rows` rows and `min_elems` activations (rows x K), for 8-bit codes from `min_rows8` rows
+ * (min_rows 0: off). Returns 1 when on, 0 when turned off, -1 where the CPU has no AMX-INT8, -2 where Linux refuses
+ * the tile state (amx_request). */
+int kvq_amx_enable(int min_rows, int64_t min_elems, int min_rows8) {
     amx_min_rows = 0;
     if (min_rows <= 0) return 0;
     const int rc = amx_request(AMX_TILE_BIT | AMX_INT8_BIT);
-    if (rc == 1) amx_min_rows = min_rows, amx_min_elems = min_elems;
+    if (rc == 1) amx_min_rows = min_rows, amx_min_elems = min_elems, amx_min_rows8 = min_rows8 > 0 ? min_rows8 : min_rows;
     return rc;
 }
 
@@ -1084,8 +1087,8 @@ static int amx_linear(const kvq_args *a, const int bits) {
     return 0;
 }
 #else
-int kvq_amx_enable(int min_rows, int64_t min_elems) {
-    (void)min_elems;
+int kvq_amx_enable(int min_rows, int64_t min_elems, int min_rows8) {
+    (void)min_elems, (void)min_rows8;
     return min_rows <= 0 ? 0 : -1;
 }
 #endif
@@ -1104,8 +1107,8 @@ int kvq_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, int b
     form.one_level = one_level != 0;
     if (!form_ok(&form, bits)) return -3;
 #ifdef KVQ_AMX /* (the tiles sum both levels in the two-level form: not for one level) */
-    const int amx = !one_level && amx_min_rows > 0 && M >= amx_min_rows && M * K >= amx_min_elems &&
-                    amx_form_ok(&form, bits);
+    const int amx = !one_level && amx_min_rows > 0 && amx_form_ok(&form, bits) &&
+                    (bits == 8 ? M >= amx_min_rows8 : M >= amx_min_rows && M * K >= amx_min_elems);
     const int64_t Mp = amx ? amx_padded_rows(M) : M; /* AMX reads whole tiles: zero rows, results dropped */
 #else
     const int amx = 0;

@@ -60,7 +60,7 @@ def load(isa: str, cache_dir: str) -> ctypes.CDLL | None:
         lib.kvq_gemm_bf16.restype = i32
         lib.kvq_gemm_i8.argtypes = gemm
         lib.kvq_gemm_i8.restype = i32
-        lib.kvq_amx_enable.argtypes = [i32, i64]
+        lib.kvq_amx_enable.argtypes = [i32, i64, i32]
         lib.kvq_amx_enable.restype = i32
         lib._kvq_declared = True
     return lib

@@ -487,9 +487,9 @@ def test_amx_tiles_give_the_dpbusd_loops_sums_bit_for_bit(kind):
             assert not lin.one_level
             for rows in (1, 2, 3, 5, 6, 7, 9, 16, 17, 24, 30, 37):
                 x = torch.randn(rows, k, generator=gen)
-                lib.kvq_amx_enable(0, 0)
+                lib.kvq_amx_enable(0, 0, 0)
                 loop = lin(x)
-                assert lib.kvq_amx_enable(1, 0) == 1
+                assert lib.kvq_amx_enable(1, 0, 1) == 1
                 tiles = lin(x)
                 assert torch.equal(tiles, loop), (kind, n, rows, (tiles - loop).abs().max().item())
             assert _check(lin, q.dequantize(), x) < REL_BOUND

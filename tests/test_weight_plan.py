@@ -170,12 +170,12 @@ def test_a_model_plan_fuses_layouts_routes_rows_and_decides_the_one_call_decode(
     assert not inv.has_row_routes and plan.has_row_routes and inv.native_decode_max_rows is None
     # AMX tiles where the library turned them on: said by inspect, for kvcli's int8 kernel only
     tiles = plan_model(c, tiny_weights(c), tier="cpu", dtype=torch.float32, device=CPU, head_dtype=torch.bfloat16,
-                       caps=BF16, native=replace(NATIVE, int8_tiles=TileRule(6, 4096)))
-    assert tiles.int8_tiles == TileRule(6, 4096)
+                       caps=BF16, native=replace(NATIVE, int8_tiles=TileRule(6, 4096, 3)))
+    assert tiles.int8_tiles == TileRule(6, 4096, 3)
     assert "AMX tiles from 6 rows and 4096 activations" in dict(tiles.describe())["int8 tiles"]
     assert plan.int8_tiles is None
     assert plan_model(c, tiny_weights(c), tier="cpu", dtype=torch.float32, device=CPU, head_dtype=torch.bfloat16,
-                      caps=BF16, native=replace(NO_NATIVE, int8_tiles=TileRule(6, 4096))).int8_tiles is None  # int4
+                      caps=BF16, native=replace(NO_NATIVE, int8_tiles=TileRule(6, 4096, 3))).int8_tiles is None  # int4
 
 
 def test_the_model_is_built_as_planned():

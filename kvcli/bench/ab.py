@@ -99,6 +99,12 @@ AB["roofline"] = ABSpec("", {  # batch 1 on the 1B shape (kvcli's rows; llama.cp
     "kvcli prefill tok/s at 512": _cpu_row(512, "kvcli", 2),
     "kvcli decode tok/s at 512": _cpu_row(512, "kvcli", 4),
 }, "kvcli prefill tok/s at 512")
+AB["spec-default"] = ABSpec("", {  # speculation by prompt lookup at batch 1 against plain decode, same engine
+    "code: speculation vs plain": _row("1 | code | kvcli+ngram", 2),
+    "prose: speculation vs plain": _row("1 | prose | kvcli+ngram", 2),
+    "code: plain decode tok/s": _row("1 | code | kvcli ", 1),
+    "prose: plain decode tok/s": _row("1 | prose | kvcli ", 1),
+}, "prose: speculation vs plain")
 AB["throughput-avx2"] = AB["throughput"]
 AB["cpu-avx2"] = ABSpec("scripts/bench_cpu.py", AB["cpu"].numbers, AB["cpu"].headline)
 

@@ -224,4 +224,27 @@ FIGURES: dict[str, Figure] = {f.name: f for f in [
            in_make_figures=False),
     Figure("ab-one-level-verify", "ab:main", "the ab-one-level comparison on the verify-step figure",
            ("--before", "a5c4a1e", "verify-step", "--rounds", "3", "--", "--rounds", "5"), in_make_figures=False),
+    # One level on AMX CPUs below the bf16 GEMM, and the 16-column small-row loop up to 8 rows (issue #30, item 4):
+    # faadf02 is the tree before both (on AMX: two levels, int8 tiles from 8 rows; elsewhere the 8-column loop).
+    Figure("ab-amx-one-level", "ab:main", "before/after: the verify-step figure at faadf02 (on AMX CPUs two "
+           "activation levels below 256 rows; 6+ rows in kvq_gemm_i8) and in this tree (one level, the 16-column "
+           "small-row loop to 8 rows), interleaved", ("--before", "faadf02", "verify-step", "--rounds", "3", "--",
+                                                       "--rounds", "5"), in_make_figures=False),
+    Figure("ab-amx-one-level-decode", "ab:main", "the ab-amx-one-level comparison on the bundled model's decode "
+           "figure (kvcli only)", ("--before", "faadf02", "decode", "--rounds", "3", "--", "--repeats", "2",
+                                   "--engines", "kvcli"), in_make_figures=False),
+    Figure("ab-amx-one-level-trace", "ab:main", "the ab-amx-one-level comparison on the 1B shape's 64-request trace "
+           "(kvcli only)", ("--before", "faadf02", "throughput", "--rounds", "2", "--", "--shape", "1b", "--workload",
+                            "alpaca", "--num-requests", "64", "--llama-cpp", "none", "--compare", "none"),
+           in_make_figures=False),
+    Figure("ab-amx-one-level-1b", "ab:main", "the ab-amx-one-level comparison on the 1B shape: the roofline figure's "
+           "512-token prefill and decode", ("--before", "faadf02", "roofline", "--rounds", "3", "--", "--contexts",
+                                            "512", "--rounds", "1"), in_make_figures=False),
+    Figure("ab-amx-spec", "ab:main", "the ab-amx-one-level comparison on the spec-default figure (speculation at "
+           "batch 1 against plain decode; in the tree after, a verification's 8-bit vocabulary rows on AMX tiles from "
+           "3 rows too)", ("--before", "faadf02", "spec-default", "--rounds", "3"), in_make_figures=False),
+    Figure("ab-one-level-16-noamx", "ab:main", "the ab-amx-one-level comparison on the verify-step figure with AMX "
+           "held off (the 16-column loop and the 9-row switch alone, as on AVX-512 CPUs without AMX)",
+           ("--before", "faadf02", "verify-step", "--rounds", "3", "--", "--rounds", "5"), NOAMX_ENV,
+           in_make_figures=False),
 ]}

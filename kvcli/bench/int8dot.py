@@ -110,13 +110,13 @@ def main(argv: list[str] | None = None) -> None:
 
     def on_tiles(fn):
         """fn run with the kernel's integer sums on AMX tiles at every row count."""
-        lib.kvq_amx_enable(1, 0)
+        lib.kvq_amx_enable(1, 0, 1)
         try:
             return fn()
         finally:
-            lib.kvq_amx_enable(0, 0)
+            lib.kvq_amx_enable(0, 0, 0)
 
-    lib.kvq_amx_enable(0, 0)  # the dpbusd loop, unless on_tiles
+    lib.kvq_amx_enable(0, 0, 0)  # the dpbusd loop, unless on_tiles
     gen = torch.Generator().manual_seed(0)
     shapes, row_counts = LINEARS[a.shape]
     if a.many_rows:
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\n| vocabulary projection {n} x {k} | rows | int8dot (Q8_0 as stored) ms | AMX tiles ms | bf16 GEMM ms | "
           "fused fp32 GEMM ms |")
     print("|---|---:|---:|---:|---:|---:|")
-    for rows in (1, 4, 16, 64):
+    for rows in (1, 2, 3, 4, 6, 8, 16, 64):
         x = torch.randn(rows, k, generator=gen)
         has_fused = int8dot_gemm_f32(head.lib, x, head.args, n) is not None
         t_f = f"{best_ms(lambda: int8dot_gemm_f32(head.lib, x, head.args, n), 5):.2f}" if has_fused else "n/a"

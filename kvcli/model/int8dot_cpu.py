@@ -75,7 +75,7 @@ def _tiles(lib) -> "TileRule | None":
 def restore_tiles(lib) -> None:
     """The library's AMX switch back to the plan's rule (after a benchmark or test set it by hand)."""
     rule = _tiles(lib)
-    lib.kvq_amx_enable(rule.min_rows if rule else 0, rule.min_elems if rule else 0)
+    lib.kvq_amx_enable(*(rule.args() if rule else (0, 0, 0)))
 
 
 def tile_rule() -> "TileRule | None":

@@ -72,6 +72,12 @@ GEMM_F32_MIN_ROWS = 32
 # tiles' overheads, hence the activation count. Per linear: python -m kvcli.bench int8dot-ops-1b.
 INT8DOT_AMX_MIN_ROWS = 8
 INT8DOT_AMX_MIN_ELEMS = 9216
+# 8-bit codes (Q8_0: the vocabulary table of most GGUFs, Q8_0 files' linears) from 3 rows at any K: their dpbusd
+# loop costs twice the 4-bit one's per product (sign moves, two levels over twice the bytes), and the tiles took
+# 0.89-0.97x its time at 3 rows, 0.66-0.78x at 4, 0.51-0.65x at 6 on SmolLM2's and the 1B shape's linear shapes,
+# 1.08-1.26x at 2 (2-core Xeon, 2026-12-07, ad hoc per-linear timings); the vocabulary table in
+# docs/results/int8dot-ops.txt. A verification step's rows (speculation: logits for every row) take them.
+INT8DOT_AMX_MIN_ROWS_8BIT = 3
 # 4-bit codes take kvq_gemm_i8 from this many rows (on AMX CPUs only below INT8DOT_DENSE_MIN_ROWS: dense_over_int8) (activations at one int8 level per block, a second
 # in blocks holding an outlier: cpu_int8dot.c), where the float GEMMs above ran: on the 1B shape's linears at 256-512
 # rows 0.72-0.87x the bf16 read-back's time on AVX-512-VNNI and 0.74-0.86x the fused fp32 GEMM's on the AVX2 build,
@@ -305,18 +311,23 @@ def int8dot_route(caps: CpuCapabilities, row_invariant: bool = False, weight: Qu
 @dataclass(frozen=True)
 class TileRule:
     """int8dot-cpu's integer sums on AMX tiles for calls of at least `min_rows` rows and `min_elems` activations
-    (rows x K); the dpbusd loop otherwise."""
+    (rows x K), of 8-bit codes from `min_rows_8bit` rows; the dpbusd loop otherwise."""
     min_rows: int
     min_elems: int
+    min_rows_8bit: int
+
+    def args(self) -> tuple[int, int, int]:
+        """kvq_amx_enable's arguments."""
+        return self.min_rows, self.min_elems, self.min_rows_8bit
 
     def describe(self) -> str:
-        return (f"AMX tiles from {self.min_rows} rows and {self.min_elems} activations (rows x K) a call: "
-                "int8dot-cpu's integer sums, the same bit for bit")
+        return (f"AMX tiles from {self.min_rows} rows and {self.min_elems} activations (rows x K) a call, 8-bit codes "
+                f"from {self.min_rows_8bit} rows: int8dot-cpu's integer sums, the same bit for bit")
 
 
 def int8dot_tiles(caps: CpuCapabilities) -> TileRule | None:
     """When the int8 kernel runs its integer sums on AMX tiles here (None: never)."""
-    return TileRule(INT8DOT_AMX_MIN_ROWS, INT8DOT_AMX_MIN_ELEMS) if caps.amx_int8 else None
+    return TileRule(INT8DOT_AMX_MIN_ROWS, INT8DOT_AMX_MIN_ELEMS, INT8DOT_AMX_MIN_ROWS_8BIT) if caps.amx_int8 else None
 
 
 def int8dot_tiles_on(lib, caps: CpuCapabilities) -> TileRule | None:
@@ -325,7 +336,7 @@ def int8dot_tiles_on(lib, caps: CpuCapabilities) -> TileRule | None:
     from kvcli.native.tiles import turn_on
 
     rule = int8dot_tiles(caps)
-    return rule if rule is not None and turn_on(lib, rule.min_rows, rule.min_elems) else None
+    return rule if rule is not None and turn_on(lib, *rule.args()) else None
 
 
 def int4_route(caps: CpuCapabilities, row_invariant: bool = False) -> RowRoute:

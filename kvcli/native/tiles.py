@@ -7,7 +7,7 @@ import functools
 
 
 @functools.lru_cache(maxsize=None)
-def turn_on(lib, min_rows: int, min_elems: int) -> bool:
-    """The library's tiles on for calls of min_rows+ rows and min_elems+ activations; False where the CPU has no
-    AMX-INT8, Linux refuses the tile state (arch_prctl) or the build has no AMX path."""
-    return lib.kvq_amx_enable(min_rows, min_elems) == 1
+def turn_on(lib, min_rows: int, min_elems: int, min_rows8: int) -> bool:
+    """The library's tiles on for calls of min_rows+ rows and min_elems+ activations (8-bit codes: min_rows8+ rows);
+    False where the CPU has no AMX-INT8, Linux refuses the tile state (arch_prctl) or the build has no AMX path."""
+    return lib.kvq_amx_enable(min_rows, min_elems, min_rows8) == 1
