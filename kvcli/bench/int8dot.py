@@ -4,7 +4,9 @@ take it from GEMM_F32_MIN_ROWS rows) and its bf16 GEMM on AMX tiles (where the C
 engine takes it from INT8DOT_DENSE_MIN_ROWS rows instead of the read-back), on SmolLM2-135M's linear shapes and its vocabulary projection,
 with the error of each against a float64 reference. Where the CPU has AMX-INT8, the int8dot kernel is
 timed twice: its dpbusd loop, and its integer sums on AMX tiles (the same outputs, bit for bit; the
-engine takes the tiles by weight_plan.int8dot_tiles' rule). A second table times the many-row integer GEMM with
+engine takes the tiles by weight_plan.int8dot_tiles' rule); both at two activation levels, and beside them the
+small-row loop at one level, which the engine runs for Q4_0 / Q4_1 forms where its int8 GEMM takes them (the
+route's one_level). A second table times the many-row integer GEMM with
 one int8 level of activations (kvq_gemm_i8: the engine takes it from INT8_GEMM_MIN_ROWS rows for 4-bit codes on
 CPUs without AMX) beside the float routes it replaces, with its error against the exact float64 product (its
 rounding of x, not a kernel error). Run it twice to see both ISAs:
@@ -99,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     from kvcli.bench.internals import Int4Cpu
     from kvcli.bench.internals import Int8DotCpu, native_library, restore_tiles, tile_rule
     from kvcli_kernels.cpu_int8dot import int8dot_gemm_bf16, int8dot_gemm_f32, int8dot_gemm_i8
-    from kvcli.bench.internals import QuantTensor, quantize_q4
+    from kvcli.bench.internals import QuantTensor, RowRoute, quantize_q4
 
     lib = native_library()
     if lib is None:
@@ -122,14 +124,17 @@ def main(argv: list[str] | None = None) -> None:
     if a.many_rows:
         main_many(a, shapes, [r for r in row_counts if r >= 32], gen)
         return
-    print("\n| weight [N x K] | rows | int8dot ms | AMX tiles ms | int4-cpu ms | read-back + GEMM ms | fused fp32 GEMM ms | "
-          "int8dot / int4-cpu | tiles / int8dot | fused / int8dot | int8dot rel. error | int4-cpu rel. error | "
-          "fused rel. error | AMX bf16 GEMM ms | AMX GEMM / read-back |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("\n(int8dot and its AMX tiles: two activation levels; one level: the engine's small-row loop for Q4_0 / Q4_1 "
+          "forms where its int8 GEMM takes them, weight_plan.int8dot_route's one_level; n/a where it does not)")
+    print("\n| weight [N x K] | rows | int8dot ms | AMX tiles ms | one level ms | int4-cpu ms | read-back + GEMM ms | "
+          "fused fp32 GEMM ms | int8dot / int4-cpu | tiles / int8dot | fused / int8dot | int8dot rel. error | "
+          "int4-cpu rel. error | fused rel. error | AMX bf16 GEMM ms | AMX GEMM / read-back |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     many = []  # the int8 GEMM's rows, printed after
     for n, k in shapes:
         q = quantize_q4(torch.randn(n, k, generator=gen) * 0.02)
-        ours = Int8DotCpu(q)
+        ours = Int8DotCpu(q, route=RowRoute())  # two levels (one kernel, no one_level): what the AMX tiles serve
+        one = Int8DotCpu(q).kernel_at_every_row_count()  # the engine's rounding of this form
         torch4 = Int4Cpu(q.unpack_codes(), q.group_scales(), q.group_mins(), q.group_size)
         w = q.dequantize().double()
         for rows in row_counts:
@@ -141,7 +146,9 @@ def main(argv: list[str] | None = None) -> None:
             if tiles and not torch.equal(on_tiles(lambda: ours(x)), ours(x)):
                 raise SystemExit(f"int8dot on AMX tiles differs from its dpbusd loop at {n} x {k}, {rows} rows")
             amx_cols = ("n/a", "n/a") if t_amx is None else (f"{t_amx:.3f}", f"{t_amx / t_ours:.2f}x")
-            t_rb = best_ms(lambda: F.linear(x.to(ours.dense_dtype), ours.dense(ours.dense_dtype)), a.calls)
+            t_one = f"{best_ms(lambda: one(x), a.calls):.3f}" if one.one_level else "n/a"
+            rb = one.dense_dtype  # the engine's read-back dtype (the two-level object's route has none)
+            t_rb = best_ms(lambda: F.linear(x.to(rb), one.dense(rb)), a.calls)
             ref = x.double() @ w.t()
             fused = int8dot_gemm_f32(ours.lib, x, ours.args, n)  # None: not in this build
             t_f = best_ms(lambda: int8dot_gemm_f32(ours.lib, x, ours.args, n), a.calls) if fused is not None else None
@@ -152,7 +159,7 @@ def main(argv: list[str] | None = None) -> None:
             b_cols = ("n/a", "n/a") if t_b is None else (f"{t_b:.3f}", f"{t_b / t_rb:.2f}x")
             if rows >= 32:
                 many.append(many_row(ours, x, ref, t_rb, t_f, a.calls))
-            print(f"| {n} x {k} | {rows} | {t_ours:.3f} | {amx_cols[0]} | {t_t4:.3f} | {t_rb:.3f} | {f_cols[0]} | "
+            print(f"| {n} x {k} | {rows} | {t_ours:.3f} | {amx_cols[0]} | {t_one} | {t_t4:.3f} | {t_rb:.3f} | {f_cols[0]} | "
                   f"{t_ours / t_t4:.2f}x | {amx_cols[1]} | {f_cols[1]} | {rel_err(ours(x), ref):.1e} | "
                   f"{rel_err(torch4(x), ref):.1e} | {f_cols[2]} | {b_cols[0]} | {b_cols[1]} |")
     print_many(many)

@@ -15,6 +15,7 @@ WHERE: dict[str, str] = {  # name -> "module:attribute", or "module" for a modul
     "native_library": "kvcli.model.int8dot_cpu:native_library",
     "tile_rule": "kvcli.model.int8dot_cpu:tile_rule",
     "restore_tiles": "kvcli.model.int8dot_cpu:restore_tiles",
+    "RowRoute": "kvcli.model.row_route:RowRoute",
     "QuantTensor": "kvcli.model.quant:QuantTensor",
     "quantize_q4": "kvcli.model.quant:quantize_q4",
     # kv-attention, prefill-attention, kv-int4: the torch attention backend and the KV pool's layer views

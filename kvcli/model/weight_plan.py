@@ -56,7 +56,7 @@ TIERS = ("dense", "nf4", "cpu", "int4-cpu", "triton", "exact")
 # GEMM is as fast as the integer kernel from ~256 rows; with bf16 emulated (fp32 read-back) likewise.
 INT8DOT_DENSE_MIN_ROWS = 256
 # Not lowered on AMX CPUs, although read-back + torch's bf16 GEMM on AMX tiles ties the integer kernel from 32
-# rows there (docs/results/int8dot-ops-1b.txt): bf16 activations on 32-255-row prompts put the Q4_0 variant of
+# rows there (`git show 0c702f3:docs/results/int8dot-ops-1b.txt`): bf16 activations on 32-255-row prompts put the Q4_0 variant of
 # tests/conformance past its bound against llama.cpp (3.7e-2 vs 3.0e-2 + 1e-3), 2026-12-05.
 # On AMX-BF16 CPUs these calls take kvcli's bf16 GEMM on AMX tiles (kvq_gemm_bf16: the read-back's bf16 numbers,
 # its weight panels dequantized on the fly, no 32-134 MB read-back buffer re-packed by oneDNN each call), from the
@@ -296,10 +296,11 @@ def int8dot_route(caps: CpuCapabilities, row_invariant: bool = False, weight: Qu
     # row's result the same whichever kernel its call takes (speculation's verification rows against plain decode).
     one_level = int8_ok and rounds_per_32(weight)
     if caps.amx_bf16:  # the read-back's numbers, on AMX tiles without the read-back (a read-back where refused)
-        # from INT8DOT_DENSE_MIN_ROWS, where it takes 0.4-0.6x the int8 GEMM's time (docs/results/int8-gemm-1b.txt,
-        # a Xeon with AMX); below it the forms rounded per 32 take the int8 GEMM and one level as elsewhere (on
-        # SmolLM2 a 6-row verification step 0.89x, a 1-row decode step 0.91x the time of two levels on int8 tiles:
-        # docs/results/ab-amx-one-level.txt), the others two levels (on int8 tiles, int8dot_tiles)
+        # from INT8DOT_DENSE_MIN_ROWS, where it takes 0.33-0.40x the int8 GEMM's time (the 1B shape's linears at 256
+        # and 512 rows, docs/results/int8dot-ops-1b.txt, a Xeon with AMX, 2026-12-07). Below it the forms rounded per
+        # 32 take the int8 GEMM and one level as elsewhere (with the 16-column small-row loop: the bundled model's
+        # decode 1.10x, a 6-row verification step's ratio to a 1-row one 0.81x the two-level tree's on that Xeon,
+        # docs/results/ab-amx-one-level*.txt), the others two levels (on int8 tiles, int8dot_tiles).
         if not one_level:
             return RowRoute(INT8DOT_DENSE_MIN_ROWS, "amx-bf16-gemm", torch.bfloat16)
         return RowRoute(INT8DOT_DENSE_MIN_ROWS, "amx-bf16-gemm", torch.bfloat16, int8, True, dense_over_int8=True)
