@@ -258,7 +258,8 @@ static inline __m256 load_i8x8(const int8_t *p) {
 }
 
 /* The 8 lanes of group gr of row group g (group_value's vector form); `scale_v` = the scales, for KVQ_ZERO. */
-static inline __attribute__((always_inline)) __m256 groups8(const kvq_groups *q, __m256 scale_v, int64_t g, int64_t gr, int64_t ng) {
+static inline __attribute__((always_inline)) __m256 groups8(const kvq_groups *q, __m256 scale_v, int64_t g, int64_t gr,
+                                                            int64_t ng) {
     const int64_t i = (g * ng + gr) * 8;
     switch (q->kind) {
     case KVQ_F16: return load_f16x8((const uint16_t *)q->v + i);
@@ -598,10 +599,22 @@ static inline __attribute__((always_inline)) __m512 one_level_sum16(const __m512
     return _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_add_epi32(i1, i1b), _mm512_set1_epi32(lv)));
 }
 
-static inline __attribute__((always_inline)) void one_level_tile16(const kvq_args *a, const int R, int64_t g, int64_t m0) {
+/* unpack_nibbles for two groups of 8 weight rows at once: block c0's steps in the low half of each vector, c1's in the
+ * high half. */
+static inline __attribute__((always_inline)) void unpack_nibbles16(const uint8_t *c0, const uint8_t *c1, __m512i w[8]) {
+    const __m512i m = _mm512_set1_epi8(0x0F);
+    for (int s = 0; s < 4; s++) {
+        const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(c0 + 32 * s))),
+                                             _mm256_loadu_si256((const __m256i *)(c1 + 32 * s)), 1);
+        w[s] = _mm512_and_si512(v, m);
+        w[s + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m);
+    }
+}
+
+static inline __attribute__((always_inline)) void one_level_tile16(const kvq_args *a, const int R, int64_t g,
+                                                                   int64_t m0) {
     const int64_t nb = a->K / QK;
     const int mins = a->mins.kind != KVQ_NONE;
-    const __m512i mask = _mm512_set1_epi8(0x0F);
     for (int64_t b0 = 0; b0 < nb; b0 += ONE_LEVEL_KC / QK) {
         const int64_t b1 = b0 + ONE_LEVEL_KC / QK < nb ? b0 + ONE_LEVEL_KC / QK : nb;
         __m512 f[ONE_LEVEL_M], f2[ONE_LEVEL_M]; /* in registers: every loop over r unrolled (R is a constant) */
@@ -617,17 +630,13 @@ static inline __attribute__((always_inline)) void one_level_tile16(const kvq_arg
             prefetch_lines(c0 + PREFETCH_BLOCKS * 128, 128);
             prefetch_lines(c1 + PREFETCH_BLOCKS * 128, 128);
             __m512i w[8];
-            for (int s = 0; s < 4; s++) {
-                const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(c0 + 32 * s))),
-                                                     _mm256_loadu_si256((const __m256i *)(c1 + 32 * s)), 1);
-                w[s] = _mm512_and_si512(v, mask);
-                w[s + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
-            }
+            unpack_nibbles16(c0, c1, w);
 #pragma GCC unroll 8
             for (int r = 0; r < R; r++) {
                 const int64_t xi = (m0 + r) * nb + b;
                 const int8_t *xq = a->qx + (m0 + r) * 2 * a->K + 2 * b * QK;
-                f[r] = _mm512_fmadd_ps(one_level_sum16(w, xq, a->lv[2 * xi]), _mm512_mul_ps(dw, _mm512_set1_ps(a->dx[xi])), f[r]);
+                f[r] = _mm512_fmadd_ps(one_level_sum16(w, xq, a->lv[2 * xi]), _mm512_mul_ps(dw, _mm512_set1_ps(a->dx[xi])),
+                                       f[r]);
                 if (mins) f[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a->sx[xi]), f[r]);
                 if (a->flag[xi]) /* an outlier block: its second level */
                     f2[r] = _mm512_fmadd_ps(one_level_sum16(w, xq + QK, a->lv[2 * xi + 1]),
@@ -707,7 +716,8 @@ static __attribute__((noinline)) void tiles_q4_one16(const kvq_args *a, int64_t 
         default: one_level_tile16(a, 1, g, m0);
         }
     if (g < g1)
-        for (int64_t r0 = 0; r0 < R; r0 += TILE_M) tiles_q4_one(a, g, g + 1, m0 + r0, R - r0 < TILE_M ? R - r0 : TILE_M);
+        for (int64_t r0 = 0; r0 < R; r0 += TILE_M)
+            tiles_q4_one(a, g, g + 1, m0 + r0, R - r0 < TILE_M ? R - r0 : TILE_M);
 }
 #endif
 
@@ -806,7 +816,8 @@ int kvq_amx_enable(int min_rows, int64_t min_elems, int min_rows8) {
     amx_min_rows = 0;
     if (min_rows <= 0) return 0;
     const int rc = amx_request(AMX_TILE_BIT | AMX_INT8_BIT);
-    if (rc == 1) amx_min_rows = min_rows, amx_min_elems = min_elems, amx_min_rows8 = min_rows8 > 0 ? min_rows8 : min_rows;
+    if (rc == 1)
+        amx_min_rows = min_rows, amx_min_elems = min_elems, amx_min_rows8 = min_rows8 > 0 ? min_rows8 : min_rows;
     return rc;
 }
 

@@ -159,8 +159,8 @@ def main(argv: list[str] | None = None) -> None:
             b_cols = ("n/a", "n/a") if t_b is None else (f"{t_b:.3f}", f"{t_b / t_rb:.2f}x")
             if rows >= 32:
                 many.append(many_row(ours, x, ref, t_rb, t_f, a.calls))
-            print(f"| {n} x {k} | {rows} | {t_ours:.3f} | {amx_cols[0]} | {t_one} | {t_t4:.3f} | {t_rb:.3f} | {f_cols[0]} | "
-                  f"{t_ours / t_t4:.2f}x | {amx_cols[1]} | {f_cols[1]} | {rel_err(ours(x), ref):.1e} | "
+            print(f"| {n} x {k} | {rows} | {t_ours:.3f} | {amx_cols[0]} | {t_one} | {t_t4:.3f} | {t_rb:.3f} | "
+                  f"{f_cols[0]} | {t_ours / t_t4:.2f}x | {amx_cols[1]} | {f_cols[1]} | {rel_err(ours(x), ref):.1e} | "
                   f"{rel_err(torch4(x), ref):.1e} | {f_cols[2]} | {b_cols[0]} | {b_cols[1]} |")
     print_many(many)
     # The vocabulary projection: a Q8_0 table, int8dot as stored vs the bf16 GEMM it replaced.

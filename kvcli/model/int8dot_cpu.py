@@ -179,11 +179,11 @@ class Int8DotCpu:
         self.args = weight_args(self.codes, self.bits, self.scale, self.mins, self.group_size, offset, self.one_level)
 
     def kernel_at_every_row_count(self) -> "Int8DotCpu":
-        """Turn the row route off: the integer kernel at every row count (what benchmarks and tests time and check
-        it by)."""
-        from kvcli.model.row_route import ONE_ROUTE
+        """Turn the row route off: the integer kernel at every row count, with the rounding it has (what benchmarks
+        and tests time and check it by)."""
+        from kvcli.model.row_route import RowRoute
 
-        self.route = ONE_ROUTE
+        self.route = RowRoute(one_level=self.one_level)
         return self
 
     @property

@@ -1,7 +1,7 @@
 """Which matmul a call of a given row count takes: below `dense_min_rows` (or always, when None) the form's own
 kernel; from it a float GEMM, and from `int8_min_rows` (4-bit codes) kvcli's integer GEMM with one int8 level of
-activations, at every row count from there or (`dense_over_int8`) until the float GEMM's. The weight plan (model/weight_plan.py) chooses a route per weight; the kernels'
-wrappers (int8dot_cpu.py, int4_cpu.py) follow it."""
+activations, at every row count from there or (`dense_over_int8`) until the float GEMM's. The weight plan
+(model/weight_plan.py) chooses a route per weight; the kernels' wrappers (int8dot_cpu.py, int4_cpu.py) follow it."""
 
 from __future__ import annotations
 
@@ -60,7 +60,8 @@ class RowRoute:
                 self.gemm, f"{str(self.dense_dtype)[6:]} read-back + GEMM")
             parts.append(f"{what} from {self.dense_min_rows} rows")
         if self.int8_min_rows is not None:
-            upto = f" to {self.dense_min_rows - 1}" if self.dense_over_int8 and self.first_float_rows is not None else ""
+            bounded = self.dense_over_int8 and self.first_float_rows is not None
+            upto = f" to {self.dense_min_rows - 1}" if bounded else ""
             parts.append(f"kvcli's int8 GEMM (one activation level, two in outlier blocks) from {self.int8_min_rows}"
                          f"{upto} rows" + (" (the same rounding below)" if self.one_level else ""))
         return ", ".join(parts)  # (no float GEMM named where the int8 GEMM takes every row count it would)

@@ -56,8 +56,8 @@ TIERS = ("dense", "nf4", "cpu", "int4-cpu", "triton", "exact")
 # GEMM is as fast as the integer kernel from ~256 rows; with bf16 emulated (fp32 read-back) likewise.
 INT8DOT_DENSE_MIN_ROWS = 256
 # Not lowered on AMX CPUs, although read-back + torch's bf16 GEMM on AMX tiles ties the integer kernel from 32
-# rows there (`git show 0c702f3:docs/results/int8dot-ops-1b.txt`): bf16 activations on 32-255-row prompts put the Q4_0 variant of
-# tests/conformance past its bound against llama.cpp (3.7e-2 vs 3.0e-2 + 1e-3), 2026-12-05.
+# rows there (`git show 0c702f3:docs/results/int8dot-ops-1b.txt`): bf16 activations on 32-255-row prompts put the
+# Q4_0 variant of tests/conformance past its bound against llama.cpp (3.7e-2 vs 3.0e-2 + 1e-3), 2026-12-05.
 # On AMX-BF16 CPUs these calls take kvcli's bf16 GEMM on AMX tiles (kvq_gemm_bf16: the read-back's bf16 numbers,
 # its weight panels dequantized on the fly, no 32-134 MB read-back buffer re-packed by oneDNN each call), from the
 # same row count for the same precision reason.
@@ -78,9 +78,9 @@ INT8DOT_AMX_MIN_ELEMS = 9216
 # 1.08-1.26x at 2 (2-core Xeon, 2026-12-07, ad hoc per-linear timings); the vocabulary table in
 # docs/results/int8dot-ops.txt. A verification step's rows (speculation: logits for every row) take them.
 INT8DOT_AMX_MIN_ROWS_8BIT = 3
-# 4-bit codes take kvq_gemm_i8 from this many rows (on AMX CPUs only below INT8DOT_DENSE_MIN_ROWS: dense_over_int8) (activations at one int8 level per block, a second
-# in blocks holding an outlier: cpu_int8dot.c), where the float GEMMs above ran: on the 1B shape's linears at 256-512
-# rows 0.72-0.87x the bf16 read-back's time on AVX-512-VNNI and 0.74-0.86x the fused fp32 GEMM's on the AVX2 build,
+# 4-bit codes take kvq_gemm_i8 from this many rows, on AMX CPUs only below INT8DOT_DENSE_MIN_ROWS (dense_over_int8)
+# (activations at one int8 level per block, a second in blocks holding an outlier: cpu_int8dot.c), where the float
+# GEMMs above ran: on the 1B shape's linears at 256-512 rows 0.72-0.87x the bf16 read-back's time on AVX-512-VNNI and 0.74-0.86x the fused fp32 GEMM's on the AVX2 build,
 # 0.39-0.76x from 32 to 64 rows (AMD EPYC, 2026-12-06; python -m kvcli.bench int8-gemm-1b, int8-gemm-1b-avx2).
 # Not lower in general: from 32 rows the Q4_K variant of tests/conformance went past its bound against llama.cpp
 # (5.2e-2 vs the exact model's 4.2e-2 + 1e-3, 2026-12-06: llama.cpp rounds Q4_K's activations per 256, not per 32),
