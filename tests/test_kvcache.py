@@ -20,11 +20,12 @@ from kvcli.workloads import prompt_ids, synthetic
 
 
 def test_pool_allocates_fifo_and_detects_double_free():
-    pool = BlockPool(4)
+    pool = BlockPool(5)
     a = pool.allocate(2)
-    assert a == [1, 2] and pool.num_free == 2  # block 0 is the null block, never handed out
-    pool.free(a)
-    assert pool.allocate(4) == [3, 4, 2, 1]  # freed blocks go to the back, tail first
+    assert a == [1, 2] and pool.num_free == 3  # block 0 is the null block, never handed out
+    pool.free(a)  # to the back of the queue, tail first: 3, 4, 5, 2, 1
+    # the queue decides which blocks leave (block 1, freed last, stays), the table gets them in ascending order
+    assert pool.allocate(4) == [2, 3, 4, 5] and pool.allocate(1) == [1]
     assert NULL_BLOCK not in pool.take_new_blocks()
     with pytest.raises(NoFreeBlocksError):
         pool.allocate(1)

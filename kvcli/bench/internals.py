@@ -22,6 +22,7 @@ WHERE: dict[str, str] = {  # name -> "module:attribute", or "module" for a modul
     "AttentionMetadata": "kvcli.attention.base:AttentionMetadata",
     "TorchAttentionBackend": "kvcli.attention.torch_backend:TorchAttentionBackend",
     "attend": "kvcli.attention.torch_backend:attend",
+    "native_attention": "kvcli.attention.torch_backend:native_attention",
     "native_prefill_attention": "kvcli.attention.torch_backend:native_prefill_attention",
     "LayerKV": "kvcli.kvcache.kv_cache:LayerKV",
     "kv_dtype_of": "kvcli.kvcache.kv_dtype:kv_dtype_of",
