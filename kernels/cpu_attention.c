@@ -38,6 +38,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <math.h>
+#include "cpu_scratch.h"
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define KVA_AVX2 1
@@ -734,6 +735,29 @@ static void write_rows(const kva_args *a, int64_t r, int64_t nq, int64_t h, int6
     }
 }
 
+/* Query r's unit: its rows (group[r]; 0 when an earlier group covers it, -1 when it cannot be one), and through
+ * lo / cnt the keys the unit reads (its last row's). */
+static inline int64_t unit_of(const kva_step *st, int64_t r, int64_t g, int64_t *lo, int64_t *cnt) {
+    const int64_t n = st->n, rows = st->group ? st->group[r] : 1;
+    *lo = *cnt = 0;
+    if (rows < 0 || r + rows > n || rows * g > MAX_QG || (rows > 1 && st->window > 0)) return -1;
+    if (rows == 0) return 0;
+    const int64_t last = r + rows - 1, L = len_at(st, st->reqs ? st->reqs[last] : last), w = st->window;
+    *lo = w > 0 && L - w > 0 ? L - w : 0;
+    *cnt = L > *lo ? L - *lo : 0;
+    return rows;
+}
+
+/* A unit of cnt keys in spans of whole tiles (where blocks allow), at most `want` of them and none under
+ * MIN_SPAN keys (merging costs more than it saves): returns the span count, the span length through slen. */
+static inline int64_t spans_of(int64_t cnt, int64_t want, int64_t *slen) {
+    int64_t s = cnt / MIN_SPAN < want ? cnt / MIN_SPAN : want;
+    s = s < 1 ? 1 : s;
+    *slen = (cnt + s - 1) / s;
+    *slen = (*slen + TILE - 1) / TILE * TILE;
+    return *slen > 0 ? (cnt + *slen - 1) / *slen : 1;
+}
+
 /* Decode attention for the step's requests over one layer's cache: q, out [tokens, heads, D] with row
  * strides q_row, out_row, on up to nthreads threads. Returns 0, -1 when out of memory, -2 for
  * unsupported shapes, -4 for a KV dtype whose loop this library does not run (kva_add_dtype). */
@@ -745,53 +769,43 @@ int kva_decode(const kva_step *st, const kva_cache *c, const float *q, int64_t q
     if (c->dtype < 0 || c->dtype >= N_DTYPES || !spans[c->dtype]) return -4;
     const int64_t g = st->heads / kvh;
     if (n == 0) return 0;
-    /* per query: rows in its unit (0: covered by a group), first key, key count, spans, span length, first item */
-    int64_t *plan = (int64_t *)malloc(sizeof(int64_t) * (size_t)(6 * n + 1));
-    if (!plan) return -1;
-    int64_t *nq = plan, *lo = plan + n, *cnt = plan + 2 * n, *nsp = plan + 3 * n, *slen = plan + 4 * n, *first = plan + 5 * n;
-    int64_t keys = 0, units = 0, gmax = 1;
+    /* the step's units (a query, or a query group): the work, then the thread count and items per unit */
+    int64_t keys = 0, units = 0, gmax = 1, lo_r, cnt_r, slen_r;
     for (int64_t r = 0; r < n; r++) {
-        nq[r] = st->group ? st->group[r] : 1;
-        if (nq[r] < 0 || r + nq[r] > n || nq[r] * g > MAX_QG || (nq[r] > 1 && st->window > 0)) {
-            free(plan);
-            return -2;
-        }
-        cnt[r] = lo[r] = 0;
-        if (nq[r] == 0) continue;
-        const int64_t last = r + nq[r] - 1, L = len_at(st, st->reqs ? st->reqs[last] : last), w = st->window;
-        lo[r] = w > 0 && L - w > 0 ? L - w : 0;
-        cnt[r] = L > lo[r] ? L - lo[r] : 0;
-        keys += cnt[r] * nq[r];
-        units += 1;
-        gmax = nq[r] > gmax ? nq[r] : gmax;
+        const int64_t rows = unit_of(st, r, g, &lo_r, &cnt_r);
+        if (rows < 0) return -2;
+        keys += cnt_r * rows;
+        units += rows > 0;
+        gmax = rows > gmax ? rows : gmax;
     }
     const int nt = keys * st->heads * D < SERIAL_MACS || nthreads < 1 ? 1 : nthreads;
     /* about 4 items per thread, so that ragged spans still balance under dynamic scheduling */
     const int64_t want = nt > 1 ? (4 * nt + units * kvh - 1) / (units * kvh) : 1;
     int64_t items = 0, split = 0;
     for (int64_t r = 0; r < n; r++) {
-        first[r] = items;
-        if (nq[r] == 0) {
-            nsp[r] = slen[r] = 0;
-            continue;
-        }
-        int64_t s = cnt[r] / MIN_SPAN < want ? cnt[r] / MIN_SPAN : want;
-        s = s < 1 ? 1 : s;
-        slen[r] = (cnt[r] + s - 1) / s;
-        slen[r] = (slen[r] + TILE - 1) / TILE * TILE;  /* whole tiles (where blocks allow) */
-        nsp[r] = slen[r] > 0 ? (cnt[r] + slen[r] - 1) / slen[r] : 1;
-        items += kvh * nsp[r];
-        split |= nsp[r] > 1;
+        if (unit_of(st, r, g, &lo_r, &cnt_r) == 0) continue;
+        const int64_t s = spans_of(cnt_r, want, &slen_r);
+        items += kvh * s;
+        split |= s > 1;
     }
-    int64_t *item_req = (int64_t *)malloc(sizeof(int64_t) * (size_t)(items > 0 ? items : 1));
-    const int64_t part = gmax * g * (D + 2);  /* per item: acc [G][D], m [G], l [G] (G = the unit's heads) */
-    float *parts = split ? (float *)malloc(sizeof(float) * (size_t)(items * part)) : NULL;
-    if (!item_req || (split && !parts)) {
-        free(plan), free(item_req), free(parts);
-        return -1;
+    /* One buffer (cpu_scratch.h): per query its unit's rows (0: covered by a group), first key, key count,
+     * spans, span length and first item; each item's query; each item's partial results where spans split. */
+    const int64_t part = gmax * g * (D + 2); /* per item: acc [G][D], m [G], l [G] (G = the unit's heads) */
+    const size_t b_plan = scratch_align(sizeof(int64_t) * (size_t)(6 * n)),
+                 b_items = scratch_align(sizeof(int64_t) * (size_t)(items > 0 ? items : 1));
+    int fresh;
+    char *buf = (char *)scratch_take(b_plan + b_items + (split ? sizeof(float) * (size_t)(items * part) : 0), &fresh);
+    if (!buf) return -1;
+    int64_t *plan = (int64_t *)buf, *item_req = (int64_t *)(buf + b_plan);
+    float *parts = split ? (float *)(buf + b_plan + b_items) : NULL;
+    int64_t *nq = plan, *lo = plan + n, *cnt = plan + 2 * n, *nsp = plan + 3 * n, *slen = plan + 4 * n, *first = plan + 5 * n;
+    for (int64_t r = 0, it = 0; r < n; r++) {
+        nq[r] = unit_of(st, r, g, &lo[r], &cnt[r]);
+        first[r] = it;
+        nsp[r] = nq[r] ? spans_of(cnt[r], want, &slen[r]) : 0;
+        if (!nq[r]) slen[r] = 0;
+        for (int64_t i = 0; i < kvh * nsp[r]; i++) item_req[it++] = r;
     }
-    for (int64_t r = 0; r < n; r++)
-        for (int64_t i = 0; i < kvh * nsp[r]; i++) item_req[first[r] + i] = r;
 
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
@@ -837,6 +851,6 @@ int kva_decode(const kva_step *st, const kva_cache *c, const float *q, int64_t q
             }
         }
     }
-    free(plan), free(item_req), free(parts);
+    scratch_give(buf, fresh);
     return 0;
 }

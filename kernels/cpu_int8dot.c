@@ -26,6 +26,7 @@
 #include <string.h>
 #include <math.h>
 #include <omp.h>
+#include "cpu_scratch.h"
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define KVQ_AVX2 1
@@ -151,9 +152,23 @@ static inline float group_value(const kvq_groups *q, const kvq_groups *scale, in
 static void quantize_row(const float *x, int64_t K, int8_t *q, float *d, float *s, int32_t *xs, float outlier,
                          int offset, uint8_t *flag, int32_t *lv) {
     float limit = 0.0f;
-    if (outlier > 0.0f) {
-        double ss = 0.0;
-        for (int64_t k = 0; k < K; k++) ss += (double)x[k] * x[k];
+    if (outlier > 0.0f) { /* the row's sum of squares in 8 double partial sums (element k in k % 8; K is a
+                           * multiple of 32), added in one fixed tree: every build the same bits (a float's
+                           * square is exact in double) */
+        double part[8] = {0};
+#ifdef KVQ_AVX2
+        __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();
+        for (int64_t k = 0; k < K; k += 8) {
+            const __m256 v = _mm256_loadu_ps(x + k);
+            const __m256d a = _mm256_cvtps_pd(_mm256_castps256_ps128(v)), b = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+            lo = _mm256_add_pd(lo, _mm256_mul_pd(a, a)), hi = _mm256_add_pd(hi, _mm256_mul_pd(b, b));
+        }
+        _mm256_storeu_pd(part, lo), _mm256_storeu_pd(part + 4, hi);
+#else
+        for (int64_t k = 0; k < K; k += 8)
+            for (int j = 0; j < 8; j++) part[j] += (double)x[k + j] * x[k + j];
+#endif
+        const double ss = ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7]));
         limit = outlier * (float)sqrt(ss / (double)K);
     }
     for (int64_t b = 0; b < K / QK; b++) {
@@ -1125,22 +1140,25 @@ int kvq_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, int b
     const int amx = 0;
     const int64_t Mp = M;
 #endif
-    int8_t *qx = (int8_t *)malloc((size_t)(2 * Mp * K));
-    float *dx = (float *)calloc((size_t)(Mp * nb), sizeof(float)), *sx = (float *)calloc((size_t)(Mp * nb), sizeof(float));
+    /* one buffer (cpu_scratch.h): the activations' codes, scales and sums; the zeroed ones as calloc gave them */
     const int need_xs = offset != 0 && bits != 8 && !one_level;
-    int32_t *xs = need_xs ? (int32_t *)calloc((size_t)(2 * Mp * nb), sizeof(int32_t)) : NULL;
-    uint8_t *flag = one_level ? (uint8_t *)malloc((size_t)(Mp * nb)) : NULL;
-    int32_t *lv = one_level ? (int32_t *)malloc(sizeof(int32_t) * (size_t)(2 * Mp * nb)) : NULL;
-    if (!qx || !dx || !sx || (need_xs && !xs) || (one_level && (!flag || !lv))) {
-        free(qx), free(dx), free(sx), free(xs), free(flag), free(lv);
-        return -1;
-    }
+    const size_t b_qx = scratch_align((size_t)(2 * Mp * K)), b_f = scratch_align(sizeof(float) * (size_t)(Mp * nb));
+    const size_t b_xs = need_xs ? scratch_align(sizeof(int32_t) * (size_t)(2 * Mp * nb)) : 0;
+    const size_t b_flag = one_level ? scratch_align((size_t)(Mp * nb)) : 0;
+    const size_t b_lv = one_level ? scratch_align(sizeof(int32_t) * (size_t)(2 * Mp * nb)) : 0;
+    int fresh;
+    char *buf = (char *)scratch_take(b_qx + b_f * (amx ? 3 : 2) + b_xs + b_flag + b_lv, &fresh);
+    if (!buf) return -1;
+    int8_t *qx = (int8_t *)buf;
+    float *dx = (float *)(buf + b_qx), *sx = (float *)(buf + b_qx + b_f);
+    int32_t *xs = need_xs ? (int32_t *)(buf + b_qx + 2 * b_f) : NULL;
+    uint8_t *flag = one_level ? (uint8_t *)(buf + b_qx + 2 * b_f + b_xs) : NULL;
+    int32_t *lv = one_level ? (int32_t *)(buf + b_qx + 2 * b_f + b_xs + b_flag) : NULL;
+    float *dxs = amx ? (float *)(buf + b_qx + 2 * b_f + b_xs + b_flag + b_lv) : NULL; /* AMX's epilogue: dx / 256 */
+    memset(dx, 0, 2 * b_f); /* dx, sx */
+    if (xs) memset(xs, 0, b_xs);
+    if (dxs) memset(dxs, 0, b_f);
     if (Mp > M) memset(qx + 2 * M * K, 0, (size_t)(2 * (Mp - M) * K));
-    float *dxs = amx ? (float *)calloc((size_t)(Mp * nb), sizeof(float)) : NULL; /* AMX's epilogue: dx / 256 */
-    if (amx && !dxs) {
-        free(qx), free(dx), free(sx), free(xs), free(flag), free(lv);
-        return -1;
-    }
     kvq_args a = form;
     a.qx = qx, a.dx = dx, a.sx = sx, a.xs = xs, a.dxs = dxs, a.flag = flag, a.lv = lv;
     int failed = 0;
@@ -1166,8 +1184,7 @@ int kvq_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, int b
             for (int64_t t = 0; t < ntiles; t++) gemm_tile(&a, bits, t);
         }
     }
-    free(dxs);
-    free(qx), free(dx), free(sx), free(xs), free(flag), free(lv);
+    scratch_give(buf, fresh);
     return failed ? -1 : 0;
 }
 
