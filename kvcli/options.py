@@ -27,6 +27,7 @@ KV_LAYOUTS = ("paged", "contiguous")
 RESERVATIONS = ("max-len", "request")
 PREEMPT_MODES = ("recompute", "swap")
 SPECULATE_MODES = ("none", "ngram")
+DRAFT_LENGTHS = ("adaptive", "fixed")
 MAX_SPECULATIVE_TOKENS = 32
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
           "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
@@ -145,6 +146,9 @@ class EngineOptions:
     # ngram_max down to ngram_min, matched in the request's own context), verify them in one step.
     speculate: str = "none"  # none | ngram
     num_speculative_tokens: int = 5
+    # adaptive: each step verifies the number of guesses (1..num_speculative_tokens) that the request's recent
+    # acceptance and the engine's measured step costs make fastest (spec_decode/draft_length.py); fixed: all of them.
+    draft_length: str = "adaptive"
     ngram_min: int = 2
     ngram_max: int = 4
     # A bounded cache (kvcache/retention.py): each request keeps the KV of its first sink_tokens tokens and
@@ -174,6 +178,7 @@ class EngineOptions:
         parse_kv_dtype(self.kv_dtype)
         _one_of(self.speculate, SPECULATE_MODES, "--speculate")
         _positive(self.num_speculative_tokens, "--num-speculative-tokens")
+        _one_of(self.draft_length, DRAFT_LENGTHS, "--draft-length")
         if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
             raise ConfigError(f"--num-speculative-tokens must be at most {MAX_SPECULATIVE_TOKENS} "
                               f"(got {self.num_speculative_tokens})")

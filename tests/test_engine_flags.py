@@ -59,6 +59,10 @@ for _cmd in ("profile", "watch"):
 for _cmd in ("chat", "continue", "profile", "serve"):
     FLAGS_BEFORE[_cmd] |= {'--cuda-graphs', '--no-cuda-graphs'}
 
+# The draft length of speculation (issue #30, item 4), with the other speculation flags, added since.
+for _cmd in ("chat", "continue", "profile", "serve"):
+    FLAGS_BEFORE[_cmd] |= {'--draft-length'}
+
 # The engine flags' defaults per command, as declared before (enums by value).
 DEFAULTS_BEFORE = {
     "chat": {'--model': None, '--block-size': 16, '--kv-budget': None, '--quant': 'auto', '--dequantize': False,

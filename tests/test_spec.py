@@ -18,6 +18,7 @@ from kvcli.kvcache.interface import blocks_for
 from kvcli.options import ConfigError, EngineOptions
 from kvcli.spec_decode.acceptance import accept
 from kvcli.spec_decode.backoff import AdaptiveBackoff
+from kvcli.spec_decode.draft_length import DraftLength, StepCosts, expected_tokens
 from kvcli.spec_decode.prompt_lookup import PromptLookupProposer
 from kvcli.step import RunnerOutput, SchedulerOutput
 
@@ -110,6 +111,79 @@ def test_backoff_pauses_after_a_bad_window_and_doubles():
     b.record("r", 4, 4)
     b.record("r", 4, 3)  # a good window resets the pause
     assert b.should_propose("r")
+
+
+# --- draft length -----------------------------------------------------------------------------------------
+def fitted(t1: float, b: float, rows=(1, 6, 3, 1, 6, 2, 6, 1, 4, 6)) -> StepCosts:
+    costs = StepCosts()
+    for r in rows:
+        costs.observe(r, t1 + b * (r - 1))
+    return costs
+
+
+def test_step_costs_fit_the_line_once_the_rows_vary():
+    costs = StepCosts()
+    for _ in range(20):
+        costs.observe(6, 0.02)  # one row count only: nothing to fit a slope to
+    assert costs.line() is None and costs.ratio(6) is None
+    costs = fitted(0.010, 0.002)
+    t1, b = costs.line()
+    assert t1 == pytest.approx(0.010) and b == pytest.approx(0.002)
+    assert costs.ratio(6) == pytest.approx(2.0)
+
+
+def test_expected_tokens_is_the_geometric_run():
+    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+    assert expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.0, 4) == 1.0
+
+
+def test_draft_length_follows_acceptance_and_row_costs():
+    d = DraftLength()
+    assert d.length("r", 5) == 5  # no costs measured yet: the fixed length
+    d.costs = fitted(0.010, 0.0005)  # a row 5 % of a step: long drafts pay
+    assert d.length("r", 5) == 5  # the prior: a fully accepted run
+    for _ in range(6):
+        d.record("r", 5, 5, 5)
+    assert d.length("r", 5) == 5 and d.acceptance("r", 5) > 0.9
+    d.costs = fitted(0.010, 0.0033)  # a third of a step per row (the bundled model at 4k)
+    for _ in range(15):
+        d.record("r", 5, 0, 5)  # nothing accepted: a ~ 0
+    assert d.acceptance("r", 5) < 0.3 and d.length("r", 5) == 1
+    # Over acceptances and costs: a dearer row or a lower acceptance never asks for a longer draft.
+    for a_runs in (0, 1, 2, 4):
+        lengths = []
+        for b in (0.0002, 0.001, 0.003, 0.01):
+            e = DraftLength(costs=fitted(0.010, b))
+            for _ in range(8):
+                e.record("r", 5, a_runs, 5)
+            lengths.append(e.length("r", 5))
+        assert lengths == sorted(lengths, reverse=True), (a_runs, lengths)
+    d.release("r")
+    assert d.acceptance("r", 5) == pytest.approx(5 / 6)
+
+
+def test_scheduler_verifies_the_draft_length_it_is_given():
+    kv = PagedKVManager(200, 4, prefix_caching=True)
+    draft = DraftLength(costs=fitted(0.010, 0.004))  # rows dear: short drafts
+    sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256,
+                      proposer=PromptLookupProposer(5, 1, 3), backoff=AdaptiveBackoff(), draft=draft,
+                      eos_token_ids=())
+    rng = random.Random(1)
+    for i in range(3):
+        sched.add(Request(f"r{i}", [rng.randrange(6) for _ in range(20)], SamplingParams(max_tokens=30, ignore_eos=True)))
+    lengths = []
+    while sched.has_unfinished():
+        out = sched.schedule()
+        for c in out.chunks:
+            if c.spec_token_ids:
+                req_id = c.req_id
+                lengths.append(len(c.spec_token_ids))
+                assert len(c.spec_token_ids) <= draft.length(req_id, 5)
+        sched.update_from_output(out, fake_runner(sched, out, rng))
+    assert lengths and max(lengths) < 5
+    # per-request state goes with the request, also when its last verification finished it
+    assert not draft._req and not sched.backoff._req
 
 
 # --- the scheduler's bookkeeping, against a fake model ----------------------------------------------------
@@ -230,6 +304,8 @@ def test_speculation_options_are_validated_with_flag_names():
         EngineOptions(ngram_min=3, ngram_max=2)
     with pytest.raises(ConfigError, match="--ngram-min"):
         EngineOptions(ngram_min=0)
+    with pytest.raises(ConfigError, match="--draft-length"):
+        EngineOptions(draft_length="longest")
 
 
 def test_stop_token_inside_an_accepted_run_ends_the_request_there():

@@ -60,6 +60,7 @@ def reference(shared_model):
 
 @pytest.mark.parametrize("opts", [
     dict(num_speculative_tokens=5, kv_budget="64MiB"),
+    dict(num_speculative_tokens=5, kv_budget="64MiB", draft_length="fixed"),
     dict(num_speculative_tokens=1, kv_budget="64MiB"),
     dict(num_speculative_tokens=8, ngram_min=1, ngram_max=3, kv_budget="64MiB"),
     # Prompts prefilled in 48-token chunks beside other requests' speculative decodes.
@@ -67,7 +68,7 @@ def reference(shared_model):
     dict(num_speculative_tokens=5, kv_budget=str(24 * PER_BLOCK), max_num_batched_tokens=96),
     dict(num_speculative_tokens=5, kv_budget=str(24 * PER_BLOCK), max_num_batched_tokens=96, preempt="swap"),
     dict(num_speculative_tokens=5, kv_budget="64MiB", kv_layout="contiguous", reserve="request"),
-], ids=["k5", "k1", "k8-ngram1", "chunked-prefill", "preempt-recompute", "preempt-swap", "contiguous"])
+], ids=["k5", "k5-fixed", "k1", "k8-ngram1", "chunked-prefill", "preempt-recompute", "preempt-swap", "contiguous"])
 def test_greedy_speculation_is_token_identical(shared_model, reference, opts):
     ids, plain = reference
     spec, engine = generate(shared_model, ids, speculate="ngram", **opts)

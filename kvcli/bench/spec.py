@@ -1,6 +1,7 @@
 """Speculative decoding by prompt lookup, measured in one run: kvcli with and without `--speculate
-ngram`, and transformers `generate` with and without `prompt_lookup_num_tokens`, on the same prompts:
-a repetitive text (source code) and prose, at batch 1 and as a 16-request batch.
+ngram` (with speculation: each --draft-lengths mode, adaptive then fixed, by default), and transformers
+`generate` with and without `prompt_lookup_num_tokens`, on the same prompts: a repetitive text (source
+code) and prose, at batch 1 and as a 16-request batch.
 
 Method (as the decode figure): wall time of a greedy generation of 1 token and of N tokens from
 the same prompts; decode tok/s = batch * (N - 1) / (t_N - t_1), so prefill is excluded. Best of
@@ -62,6 +63,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch-new-tokens", type=int, default=64)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("-k", "--num-speculative-tokens", type=int, default=5)
+    ap.add_argument("--draft-lengths", default="adaptive,fixed", help="kvcli's --draft-length runs, in this order "
+                    "(adaptive: the row 'kvcli+ngram'; fixed: 'kvcli+ngram fixed k')")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-batch", action="store_true", help="batch 1 only")
@@ -84,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"# bench_spec {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC · {platform.machine()} · "
           f"{os.cpu_count()} cores · {cpu_isa()}")
     print(f"# python {platform.python_version()} · torch {torch.__version__} · threads {torch.get_num_threads()}")
-    print(f"# k={a.num_speculative_tokens} · batch 1: {a.prompt_tokens} prompt / {a.new_tokens} new tokens · "
+    print(f"# k={a.num_speculative_tokens} (draft lengths: {a.draft_lengths}) · batch 1: {a.prompt_tokens} prompt / {a.new_tokens} new tokens · "
           f"batch {a.batch}: {a.batch_prompt_tokens} / {a.batch_new_tokens} · best of {a.repeats} · "
           f"kvcli weights {'fp32 (--dequantize)' if a.dequantize else 'INT4 resident'} · "
           f"attention backend {a.attention_backend}")
@@ -92,9 +95,10 @@ def main(argv: list[str] | None = None) -> None:
     loaded = load_weights(None)
     plain = LLMEngine(loaded, EngineOptions(kv_budget="512MiB", max_model_len=2048, dequantize=a.dequantize,
                                             attention_backend=a.attention_backend))
-    spec = LLMEngine(loaded, EngineOptions(kv_budget="512MiB", max_model_len=2048, speculate="ngram",
-                                           dequantize=a.dequantize, attention_backend=a.attention_backend,
-                                           num_speculative_tokens=a.num_speculative_tokens), model=plain.model)
+    specs = {("kvcli+ngram" if mode == "adaptive" else f"kvcli+ngram {mode} k"): LLMEngine(loaded, EngineOptions(
+        kv_budget="512MiB", max_model_len=2048, speculate="ngram", dequantize=a.dequantize,
+        attention_backend=a.attention_backend, num_speculative_tokens=a.num_speculative_tokens, draft_length=mode),
+        model=plain.model) for mode in a.draft_lengths.split(",")}
     tok = loaded.tokenizer
     hf = None
     if not a.skip_hf:
@@ -108,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     for batch, p_len, n_new in shapes:
         for name, prompts in texts(p_len, batch, tok).items():
             res = {}
-            for label, engine in (("kvcli", plain), ("kvcli+ngram", spec)):
+            for label, engine in (("kvcli", plain), *specs.items()):
                 llm = LLM.from_engine(engine)
 
                 def run(n: int):

@@ -7,8 +7,9 @@ those the engine's scheduler would ask for, and the step accepts the leading gue
 speculation would give if a step verifying k guesses cost no more than a plain one; a real step costs more
 (python -m kvcli.bench verify-step), so the measured speedup (spec-default) stays below it.
 
-The replay is checked against the engine in the same run: kvcli with --speculate ngram at the default k on the
-first prompt of each text must make the same number of steps (a differing count fails the run).
+The replay is checked against the engine in the same run: kvcli with --speculate ngram at the default k, held
+fixed (--draft-length fixed: the replay knows no step costs), on the first prompt of each text must make the same
+number of steps (a differing count fails the run).
 
 Prompts: spec.py's texts (kvcli's own scheduler + block manager source as "code", samples/keepers-log.txt as
 "prose"), --windows windows of --prompt-tokens at different offsets, --new-tokens greedy tokens each.
@@ -66,8 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     loaded = load_weights(None)
     opts = EngineOptions(kv_budget="512MiB", max_model_len=2048)
     plain = LLMEngine(loaded, opts)
-    spec = LLMEngine(loaded, EngineOptions(kv_budget="512MiB", max_model_len=2048, speculate="ngram"),
-                     model=plain.model)
+    spec = LLMEngine(loaded, EngineOptions(kv_budget="512MiB", max_model_len=2048, speculate="ngram",
+                                           draft_length="fixed"), model=plain.model)  # the replay's fixed k
     k0, nmin, nmax = spec.options.num_speculative_tokens, spec.options.ngram_min, spec.options.ngram_max
     params = SamplingParams(max_tokens=a.new_tokens, ignore_eos=True)
     rows, checks = [], []

@@ -72,6 +72,11 @@ class Speculate(str, Enum):
     ngram = "ngram"
 
 
+class DraftLength(str, Enum):
+    adaptive = "adaptive"
+    fixed = "fixed"
+
+
 @dataclass(frozen=True)
 class Flag:
     """One engine flag: the command-line parameter `param`, its type and typer.Option, its default, and the
@@ -165,6 +170,10 @@ FLAGS: Mapping[str, Flag] = MappingProxyType(_flags(
     Flag("num_speculative_tokens", int, typer.Option(
         "--num-speculative-tokens", help="Most tokens guessed per step (they count against "
         "--max-batch-tokens)."), 5, "num_speculative_tokens"),
+    Flag("draft_length", DraftLength, typer.Option(
+        "--draft-length", help="adaptive: each step verifies as many of the guesses (1 up to "
+        "--num-speculative-tokens) as the request's recent acceptance and this engine's measured step times make "
+        "fastest; fixed: always up to --num-speculative-tokens."), DraftLength.adaptive, "draft_length"),
     Flag("ngram_min", int, typer.Option("--ngram-min", help="Shortest suffix matched by prompt lookup."), 2,
          "ngram_min"),
     Flag("ngram_max", int, typer.Option(
@@ -181,7 +190,7 @@ FLAGS: Mapping[str, Flag] = MappingProxyType(_flags(
 ))
 
 # Flag groups several commands take together.
-SPECULATION = ("speculate", "num_speculative_tokens", "ngram_min", "ngram_max")
+SPECULATION = ("speculate", "num_speculative_tokens", "draft_length", "ngram_min", "ngram_max")
 RETENTION = ("kv_window", "sink_tokens")
 
 

@@ -37,6 +37,7 @@ from kvcli.runner.cuda_graphs import DecodeGraphs
 from kvcli.runner.model_runner import ModelRunner
 from kvcli.runner.simulated_runner import SimulatedRunner
 from kvcli.spec_decode.backoff import AdaptiveBackoff
+from kvcli.spec_decode.draft_length import DraftLength
 from kvcli.spec_decode.prompt_lookup import PromptLookupProposer
 
 __all__ = ["ConfigError", "EngineOptions", "LLMEngine"]
@@ -275,7 +276,7 @@ class LLMEngine:
         if options.speculate == "none":
             return {}
         return {"proposer": PromptLookupProposer(options.num_speculative_tokens, options.ngram_min, options.ngram_max),
-                "backoff": AdaptiveBackoff()}
+                "backoff": AdaptiveBackoff(), "draft": DraftLength() if options.draft_length == "adaptive" else None}
 
     def _build_model(self, loaded: LoadedWeights, dtype: torch.dtype) -> None:
         """The model as the weight plan says (kvcli/model/weight_plan.py: how every weight runs, decided once)."""
@@ -385,6 +386,8 @@ class LLMEngine:
         if decode_only:
             self.decode_seconds += dt
             self.decode_tokens += len(new_tokens)
+            if self.scheduler.draft is not None and out.num_tokens:  # what a step of that many rows costs
+                self.scheduler.draft.costs.observe(out.num_tokens, dt)
         else:
             self.prefill_seconds += dt
         self.generated_tokens += len(new_tokens)

@@ -61,6 +61,7 @@ from kvcli.kvcache.interface import KVLayout
 from kvcli.metrics.snapshot import RequestTiming
 from kvcli.metrics.stats import RequestExtent, SchedulerStats, SpecStats
 from kvcli.spec_decode.backoff import AdaptiveBackoff
+from kvcli.spec_decode.draft_length import DraftLength
 from kvcli.spec_decode.prompt_lookup import PromptLookupProposer
 from kvcli.step import NewRequest, RunnerOutput, ScheduledChunk, SchedulerOutput
 
@@ -74,7 +75,8 @@ class KVBudgetTooSmall(RuntimeError):
 class Scheduler:
     def __init__(self, kv: KVLayout, *, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  preempt: str = "recompute", swap_blocks: int = 0, eos_token_ids: tuple[int, ...] = (),
-                 proposer: PromptLookupProposer | None = None, backoff: AdaptiveBackoff | None = None) -> None:
+                 proposer: PromptLookupProposer | None = None, backoff: AdaptiveBackoff | None = None,
+                 draft: DraftLength | None = None) -> None:
         if preempt not in ("recompute", "swap"):
             raise ValueError(f"unknown preemption mode {preempt!r} (recompute or swap)")
         self.kv = kv
@@ -94,6 +96,7 @@ class Scheduler:
         self._released: list[str] = []
         self.proposer = proposer
         self.backoff = backoff
+        self.draft = draft  # None: every proposal up to the proposer's k
         # Speculation counters (SpecStats): guesses proposed / accepted, verifications, and every
         # request-step that sampled with the tokens it appended (mean tokens per step per request).
         self.spec_proposed = 0
@@ -282,6 +285,8 @@ class Scheduler:
         limit = min(room, self.final_tokens(req) - req.num_tokens - 1)
         if limit <= 0 or (self.backoff is not None and not self.backoff.should_propose(req.req_id)):
             return []
+        if self.draft is not None:
+            limit = min(limit, self.draft.length(req.req_id, self.proposer.k))
         return self.proposer.propose(req.req_id, req.num_tokens, req.token_slice, limit)
 
     def _chunk(self, req: Request, n: int, guesses: list[int] = ()) -> ScheduledChunk:
@@ -352,10 +357,12 @@ class Scheduler:
         self.spec_steps += 1
         self.spec_proposed += k
         self.spec_accepted += accepted
+        if req.finished:  # its blocks are already free, its back-off and draft state released
+            return
         if self.backoff is not None:
             self.backoff.record(req.req_id, k, accepted)
-        if req.finished:  # its blocks are already free
-            return
+        if self.draft is not None:
+            self.draft.record(req.req_id, k, accepted, self.proposer.k)
         req.num_computed_tokens += accepted
         self.kv.truncate(req.req_id, req.num_computed_tokens)
         self.kv.cache_blocks(req.req_id, req.token_slice, req.num_computed_tokens)
@@ -391,6 +398,8 @@ class Scheduler:
             self.proposer.release(req.req_id)
         if self.backoff is not None:
             self.backoff.release(req.req_id)
+        if self.draft is not None:
+            self.draft.release(req.req_id)
 
     def dropped_tokens(self, req: Request) -> int:
         """Text tokens of a request its bounded cache holds no KV for (0 without a retention rule)."""
