@@ -84,6 +84,9 @@ FIGURES: dict[str, Figure] = {f.name: f for f in [
            ("--repeats", "2", "--attention-backend", "invariant")),
     Figure("spec-default", "spec:main", "speculation at batch 1 on the default attention backend (the one-call C "
            "decode takes the verification steps)", ("--repeats", "2", "--skip-batch", "--skip-hf")),
+    Figure("spec-long", "spec:main", "spec-default after 3,500-token prompts, where a verified row's attention "
+           "makes each guess dearer", ("--repeats", "2", "--skip-batch", "--skip-hf", "--prompt-tokens", "3500",
+                                       "--new-tokens", "256"), in_make_figures=False),
     Figure("prefill-chunks", "prefill_chunks:main", "prefill tok/s by --max-batch-tokens (256-2048) on the 1B shape "
            "and the bundled model, and how long one chunk step holds a running batch: the default's measurement"),
     Figure("spec-ceiling", "spec_ceiling:main", "the ceiling of speculation by prompt lookup: tokens per step of "

@@ -93,10 +93,11 @@ def main(argv: list[str] | None = None) -> None:
           f"attention backend {a.attention_backend}")
     sys.stdout.flush()
     loaded = load_weights(None)
-    plain = LLMEngine(loaded, EngineOptions(kv_budget="512MiB", max_model_len=2048, dequantize=a.dequantize,
+    context = max(2048, a.prompt_tokens + a.new_tokens + a.num_speculative_tokens + 16)
+    plain = LLMEngine(loaded, EngineOptions(kv_budget="512MiB", max_model_len=context, dequantize=a.dequantize,
                                             attention_backend=a.attention_backend))
     specs = {("kvcli+ngram" if mode == "adaptive" else f"kvcli+ngram {mode} k"): LLMEngine(loaded, EngineOptions(
-        kv_budget="512MiB", max_model_len=2048, speculate="ngram", dequantize=a.dequantize,
+        kv_budget="512MiB", max_model_len=context, speculate="ngram", dequantize=a.dequantize,
         attention_backend=a.attention_backend, num_speculative_tokens=a.num_speculative_tokens, draft_length=mode),
         model=plain.model) for mode in a.draft_lengths.split(",")}
     tok = loaded.tokenizer
