@@ -246,6 +246,9 @@ FIGURES: dict[str, Figure] = {f.name: f for f in [
     Figure("ab-amx-one-level-1b", "ab:main", "the ab-amx-one-level comparison on the 1B shape: the roofline figure's "
            "512-token prefill and decode", ("--before", "faadf02", "roofline", "--rounds", "3", "--", "--contexts",
                                             "512", "--rounds", "1"), in_make_figures=False),
+    Figure("ab-scratch", "ab:main", "before/after: the bundled model's kvcli decode at 0377745 (kvq_linear and "
+           "kva_decode allocating per call, the outlier limit's serial sum) and in this tree, interleaved",
+           ("--before", "0377745", "decode", "--rounds", "6", "--", "--engines", "kvcli"), in_make_figures=False),
     Figure("ab-amx-spec", "ab:main", "the ab-amx-one-level comparison on the spec-default figure (speculation at "
            "batch 1 against plain decode; in the tree after, a verification's 8-bit vocabulary rows on AMX tiles from "
            "3 rows too)", ("--before", "faadf02", "spec-default", "--rounds", "3"), in_make_figures=False),
