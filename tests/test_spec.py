@@ -353,7 +353,7 @@ def test_profile_compare_spec_puts_a_speculative_run_beside_a_plain_one(tmp_path
     r = CliRunner().invoke(app, ["profile", "--model", "dummy:llama-2-7b", "--simulate", "--no-live", "-N", "6",
                                  "--workload", "alpaca", "--compare", "spec", "--json", str(out)])
     assert r.exit_code == 0, r.output
-    assert "paged + ngram k=5" in r.stdout and "guesses accepted" in r.stdout
+    assert "paged + ngram k<=5" in r.stdout and "guesses accepted" in r.stdout  # (--draft-length adaptive)
     plain, spec = json.loads(out.read_text())["runs"]
     assert plain["speculation"]["method"] == "none" and spec["speculation"]["proposed"] > 0
     # The simulated model always says 0 and prompt lookup guesses 0s: fewer steps, same tokens.
@@ -403,4 +403,10 @@ def test_views_show_the_speculation_figures():
     summary = flat(render_text(summary_table(s), width=140))
     assert "328 of 800 guesses accepted (41.0%)" in summary
     assert snapshot_dict(s)["speculation"]["acceptance_rate"] == 0.41
+    assert "4.0/verify" in text and "in 200 verifications (4.0 each)" in summary
+    assert snapshot_dict(s)["speculation"]["mean_draft"] == 4.0
+    adaptive = make_snapshot(spec=SpecSummary(method="ngram", k=5, adaptive=True, proposed=300, verifications=120))
+    assert "ngram k<=5 adaptive:" in flat(render_text(render_dashboard(adaptive, width=140), width=140))
+    assert "2.5/verify" in flat(render_text(render_dashboard(adaptive, width=140), width=140))
+    assert snapshot_dict(adaptive)["speculation"]["adaptive"] is True
     assert "speculation" not in flat(render_text(render_dashboard(make_snapshot(), width=140), width=140))

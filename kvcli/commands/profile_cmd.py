@@ -107,7 +107,8 @@ def run_profile(a: ProfileArgs, fail: Fail) -> int:
             if len(a.kv_dtypes) > 1:
                 label += f" {kv_dtype}"
             if opts.speculate != "none":
-                label += f" + {opts.speculate} k={opts.num_speculative_tokens}"
+                limit = "k<=" if opts.draft_length == "adaptive" else "k="
+                label += f" + {opts.speculate} {limit}{opts.num_speculative_tokens}"
             err.print(f"[dim]{label}: {engine.num_blocks:,} blocks x {options.block_size} tokens = "
                       f"{engine.kv_pool_bytes / 2**20:,.1f} MiB KV ({engine.kv_dtype}) · {len(prompts)} requests"
                       f"{' · simulated' if a.simulate else ''}[/dim]")

@@ -208,7 +208,7 @@ class LLMEngine:
             token_bytes=c.kv_bytes_per_token(self.kv_dtype),
             kv_dtype=str(self.kv_dtype).removeprefix("torch."), max_model_len=self.max_model_len,
             weight_bytes=tuple(self.weight_bytes().items()), speculate=options.speculate,
-            num_speculative_tokens=options.num_speculative_tokens))
+            num_speculative_tokens=options.num_speculative_tokens, draft_length=options.draft_length))
 
     def unbounded_for_kv_groups(self) -> bool:
         """--kv-window auto on a model with KV groups (Gemma 2 / 3), before any request, for a run whose text and

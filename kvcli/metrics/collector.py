@@ -98,6 +98,6 @@ class MetricsCollector:
             return SpecSummary(request_steps=sp.request_steps, request_step_tokens=sp.request_step_tokens)
         f = self.facts
         return SpecSummary(
-            method=f.speculate, k=f.num_speculative_tokens, proposed=sp.proposed,
+            method=f.speculate, k=f.num_speculative_tokens, adaptive=f.draft_length == "adaptive", proposed=sp.proposed,
             accepted=sp.accepted, verifications=sp.verifications, request_steps=sp.request_steps,
             request_step_tokens=sp.request_step_tokens, paused=sp.paused, last_step_guesses=self.last_step_guesses)

@@ -101,6 +101,7 @@ class SpecSummary:
 
     method: str = "none"  # none | ngram
     k: int = 0  # most guesses per step
+    adaptive: bool = False  # each step verifies as many of the k as pay (--draft-length adaptive)
     proposed: int = 0
     accepted: int = 0
     verifications: int = 0  # request-steps that carried guesses
@@ -112,6 +113,16 @@ class SpecSummary:
     @property
     def acceptance_rate(self) -> float:
         return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def mean_draft(self) -> float:
+        """Guesses a verification carried on average (k with a fixed length and guesses enough)."""
+        return self.proposed / self.verifications if self.verifications else 0.0
+
+    @property
+    def limit(self) -> str:
+        """'k=5', or 'k<=5 adaptive'."""
+        return f"k<={self.k} adaptive" if self.adaptive else f"k={self.k}"
 
     @property
     def tokens_per_request_step(self) -> float:

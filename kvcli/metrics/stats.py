@@ -90,3 +90,4 @@ class EngineFacts:
     token_bytes: int = 0  # (part, resident bytes), e.g. ("layers", ...)
     speculate: str = "none"  # the speculation method
     num_speculative_tokens: int = 0
+    draft_length: str = "fixed"  # adaptive | fixed (options.DRAFT_LENGTHS)

@@ -150,11 +150,13 @@ def throughput_panel(s: Snapshot, width: int = 50) -> Panel:
 
 
 def spec_line(s: Snapshot) -> str:
-    """Guesses so far and the slots the last step held for them, e.g. 'ngram k=5: 41.0% of 800
-    accepted · 2.31 tok/step/req · 5 guess slots last step · 1 paused'."""
+    """Guesses so far and the slots the last step held for them, e.g. 'ngram k<=5 adaptive: 41.0% of 800
+    accepted · 2.31 tok/step/req · 5 guess slots last step · 3.2/verify · 1 paused' (3.2: the guesses a
+    verification carried on average)."""
     sp = s.spec
-    line = (f"{sp.method} k={sp.k}: {pct(sp.acceptance_rate)} of {sp.proposed:,} accepted · "
-            f"{sp.tokens_per_request_step:.2f} tok/step/req · {sp.last_step_guesses} guess slots last step")
+    line = (f"{sp.method} {sp.limit}: {pct(sp.acceptance_rate)} of {sp.proposed:,} accepted · "
+            f"{sp.tokens_per_request_step:.2f} tok/step/req · {sp.last_step_guesses} guess slots last step · "
+            f"{sp.mean_draft:.1f}/verify")
     return line + (f" · {sp.paused} paused" if sp.paused else "")
 
 

@@ -33,8 +33,8 @@ def summary_table(s: Snapshot, title: str = "kvcli summary") -> Table:
         t.add_row("preemptions", str(s.num_preempted))
     sp = s.spec
     if sp.method != "none":
-        t.add_row("speculation", f"{sp.method} k={sp.k}: {sp.accepted:,} of {sp.proposed:,} guesses accepted "
-                  f"({sp.acceptance_rate:.1%}) in {sp.verifications:,} verifications")
+        t.add_row("speculation", f"{sp.method} {sp.limit}: {sp.accepted:,} of {sp.proposed:,} guesses accepted "
+                  f"({sp.acceptance_rate:.1%}) in {sp.verifications:,} verifications ({sp.mean_draft:.1f} each)")
         t.add_row("tokens per step per request", f"{sp.tokens_per_request_step:.2f}")
     return t
 
@@ -66,7 +66,8 @@ def snapshot_dict(s: Snapshot) -> dict:
             "recycled_blocks": s.window.recycled_blocks, "kv_tokens_peak": s.window.peak_tokens,
         },
         "speculation": {
-            "method": s.spec.method, "k": s.spec.k, "proposed": s.spec.proposed, "accepted": s.spec.accepted,
+            "method": s.spec.method, "k": s.spec.k, "adaptive": s.spec.adaptive, "proposed": s.spec.proposed,
+            "accepted": s.spec.accepted, "mean_draft": round(s.spec.mean_draft, 4),
             "acceptance_rate": round(s.spec.acceptance_rate, 4), "verifications": s.spec.verifications,
             "tokens_per_request_step": round(s.spec.tokens_per_request_step, 4),
         },
