@@ -1961,46 +1961,42 @@ int kvq_gemm_i8(const float *x, int64_t M, int64_t K, const uint8_t *codes, int 
     const kvq_args *a = &a0;
     if (G % QK != 0 || K % QK != 0 || N % 8 != 0) return -3;
     const int64_t nb = K / QK;
-    int8_t *q = (int8_t *)malloc((size_t)(2 * M * K));
-    float *d = (float *)malloc(sizeof(float) * (size_t)(M * nb)), *sx = (float *)malloc(sizeof(float) * (size_t)(M * nb));
-    int32_t *s = (int32_t *)malloc(sizeof(int32_t) * (size_t)(2 * M * nb));
-    uint8_t *flag = (uint8_t *)malloc((size_t)(M * nb));
-    int32_t *nflag = (int32_t *)malloc(sizeof(int32_t) * (size_t)M);
-    if (!q || !d || !sx || !s || !flag || !nflag) {
-        free(q), free(d), free(sx), free(s), free(flag), free(nflag);
-        return -1;
-    }
-    const ig_x X = {q, M * K, d, sx, s, flag, nflag, nb};
-    const int mins = min_kind != KVQ_NONE;
     const int64_t npanels = (N + IG_W - 1) / IG_W, ntiles = (npanels + IG_NP - 1) / IG_NP;
     const int64_t nitems = (ntiles + IG_PB - 1) / IG_PB;
     const size_t panel_bytes = (size_t)(IG_KC / QK) * (8 * IG_W * 4 + 2 * IG_W * sizeof(float));
+    /* one buffer (cpu_scratch.h): x's levels, scales, sums and flags, then each thread's row and panels */
+    const size_t b_q = scratch_align((size_t)(2 * M * K)), b_f = scratch_align(sizeof(float) * (size_t)(M * nb));
+    const size_t b_s = scratch_align(sizeof(int32_t) * (size_t)(2 * M * nb)), b_flag = scratch_align((size_t)(M * nb));
+    const size_t b_nflag = scratch_align(sizeof(int32_t) * (size_t)M), b_row = scratch_align((size_t)(2 * K));
+    const size_t b_thread = b_row + scratch_align(panel_bytes * IG_PB * IG_NP), shared = b_q + 2 * b_f + b_s + b_flag + b_nflag;
+    const int team = nthreads > 1 ? nthreads : 1;
+    int fresh;
+    char *base = (char *)scratch_take(shared + (size_t)team * b_thread, &fresh);
+    if (!base) return -1;
+    int8_t *q = (int8_t *)base;
+    float *d = (float *)(base + b_q), *sx = (float *)(base + b_q + b_f);
+    int32_t *s = (int32_t *)(base + b_q + 2 * b_f);
+    uint8_t *flag = (uint8_t *)(base + b_q + 2 * b_f + b_s);
+    int32_t *nflag = (int32_t *)(base + b_q + 2 * b_f + b_s + b_flag);
+    const ig_x X = {q, M * K, d, sx, s, flag, nflag, nb};
+    const int mins = min_kind != KVQ_NONE;
     /* Rows per pass over a thread's panels: their first level (IG_MB_BYTES of x) stays in L2 while the panels
      * pass, where all M rows (e.g. 512 x 8192 bytes) were read again for every panel pair (SmolLM2's shapes at
      * 512 rows: 1.93 -> 1.44 ms for 960 x 576, 2.95 -> 2.21 for 576 x 1536, ad hoc; 192, 384 and 768 KiB were
      * within the run-to-run spread of each other on the 1B and SmolLM2 shapes, AMD EPYC, 2026-12-06). */
     const int64_t mb = (IG_MB_BYTES / K) / IG_MR * IG_MR > IG_MR ? (IG_MB_BYTES / K) / IG_MR * IG_MR : IG_MR;
-    int failed = 0;
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
     {
-        int8_t *row = (int8_t *)malloc((size_t)(2 * K));
-#pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; m++) {
-            if (row)
-                ig_quantize_row(x + m * K, K, offset, row, q + m * K, q + M * K + m * K, d + m * nb, sx + m * nb,
-                                s + 2 * m * nb, flag + m * nb, nflag + m);
-        }
-        free(row);
-        uint8_t *buf = row ? (uint8_t *)aligned_alloc(64, panel_bytes * IG_PB * IG_NP) : NULL;
-        if (!buf) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp barrier
-        /* this thread's items: a static share, as `omp for schedule(static)` would give */
         const int nt = omp_get_num_threads(), me = omp_get_thread_num();
+        int8_t *row = (int8_t *)(base + shared + (size_t)me * b_thread);
+        uint8_t *buf = (uint8_t *)row + b_row;
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++)
+            ig_quantize_row(x + m * K, K, offset, row, q + m * K, q + M * K + m * K, d + m * nb, sx + m * nb,
+                            s + 2 * m * nb, flag + m * nb, nflag + m);
+        /* this thread's items: a static share, as `omp for schedule(static)` would give (after the loop's barrier) */
         const int64_t i0 = nitems * me / nt, i1 = nitems * (me + 1) / nt;
-        for (int64_t mlo = 0; mlo < M && !failed; mlo += mb) {
+        for (int64_t mlo = 0; mlo < M; mlo += mb) {
             const int64_t mhi = mlo + mb < M ? mlo + mb : M;
             for (int64_t item = i0; item < i1; item++) {
                 const int64_t t0 = item * IG_PB, t1 = t0 + IG_PB < ntiles ? t0 + IG_PB : ntiles;
@@ -2029,10 +2025,9 @@ int kvq_gemm_i8(const float *x, int64_t M, int64_t K, const uint8_t *codes, int 
                 }
             }
         }
-        free(buf);
     }
-    free(q), free(d), free(sx), free(s), free(flag), free(nflag);
-    return failed ? -1 : 0;
+    scratch_give(base, fresh);
+    return 0;
 }
 #else
 KVQ_GEMM_ABSENT(kvq_gemm_i8)
