@@ -249,6 +249,10 @@ FIGURES: dict[str, Figure] = {f.name: f for f in [
     Figure("ab-scratch", "ab:main", "before/after: the bundled model's kvcli decode at 0377745 (kvq_linear and "
            "kva_decode allocating per call, the outlier limit's serial sum) and in this tree, interleaved",
            ("--before", "0377745", "decode", "--rounds", "6", "--", "--engines", "kvcli"), in_make_figures=False),
+    Figure("ab-scratch-trace", "ab:main", "the ab-scratch comparison on the 64-request trace of the 1B shape (kvcli "
+           "alone; its batched decode steps go through the int8 GEMM, which took its buffers from malloc per call too)",
+           ("--before", "0377745", "throughput", "--rounds", "3", "--", "--shape", "1b", "--workload", "alpaca",
+            "--num-requests", "64", "--compare", "none", "--llama-cpp", "none"), in_make_figures=False),
     Figure("ab-amx-spec", "ab:main", "the ab-amx-one-level comparison on the spec-default figure (speculation at "
            "batch 1 against plain decode; in the tree after, a verification's 8-bit vocabulary rows on AMX tiles from "
            "3 rows too)", ("--before", "faadf02", "spec-default", "--rounds", "3"), in_make_figures=False),
