@@ -255,7 +255,7 @@ FIGURES: dict[str, Figure] = {f.name: f for f in [
             "--num-requests", "64", "--compare", "none", "--llama-cpp", "none"), in_make_figures=False),
     Figure("ab-session-1b", "ab:main", "the roofline figure's 512-token prefill and decode on the 1B shape at dede958 "
            "(before the per-thread scratch, block order and adaptive draft length) and in this tree, interleaved",
-           ("--before", "dede958", "roofline", "--rounds", "3", "--", "--contexts", "512", "--rounds", "1"),
+           ("--before", "dede958", "roofline", "--rounds", "6", "--", "--contexts", "512", "--rounds", "1"),
            in_make_figures=False),
     Figure("ab-amx-spec", "ab:main", "the ab-amx-one-level comparison on the spec-default figure (speculation at "
            "batch 1 against plain decode; in the tree after, a verification's 8-bit vocabulary rows on AMX tiles from "
