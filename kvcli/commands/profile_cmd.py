@@ -16,6 +16,7 @@ from kvcli.engine.llm_engine import LLMEngine
 from kvcli.engine.scheduler import KVBudgetTooSmall
 from kvcli.options import ConfigError, EngineOptions
 from kvcli.inputs import InputError, check_outputs, write_text_file
+from kvcli.metrics.snapshot import draft_limit
 from kvcli.model.loader import ModelLoadError, load_config, load_tokenizer, load_weights
 from kvcli.profile import ProfileResult, breakdown_rows, plot_timeline, run_trace
 from kvcli.workloads import WorkloadError, load as load_trace, prompt_ids
@@ -107,8 +108,8 @@ def run_profile(a: ProfileArgs, fail: Fail) -> int:
             if len(a.kv_dtypes) > 1:
                 label += f" {kv_dtype}"
             if opts.speculate != "none":
-                limit = "k<=" if opts.draft_length == "adaptive" else "k="
-                label += f" + {opts.speculate} {limit}{opts.num_speculative_tokens}"
+                limit = draft_limit(opts.num_speculative_tokens, opts.draft_length == "adaptive")
+                label += f" + {opts.speculate} {limit}"
             err.print(f"[dim]{label}: {engine.num_blocks:,} blocks x {options.block_size} tokens = "
                       f"{engine.kv_pool_bytes / 2**20:,.1f} MiB KV ({engine.kv_dtype}) · {len(prompts)} requests"
                       f"{' · simulated' if a.simulate else ''}[/dim]")

@@ -95,6 +95,11 @@ class RequestTiming:
     itl_s: tuple[float, ...]  # inter-token latencies of this request so far
 
 
+def draft_limit(k: int, adaptive: bool) -> str:
+    """How speculation's guesses per step are bounded, as the views say it: 'k=5', or 'k<=5 adaptive'."""
+    return f"k<={k} adaptive" if adaptive else f"k={k}"
+
+
 @dataclass(frozen=True)
 class SpecSummary:
     """Speculative decoding so far (all zero when it is off)."""
@@ -121,8 +126,7 @@ class SpecSummary:
 
     @property
     def limit(self) -> str:
-        """'k=5', or 'k<=5 adaptive'."""
-        return f"k<={self.k} adaptive" if self.adaptive else f"k={self.k}"
+        return draft_limit(self.k, self.adaptive)
 
     @property
     def tokens_per_request_step(self) -> float:

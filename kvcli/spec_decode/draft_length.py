@@ -66,13 +66,24 @@ class StepCosts:
     def ratio(self, rows: int) -> float | None:
         """t(rows) / t(1), or None until the line is fitted."""
         fit = self.line()
-        return None if fit is None else 1.0 + fit[1] * (rows - 1) / fit[0]
+        return None if fit is None else line_ratio(fit, rows)
+
+
+def line_ratio(fit: tuple[float, float], rows: int) -> float:
+    """t(rows) / t(1) on the line fit = (t1, b)."""
+    t1, b = fit
+    return 1.0 + b * (rows - 1) / t1
 
 
 @dataclass
 class _Acceptance:
     accepted: float
     misses: float
+
+    @classmethod
+    def prior(cls, k_max: int) -> "_Acceptance":
+        """Before a request's first verification: one fully accepted run of k_max guesses."""
+        return cls(float(k_max), 1.0)
 
 
 @dataclass
@@ -81,24 +92,22 @@ class DraftLength:
     _req: dict[str, _Acceptance] = field(default_factory=dict)
 
     def acceptance(self, req_id: str, k_max: int) -> float:
-        st = self._req.get(req_id)
-        accepted, misses = (st.accepted, st.misses) if st is not None else (float(k_max), 1.0)
-        return accepted / (accepted + misses)
+        st = self._req.get(req_id) or _Acceptance.prior(k_max)
+        return st.accepted / (st.accepted + st.misses)
 
     def length(self, req_id: str, k_max: int) -> int:
         """The request's next draft length, 1..k_max."""
         fit = self.costs.line()
         if fit is None:
             return k_max
-        t1, b = fit
         a = self.acceptance(req_id, k_max)
-        return max(range(1, k_max + 1), key=lambda k: expected_tokens(a, k) / (1.0 + b * k / t1))
+        return max(range(1, k_max + 1), key=lambda k: expected_tokens(a, k) / line_ratio(fit, 1 + k))
 
     def record(self, req_id: str, proposed: int, accepted: int, k_max: int) -> None:
         """After a verification of `proposed` guesses of which the first `accepted` held."""
         st = self._req.get(req_id)
         if st is None:
-            st = self._req[req_id] = _Acceptance(float(k_max), 1.0)
+            st = self._req[req_id] = _Acceptance.prior(k_max)
         st.accepted = DECAY * st.accepted + accepted
         st.misses = DECAY * st.misses + (1.0 if accepted < proposed else 0.0)
 
