@@ -798,7 +798,8 @@ int kva_decode(const kva_step *st, const kva_cache *c, const float *q, int64_t q
     if (!buf) return -1;
     int64_t *plan = (int64_t *)buf, *item_req = (int64_t *)(buf + b_plan);
     float *parts = split ? (float *)(buf + b_plan + b_items) : NULL;
-    int64_t *nq = plan, *lo = plan + n, *cnt = plan + 2 * n, *nsp = plan + 3 * n, *slen = plan + 4 * n, *first = plan + 5 * n;
+    int64_t *nq = plan, *lo = plan + n, *cnt = plan + 2 * n, *nsp = plan + 3 * n, *slen = plan + 4 * n,
+            *first = plan + 5 * n;
     for (int64_t r = 0, it = 0; r < n; r++) {
         nq[r] = unit_of(st, r, g, &lo[r], &cnt[r]);
         first[r] = it;

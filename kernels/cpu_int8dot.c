@@ -160,7 +160,8 @@ static void quantize_row(const float *x, int64_t K, int8_t *q, float *d, float *
         __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();
         for (int64_t k = 0; k < K; k += 8) {
             const __m256 v = _mm256_loadu_ps(x + k);
-            const __m256d a = _mm256_cvtps_pd(_mm256_castps256_ps128(v)), b = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+            const __m256d a = _mm256_cvtps_pd(_mm256_castps256_ps128(v));
+            const __m256d b = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
             lo = _mm256_add_pd(lo, _mm256_mul_pd(a, a)), hi = _mm256_add_pd(hi, _mm256_mul_pd(b, b));
         }
         _mm256_storeu_pd(part, lo), _mm256_storeu_pd(part + 4, hi);
@@ -650,8 +651,8 @@ static inline __attribute__((always_inline)) void one_level_tile16(const kvq_arg
             for (int r = 0; r < R; r++) {
                 const int64_t xi = (m0 + r) * nb + b;
                 const int8_t *xq = a->qx + (m0 + r) * 2 * a->K + 2 * b * QK;
-                f[r] = _mm512_fmadd_ps(one_level_sum16(w, xq, a->lv[2 * xi]), _mm512_mul_ps(dw, _mm512_set1_ps(a->dx[xi])),
-                                       f[r]);
+                f[r] = _mm512_fmadd_ps(one_level_sum16(w, xq, a->lv[2 * xi]),
+                                       _mm512_mul_ps(dw, _mm512_set1_ps(a->dx[xi])), f[r]);
                 if (mins) f[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a->sx[xi]), f[r]);
                 if (a->flag[xi]) /* an outlier block: its second level */
                     f2[r] = _mm512_fmadd_ps(one_level_sum16(w, xq + QK, a->lv[2 * xi + 1]),
@@ -1968,7 +1969,8 @@ int kvq_gemm_i8(const float *x, int64_t M, int64_t K, const uint8_t *codes, int 
     const size_t b_q = scratch_align((size_t)(2 * M * K)), b_f = scratch_align(sizeof(float) * (size_t)(M * nb));
     const size_t b_s = scratch_align(sizeof(int32_t) * (size_t)(2 * M * nb)), b_flag = scratch_align((size_t)(M * nb));
     const size_t b_nflag = scratch_align(sizeof(int32_t) * (size_t)M), b_row = scratch_align((size_t)(2 * K));
-    const size_t b_thread = b_row + scratch_align(panel_bytes * IG_PB * IG_NP), shared = b_q + 2 * b_f + b_s + b_flag + b_nflag;
+    const size_t b_thread = b_row + scratch_align(panel_bytes * IG_PB * IG_NP);
+    const size_t shared = b_q + 2 * b_f + b_s + b_flag + b_nflag;
     const int team = nthreads > 1 ? nthreads : 1;
     int fresh;
     char *base = (char *)scratch_take(shared + (size_t)team * b_thread, &fresh);

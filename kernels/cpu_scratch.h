@@ -1,13 +1,13 @@
 /* Per-call scratch memory kept per calling thread between calls (cpu_int8dot.c's kvq_linear and kvq_gemm_i8,
  * cpu_attention.c's kva_decode): a decode step calls each of them once per layer with buffers of a few KB, and
- * allocating and freeing them each time (malloc / calloc, up to seven a call) was about 2.7 % of the main thread's samples in
- * a perf profile of the bundled model's decode (2-core Xeon, 2026-12-07, ad hoc), time the other thread spends
- * waiting. A call takes one buffer (scratch_take) and carves its arrays from it; up to SCRATCH_KEEP bytes stay
- * with the thread for its next call (released at the thread's exit), larger requests (prefill chunks) are
+ * allocating and freeing them each time (malloc / calloc, up to seven a call) was about 2.7 % of the main thread's
+ * samples in a perf profile of the bundled model's decode (2-core Xeon, 2026-12-07, ad hoc), time the other thread
+ * spends waiting. A call takes one buffer (scratch_take) and carves its arrays from it; up to SCRATCH_KEEP bytes
+ * stay with the thread for its next call (released at the thread's exit), larger requests (prefill chunks) are
  * allocated and freed as before. A call must not take scratch while a call on the same thread holds it: none of
  * these kernels calls another, and a kernel's OpenMP threads use the parts of its caller's buffer it hands them.
- * Each library that includes this header holds its own buffers.
- * kvcli_kernels/cpu_build.py hashes the cpu_*.h headers into every build's cache key. */
+ * Each library that includes this header holds its own buffers. kvcli_kernels/cpu_build.py hashes the cpu_*.h
+ * headers into every build's cache key. */
 #ifndef KVCLI_CPU_SCRATCH_H
 #define KVCLI_CPU_SCRATCH_H
 #include <pthread.h>

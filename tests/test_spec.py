@@ -171,7 +171,8 @@ def test_scheduler_verifies_the_draft_length_it_is_given():
                       eos_token_ids=())
     rng = random.Random(1)
     for i in range(3):
-        sched.add(Request(f"r{i}", [rng.randrange(6) for _ in range(20)], SamplingParams(max_tokens=30, ignore_eos=True)))
+        prompt = [rng.randrange(6) for _ in range(20)]
+        sched.add(Request(f"r{i}", prompt, SamplingParams(max_tokens=30, ignore_eos=True)))
     lengths = []
     while sched.has_unfinished():
         out = sched.schedule()

@@ -22,8 +22,8 @@ __all__ = ["cpu_flags", "cpu_isa", "cpu_name", "machine_line", "torch_isa"]
 def machine_line() -> str:
     import torch
 
-    env = ", ".join(f"{k}={os.environ[k]}"
-                    for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "KVCLI_NATIVE", "KVCLI_AMX") if k in os.environ)
+    named = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "KVCLI_NATIVE", "KVCLI_AMX")
+    env = ", ".join(f"{k}={os.environ[k]}" for k in named if k in os.environ)
     return (f"machine: {cpu_name()}, {platform.machine()}, {os.cpu_count()} cores; CPU ISA {cpu_isa()}; "
             f"torch {torch.__version__} kernels {torch_isa()}, {torch.get_num_threads()} threads; "
             f"kvcli C kernels {registry.status()}" + (f"; {env}" if env else ""))

@@ -87,7 +87,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"# bench_spec {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC · {platform.machine()} · "
           f"{os.cpu_count()} cores · {cpu_isa()}")
     print(f"# python {platform.python_version()} · torch {torch.__version__} · threads {torch.get_num_threads()}")
-    print(f"# k={a.num_speculative_tokens} (draft lengths: {a.draft_lengths}) · batch 1: {a.prompt_tokens} prompt / {a.new_tokens} new tokens · "
+    print(f"# k={a.num_speculative_tokens} (draft lengths: {a.draft_lengths}) · batch 1: {a.prompt_tokens} prompt / "
+          f"{a.new_tokens} new tokens · "
           f"batch {a.batch}: {a.batch_prompt_tokens} / {a.batch_new_tokens} · best of {a.repeats} · "
           f"kvcli weights {'fp32 (--dequantize)' if a.dequantize else 'INT4 resident'} · "
           f"attention backend {a.attention_backend}")

@@ -80,7 +80,8 @@ INT8DOT_AMX_MIN_ELEMS = 9216
 INT8DOT_AMX_MIN_ROWS_8BIT = 3
 # 4-bit codes take kvq_gemm_i8 from this many rows, on AMX CPUs only below INT8DOT_DENSE_MIN_ROWS (dense_over_int8)
 # (activations at one int8 level per block, a second in blocks holding an outlier: cpu_int8dot.c), where the float
-# GEMMs above ran: on the 1B shape's linears at 256-512 rows 0.72-0.87x the bf16 read-back's time on AVX-512-VNNI and 0.74-0.86x the fused fp32 GEMM's on the AVX2 build,
+# GEMMs above ran: on the 1B shape's linears at 256-512 rows 0.72-0.87x the bf16 read-back's time on AVX-512-VNNI
+# and 0.74-0.86x the fused fp32 GEMM's on the AVX2 build,
 # 0.39-0.76x from 32 to 64 rows (AMD EPYC, 2026-12-06; python -m kvcli.bench int8-gemm-1b, int8-gemm-1b-avx2).
 # Not lower in general: from 32 rows the Q4_K variant of tests/conformance went past its bound against llama.cpp
 # (5.2e-2 vs the exact model's 4.2e-2 + 1e-3, 2026-12-06: llama.cpp rounds Q4_K's activations per 256, not per 32),
