@@ -55,6 +55,19 @@ class ModelConfig:
     final_logit_softcap: float | None = None  # logits = c * tanh(logits / c)
     attn_logit_softcap: float | None = None  # attention scores s = c * tanh(s / c) before the mask (Gemma 2)
 
+    def __post_init__(self) -> None:
+        """Shapes a model can have: one line for a config that names an impossible one, not a crash later."""
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                    "head_dim", "max_position_embeddings"):
+            v = getattr(self, key)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"{key} = {v!r}: must be a positive integer")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"{self.num_heads} attention heads do not split into {self.num_kv_heads} KV head groups")
+        if not (0 <= self.rms_norm_eps < math.inf and 0 < self.rope_theta < math.inf):  # also refuses nan
+            raise ValueError(f"rms_norm_eps = {self.rms_norm_eps!r} / rope_theta = {self.rope_theta!r}: must be finite, "
+                             f"eps >= 0 and theta > 0")
+
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of this layer (None: full attention)."""
         if self.layer_types is None:
@@ -91,9 +104,26 @@ class ModelConfig:
 
     @staticmethod
     def from_hf_dict(cfg: dict, name: str = "model") -> "ModelConfig":
-        """From a Hugging Face config.json dictionary."""
-        model_type = (cfg.get("model_type") or "").lower()
+        """From a Hugging Face config.json dictionary. A missing field or one of the wrong type is a ValueError
+        naming it."""
+        if not isinstance(cfg, dict):
+            raise ValueError(f"expected a JSON object, found {type(cfg).__name__}")
+        model_type = cfg.get("model_type") or ""
+        if not isinstance(model_type, str):
+            raise ValueError(f"model_type = {model_type!r}: expected a string")
+        model_type = model_type.lower()
+        try:
+            return ModelConfig._from_hf_fields(cfg, name, model_type)
+        except KeyError as e:
+            raise ValueError(f"missing field {e.args[0]}") from None
+        except (TypeError, ZeroDivisionError, OverflowError) as e:  # int("x"), int(None), a zero head count
+            raise ValueError(f"a field has a value of the wrong type or range ({e})") from None
+
+    @staticmethod
+    def _from_hf_fields(cfg: dict, name: str, model_type: str) -> "ModelConfig":
         arch = HF_MODEL_TYPES.get(model_type)
+        if not model_type:
+            raise ValueError(f"no model_type: the file names no architecture (kvcli runs {', '.join(HF_MODEL_TYPES)})")
         if arch is None:
             raise ValueError(
                 f"unsupported architecture {model_type!r} (kvcli runs {', '.join(HF_MODEL_TYPES)})"
@@ -103,6 +133,8 @@ class ModelConfig:
             return _gemma_from_hf(cfg, name, arch)
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
+        if heads <= 0:
+            raise ValueError(f"num_attention_heads = {heads}: must be a positive integer")
         theta, scaling = _hf_rope(cfg)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
@@ -368,6 +400,20 @@ PRESETS: dict[str, dict] = {
 }
 
 
+def read_json_object(path: Path) -> dict:
+    """A JSON file holding an object (config.json and its siblings); ValueError (one line, the caller names the
+    file) otherwise."""
+    try:
+        obj = json.loads(path.read_text())
+    except UnicodeDecodeError:
+        raise ValueError("not UTF-8 text") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not valid JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"expected a JSON object, found {type(obj).__name__}")
+    return obj
+
+
 def preset_config(spec: str) -> ModelConfig:
     """`NAME` from PRESETS or a path to a config.json."""
     if spec in PRESETS:
@@ -377,8 +423,8 @@ def preset_config(spec: str) -> ModelConfig:
         if not path.is_file():
             raise ValueError(f"no such config file: {spec}")
         try:
-            cfg = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as e:
+            cfg = read_json_object(path)
+        except OSError as e:
             raise ValueError(f"cannot read {spec}: {e}") from None
         return ModelConfig.from_hf_dict(cfg, name=f"dummy:{path.name}")
     raise ValueError(f"unknown dummy preset {spec!r}; choose one of {', '.join(PRESETS)} or a config.json path")

@@ -46,7 +46,23 @@ def paths(tmp_path: Path) -> dict[str, str]:
     badcfg = tmp_path / "badcfg"
     badcfg.mkdir()
     (badcfg / "config.json").write_text("{not json")
-    return {"OK": str(ok), "BADJSONL": str(bad_jsonl), "NEGJSONL": str(neg_jsonl), "NOCFG": str(nocfg),
+    folders = {}  # config.json files of the wrong shape: one line naming what is wrong, never a traceback
+    good = dict(PRESETS["smollm2-135m"], num_hidden_layers=2)
+    for key, text in {"LISTCFG": "[1, 2]", "NUMTYPE": json.dumps({"model_type": 5}),
+                      "NOHEADS": json.dumps({k: v for k, v in good.items() if k != "num_attention_heads"}),
+                      "ZEROHEADS": json.dumps(dict(good, num_attention_heads=0)),
+                      "NEGLAYERS": json.dumps(dict(good, num_hidden_layers=-2)),
+                      "GQA": json.dumps(dict(good, num_key_value_heads=4)),
+                      "NULLTHETA": json.dumps(dict(good, rope_theta=None))}.items():
+        folders[key] = tmp_path / key.lower()
+        folders[key].mkdir()
+        (folders[key] / "config.json").write_text(text)
+    gencfg = tmp_path / "gencfg"
+    gencfg.mkdir()
+    (gencfg / "config.json").write_text(json.dumps(good))
+    (gencfg / "generation_config.json").write_text("[2]")
+    folders["GENCFG"] = gencfg
+    return {**{k: str(v) for k, v in folders.items()},"OK": str(ok), "BADJSONL": str(bad_jsonl), "NEGJSONL": str(neg_jsonl), "NOCFG": str(nocfg),
             "FAKEGGUF": str(fake), "BADCFG": str(badcfg), "DIR": str(tmp_path), "EMPTYJSONL": str(empty_jsonl), "LATINJSONL": str(latin_jsonl), "TINY": f"dummy:{tiny}"}
 
 
@@ -161,6 +177,17 @@ CASES = [
     (["plan", "--model", "NOCFG"], "no config.json"),
     (["plan", "--model", "BADCFG"], "config.json"),
     (["plan", "--model", "FAKEGGUF"], "notes.gguf"),
+    (["plan", "--model", "LISTCFG"], "expected a JSON object, found list"),
+    (["plan", "--model", "NUMTYPE"], "model_type = 5"),
+    (["plan", "--model", "NOHEADS"], "missing field num_attention_heads"),
+    (["plan", "--model", "ZEROHEADS"], "num_attention_heads = 0"),
+    (["plan", "--model", "NEGLAYERS"], "num_layers = -2"),
+    (["plan", "--model", "GQA"], "9 attention heads do not split into 4"),
+    (["plan", "--model", "NULLTHETA"], "wrong type"),
+    (["plan", "--model", "GENCFG"], "generation_config.json: expected a JSON object"),
+    (["continue", "OK", "--model", "LISTCFG"], "expected a JSON object, found list"),
+    (["continue", "OK", "--model", "ZEROHEADS"], "num_attention_heads = 0"),
+    (["continue", "OK", "--model", "GENCFG"], "generation_config.json"),
     (["plan", "--model", "dummy:nope"], "unknown dummy preset"),
 ]
 

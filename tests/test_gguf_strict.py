@@ -62,6 +62,21 @@ def test_the_plain_file_loads_and_an_unknown_key_is_refused_naming_it(base, tmp_
             config_of(path)
 
 
+def test_an_impossible_shape_is_refused_in_one_line(base, tmp_path):
+    """A head count of 0, or heads that do not split into the KV heads: a GGUFError naming it, not a division by
+    zero or a model that crashes later."""
+    import gguf
+
+    V = gguf.GGUFValueType
+    arch = config_of(base).architecture
+    for key, value, needle in [(f"{arch}.attention.head_count", 0, "head_count = 0: must be a positive"),
+                               (f"{arch}.attention.head_count_kv", 3, "do not split into 3"),
+                               (f"{arch}.block_count", 0, "num_layers = 0")]:
+        path = variant(base, tmp_path / f"{key}.gguf", {key: (value, V.UINT32)})
+        with pytest.raises(GGUFError, match=needle):
+            config_of(path)
+
+
 def test_rotary_scalings_are_read_as_llama_cpp_reads_them(base, tmp_path):
     """Every type llama.cpp knows is read into one scaling dictionary; a type it does not know is refused."""
     import gguf

@@ -47,6 +47,12 @@ def test_truncated_or_foreign_file_is_a_clear_error(tmp_path, gguf_path) -> None
     bad.write_bytes(b"not a gguf at all, just text" * 4)
     with pytest.raises(GGUFFormatError, match="bad magic"):
         read_gguf(bad)
+    bad.write_bytes(b"")
+    with pytest.raises(GGUFFormatError, match="empty"):
+        read_gguf(bad)
+    bad.write_bytes(b"GGUF\x03\x00\x00\x00")  # the magic and version, nothing after
+    with pytest.raises(GGUFFormatError, match="truncated header"):
+        read_gguf(bad)
     head = gguf_path.read_bytes()[: 2_000_000]  # header intact, tensor data cut off
     bad.write_bytes(head)
     with pytest.raises(GGUFFormatError, match="past the end|truncated"):

@@ -124,9 +124,14 @@ def _type_size(type_id: int) -> tuple[int, int]:
 def read_gguf(path: str | Path) -> GGUFFile:
     """Parse a GGUF file's metadata and tensor directory; tensor data stays in the memory map."""
     path = Path(path)
+    if path.is_file() and path.stat().st_size == 0:
+        raise GGUFFormatError("the file is empty")
     mm = np.memmap(path, dtype=np.uint8, mode="r")
-    if len(mm) < 24 or bytes(mm[:4]) != GGUF_MAGIC:
-        raise GGUFFormatError("not a GGUF file (bad magic)")
+    head = bytes(mm[:4])
+    if head != GGUF_MAGIC[:len(head)]:
+        raise GGUFFormatError(f"bad magic: it starts with {head!r}, a GGUF file with {GGUF_MAGIC!r}")
+    if len(mm) < 24:
+        raise GGUFFormatError(f"truncated header: {len(mm)} bytes")
     c = _Cursor(mm)
     c.pos = 4
     version = c.unpack("I")

@@ -216,6 +216,17 @@ def _rope_scaling(reader: GGUFFile, a: str, path: Path, head_dim: int, n_ctx: in
 
 
 def read_config(reader: GGUFFile, path: Path) -> ModelConfig:
+    """The model a GGUF file's metadata describes; GGUFError (one line) for one kvcli cannot compute or an
+    impossible one (a zero head count, a key of the wrong type)."""
+    try:
+        return _read_config(reader, path)
+    except GGUFError:
+        raise
+    except (ValueError, TypeError, ZeroDivisionError, OverflowError) as e:
+        raise GGUFError(f"{path.name}: {e}") from None
+
+
+def _read_config(reader: GGUFFile, path: Path) -> ModelConfig:
     arch = _field(reader, "general.architecture")
     if arch not in ARCHITECTURES:
         raise GGUFError(f"{path.name}: unsupported architecture {arch!r} (kvcli runs {', '.join(ARCHITECTURES)})")
@@ -223,6 +234,8 @@ def read_config(reader: GGUFFile, path: Path) -> ModelConfig:
     _check_keys(reader, arch, path)
     heads = int(_required(reader, f"{a}.attention.head_count", path))
     hidden = int(_required(reader, f"{a}.embedding_length", path))
+    if heads <= 0:
+        raise GGUFError(f"{path.name}: {a}.attention.head_count = {heads}: must be a positive integer")
     n_vocab = _field(reader, f"{a}.vocab_size")
     if n_vocab is None:
         n_vocab = len(_required(reader, "tokenizer.ggml.tokens", path))

@@ -11,14 +11,13 @@
 from __future__ import annotations
 
 import importlib.metadata
-import json
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
-from kvcli.config import ModelConfig, preset_config
+from kvcli.config import ModelConfig, preset_config, read_json_object
 from kvcli.model.fused import split_fused
 from kvcli.model.quant import QuantTensor, quantize_q4, quantize_q8, random_q4
 from kvcli.model.tokenizer import ByteTokenizer, Tokenizer, load_dir_tokenizer, load_gguf_tokenizer
@@ -149,7 +148,10 @@ def _with_generation_eos(config: ModelConfig, path: Path) -> ModelConfig:
     gen = path / "generation_config.json"
     if not gen.is_file():
         return config
-    eos = json.loads(gen.read_text()).get("eos_token_id")
+    try:
+        eos = read_json_object(gen).get("eos_token_id")
+    except ValueError as e:
+        raise ValueError(f"generation_config.json: {e}") from None
     if eos is None:
         return config
     ids = eos if isinstance(eos, list) else [eos]
@@ -163,10 +165,8 @@ def _load_hf_dir(path: Path, quant: str) -> LoadedWeights:
     if not cfg_file.is_file():
         raise ModelLoadError(f"{path}: no config.json (expected a Hugging Face checkpoint folder)")
     try:
-        cfg = json.loads(cfg_file.read_text())
+        cfg = read_json_object(cfg_file)
         config = _with_generation_eos(ModelConfig.from_hf_dict(cfg, name=path.name), path)
-    except (json.JSONDecodeError, KeyError) as e:
-        raise ModelLoadError(f"{cfg_file}: unreadable config ({e})") from None
     except ValueError as e:
         raise ModelLoadError(f"{cfg_file}: {e}") from None
     files = sorted(path.glob("*.safetensors"))
@@ -238,9 +238,9 @@ def _quantization_config(path: Path, cfg: dict) -> dict | None:
     legacy = path / "quantize_config.json"
     if qc is None and legacy.is_file():
         try:
-            qc = {"quant_method": "gptq", **json.loads(legacy.read_text())}
-        except json.JSONDecodeError as e:
-            raise ModelLoadError(f"{legacy}: unreadable ({e})") from None
+            qc = {"quant_method": "gptq", **read_json_object(legacy)}
+        except ValueError as e:
+            raise ModelLoadError(f"{legacy}: {e}") from None
     if qc is not None and not isinstance(qc, dict):
         raise ModelLoadError(f"{path / 'config.json'}: quantization_config is not an object")
     return qc
@@ -302,7 +302,7 @@ def load_config(spec: str | None) -> ModelConfig:
             raise ModelLoadError(f"model not found: {spec}")
     if path.is_dir():
         try:
-            return _with_generation_eos(ModelConfig.from_hf_dict(json.loads((path / "config.json").read_text()),
+            return _with_generation_eos(ModelConfig.from_hf_dict(read_json_object(path / "config.json"),
                                                                  name=path.name), path)
         except FileNotFoundError:
             raise ModelLoadError(f"{path}: no config.json") from None
