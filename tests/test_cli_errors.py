@@ -188,6 +188,10 @@ CASES = [
     (["continue", "OK", "--model", "LISTCFG"], "expected a JSON object, found list"),
     (["continue", "OK", "--model", "ZEROHEADS"], "num_attention_heads = 0"),
     (["continue", "OK", "--model", "GENCFG"], "generation_config.json"),
+    # the default --kv-window auto on a context too short to stream past (was "at most -23")
+    (["continue", "OK", "-n", "100", "--max-model-len", "8"], "8-token context is too short to stream a text past it"),
+    (["continue", "OK", "-n", "100", "--max-model-len", "116"], "so 117 tokens; raise --max-model-len, or pass "
+                                                                  "--kv-window none"),
     (["plan", "--model", "dummy:nope"], "unknown dummy preset"),
 ]
 

@@ -240,6 +240,13 @@ class LLMEngine:
         if model_window and options.kv_window == "auto":
             return None
         r = Retention(options.sink_tokens, max(w, 1), options.block_size)
+        if options.kv_window == "auto" and (w < 1 or r.max_slots > self.max_model_len):
+            room = max(options.kv_window_margin, options.block_size)
+            raise ConfigError(f"a {self.max_model_len:,}-token context is too short to stream a text past it: the "
+                              f"bounded cache needs {r.sink_slots} sink slots (--sink-tokens {options.sink_tokens} "
+                              f"in whole blocks) + room for generation ({room:,}: --max-tokens, at least one block) "
+                              f"+ a window of at least 1, so {r.sink_slots + room + 1:,} tokens; raise "
+                              f"--max-model-len, or pass --kv-window none to stop at the context's end")
         if w < 1 or r.max_slots > self.max_model_len:
             raise ConfigError(f"--kv-window {options.kv_window}: {r.sink_slots} sink slots (--sink-tokens "
                               f"{options.sink_tokens} in whole blocks) + the window + one block must fit the "
