@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 
@@ -43,15 +44,33 @@ def check_writable(path: Path) -> None:
         raise InputError(f"{path}: cannot write ({e.strerror})") from None
 
 
-def check_outputs(paths, fail) -> None:
-    """check_writable for every output path given (None: not asked for); the first problem goes to
-    `fail` as the command's one-line error."""
-    for p in paths:
-        if p is not None:
-            try:
-                check_writable(p)
-            except InputError as e:
-                fail(str(e))
+def same_file(a: Path, b: Path) -> bool:
+    """Whether two paths name one file (links and relative spellings included), existing or not."""
+    try:
+        if a.exists() and b.exists():
+            return os.path.samefile(a, b)
+        return a.resolve() == b.resolve()
+    except (OSError, RuntimeError):  # unreadable, a link loop
+        return False
+
+
+def check_outputs(paths, fail, inputs=()) -> None:
+    """check_writable for every output path given (None: not asked for), and none of them one of the command's
+    input files (the result would replace the text it came from) or given twice (the second would overwrite the
+    first): checked before anything is created. The first problem goes to `fail` as the one-line error."""
+    given = [p for p in paths if p is not None]
+    for i, p in enumerate(given):
+        for src in inputs:
+            if src is not None and same_file(p, src):
+                fail(f"{p}: is the input file {src}; writing the result there would replace it")
+        for q in given[:i]:
+            if same_file(p, q):
+                fail(f"{p}: given for two outputs; the second would overwrite the first")
+    for p in given:
+        try:
+            check_writable(p)
+        except InputError as e:
+            fail(str(e))
 
 
 def write_text_file(path: Path, text: str) -> None:

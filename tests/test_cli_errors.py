@@ -62,6 +62,11 @@ def paths(tmp_path: Path) -> dict[str, str]:
     (gencfg / "config.json").write_text(json.dumps(good))
     (gencfg / "generation_config.json").write_text("[2]")
     folders["GENCFG"] = gencfg
+    (tmp_path / "link.txt").symlink_to(ok)
+    folders["LINK"] = tmp_path / "link.txt"
+    folders["JSONL"] = tmp_path / "w.jsonl"
+    folders["JSONL"].write_text('{"prompt": "ok", "max_tokens": 4}\n')
+    folders["OUTA"] = tmp_path / "a.out"
     return {**{k: str(v) for k, v in folders.items()},"OK": str(ok), "BADJSONL": str(bad_jsonl), "NEGJSONL": str(neg_jsonl), "NOCFG": str(nocfg),
             "FAKEGGUF": str(fake), "BADCFG": str(badcfg), "DIR": str(tmp_path), "EMPTYJSONL": str(empty_jsonl), "LATINJSONL": str(latin_jsonl), "TINY": f"dummy:{tiny}"}
 
@@ -188,6 +193,11 @@ CASES = [
     (["continue", "OK", "--model", "LISTCFG"], "expected a JSON object, found list"),
     (["continue", "OK", "--model", "ZEROHEADS"], "num_attention_heads = 0"),
     (["continue", "OK", "--model", "GENCFG"], "generation_config.json"),
+    # an output that is an input, or one path for two outputs: refused before anything is written
+    (["continue", "OK", "-o", "OK"], "is the input file"),
+    (["continue", "OK", "-o", "LINK"], "is the input file"),
+    ([*SIM, "--workload", "JSONL", "--json", "JSONL"], "is the input file"),
+    ([*SIM, "--json", "OUTA", "--plot", "OUTA"], "given for two outputs"),
     # the default --kv-window auto on a context too short to stream past (was "at most -23")
     (["continue", "OK", "-n", "100", "--max-model-len", "8"], "8-token context is too short to stream a text past it"),
     (["continue", "OK", "-n", "100", "--max-model-len", "116"], "so 117 tokens; raise --max-model-len, or pass "
@@ -309,3 +319,12 @@ def shlex_quote(s: str) -> str:
     import shlex
 
     return shlex.quote(s)
+
+
+def test_an_output_naming_the_input_leaves_the_input_as_it_was(paths):
+    """continue -o INPUT once replaced the user's text with the continuation."""
+    text = Path(paths["OK"]).read_bytes()
+    for out in (paths["OK"], paths["LINK"]):
+        one_line_error(runner.invoke(app, ["continue", paths["OK"], *DUMMY, "--no-live", "-n", "2", "-o", out],
+                                     input=""), "is the input file")
+        assert Path(paths["OK"]).read_bytes() == text

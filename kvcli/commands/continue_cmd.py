@@ -17,7 +17,7 @@ from kvcli.commands.common import Fail, build_engine
 from kvcli.config import SamplingParams
 from kvcli.engine.scheduler import KVBudgetTooSmall
 from kvcli.options import ConfigError, EngineOptions
-from kvcli.inputs import InputError, check_writable, read_text_file, write_text_file
+from kvcli.inputs import InputError, check_outputs, read_text_file, write_text_file
 from kvcli.kvcache.block_manager import sliding_window_of
 from kvcli.metrics.snapshot import Snapshot
 from kvcli.metrics.window import WindowTracker, with_window
@@ -80,10 +80,9 @@ def run_continue(a: ContinueArgs, fail: Fail) -> int:
     params = a.params
     try:
         text = read_text_file(a.file)
-        if a.output is not None:
-            check_writable(a.output)
     except InputError as e:
         fail(str(e))
+    check_outputs((a.output,), fail, inputs=(a.file,))
 
     with err.status("loading model…", spinner="dots"):
         engine = build_engine(a.model, a.quant, a.options, fail)

@@ -63,7 +63,8 @@ def run_profile(a: ProfileArgs, fail: Fail) -> int:
         fail("--compare hf runs the model; it cannot be simulated")
     if a.num_requests <= 0:
         fail(f"--num-requests must be a positive integer (got {a.num_requests})")
-    check_outputs((a.json_path, a.plot_path), fail)
+    workload_file = Path(a.workload) if a.workload and Path(a.workload).is_file() else None
+    check_outputs((a.json_path, a.plot_path), fail, inputs=(workload_file,))
     if a.endpoints and (a.compare != "none" or a.simulate):
         fail("--endpoint sends the trace to running servers; it does not combine with --compare or --simulate")
     try:
