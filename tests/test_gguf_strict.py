@@ -216,6 +216,17 @@ def test_the_cli_refuses_in_one_line(base, tmp_path):
     assert out.stderr.strip().count("\n") == 0 and "llama.final_logit_softcapping" in out.stderr
 
 
+def test_chat_says_when_the_file_has_no_chat_template(base, tmp_path):
+    """Without tokenizer.chat_template, chat sends plain 'role: text' lines, and says so once; with one, no note."""
+    path = variant(base, tmp_path / "notmpl.gguf", drop=("tokenizer.chat_template",))
+    note = "this model has no chat template"
+    for model, expect in ((path, True), (base, False)):
+        out = subprocess.run([sys.executable, "-c", "from kvcli.cli import main; main()", "chat", "--model", str(model),
+                              "-n", "2"], input="hello\n", capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+        assert out.stderr.count(note) == int(expect), out.stderr
+
+
 HF = dict(model_type="llama", num_attention_heads=4, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
           vocab_size=100)
 

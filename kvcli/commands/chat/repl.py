@@ -136,6 +136,9 @@ class ChatRepl:
 
     # --- the loop -------------------------------------------------------------------------------------
     def loop(self) -> int:
+        if self.engine.tokenizer.render_chat([{"role": "user", "content": "x"}]) is None:
+            self.note("this model has no chat template: turns go to it as plain 'user: ...' / 'assistant: ...' lines, "
+                      "which a base model may not follow", style="dim")
         if self.convo.system_notice:
             self.note(self.convo.system_notice, style="dim")
         while True:
