@@ -627,44 +627,72 @@ static inline __attribute__((always_inline)) void unpack_nibbles16(const uint8_t
     }
 }
 
+/* Block b of groups g, g + 1 against rows m0 .. m0 + R - 1: f / f2 (the outlier blocks' second level) += their sums. */
+static inline __attribute__((always_inline)) void one_level_block16(const kvq_args *a, const int R, int64_t g,
+                                                                    int64_t m0, int64_t b, __m512 *f, __m512 *f2) {
+    const int64_t nb = a->K / QK;
+    const int mins = a->mins.kind != KVQ_NONE;
+    const __m256 z = _mm256_setzero_ps();
+    const __m256 d0 = groups8(&a->scale, z, g, b, nb), d1 = groups8(&a->scale, z, g + 1, b, nb);
+    const __m512 dw = join8(d0, d1);
+    const __m512 mw = mins ? join8(groups8(&a->mins, d0, g, b, nb), groups8(&a->mins, d1, g + 1, b, nb))
+                           : _mm512_setzero_ps();
+    const uint8_t *c0 = a->codes + (g * nb + b) * 128, *c1 = c0 + nb * 128;
+    prefetch_lines(c0 + PREFETCH_BLOCKS * 128, 128);
+    prefetch_lines(c1 + PREFETCH_BLOCKS * 128, 128);
+    __m512i w[8];
+    unpack_nibbles16(c0, c1, w);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) {
+        const int64_t xi = (m0 + r) * nb + b;
+        const int8_t *xq = a->qx + (m0 + r) * 2 * a->K + 2 * b * QK;
+        f[r] = _mm512_fmadd_ps(one_level_sum16(w, xq, a->lv[2 * xi]), _mm512_mul_ps(dw, _mm512_set1_ps(a->dx[xi])), f[r]);
+        if (mins) f[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a->sx[xi]), f[r]);
+        if (a->flag[xi]) /* an outlier block: its second level */
+            f2[r] = _mm512_fmadd_ps(one_level_sum16(w, xq + QK, a->lv[2 * xi + 1]),
+                                    _mm512_mul_ps(dw, _mm512_set1_ps(a->dx[xi] * (1.0f / 256.0f))), f2[r]);
+    }
+}
+
+/* A ONE_LEVEL_KC chunk's sums into y: the first chunk stores, the later ones add. */
+static inline __attribute__((always_inline)) void one_level_store16(const kvq_args *a, const int R, int64_t g,
+                                                                    int64_t m0, int64_t b0, const __m512 *f,
+                                                                    const __m512 *f2) {
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) {
+        float *yr = a->y + (m0 + r) * a->ldy + 8 * g;
+        const __m512 t = _mm512_add_ps(f[r], f2[r]);
+        _mm512_storeu_ps(yr, b0 == 0 ? t : _mm512_add_ps(_mm512_loadu_ps(yr), t));
+    }
+}
+
 static inline __attribute__((always_inline)) void one_level_tile16(const kvq_args *a, const int R, int64_t g,
                                                                    int64_t m0) {
     const int64_t nb = a->K / QK;
-    const int mins = a->mins.kind != KVQ_NONE;
     for (int64_t b0 = 0; b0 < nb; b0 += ONE_LEVEL_KC / QK) {
         const int64_t b1 = b0 + ONE_LEVEL_KC / QK < nb ? b0 + ONE_LEVEL_KC / QK : nb;
         __m512 f[ONE_LEVEL_M], f2[ONE_LEVEL_M]; /* in registers: every loop over r unrolled (R is a constant) */
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) f[r] = f2[r] = _mm512_setzero_ps();
+        for (int64_t b = b0; b < b1; b++) one_level_block16(a, R, g, m0, b, f, f2);
+        one_level_store16(a, R, g, m0, b0, f, f2);
+    }
+}
+
+/* One row (a decode step) against two pairs of groups far apart, g and h, block by block: each thread then
+ * reads two weight streams at once, which kept more lines in flight than one stream at twice the pace
+ * (docs/kernels.md). Each column's sums are one_level_tile16's, in the same order. */
+static __attribute__((noinline)) void one_level_two16(const kvq_args *a, int64_t g, int64_t h) {
+    const int64_t nb = a->K / QK;
+    for (int64_t b0 = 0; b0 < nb; b0 += ONE_LEVEL_KC / QK) {
+        const int64_t b1 = b0 + ONE_LEVEL_KC / QK < nb ? b0 + ONE_LEVEL_KC / QK : nb;
+        __m512 f[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()}, f2[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
         for (int64_t b = b0; b < b1; b++) {
-            const __m256 z = _mm256_setzero_ps();
-            const __m256 d0 = groups8(&a->scale, z, g, b, nb), d1 = groups8(&a->scale, z, g + 1, b, nb);
-            const __m512 dw = join8(d0, d1);
-            const __m512 mw = mins ? join8(groups8(&a->mins, d0, g, b, nb), groups8(&a->mins, d1, g + 1, b, nb))
-                                   : _mm512_setzero_ps();
-            const uint8_t *c0 = a->codes + (g * nb + b) * 128, *c1 = c0 + nb * 128;
-            prefetch_lines(c0 + PREFETCH_BLOCKS * 128, 128);
-            prefetch_lines(c1 + PREFETCH_BLOCKS * 128, 128);
-            __m512i w[8];
-            unpack_nibbles16(c0, c1, w);
-#pragma GCC unroll 8
-            for (int r = 0; r < R; r++) {
-                const int64_t xi = (m0 + r) * nb + b;
-                const int8_t *xq = a->qx + (m0 + r) * 2 * a->K + 2 * b * QK;
-                f[r] = _mm512_fmadd_ps(one_level_sum16(w, xq, a->lv[2 * xi]),
-                                       _mm512_mul_ps(dw, _mm512_set1_ps(a->dx[xi])), f[r]);
-                if (mins) f[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a->sx[xi]), f[r]);
-                if (a->flag[xi]) /* an outlier block: its second level */
-                    f2[r] = _mm512_fmadd_ps(one_level_sum16(w, xq + QK, a->lv[2 * xi + 1]),
-                                            _mm512_mul_ps(dw, _mm512_set1_ps(a->dx[xi] * (1.0f / 256.0f))), f2[r]);
-            }
+            one_level_block16(a, 1, g, 0, b, f, f2);
+            one_level_block16(a, 1, h, 0, b, f + 1, f2 + 1);
         }
-#pragma GCC unroll 8
-        for (int r = 0; r < R; r++) {
-            float *yr = a->y + (m0 + r) * a->ldy + 8 * g;
-            const __m512 t = _mm512_add_ps(f[r], f2[r]);
-            _mm512_storeu_ps(yr, b0 == 0 ? t : _mm512_add_ps(_mm512_loadu_ps(yr), t));
-        }
+        one_level_store16(a, 1, g, 0, b0, f, f2);
+        one_level_store16(a, 1, h, 0, b0, f + 1, f2 + 1);
     }
 }
 #endif
@@ -1165,6 +1193,13 @@ int kvq_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, int b
     int failed = 0;
     /* below ~64k weights a second thread costs more to wake than it saves */
     const int nt = N * K < (1 << 16) ? 1 : nthreads;
+#ifdef ONE_LEVEL_512
+    /* a decode row at one level: each thread's pairs of groups in two streams far apart (one_level_two16) */
+    const int64_t npairs = (N / 8) % 2 == 0 ? N / 16 : 0, half = npairs / 2;
+    const int two = !amx && one_level && M == 1 && npairs >= 4;
+#else
+    const int two = 0;
+#endif
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
 #pragma omp for schedule(static)
@@ -1178,6 +1213,16 @@ int kvq_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, int b
             if (amx_linear(&a, bits) != 0) {
 #pragma omp atomic write
                 failed = 1;
+            }
+#endif
+        } else if (two) {
+#ifdef ONE_LEVEL_512
+#pragma omp for schedule(static)
+            for (int64_t p = 0; p < half + npairs % 2; p++) {
+                if (p < half)
+                    one_level_two16(&a, 2 * p, 2 * (p + half));
+                else /* an odd pair count's last pair alone */
+                    tiles_q4_one16(&a, 2 * (npairs - 1), 2 * npairs, 0, 1);
             }
 #endif
         } else {

@@ -607,14 +607,15 @@ def test_small_row_kernel_gives_the_int8_gemms_bits_in_one_level(isa, kind):
     gets the same bits from either kernel whatever call it is in: the switch between them is a matter of speed
     (a 6-row verification step in one kernel, the plain decode step it replaces in the other). K of one chunk
     and of three with a tail; rows with an outlier channel (their second level) and rows without; every tail of
-    the 4-row tile of 8 columns and the 8-row tile of 16 (AVX-512), and an odd group of 8 weight rows (N 24)."""
+    the 4-row tile of 8 columns and the 8-row tile of 16 (AVX-512), and an odd group of 8 weight rows (N 24); a
+    single row's two weight streams per thread (AVX-512: N 128, 4 pairs of groups; N 80, an odd 5th pair alone)."""
     from kvcli_kernels.cpu_int8dot import int8dot_gemm_i8, int8dot_linear
 
     if isa == "generic":
         pytest.skip("the plain C build has no integer GEMM")
     gen = torch.Generator().manual_seed(23)
-    for k in (96, 4160):
-        q = WEIGHTS[kind](24, k, gen)
+    for n, k in ((24, 96), (24, 4160), (128, 4160), (80, 96)):
+        q = WEIGHTS[kind](n, k, gen)
         lin = Int8DotCpu(q)
         assert lin.one_level and lin.args[-1] == 1
         for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 17):
