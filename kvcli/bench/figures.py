@@ -257,6 +257,12 @@ FIGURES: dict[str, Figure] = {f.name: f for f in [
            "(before the per-thread scratch, block order and adaptive draft length) and in this tree, interleaved",
            ("--before", "dede958", "roofline", "--rounds", "6", "--", "--contexts", "512", "--rounds", "1"),
            in_make_figures=False),
+    Figure("ab-two-streams", "ab:main", "before/after: the bundled model's kvcli decode at ff7fd88 (a decode row's "
+           "weights read as one stream per thread) and in this tree (two streams far apart), interleaved",
+           ("--before", "ff7fd88", "decode", "--rounds", "6", "--", "--engines", "kvcli"), in_make_figures=False),
+    Figure("ab-two-streams-1b", "ab:main", "the ab-two-streams comparison on the 1B shape: the roofline figure's "
+           "512-token prefill and decode", ("--before", "ff7fd88", "roofline", "--rounds", "6", "--", "--contexts",
+                                            "512", "--rounds", "1"), in_make_figures=False),
     Figure("ab-amx-spec", "ab:main", "the ab-amx-one-level comparison on the spec-default figure (speculation at "
            "batch 1 against plain decode; in the tree after, a verification's 8-bit vocabulary rows on AMX tiles from "
            "3 rows too)", ("--before", "faadf02", "spec-default", "--rounds", "3"), in_make_figures=False),
