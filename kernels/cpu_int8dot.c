@@ -368,136 +368,145 @@ static inline int32_t code_at(const uint8_t *codes, int bits, int64_t blk, int s
  * 32) read inline, without groups8's dispatch and division; mw then holds +dmin m and is subtracted
  * (fnmadd: the same single rounding of macc - v sx as groups8's negated value in an fmadd). ksub 2: Q6_K's
  * (KVQ_SUB_I8 scales of groups of 16, no mins). */
+#ifdef KVQ_AVX2
+/* Block b of group g (8 weight rows) against rows m0 .. m0 + R - 1 of x: acc / macc (the mins' share) += its sums. */
+static inline __attribute__((always_inline)) void group_block(const kvq_args *a, const int bits, const int g16,
+                                                              const int ksub, const int R, int64_t g, int64_t m0,
+                                                              int64_t b, __m256 *acc, __m256 *macc) {
+    const int64_t nb = a->K / QK, ng = a->K / a->G;
+    const int64_t gr = g16 ? 2 * b : ksub ? b : group_of(b, 0, a->G);
+    __m256 dw, dw2, mw = _mm256_setzero_ps();
+    if (ksub == 2) {
+        const int sh = a->scale.shift;
+        dw = _mm256_mul_ps(load_f16x8(a->scale.sup + (g * (ng >> sh) + (gr >> sh)) * 8),
+                           load_i8x8((const int8_t *)a->scale.v + (g * ng + gr) * 8));
+        dw2 = _mm256_mul_ps(load_f16x8(a->scale.sup + (g * (ng >> sh) + ((gr + 1) >> sh)) * 8),
+                            load_i8x8((const int8_t *)a->scale.v + (g * ng + gr + 1) * 8));
+    } else if (ksub) {
+        const int sh = a->scale.shift, mh = a->mins.shift;
+        dw = _mm256_mul_ps(load_f16x8(a->scale.sup + (g * (ng >> sh) + (gr >> sh)) * 8),
+                           load_u8x8((const uint8_t *)a->scale.v + (g * ng + gr) * 8));
+        mw = _mm256_mul_ps(load_f16x8(a->mins.sup + (g * (ng >> mh) + (gr >> mh)) * 8),
+                           load_u8x8((const uint8_t *)a->mins.v + (g * ng + gr) * 8));
+        dw2 = dw;
+    } else {
+        dw = groups8(&a->scale, _mm256_setzero_ps(), g, gr, ng);
+        mw = a->mins.kind ? groups8(&a->mins, dw, g, gr, ng) : _mm256_setzero_ps();
+        dw2 = g16 ? groups8(&a->scale, _mm256_setzero_ps(), g, gr + 1, ng) : dw;
+    }
+    __m256i w[8];
+    if (bits == 4 || bits == 5 || bits == 6) {
+        const uint8_t *c = a->codes + (g * nb + b) * block_bytes(bits);
+        prefetch_lines(c + PREFETCH_BLOCKS * block_bytes(bits), block_bytes(bits));
+        unpack_nibbles(c, w);
+        if (bits != 4)
+            for (int s = 0; s < 8; s++) w[s] = high_bits(w[s], c + 128, bits, s);
+    } else { /* bits 8 and 7 */
+        const int8_t *c = (const int8_t *)a->codes + (g * nb + b) * 256;
+        prefetch_lines(c + PREFETCH_BLOCKS * 256, 256);
+        for (int s = 0; s < 8; s++) w[s] = _mm256_loadu_si256((const __m256i *)(c + 32 * s));
+    }
+    for (int r = 0; r < R; r++) {
+        const int64_t xi = (m0 + r) * nb + b;
+        const int8_t *xq = a->qx + (m0 + r) * 2 * a->K + 2 * b * QK;
+        __m256i i1 = _mm256_setzero_si256(), i2 = _mm256_setzero_si256();
+        int32_t off = 0; /* unsigned codes: the offset's share, offset (256 sum(q1) + sum(q2)) */
+        if (bits == 4) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+            /* two chains per level: dpbusd's latency (4-5 cycles) would otherwise bound a single row */
+            __m256i i1b = _mm256_setzero_si256(), i2b = _mm256_setzero_si256();
+            for (int s = 0; s < 8; s += 2) {
+                i1 = _mm256_dpbusd_epi32(i1, w[s], bcast4(xq + 4 * s));
+                i2 = _mm256_dpbusd_epi32(i2, w[s], bcast4(xq + QK + 4 * s));
+                i1b = _mm256_dpbusd_epi32(i1b, w[s + 1], bcast4(xq + 4 * s + 4));
+                i2b = _mm256_dpbusd_epi32(i2b, w[s + 1], bcast4(xq + QK + 4 * s + 4));
+            }
+            i1 = _mm256_add_epi32(i1, i1b);
+            i2 = _mm256_add_epi32(i2, i2b);
+#else
+            /* 8 pair sums of at most 2 * 15 * 127 stay inside int16 */
+            __m256i s1 = _mm256_maddubs_epi16(w[0], bcast4(xq)), s2 = _mm256_maddubs_epi16(w[0], bcast4(xq + QK));
+            for (int s = 1; s < 8; s++) {
+                s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(w[s], bcast4(xq + 4 * s)));
+                s2 = _mm256_add_epi16(s2, _mm256_maddubs_epi16(w[s], bcast4(xq + QK + 4 * s)));
+            }
+            i1 = _mm256_madd_epi16(s1, _mm256_set1_epi16(1));
+            i2 = _mm256_madd_epi16(s2, _mm256_set1_epi16(1));
+#endif
+            if (a->xs) { /* Q4_0: codes 0..15 less 8, taken off as offset x the block's integer sum */
+                const int32_t *xs = a->xs + ((m0 + r) * nb + b) * 2;
+                off = a->offset * (xs[0] + xs[1]);
+            }
+        } else if (bits != 8) { /* 5, 6 */
+            /* per half block (a Q6_K group of 16 ends after step 3) */
+            const int32_t *xs = a->xs ? a->xs + ((m0 + r) * nb + b) * 2 : NULL;
+            for (int h = 0; h < 2; h++) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+                /* two chains per level */
+                __m256i a1 = _mm256_setzero_si256(), a2 = a1, b1 = a1, b2 = a1;
+                for (int s = 4 * h; s < 4 * h + 4; s += 2) {
+                    a1 = _mm256_dpbusd_epi32(a1, w[s], bcast4(xq + 4 * s));
+                    a2 = _mm256_dpbusd_epi32(a2, w[s], bcast4(xq + QK + 4 * s));
+                    b1 = _mm256_dpbusd_epi32(b1, w[s + 1], bcast4(xq + 4 * s + 4));
+                    b2 = _mm256_dpbusd_epi32(b2, w[s + 1], bcast4(xq + QK + 4 * s + 4));
+                }
+                i1 = _mm256_add_epi32(i1, _mm256_add_epi32(a1, b1));
+                i2 = _mm256_add_epi32(i2, _mm256_add_epi32(a2, b2));
+#else
+                /* maddubs pairs stay inside int16 summed over 4 steps for 5-bit codes (4 * 2 * 31 * 127),
+                 * over 2 for 6-bit ones (2 * 2 * 63 * 127): then one madd into int32 */
+                const __m256i ones = _mm256_set1_epi16(1);
+                for (int s0 = 4 * h; s0 < 4 * h + 4; s0 += (bits == 5 ? 4 : 2)) {
+                    __m256i s1 = _mm256_maddubs_epi16(w[s0], bcast4(xq + 4 * s0));
+                    __m256i s2 = _mm256_maddubs_epi16(w[s0], bcast4(xq + QK + 4 * s0));
+                    for (int s = s0 + 1; s < s0 + (bits == 5 ? 4 : 2); s++) {
+                        s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(w[s], bcast4(xq + 4 * s)));
+                        s2 = _mm256_add_epi16(s2, _mm256_maddubs_epi16(w[s], bcast4(xq + QK + 4 * s)));
+                    }
+                    i1 = _mm256_add_epi32(i1, _mm256_madd_epi16(s1, ones));
+                    i2 = _mm256_add_epi32(i2, _mm256_madd_epi16(s2, ones));
+                }
+#endif
+                if (g16 && h == 0) { /* the first group of 16 is complete */
+                    const __m256i isum = _mm256_sub_epi32(_mm256_add_epi32(_mm256_slli_epi32(i1, 8), i2),
+                                                          _mm256_set1_epi32(xs ? a->offset * xs[0] : 0));
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dw, _mm256_set1_ps(a->dx[xi] / 256.0f)), acc[r]);
+                    i1 = i2 = _mm256_setzero_si256();
+                }
+            }
+            if (xs) off = a->offset * (g16 ? xs[1] : xs[0] + xs[1]);
+        } else {
+            for (int s = 0; s < 8; s++) { /* |w| as u8 (-128 -> 128), its sign moved onto x */
+                if (g16 && s == 4) { /* the first group of 16 is complete */
+                    const __m256i isum = _mm256_add_epi32(_mm256_slli_epi32(i1, 8), i2);
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dw, _mm256_set1_ps(a->dx[xi] / 256.0f)), acc[r]);
+                    i1 = i2 = _mm256_setzero_si256();
+                }
+                const __m256i u = _mm256_sign_epi8(w[s], w[s]);
+                i1 = DPBUSD(i1, u, _mm256_sign_epi8(bcast4(xq + 4 * s), w[s]));
+                i2 = DPBUSD(i2, u, _mm256_sign_epi8(bcast4(xq + QK + 4 * s), w[s]));
+            }
+        }
+        /* 256 q1 + q2 in int32: at most 256 * 32 * 128 * 127 + 32 * 128 * 127 < 2^31 */
+        __m256i isum = _mm256_add_epi32(_mm256_slli_epi32(i1, 8), i2);
+        if (bits != 8) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(off));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dw2, _mm256_set1_ps(a->dx[xi] / 256.0f)), acc[r]);
+        if (ksub == 1)
+            macc[r] = _mm256_fnmadd_ps(mw, _mm256_set1_ps(a->sx[xi]), macc[r]);
+        else if (a->mins.kind)
+            macc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a->sx[xi]), macc[r]);
+    }
+}
+#endif
+
 static inline __attribute__((always_inline)) void group_tile(const kvq_args *a, const int bits, const int g16,
                                                              const int ksub, const int R, int64_t g, int64_t m0) {
     const int64_t nb = a->K / QK, ng = a->K / a->G;
 #ifdef KVQ_AVX2
+    (void)ng;
     __m256 acc[TILE_M], macc[TILE_M];
     for (int r = 0; r < R; r++) acc[r] = macc[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const int64_t gr = g16 ? 2 * b : ksub ? b : group_of(b, 0, a->G);
-        __m256 dw, dw2, mw = _mm256_setzero_ps();
-        if (ksub == 2) {
-            const int sh = a->scale.shift;
-            dw = _mm256_mul_ps(load_f16x8(a->scale.sup + (g * (ng >> sh) + (gr >> sh)) * 8),
-                               load_i8x8((const int8_t *)a->scale.v + (g * ng + gr) * 8));
-            dw2 = _mm256_mul_ps(load_f16x8(a->scale.sup + (g * (ng >> sh) + ((gr + 1) >> sh)) * 8),
-                                load_i8x8((const int8_t *)a->scale.v + (g * ng + gr + 1) * 8));
-        } else if (ksub) {
-            const int sh = a->scale.shift, mh = a->mins.shift;
-            dw = _mm256_mul_ps(load_f16x8(a->scale.sup + (g * (ng >> sh) + (gr >> sh)) * 8),
-                               load_u8x8((const uint8_t *)a->scale.v + (g * ng + gr) * 8));
-            mw = _mm256_mul_ps(load_f16x8(a->mins.sup + (g * (ng >> mh) + (gr >> mh)) * 8),
-                               load_u8x8((const uint8_t *)a->mins.v + (g * ng + gr) * 8));
-            dw2 = dw;
-        } else {
-            dw = groups8(&a->scale, _mm256_setzero_ps(), g, gr, ng);
-            mw = a->mins.kind ? groups8(&a->mins, dw, g, gr, ng) : _mm256_setzero_ps();
-            dw2 = g16 ? groups8(&a->scale, _mm256_setzero_ps(), g, gr + 1, ng) : dw;
-        }
-        __m256i w[8];
-        if (bits == 4 || bits == 5 || bits == 6) {
-            const uint8_t *c = a->codes + (g * nb + b) * block_bytes(bits);
-            prefetch_lines(c + PREFETCH_BLOCKS * block_bytes(bits), block_bytes(bits));
-            unpack_nibbles(c, w);
-            if (bits != 4)
-                for (int s = 0; s < 8; s++) w[s] = high_bits(w[s], c + 128, bits, s);
-        } else { /* bits 8 and 7 */
-            const int8_t *c = (const int8_t *)a->codes + (g * nb + b) * 256;
-            prefetch_lines(c + PREFETCH_BLOCKS * 256, 256);
-            for (int s = 0; s < 8; s++) w[s] = _mm256_loadu_si256((const __m256i *)(c + 32 * s));
-        }
-        for (int r = 0; r < R; r++) {
-            const int64_t xi = (m0 + r) * nb + b;
-            const int8_t *xq = a->qx + (m0 + r) * 2 * a->K + 2 * b * QK;
-            __m256i i1 = _mm256_setzero_si256(), i2 = _mm256_setzero_si256();
-            int32_t off = 0; /* unsigned codes: the offset's share, offset (256 sum(q1) + sum(q2)) */
-            if (bits == 4) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-                /* two chains per level: dpbusd's latency (4-5 cycles) would otherwise bound a single row */
-                __m256i i1b = _mm256_setzero_si256(), i2b = _mm256_setzero_si256();
-                for (int s = 0; s < 8; s += 2) {
-                    i1 = _mm256_dpbusd_epi32(i1, w[s], bcast4(xq + 4 * s));
-                    i2 = _mm256_dpbusd_epi32(i2, w[s], bcast4(xq + QK + 4 * s));
-                    i1b = _mm256_dpbusd_epi32(i1b, w[s + 1], bcast4(xq + 4 * s + 4));
-                    i2b = _mm256_dpbusd_epi32(i2b, w[s + 1], bcast4(xq + QK + 4 * s + 4));
-                }
-                i1 = _mm256_add_epi32(i1, i1b);
-                i2 = _mm256_add_epi32(i2, i2b);
-#else
-                /* 8 pair sums of at most 2 * 15 * 127 stay inside int16 */
-                __m256i s1 = _mm256_maddubs_epi16(w[0], bcast4(xq)), s2 = _mm256_maddubs_epi16(w[0], bcast4(xq + QK));
-                for (int s = 1; s < 8; s++) {
-                    s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(w[s], bcast4(xq + 4 * s)));
-                    s2 = _mm256_add_epi16(s2, _mm256_maddubs_epi16(w[s], bcast4(xq + QK + 4 * s)));
-                }
-                i1 = _mm256_madd_epi16(s1, _mm256_set1_epi16(1));
-                i2 = _mm256_madd_epi16(s2, _mm256_set1_epi16(1));
-#endif
-                if (a->xs) { /* Q4_0: codes 0..15 less 8, taken off as offset x the block's integer sum */
-                    const int32_t *xs = a->xs + ((m0 + r) * nb + b) * 2;
-                    off = a->offset * (xs[0] + xs[1]);
-                }
-            } else if (bits != 8) { /* 5, 6 */
-                /* per half block (a Q6_K group of 16 ends after step 3) */
-                const int32_t *xs = a->xs ? a->xs + ((m0 + r) * nb + b) * 2 : NULL;
-                for (int h = 0; h < 2; h++) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-                    /* two chains per level */
-                    __m256i a1 = _mm256_setzero_si256(), a2 = a1, b1 = a1, b2 = a1;
-                    for (int s = 4 * h; s < 4 * h + 4; s += 2) {
-                        a1 = _mm256_dpbusd_epi32(a1, w[s], bcast4(xq + 4 * s));
-                        a2 = _mm256_dpbusd_epi32(a2, w[s], bcast4(xq + QK + 4 * s));
-                        b1 = _mm256_dpbusd_epi32(b1, w[s + 1], bcast4(xq + 4 * s + 4));
-                        b2 = _mm256_dpbusd_epi32(b2, w[s + 1], bcast4(xq + QK + 4 * s + 4));
-                    }
-                    i1 = _mm256_add_epi32(i1, _mm256_add_epi32(a1, b1));
-                    i2 = _mm256_add_epi32(i2, _mm256_add_epi32(a2, b2));
-#else
-                    /* maddubs pairs stay inside int16 summed over 4 steps for 5-bit codes (4 * 2 * 31 * 127),
-                     * over 2 for 6-bit ones (2 * 2 * 63 * 127): then one madd into int32 */
-                    const __m256i ones = _mm256_set1_epi16(1);
-                    for (int s0 = 4 * h; s0 < 4 * h + 4; s0 += (bits == 5 ? 4 : 2)) {
-                        __m256i s1 = _mm256_maddubs_epi16(w[s0], bcast4(xq + 4 * s0));
-                        __m256i s2 = _mm256_maddubs_epi16(w[s0], bcast4(xq + QK + 4 * s0));
-                        for (int s = s0 + 1; s < s0 + (bits == 5 ? 4 : 2); s++) {
-                            s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(w[s], bcast4(xq + 4 * s)));
-                            s2 = _mm256_add_epi16(s2, _mm256_maddubs_epi16(w[s], bcast4(xq + QK + 4 * s)));
-                        }
-                        i1 = _mm256_add_epi32(i1, _mm256_madd_epi16(s1, ones));
-                        i2 = _mm256_add_epi32(i2, _mm256_madd_epi16(s2, ones));
-                    }
-#endif
-                    if (g16 && h == 0) { /* the first group of 16 is complete */
-                        const __m256i isum = _mm256_sub_epi32(_mm256_add_epi32(_mm256_slli_epi32(i1, 8), i2),
-                                                              _mm256_set1_epi32(xs ? a->offset * xs[0] : 0));
-                        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dw, _mm256_set1_ps(a->dx[xi] / 256.0f)), acc[r]);
-                        i1 = i2 = _mm256_setzero_si256();
-                    }
-                }
-                if (xs) off = a->offset * (g16 ? xs[1] : xs[0] + xs[1]);
-            } else {
-                for (int s = 0; s < 8; s++) { /* |w| as u8 (-128 -> 128), its sign moved onto x */
-                    if (g16 && s == 4) { /* the first group of 16 is complete */
-                        const __m256i isum = _mm256_add_epi32(_mm256_slli_epi32(i1, 8), i2);
-                        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dw, _mm256_set1_ps(a->dx[xi] / 256.0f)), acc[r]);
-                        i1 = i2 = _mm256_setzero_si256();
-                    }
-                    const __m256i u = _mm256_sign_epi8(w[s], w[s]);
-                    i1 = DPBUSD(i1, u, _mm256_sign_epi8(bcast4(xq + 4 * s), w[s]));
-                    i2 = DPBUSD(i2, u, _mm256_sign_epi8(bcast4(xq + QK + 4 * s), w[s]));
-                }
-            }
-            /* 256 q1 + q2 in int32: at most 256 * 32 * 128 * 127 + 32 * 128 * 127 < 2^31 */
-            __m256i isum = _mm256_add_epi32(_mm256_slli_epi32(i1, 8), i2);
-            if (bits != 8) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(off));
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dw2, _mm256_set1_ps(a->dx[xi] / 256.0f)), acc[r]);
-            if (ksub == 1)
-                macc[r] = _mm256_fnmadd_ps(mw, _mm256_set1_ps(a->sx[xi]), macc[r]);
-            else if (a->mins.kind)
-                macc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a->sx[xi]), macc[r]);
-        }
-    }
+    for (int64_t b = 0; b < nb; b++) group_block(a, bits, g16, ksub, R, g, m0, b, acc, macc);
     for (int r = 0; r < R; r++) _mm256_storeu_ps(a->y + (m0 + r) * a->ldy + 8 * g, _mm256_add_ps(acc[r], macc[r]));
 #else
     (void)ksub;
@@ -735,6 +744,63 @@ FORM_TILES(tiles_q8, TILE_CASES, 8, 0, 0)      /* Q8_0 */
 #undef FORM_TILES
 
 #ifdef KVQ_AVX2
+/* One row (a decode step) against groups g and h far apart, block by block: one_level_two16's two weight streams
+ * per thread for the two-level forms. Each column's sums are group_tile's, in the same order. */
+#define FORM_TWO(NAME, BITS, G16, KSUB)                                                                 \
+    static __attribute__((noinline)) void NAME(const kvq_args *a, int64_t g, int64_t h) {           \
+        const int64_t nb = a->K / QK;                                                               \
+        __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, macc[2] = {acc[0], acc[1]};      \
+        for (int64_t b = 0; b < nb; b++) {                                                          \
+            group_block(a, BITS, G16, KSUB, 1, g, 0, b, acc, macc);                                 \
+            group_block(a, BITS, G16, KSUB, 1, h, 0, b, acc + 1, macc + 1);                         \
+        }                                                                                           \
+        _mm256_storeu_ps(a->y + 8 * g, _mm256_add_ps(acc[0], macc[0]));                             \
+        _mm256_storeu_ps(a->y + 8 * h, _mm256_add_ps(acc[1], macc[1]));                             \
+    }
+FORM_TWO(two_q4k, 4, 0, 1)
+FORM_TWO(two_q4, 4, 0, 0)
+FORM_TWO(two_q5k, 5, 0, 1)
+FORM_TWO(two_q5, 5, 0, 0)
+FORM_TWO(two_q6k, 6, 1, 2)
+FORM_TWO(two_q8g16, 8, 1, 0)
+FORM_TWO(two_q8, 8, 0, 0)
+#undef FORM_TWO
+#endif
+
+typedef void (*tiles_fn)(const kvq_args *, int64_t, int64_t, int64_t, int64_t);
+typedef void (*two_fn)(const kvq_args *, int64_t, int64_t);
+
+/* K-quant groups read inline (group_tile's ksub 1) */
+static int form_ksub(const kvq_args *a) {
+    return a->G == QK && a->scale.kind == KVQ_SUB && a->mins.kind == KVQ_NEG_SUB && a->scale.shift >= 0 &&
+           a->mins.shift >= 0;
+}
+
+/* The two-level loop of a form (form_ok holds), and its two-stream row (NULL in the plain C build). */
+static tiles_fn form_tiles(const kvq_args *a, const int bits) {
+    const int ksub = form_ksub(a);
+    return bits == 4 ? (ksub ? tiles_q4k : tiles_q4)
+           : bits == 5 ? (ksub ? tiles_q5k : tiles_q5)
+           : bits == 6 ? tiles_q6k
+           : a->G == 16 ? tiles_q8g16
+           : tiles_q8;
+}
+
+static two_fn form_two(const kvq_args *a, const int bits) {
+#ifdef KVQ_AVX2
+    const int ksub = form_ksub(a);
+    return bits == 4 ? (ksub ? two_q4k : two_q4)
+           : bits == 5 ? (ksub ? two_q5k : two_q5)
+           : bits == 6 ? two_q6k
+           : a->G == 16 ? two_q8g16
+           : two_q8;
+#else
+    (void)a, (void)bits;
+    return NULL;
+#endif
+}
+
+#ifdef KVQ_AVX2
 static __attribute__((noinline)) void tiles_q4_one(const kvq_args *a, int64_t g0, int64_t g1, int64_t m0, int64_t R) {
     for (int64_t g = g0; g < g1; g++) switch (R) {
         case 4: one_level_tile(a, 4, g, m0); break;
@@ -767,17 +833,11 @@ static __attribute__((noinline)) void tiles_q4_one16(const kvq_args *a, int64_t 
 
 static void gemm_tile(const kvq_args *a, const int bits, int64_t t) {
     const int64_t g0 = t * TILE_G, g1 = g0 + TILE_G < a->N / 8 ? g0 + TILE_G : a->N / 8;
-    const int ksub = a->G == QK && a->scale.kind == KVQ_SUB && a->mins.kind == KVQ_NEG_SUB && a->scale.shift >= 0 &&
-                     a->mins.shift >= 0;
-    void (*tiles)(const kvq_args *, int64_t, int64_t, int64_t, int64_t) =
+    tiles_fn tiles =
 #ifdef KVQ_AVX2
         a->one_level ? tiles_q4_one :
 #endif
-        bits == 4 ? (ksub ? tiles_q4k : tiles_q4)
-        : bits == 5 ? (ksub ? tiles_q5k : tiles_q5)
-        : bits == 6 ? tiles_q6k
-        : a->G == 16 ? tiles_q8g16
-        : tiles_q8;
+        form_tiles(a, bits);
 #ifdef ONE_LEVEL_512
     if (a->one_level) {
         for (int64_t m0 = 0; m0 < a->M; m0 += ONE_LEVEL_M)
@@ -1200,6 +1260,9 @@ int kvq_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, int b
 #else
     const int two = 0;
 #endif
+    /* the same for the two-level forms' groups of 8 (form_two) */
+    const two_fn two8 = !amx && !one_level && M == 1 && N / 8 >= 8 ? form_two(&a, bits) : NULL;
+    const int64_t ngroups = N / 8, ghalf = ngroups / 2;
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
 #pragma omp for schedule(static)
@@ -1225,6 +1288,14 @@ int kvq_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, int b
                     tiles_q4_one16(&a, 2 * (npairs - 1), 2 * npairs, 0, 1);
             }
 #endif
+        } else if (two8) {
+#pragma omp for schedule(static)
+            for (int64_t p = 0; p < ghalf + ngroups % 2; p++) {
+                if (p < ghalf)
+                    two8(&a, p, p + ghalf);
+                else /* an odd group count's last group alone */
+                    form_tiles(&a, bits)(&a, ngroups - 1, ngroups, 0, 1);
+            }
         } else {
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < ntiles; t++) gemm_tile(&a, bits, t);

@@ -198,6 +198,23 @@ def test_rows_do_not_depend_on_their_batch(isa):
     assert torch.equal(full[4], torch.zeros(64))
 
 
+@pytest.mark.parametrize("kind", list(WEIGHTS))
+def test_a_decode_row_is_a_batch_row_bit_for_bit(isa, kind):
+    """A 1-row call reads each thread's weights as two streams far apart (form_two, one_level_two16), a batch
+    row-tile by row-tile: every form's row gets the same bits either way, for group counts that take the two
+    streams (8, 17: an odd last group alone) and one that does not (5)."""
+    gen = torch.Generator().manual_seed(29)
+    for n, k in ((40, 256), (64, 256), (136, 2304)):
+        q = WEIGHTS[kind](n, k, gen)
+        lin = Int8DotCpu(q)
+        lin.kernel_at_every_row_count()
+        x = torch.randn(5, k, generator=gen) * (torch.rand(1, k, generator=gen) + 0.5)
+        x[::2, 9] = 30.0  # an outlier channel (the one-level forms' second level)
+        full = lin(x)
+        for i in range(5):
+            assert torch.equal(lin(x[i:i + 1])[0], full[i]), (kind, n, k, i)
+
+
 def test_calls_from_several_threads_keep_their_own_buffers():
     """kvq_linear and kvq_gemm_i8 keep their scratch per calling thread (kernels/cpu_scratch.h): calls running at
     once from several Python threads (ctypes lets go of the GIL) give each caller its own results, bit for bit
