@@ -770,35 +770,17 @@ FORM_TWO(two_q8, 8, 0, 0)
 typedef void (*tiles_fn)(const kvq_args *, int64_t, int64_t, int64_t, int64_t);
 typedef void (*two_fn)(const kvq_args *, int64_t, int64_t);
 
-/* K-quant groups read inline (group_tile's ksub 1) */
-static int form_ksub(const kvq_args *a) {
-    return a->G == QK && a->scale.kind == KVQ_SUB && a->mins.kind == KVQ_NEG_SUB && a->scale.shift >= 0 &&
-           a->mins.shift >= 0;
+/* A form's loops (form_ok holds): its index in FORM_TILES_FNS / FORM_TWO_FNS. K-quant groups are read inline
+ * (group_tile's ksub 1). */
+static int form_of(const kvq_args *a, const int bits) {
+    const int ksub = a->G == QK && a->scale.kind == KVQ_SUB && a->mins.kind == KVQ_NEG_SUB && a->scale.shift >= 0 &&
+                     a->mins.shift >= 0;
+    return bits == 4 ? (ksub ? 0 : 1) : bits == 5 ? (ksub ? 2 : 3) : bits == 6 ? 4 : a->G == 16 ? 5 : 6;
 }
-
-/* The two-level loop of a form (form_ok holds), and its two-stream row (NULL in the plain C build). */
-static tiles_fn form_tiles(const kvq_args *a, const int bits) {
-    const int ksub = form_ksub(a);
-    return bits == 4 ? (ksub ? tiles_q4k : tiles_q4)
-           : bits == 5 ? (ksub ? tiles_q5k : tiles_q5)
-           : bits == 6 ? tiles_q6k
-           : a->G == 16 ? tiles_q8g16
-           : tiles_q8;
-}
-
-static two_fn form_two(const kvq_args *a, const int bits) {
+static const tiles_fn FORM_TILES_FNS[7] = {tiles_q4k, tiles_q4, tiles_q5k, tiles_q5, tiles_q6k, tiles_q8g16, tiles_q8};
 #ifdef KVQ_AVX2
-    const int ksub = form_ksub(a);
-    return bits == 4 ? (ksub ? two_q4k : two_q4)
-           : bits == 5 ? (ksub ? two_q5k : two_q5)
-           : bits == 6 ? two_q6k
-           : a->G == 16 ? two_q8g16
-           : two_q8;
-#else
-    (void)a, (void)bits;
-    return NULL;
+static const two_fn FORM_TWO_FNS[7] = {two_q4k, two_q4, two_q5k, two_q5, two_q6k, two_q8g16, two_q8};
 #endif
-}
 
 #ifdef KVQ_AVX2
 static __attribute__((noinline)) void tiles_q4_one(const kvq_args *a, int64_t g0, int64_t g1, int64_t m0, int64_t R) {
@@ -837,7 +819,7 @@ static void gemm_tile(const kvq_args *a, const int bits, int64_t t) {
 #ifdef KVQ_AVX2
         a->one_level ? tiles_q4_one :
 #endif
-        form_tiles(a, bits);
+        FORM_TILES_FNS[form_of(a, bits)];
 #ifdef ONE_LEVEL_512
     if (a->one_level) {
         for (int64_t m0 = 0; m0 < a->M; m0 += ONE_LEVEL_M)
@@ -1260,8 +1242,12 @@ int kvq_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, int b
 #else
     const int two = 0;
 #endif
-    /* the same for the two-level forms' groups of 8 (form_two) */
-    const two_fn two8 = !amx && !one_level && M == 1 && N / 8 >= 8 ? form_two(&a, bits) : NULL;
+    /* the same for the two-level forms' groups of 8 (FORM_TWO_FNS) */
+#ifdef KVQ_AVX2
+    const two_fn two8 = !amx && !one_level && M == 1 && N / 8 >= 8 ? FORM_TWO_FNS[form_of(&a, bits)] : NULL;
+#else
+    const two_fn two8 = NULL;
+#endif
     const int64_t ngroups = N / 8, ghalf = ngroups / 2;
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
@@ -1294,7 +1280,7 @@ int kvq_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, int b
                 if (p < ghalf)
                     two8(&a, p, p + ghalf);
                 else /* an odd group count's last group alone */
-                    form_tiles(&a, bits)(&a, ngroups - 1, ngroups, 0, 1);
+                    FORM_TILES_FNS[form_of(&a, bits)](&a, ngroups - 1, ngroups, 0, 1);
             }
         } else {
 #pragma omp for schedule(static)
