@@ -267,6 +267,10 @@ FIGURES: dict[str, Figure] = {f.name: f for f in [
            "(before: the one-level forms' alone) and in this tree, on the 1B shape in Q4_K_M: the roofline figure's "
            "512-token prefill and decode", ("--before", "75cdc5a", "roofline", "--rounds", "6", "--", "--kind",
                                             "Q4_K_M", "--contexts", "512", "--rounds", "1"), in_make_figures=False),
+    Figure("ab-two-streams-kquant-avx2", "ab:main", "the ab-two-streams-kquant comparison held to AVX2 (kvcli's "
+           "AVX2 build of the two-level loops' two streams; llama.cpp's AVX2 build)",
+           ("--before", "75cdc5a", "roofline", "--rounds", "4", "--", "--kind", "Q4_K_M", "--contexts", "512",
+            "--rounds", "1"), AVX2_ENV, in_make_figures=False),
     Figure("ab-two-streams-spec", "ab:main", "the ab-two-streams comparison on the spec-default figure (speculation "
            "at batch 1, one thread: a verification's rows take the batch loops, plain decode's row the two streams)",
            ("--before", "ff7fd88", "spec-default", "--rounds", "4"), in_make_figures=False),
