@@ -1243,8 +1243,9 @@ int kvq_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, int b
     const int two = 0;
 #endif
     /* the same for the two-level forms' groups of 8 (FORM_TWO_FNS) */
+    const int form_index = form_of(&a, bits);
 #ifdef KVQ_AVX2
-    const two_fn two8 = !amx && !one_level && M == 1 && N / 8 >= 8 ? FORM_TWO_FNS[form_of(&a, bits)] : NULL;
+    const two_fn two8 = !amx && !one_level && M == 1 && N / 8 >= 8 ? FORM_TWO_FNS[form_index] : NULL;
 #else
     const two_fn two8 = NULL;
 #endif
@@ -1280,7 +1281,7 @@ int kvq_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, int b
                 if (p < ghalf)
                     two8(&a, p, p + ghalf);
                 else /* an odd group count's last group alone */
-                    FORM_TILES_FNS[form_of(&a, bits)](&a, ngroups - 1, ngroups, 0, 1);
+                    FORM_TILES_FNS[form_index](&a, ngroups - 1, ngroups, 0, 1);
             }
         } else {
 #pragma omp for schedule(static)

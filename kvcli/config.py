@@ -111,6 +111,8 @@ class ModelConfig:
         model_type = cfg.get("model_type") or ""
         if not isinstance(model_type, str):
             raise ValueError(f"model_type = {model_type!r}: expected a string")
+        if not model_type:
+            raise ValueError(f"no model_type: the file names no architecture (kvcli runs {', '.join(HF_MODEL_TYPES)})")
         model_type = model_type.lower()
         try:
             return ModelConfig._from_hf_fields(cfg, name, model_type)
@@ -122,8 +124,6 @@ class ModelConfig:
     @staticmethod
     def _from_hf_fields(cfg: dict, name: str, model_type: str) -> "ModelConfig":
         arch = HF_MODEL_TYPES.get(model_type)
-        if not model_type:
-            raise ValueError(f"no model_type: the file names no architecture (kvcli runs {', '.join(HF_MODEL_TYPES)})")
         if arch is None:
             raise ValueError(
                 f"unsupported architecture {model_type!r} (kvcli runs {', '.join(HF_MODEL_TYPES)})"

@@ -67,8 +67,10 @@ def paths(tmp_path: Path) -> dict[str, str]:
     folders["JSONL"] = tmp_path / "w.jsonl"
     folders["JSONL"].write_text('{"prompt": "ok", "max_tokens": 4}\n')
     folders["OUTA"] = tmp_path / "a.out"
-    return {**{k: str(v) for k, v in folders.items()},"OK": str(ok), "BADJSONL": str(bad_jsonl), "NEGJSONL": str(neg_jsonl), "NOCFG": str(nocfg),
-            "FAKEGGUF": str(fake), "BADCFG": str(badcfg), "DIR": str(tmp_path), "EMPTYJSONL": str(empty_jsonl), "LATINJSONL": str(latin_jsonl), "TINY": f"dummy:{tiny}"}
+    return {**{k: str(v) for k, v in folders.items()}, "OK": str(ok), "BADJSONL": str(bad_jsonl),
+            "NEGJSONL": str(neg_jsonl), "NOCFG": str(nocfg), "FAKEGGUF": str(fake), "BADCFG": str(badcfg),
+            "DIR": str(tmp_path), "EMPTYJSONL": str(empty_jsonl), "LATINJSONL": str(latin_jsonl),
+            "TINY": f"dummy:{tiny}"}
 
 
 # (command line with placeholders, text the one error line must contain)

@@ -200,7 +200,7 @@ def test_rows_do_not_depend_on_their_batch(isa):
 
 @pytest.mark.parametrize("kind", list(WEIGHTS))
 def test_a_decode_row_is_a_batch_row_bit_for_bit(isa, kind):
-    """A 1-row call reads each thread's weights as two streams far apart (form_two, one_level_two16), a batch
+    """A 1-row call reads each thread's weights as two streams far apart (FORM_TWO_FNS, one_level_two16), a batch
     row-tile by row-tile: every form's row gets the same bits either way, for group counts that take the two
     streams (8, 17: an odd last group alone) and one that does not (5)."""
     gen = torch.Generator().manual_seed(29)

@@ -306,7 +306,7 @@ def load_config(spec: str | None) -> ModelConfig:
                                                                  name=path.name), path)
         except FileNotFoundError:
             raise ModelLoadError(f"{path}: no config.json") from None
-        except (ValueError, KeyError) as e:
+        except ValueError as e:  # (from_hf_dict names a missing field in a ValueError)
             raise ModelLoadError(f"{path / 'config.json'}: {e}") from None
     from kvcli.model.gguf_loader import GGUFError, open_gguf, read_config
 
