@@ -547,51 +547,56 @@ static inline __attribute__((always_inline)) void group_tile(const kvq_args *a, 
  * f2 += (sum(q2 w) - offset sum(q2)) d_w (d_x / 256); then y = f + f2 for the first chunk, y + (f + f2) after.
  * Half the dot products of the two-level loop (group_tile) in blocks without an outlier. */
 #ifdef KVQ_AVX2
-static inline __attribute__((always_inline)) void one_level_tile(const kvq_args *a, const int R, int64_t g, int64_t m0) {
+/* Block b of group g against rows m0 .. m0 + R - 1: f / f2 (the outlier blocks' second level) += their sums. */
+static inline __attribute__((always_inline)) void one_level_block8(const kvq_args *a, const int R, int64_t g, int64_t m0,
+                                                                   int64_t b, __m256 *f, __m256 *f2) {
     const int64_t nb = a->K / QK;
     const int mins = a->mins.kind != KVQ_NONE;
+    const __m256 dw = groups8(&a->scale, _mm256_setzero_ps(), g, b, nb);
+    const __m256 mw = mins ? groups8(&a->mins, dw, g, b, nb) : _mm256_setzero_ps();
+    const uint8_t *c = a->codes + (g * nb + b) * 128;
+    prefetch_lines(c + PREFETCH_BLOCKS * 128, 128);
+    __m256i w[8];
+    unpack_nibbles(c, w);
+    for (int r = 0; r < R; r++) {
+        const int64_t xi = (m0 + r) * nb + b;
+        const int8_t *xq = a->qx + (m0 + r) * 2 * a->K + 2 * b * QK;
+        for (int lev = 0; lev < 2; lev++) {
+            if (lev == 1 && !a->flag[xi]) break;
+            const int8_t *xl = xq + lev * QK;
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+            /* two chains: dpbusd's latency (4-5 cycles) would otherwise bound a single row */
+            __m256i i1 = _mm256_setzero_si256(), i1b = _mm256_setzero_si256();
+            for (int st = 0; st < 8; st += 2) {
+                i1 = _mm256_dpbusd_epi32(i1, w[st], bcast4(xl + 4 * st));
+                i1b = _mm256_dpbusd_epi32(i1b, w[st + 1], bcast4(xl + 4 * st + 4));
+            }
+            const __m256i isum = _mm256_add_epi32(i1, i1b);
+#else
+            /* 8 pair sums of at most 2 * 15 * 127 stay inside int16 */
+            __m256i p = _mm256_maddubs_epi16(w[0], bcast4(xl));
+            for (int st = 1; st < 8; st++) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(w[st], bcast4(xl + 4 * st)));
+            const __m256i isum = _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+#endif
+            const __m256 sum = _mm256_cvtepi32_ps(_mm256_sub_epi32(isum, _mm256_set1_epi32(a->lv[2 * xi + lev])));
+            if (lev == 0) {
+                f[r] = _mm256_fmadd_ps(sum, _mm256_mul_ps(dw, _mm256_set1_ps(a->dx[xi])), f[r]);
+                if (mins) f[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a->sx[xi]), f[r]);
+            } else {
+                f2[r] = _mm256_fmadd_ps(sum, _mm256_mul_ps(dw, _mm256_set1_ps(a->dx[xi] * (1.0f / 256.0f))), f2[r]);
+            }
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void one_level_tile(const kvq_args *a, const int R, int64_t g, int64_t m0) {
+    const int64_t nb = a->K / QK;
     __m256 y[TILE_M];
     for (int64_t b0 = 0; b0 < nb; b0 += ONE_LEVEL_KC / QK) {
         const int64_t b1 = b0 + ONE_LEVEL_KC / QK < nb ? b0 + ONE_LEVEL_KC / QK : nb;
         __m256 f[TILE_M], f2[TILE_M];
         for (int r = 0; r < R; r++) f[r] = f2[r] = _mm256_setzero_ps();
-        for (int64_t b = b0; b < b1; b++) {
-            const __m256 dw = groups8(&a->scale, _mm256_setzero_ps(), g, b, nb);
-            const __m256 mw = mins ? groups8(&a->mins, dw, g, b, nb) : _mm256_setzero_ps();
-            const uint8_t *c = a->codes + (g * nb + b) * 128;
-            prefetch_lines(c + PREFETCH_BLOCKS * 128, 128);
-            __m256i w[8];
-            unpack_nibbles(c, w);
-            for (int r = 0; r < R; r++) {
-                const int64_t xi = (m0 + r) * nb + b;
-                const int8_t *xq = a->qx + (m0 + r) * 2 * a->K + 2 * b * QK;
-                for (int lev = 0; lev < 2; lev++) {
-                    if (lev == 1 && !a->flag[xi]) break;
-                    const int8_t *xl = xq + lev * QK;
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-                    /* two chains: dpbusd's latency (4-5 cycles) would otherwise bound a single row */
-                    __m256i i1 = _mm256_setzero_si256(), i1b = _mm256_setzero_si256();
-                    for (int st = 0; st < 8; st += 2) {
-                        i1 = _mm256_dpbusd_epi32(i1, w[st], bcast4(xl + 4 * st));
-                        i1b = _mm256_dpbusd_epi32(i1b, w[st + 1], bcast4(xl + 4 * st + 4));
-                    }
-                    const __m256i isum = _mm256_add_epi32(i1, i1b);
-#else
-                    /* 8 pair sums of at most 2 * 15 * 127 stay inside int16 */
-                    __m256i p = _mm256_maddubs_epi16(w[0], bcast4(xl));
-                    for (int st = 1; st < 8; st++) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(w[st], bcast4(xl + 4 * st)));
-                    const __m256i isum = _mm256_madd_epi16(p, _mm256_set1_epi16(1));
-#endif
-                    const __m256 sum = _mm256_cvtepi32_ps(_mm256_sub_epi32(isum, _mm256_set1_epi32(a->lv[2 * xi + lev])));
-                    if (lev == 0) {
-                        f[r] = _mm256_fmadd_ps(sum, _mm256_mul_ps(dw, _mm256_set1_ps(a->dx[xi])), f[r]);
-                        if (mins) f[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a->sx[xi]), f[r]);
-                    } else {
-                        f2[r] = _mm256_fmadd_ps(sum, _mm256_mul_ps(dw, _mm256_set1_ps(a->dx[xi] * (1.0f / 256.0f))), f2[r]);
-                    }
-                }
-            }
-        }
+        for (int64_t b = b0; b < b1; b++) one_level_block8(a, R, g, m0, b, f, f2);
         for (int r = 0; r < R; r++) {
             const __m256 t = _mm256_add_ps(f[r], f2[r]);
             y[r] = b0 == 0 ? t : _mm256_add_ps(y[r], t);
@@ -599,6 +604,29 @@ static inline __attribute__((always_inline)) void one_level_tile(const kvq_args 
     }
     for (int r = 0; r < R; r++) _mm256_storeu_ps(a->y + (m0 + r) * a->ldy + 8 * g, y[r]);
 }
+
+#if !(defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)) /* (no ONE_LEVEL_512 below) */
+/* One row (a decode step) against groups g and h far apart, block by block: one_level_two16's two weight streams
+ * for builds without the 16-column loop (AVX2). Each column's sums are one_level_tile's, in the same order. */
+static __attribute__((noinline)) void one_level_two8(const kvq_args *a, int64_t g, int64_t h) {
+    const int64_t nb = a->K / QK;
+    __m256 y[2];
+    for (int64_t b0 = 0; b0 < nb; b0 += ONE_LEVEL_KC / QK) {
+        const int64_t b1 = b0 + ONE_LEVEL_KC / QK < nb ? b0 + ONE_LEVEL_KC / QK : nb;
+        __m256 f[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, f2[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int64_t b = b0; b < b1; b++) {
+            one_level_block8(a, 1, g, 0, b, f, f2);
+            one_level_block8(a, 1, h, 0, b, f + 1, f2 + 1);
+        }
+        for (int i = 0; i < 2; i++) {
+            const __m256 t = _mm256_add_ps(f[i], f2[i]);
+            y[i] = b0 == 0 ? t : _mm256_add_ps(y[i], t);
+        }
+    }
+    _mm256_storeu_ps(a->y + 8 * g, y[0]);
+    _mm256_storeu_ps(a->y + 8 * h, y[1]);
+}
+#endif
 #endif
 
 #if defined(KVQ_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
@@ -1239,6 +1267,9 @@ int kvq_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, int b
     /* a decode row at one level: each thread's pairs of groups in two streams far apart (one_level_two16) */
     const int64_t npairs = (N / 8) % 2 == 0 ? N / 16 : 0, half = npairs / 2;
     const int two = !amx && one_level && M == 1 && npairs >= 4;
+#elif defined(KVQ_AVX2)
+    /* builds without the 16-column loop (AVX2): the 8-column one-level loop's pairs of groups (one_level_two8) */
+    const int two = !amx && one_level && M == 1 && N / 8 >= 8;
 #else
     const int two = 0;
 #endif
@@ -1273,6 +1304,14 @@ int kvq_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, int b
                     one_level_two16(&a, 2 * p, 2 * (p + half));
                 else /* an odd pair count's last pair alone */
                     tiles_q4_one16(&a, 2 * (npairs - 1), 2 * npairs, 0, 1);
+            }
+#elif defined(KVQ_AVX2)
+#pragma omp for schedule(static)
+            for (int64_t p = 0; p < ghalf + ngroups % 2; p++) {
+                if (p < ghalf)
+                    one_level_two8(&a, p, p + ghalf);
+                else /* an odd group count's last group alone */
+                    tiles_q4_one(&a, ngroups - 1, ngroups, 0, 1);
             }
 #endif
         } else if (two8) {
