@@ -271,6 +271,11 @@ FIGURES: dict[str, Figure] = {f.name: f for f in [
            "AVX2 build of the two-level loops' two streams; llama.cpp's AVX2 build)",
            ("--before", "75cdc5a", "roofline", "--rounds", "4", "--", "--kind", "Q4_K_M", "--contexts", "512",
             "--rounds", "1"), AVX2_ENV, in_make_figures=False),
+    Figure("ab-two-streams-one-level-avx2", "ab:main", "the one-level loop's two streams in builds without the "
+           "16-column loop (one_level_two8) at 08495a1 and in this tree, held to AVX2, on the 1B shape in Q4_0: the "
+           "roofline figure's 512-token prefill and decode", ("--before", "08495a1", "roofline", "--rounds", "4", "--",
+                                                              "--contexts", "512", "--rounds", "1"), AVX2_ENV,
+           in_make_figures=False),
     Figure("ab-two-streams-spec", "ab:main", "the ab-two-streams comparison on the spec-default figure (speculation "
            "at batch 1, one thread: a verification's rows take the batch loops, plain decode's row the two streams)",
            ("--before", "ff7fd88", "spec-default", "--rounds", "4"), in_make_figures=False),
