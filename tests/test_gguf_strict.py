@@ -227,6 +227,27 @@ def test_chat_says_when_the_file_has_no_chat_template(base, tmp_path):
         assert out.stderr.count(note) == int(expect), out.stderr
 
 
+@pytest.mark.slow
+def test_serve_says_when_the_file_has_no_chat_template(base, tmp_path):
+    """serve says so once as it starts, and its chat endpoint still answers (the plain 'role: text' lines); a file
+    with a template gets no note."""
+    import httpx
+    from test_serve import ServeProcess
+
+    path = variant(base, tmp_path / "notmpl.gguf", drop=("tokenizer.chat_template",))
+    note = "this model has no chat template"
+    for model, expect in ((path, True), (base, False)):
+        s = ServeProcess("--model", str(model), "--kv-budget", "24MiB", "--max-model-len", "256")
+        url = s.wait_ready()
+        try:
+            assert sum(note in line for line in s.lines) == int(expect), "".join(s.lines)
+            body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
+            r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+        finally:
+            assert s.stop() == 0, "".join(s.lines)
+
+
 HF = dict(model_type="llama", num_attention_heads=4, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
           vocab_size=100)
 

@@ -112,6 +112,7 @@ def _window_note(engine) -> str:
 def run_serve(a: ServeArgs, fail: Fail) -> int:
     import uvicorn
 
+    from kvcli.model.tokenizer import NO_CHAT_TEMPLATE, has_chat_template
     from kvcli.server.app import Security, ServeLimits, ServerInfo, build_app
     from kvcli.server.guard import LOOPBACK_NAMES
     from kvcli.server.metrics import ServerMetrics
@@ -144,6 +145,8 @@ def run_serve(a: ServeArgs, fail: Fail) -> int:
     print(f"kvcli serve: {name} · {engine.num_blocks:,} KV blocks x {engine.options.block_size} tokens "
           f"({engine.kv_pool_bytes / 2**20:,.1f} MiB, {str(engine.kv_dtype).removeprefix('torch.')}) · "
           f"max_model_len {engine.max_model_len:,}" + _window_note(engine), file=sys.stderr)
+    if not has_chat_template(engine.tokenizer):
+        print("kvcli: note: " + NO_CHAT_TEMPLATE.format(what="/v1/chat/completions conversations"), file=sys.stderr)
     if not loopback and not a.api_key:
         print("kvcli: note: listening beyond loopback without --api-key: anyone who reaches this port can use "
               "the API", file=sys.stderr)

@@ -65,6 +65,15 @@ def document_ids(tokenizer: Tokenizer, text: str) -> list[int]:
     return with_bos(tokenizer, tokenizer.encode(text))
 
 
+NO_CHAT_TEMPLATE = ("this model has no chat template: {what} go to it as plain 'user: ...' / 'assistant: ...' lines, "
+                    "which a base model may not follow")
+
+
+def has_chat_template(tokenizer: Tokenizer) -> bool:
+    """Whether chat turns go through the model's own template (else plain_chat_text's lines)."""
+    return tokenizer.render_chat([{"role": "user", "content": "x"}]) is not None
+
+
 def plain_chat_text(messages: list[dict], add_generation_prompt: bool = True) -> str:
     """The conversation as plain "role: content" lines, for a tokenizer without a chat template."""
     return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + ("assistant: " if add_generation_prompt else "")

@@ -28,6 +28,7 @@ from kvcli.commands.chat.live import ReplyView
 from kvcli.commands.chat.session import ChatArgs, Conversation, TurnRecord, turn_record
 from kvcli.engine.scheduler import KVBudgetTooSmall
 from kvcli.metrics.memory import MemoryProbe
+from kvcli.model.tokenizer import NO_CHAT_TEMPLATE, has_chat_template
 from kvcli.options import ConfigError
 from kvcli.view.block_map import render_block_map
 from kvcli.view.summary import summary_table
@@ -136,9 +137,8 @@ class ChatRepl:
 
     # --- the loop -------------------------------------------------------------------------------------
     def loop(self) -> int:
-        if self.engine.tokenizer.render_chat([{"role": "user", "content": "x"}]) is None:
-            self.note("this model has no chat template: turns go to it as plain 'user: ...' / 'assistant: ...' lines, "
-                      "which a base model may not follow", style="dim")
+        if not has_chat_template(self.engine.tokenizer):
+            self.note(NO_CHAT_TEMPLATE.format(what="turns"), style="dim")
         if self.convo.system_notice:
             self.note(self.convo.system_notice, style="dim")
         while True:
