@@ -50,6 +50,11 @@ def compiler_line() -> str:
     return (version.splitlines() or [cc])[0] if cc else version
 
 
+def compiler_runs() -> bool:
+    """Whether a C compiler runs here (else every library is unavailable, and the plain paths run)."""
+    return bool(_compiler()[0])
+
+
 @functools.lru_cache(maxsize=None)
 def _compiler() -> tuple[str, str]:
     """(cc, its --version text), or ("", why not)."""

@@ -22,6 +22,20 @@ def test_every_library_loads_or_says_why():
         assert registry.status() == f"{build_isa()} build"
 
 
+def test_every_library_builds_where_a_compiler_runs():
+    """Where a C compiler runs, every library builds for every ISA this CPU runs: a source that stops compiling fails
+    here, where the kernels' own tests would skip its build as unavailable."""
+    from kvcli.native.capabilities import runnable_isas
+    from kvcli_kernels.cpu_build import compiler_runs
+
+    if not registry.enabled() or not compiler_runs():
+        pytest.skip("no C compiler here, or KVCLI_NATIVE=0: the plain paths run")
+    for isa in runnable_isas():
+        for name, spec in registry.LIBRARIES.items():
+            if not (spec.simd_only and isa == "generic"):
+                assert registry.library(name, isa) is not None, f"{name} ({isa}): {registry.unavailable(name, isa)}"
+
+
 def test_off_and_simd_only_are_reasons(monkeypatch):
     assert registry.unavailable("swiglu", isa="generic") == "SIMD only (this CPU takes the plain C build)"
     assert registry.library("decode_layers", isa="generic") is None
