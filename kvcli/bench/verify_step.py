@@ -1,10 +1,15 @@
 """What a speculative verification step costs against a plain decode step, on the bundled model at batch 1.
 
-A step of n query rows after a context of C tokens is made the way a user's engine meets one: prefix caching on,
-the C-token context cached (C a multiple of the block size), then a request of that context plus n new tokens,
-whose first step computes exactly those n rows and samples one token (a verification step of 1 + k rows is
-such a step, n = 1 + k). The wall time of that engine step (scheduler, model, sampler) is taken for each n in
-turn within a round, --rounds rounds, medians; printed as ms and as the ratio to the 1-row step.
+A step of n query rows after a context of C tokens is made the way speculation makes one: prefix caching on,
+the C-token context cached (C a multiple of the block size), then a request of that context plus one token, with
+max_tokens n + 1. Its first step computes the new token's row; its second, the one timed, is a running request's
+step with n - 1 guesses: their rows and the sampled token's go through the model together and each gets logits and
+the acceptance check, as a verification does. The guesses come from a proposer of this benchmark's that always
+offers n - 1 tokens (the text's own, from its end), since what a step costs does not depend on where its guesses
+come from, and prompt lookup's would depend on what the model answered; the run checks that each timed step
+verified n - 1 guesses (n = 1: a plain decode step). The wall time of that engine step (scheduler, model, sampler,
+acceptance) is taken for each n in turn within a round, --rounds rounds, medians; printed as ms and as the ratio
+to the 1-row step.
 
 The last column is the floor the arithmetic sets: the 1-row step plus, for each further row, its linears' and
 vocabulary projection's int8 products at the int8 dot-product instruction's peak, measured on registers in the same
@@ -24,6 +29,21 @@ from kvcli.bench.harness import busy_note, load1, sample_text
 from kvcli.bench.roofline import int8_peak
 
 
+class GivenGuesses:
+    """A proposer (PromptLookupProposer's interface) that guesses the request's last tokens again, as many as
+    allowed: a verification of a known row count."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+
+    def propose(self, req_id: str, num_tokens: int, token_slice, max_tokens: int) -> list[int]:
+        k = min(self.k, max_tokens, num_tokens)
+        return token_slice(num_tokens - k, num_tokens) if k > 0 else []
+
+    def release(self, req_id: str) -> None:
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvcli.bench verify-step", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -36,36 +56,41 @@ def main(argv: list[str] | None = None) -> int:
 
     contexts = [int(x) for x in a.contexts.split(",")]
     rows = [int(x) for x in a.rows.split(",")]
-    llm = LLM(None, prefix_caching=True, max_model_len=max(contexts) + max(rows) + 16, kv_budget="512MiB")
+    llm = LLM(None, prefix_caching=True, max_model_len=max(contexts) + max(rows) + 16, kv_budget="512MiB",
+              speculate="ngram", num_speculative_tokens=max(max(rows) - 1, 1), draft_length="fixed")
     eng = llm.engine
+    eng.scheduler.proposer = GivenGuesses(max(max(rows) - 1, 1))
     block = eng.options.block_size
     ids = llm.tokenizer.encode(sample_text("heldout-gpl-3.0.txt") * 4)
-    once = SamplingParams(max_tokens=1, ignore_eos=True)
     load_before = load1()
 
-    def step_ms(context: int, n: int, salt: int) -> float:
-        # new tokens differ per call (salt), so only the context's blocks are a cache hit
-        prompt = ids[:context] + [(salt * 7 + j * 13) % 40000 + 100 for j in range(n)]
-        eng.add_request(prompt, once)
+    def step_ms(context: int, n: int) -> float:
+        # the new token's block is partial, never cached: each call computes its rows again
+        eng.add_request(ids[:context + 1], SamplingParams(max_tokens=n + 1, ignore_eos=True))
+        eng.step()  # the new token's row
+        proposed = eng.scheduler.spec_stats().proposed
         t = time.perf_counter()
-        eng.step()
+        eng.step()  # its sampled token's row and n - 1 guesses
         ms = (time.perf_counter() - t) * 1e3
+        guesses = eng.scheduler.spec_stats().proposed - proposed
+        if guesses != n - 1:
+            raise SystemExit(f"verify-step: a {n}-row step verified {guesses} guesses, not {n - 1}")
         while eng.has_unfinished():
             eng.step()
         return ms
 
     for c in contexts:
         assert c % block == 0, f"contexts must be multiples of the block size ({block})"
-        eng.add_request(ids[:c], once)  # caches the context
+        eng.add_request(ids[:c], SamplingParams(max_tokens=1, ignore_eos=True))  # caches the context
         while eng.has_unfinished():
             eng.step()
         for n in rows:
-            step_ms(c, n, 0)  # warm-up
+            step_ms(c, n)  # warm-up
     samples: dict[tuple[int, int], list[float]] = {}
-    for r in range(a.rounds):
+    for _ in range(a.rounds):
         for c in contexts:
             for n in rows:
-                samples.setdefault((c, n), []).append(step_ms(c, n, r + 1))
+                samples.setdefault((c, n), []).append(step_ms(c, n))
     print(busy_note(load_before, load1()))
     print(f"bundled SmolLM2-135M Q4_1, {eng.linear_mode} weights, {eng.kv_dtype.name} KV, batch 1; median of "
           f"{a.rounds} rounds")
