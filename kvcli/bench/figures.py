@@ -135,6 +135,9 @@ FIGURES: dict[str, Figure] = {f.name: f for f in [
            in_make_figures=False),
     Figure("int8dot-ops-avx2", "int8dot:main", "the int8dot-ops figure held to AVX2", env=AVX2_ENV,
            in_make_figures=False),
+    Figure("int8-gemm-smollm2-avx2", "int8dot:main", "SmolLM2's linears from 64 rows held to AVX2: kvcli's int8 GEMM "
+           "beside the read-back + GEMM and the fused fp32 GEMM (what a prefill chunk's linears cost per route)",
+           ("--many-rows",), AVX2_ENV, in_make_figures=False),
     Figure("int8dot-ops-1b", "int8dot:main", "the int8dot-ops figure on the 1B shape's linears, around where the "
            "read-back starts to pay (taken on a Xeon with AMX)", ("--shape", "1b"), in_make_figures=False),
     Figure("int8-gemm-1b", "int8dot:main", "the 1B shape's linears from 32 rows: kvcli's int8 GEMM (one activation "
