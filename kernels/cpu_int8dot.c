@@ -1267,18 +1267,22 @@ int kvq_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, int b
     /* a decode row at one level: each thread's pairs of groups in two streams far apart (one_level_two16) */
     const int64_t npairs = (N / 8) % 2 == 0 ? N / 16 : 0, half = npairs / 2;
     const int two = !amx && one_level && M == 1 && npairs >= 4;
-#elif defined(KVQ_AVX2)
-    /* builds without the 16-column loop (AVX2): the 8-column one-level loop's pairs of groups (one_level_two8) */
-    const int two = !amx && one_level && M == 1 && N / 8 >= 8;
+    const two_fn one8 = NULL; /* (one level takes the pairs above) */
 #else
     const int two = 0;
+#ifdef KVQ_AVX2
+    const two_fn one8 = one_level_two8; /* builds without the 16-column loop (AVX2) */
 #endif
-    /* the same for the two-level forms' groups of 8 (FORM_TWO_FNS) */
+#endif
+    /* the same by groups of 8: a form's two-level loops (FORM_TWO_FNS), or the 8-column one-level loop's, with the
+     * loop for an odd group count's last group alone */
     const int form_index = form_of(&a, bits);
 #ifdef KVQ_AVX2
-    const two_fn two8 = !amx && !one_level && M == 1 && N / 8 >= 8 ? FORM_TWO_FNS[form_index] : NULL;
+    const two_fn two8 = !amx && M == 1 && N / 8 >= 8 ? (one_level ? one8 : FORM_TWO_FNS[form_index]) : NULL;
+    const tiles_fn last8 = one_level ? tiles_q4_one : FORM_TILES_FNS[form_index];
 #else
     const two_fn two8 = NULL;
+    const tiles_fn last8 = FORM_TILES_FNS[form_index];
 #endif
     const int64_t ngroups = N / 8, ghalf = ngroups / 2;
 #pragma omp parallel num_threads(nt) if (nt > 1)
@@ -1305,14 +1309,6 @@ int kvq_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, int b
                 else /* an odd pair count's last pair alone */
                     tiles_q4_one16(&a, 2 * (npairs - 1), 2 * npairs, 0, 1);
             }
-#elif defined(KVQ_AVX2)
-#pragma omp for schedule(static)
-            for (int64_t p = 0; p < ghalf + ngroups % 2; p++) {
-                if (p < ghalf)
-                    one_level_two8(&a, p, p + ghalf);
-                else /* an odd group count's last group alone */
-                    tiles_q4_one(&a, ngroups - 1, ngroups, 0, 1);
-            }
 #endif
         } else if (two8) {
 #pragma omp for schedule(static)
@@ -1320,7 +1316,7 @@ int kvq_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, int b
                 if (p < ghalf)
                     two8(&a, p, p + ghalf);
                 else /* an odd group count's last group alone */
-                    FORM_TILES_FNS[form_index](&a, ngroups - 1, ngroups, 0, 1);
+                    last8(&a, ngroups - 1, ngroups, 0, 1);
             }
         } else {
 #pragma omp for schedule(static)
