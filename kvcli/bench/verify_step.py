@@ -56,10 +56,11 @@ def main(argv: list[str] | None = None) -> int:
 
     contexts = [int(x) for x in a.contexts.split(",")]
     rows = [int(x) for x in a.rows.split(",")]
+    k = max(max(rows) - 1, 1)  # the most guesses a step verifies
     llm = LLM(None, prefix_caching=True, max_model_len=max(contexts) + max(rows) + 16, kv_budget="512MiB",
-              speculate="ngram", num_speculative_tokens=max(max(rows) - 1, 1), draft_length="fixed")
+              speculate="ngram", num_speculative_tokens=k, draft_length="fixed")
     eng = llm.engine
-    eng.scheduler.proposer = GivenGuesses(max(max(rows) - 1, 1))
+    eng.scheduler.proposer = GivenGuesses(k)
     block = eng.options.block_size
     ids = llm.tokenizer.encode(sample_text("heldout-gpl-3.0.txt") * 4)
     load_before = load1()
