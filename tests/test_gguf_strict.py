@@ -297,3 +297,48 @@ def test_config_json_fields_are_read_inert_or_refused():
         with pytest.raises(ValueError, match=needle):
             ModelConfig.from_hf_dict({**HF, **bad})
     ModelConfig.from_hf_dict({**HF, "hidden_act": "silu", "mlp_bias": False, "pretraining_tp": 1})
+
+
+def test_the_context_length_is_checked_and_bounds_nothing_it_need_not(base, tmp_path):
+    """A context_length of 0 is refused naming that key (the message once named a rope key the file lacks); one of
+    2^32 - 1 tokens is refused at load in one line naming --max-model-len (its rotary tables were built for every
+    position: a 2 TiB allocation and a traceback), and with --max-model-len the model loads, its tables that long."""
+    import gguf
+
+    from kvcli.config import SamplingParams
+    from kvcli.engine.llm_engine import LLMEngine
+    from kvcli.model.loader import load_weights
+    from kvcli.options import ConfigError, EngineOptions
+
+    V = gguf.GGUFValueType
+    arch = config_of(base).architecture
+    zero = variant(base, tmp_path / "ctx0.gguf", {f"{arch}.context_length": (0, V.UINT32)})
+    with pytest.raises(GGUFError, match=f"{arch}.context_length must be a positive number"):
+        config_of(zero)
+    huge = variant(base, tmp_path / "ctxhuge.gguf", {f"{arch}.context_length": (2**32 - 1, V.UINT32)})
+    with pytest.raises(ConfigError, match=r"4,294,967,295-token context needs .* GiB of rotary tables.*"
+                                          r"--max-model-len"):
+        LLMEngine(load_weights(str(huge)), EngineOptions(kv_budget="16MiB"))
+    engine = LLMEngine(load_weights(str(huge)), EngineOptions(kv_budget="16MiB", max_model_len=300))
+    assert engine.max_model_len == 300 and engine.model.rotary.cos.shape[0] == 300
+    req = engine.add_request([1, 2, 3, 4], SamplingParams(max_tokens=3, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    assert len(req.output_token_ids) == 3
+
+
+def test_inspect_without_loading_refuses_layers_the_tensors_do_not_hold(base, tmp_path):
+    """block_count past the file's blk.N tensors: `inspect --no-load` once reported the declared model and its KV
+    figures; it now refuses the file in one line, as a load does."""
+    import gguf
+
+    arch = config_of(base).architecture
+    n = config_of(base).num_layers
+    path = variant(base, tmp_path / "blk.gguf", {f"{arch}.block_count": (n + 7, gguf.GGUFValueType.UINT32)})
+    cli = [sys.executable, "-c", "from kvcli.cli import main; main()", "inspect"]
+    out = subprocess.run([*cli, str(path), "--no-load"], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert out.stderr.strip().count("\n") == 0, out.stderr
+    assert f"block_count says {n + 7} layers, its tensors hold {n}; none for layer {n}" in out.stderr, out.stderr
+    ok = subprocess.run([*cli, str(base), "--no-load"], capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr

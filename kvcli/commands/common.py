@@ -41,6 +41,10 @@ def sampling_params(fail: Fail, **values: Any) -> SamplingParams:
 def build_engine(model: str | None, quant: str, options: EngineOptions, fail: Fail) -> LLMEngine:
     try:
         loaded = load_weights(model, quant=quant)
+        ctx = loaded.config.max_position_embeddings
+        if options.max_model_len and options.max_model_len > ctx:
+            loaded.notes.append(f"--max-model-len {options.max_model_len:,} is past the model's {ctx:,}-token context: "
+                                f"{ctx:,} is used")
         print_notes(loaded.notes)
         return LLMEngine(loaded, options)
     except (ModelLoadError, ConfigError) as e:

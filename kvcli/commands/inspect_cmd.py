@@ -95,11 +95,12 @@ def _config_and_tensors(spec: str | None) -> tuple[ModelConfig, list[TensorGroup
     path = bundled_gguf_path() if spec is None else Path(spec)
     if path.is_dir():
         return load_config(spec), _safetensors_groups(path)
-    from kvcli.model.gguf_loader import GGUFError, open_gguf, read_config, tensor_bytes_by_type
+    from kvcli.model.gguf_loader import GGUFError, check_layer_tensors, open_gguf, read_config, tensor_bytes_by_type
 
     try:
         reader = open_gguf(path)
         config = read_config(reader, path)
+        check_layer_tensors(reader, config, path)
         groups = tensor_bytes_by_type(reader)
     except GGUFError as e:
         raise ModelLoadError(str(e)) from None

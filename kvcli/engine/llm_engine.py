@@ -133,6 +133,9 @@ class LLMEngine:
                 if model.row_invariant != (self.backend.name == "invariant") and model.plan.has_row_routes:
                     raise ConfigError("a model shared by engines is planned for one attention backend: build each "
                                       "engine's own model to mix --attention-backend invariant with another")
+                if self.max_model_len > model.positions:
+                    raise ConfigError(f"a model shared by engines holds rotary tables for {model.positions:,} "
+                                      f"positions; this engine's --max-model-len is {self.max_model_len:,}")
                 self.model, self.linear_mode = model, model.linear_mode
         # The KV format, once the backend and the weight plan are known: kvcli.kvcache.kv_dtype.resolve_kv_dtype
         # decides auto.
@@ -242,6 +245,13 @@ class LLMEngine:
         r = Retention(options.sink_tokens, max(w, 1), options.block_size)
         if options.kv_window == "auto" and (w < 1 or r.max_slots > self.max_model_len):
             room = max(options.kv_window_margin, options.block_size)
+            if options.kv_window_margin >= self.max_model_len > r.sink_slots + options.block_size:
+                # the output alone is past a context that would hold a shorter one
+                raise ConfigError(f"--max-tokens {options.kv_window_margin:,} is past the {self.max_model_len:,}-token "
+                                  f"context: the bounded cache keeps room for the whole output beside {r.sink_slots} "
+                                  f"sink slots and a window of at least 1, so at most "
+                                  f"{max(0, self.max_model_len - r.sink_slots - 1):,}; lower -n or raise "
+                                  f"--max-model-len")
             raise ConfigError(f"a {self.max_model_len:,}-token context is too short to stream a text past it: the "
                               f"bounded cache needs {r.sink_slots} sink slots (--sink-tokens {options.sink_tokens} "
                               f"in whole blocks) + room for generation ({room:,}: --max-tokens, at least one block) "
@@ -293,12 +303,27 @@ class LLMEngine:
         try:
             plan = plan_loaded(loaded, dequantize=self.options.dequantize, device=self.device, dtype=dtype,
                                backend=self.backend.name)
-            self.model = LlamaModel(loaded.config, loaded.weights, plan=plan, device=self.device)
+            self._check_rotary_tables(loaded.config)
+            self.model = LlamaModel(loaded.config, loaded.weights, plan=plan, device=self.device,
+                                    positions=self.max_model_len)
         except KeyError as e:
             raise ConfigError(f"{loaded.source}: missing weight {e.args[0]}") from None
         return_freed_heap()  # the load-time forms the build freed: else RSS stays ~2x the weights
         # What the layers really run: e.g. "int4-cpu+int4x2-cpu" for a Q4_K_M file (Q6_K parts).
         self.linear_mode = self.model.linear_mode
+
+    def _check_rotary_tables(self, c: ModelConfig) -> None:
+        """The rotary tables hold every position a request can reach (max_model_len). A file may declare a context
+        far past any machine's memory (2^32 tokens: 2 TiB of tables); refused in one line before anything is
+        allocated, naming the flag that bounds it."""
+        from kvcli.model.layers import rotary_table_bytes
+
+        need, avail = rotary_table_bytes(c, self.max_model_len), available_memory(self.device)
+        if need > avail // 4:
+            flag = "a smaller --max-model-len" if self.options.max_model_len else "--max-model-len (e.g. 8192)"
+            raise ConfigError(f"a {self.max_model_len:,}-token context needs {need / 2**30:,.1f} GiB of rotary tables "
+                              f"(cos and sin for every position), more than a quarter of the "
+                              f"{avail / 2**30:,.1f} GiB available on {self.device}: pass {flag}")
 
     def _kv_budget_bytes(self) -> int:
         spec = self.options.kv_budget

@@ -250,7 +250,7 @@ def _read_config(reader: GGUFFile, path: Path) -> ModelConfig:
         if got is not None and int(got) != int(head_dim):  # partial rotary, or V heads of another width
             raise GGUFError(f"{path.name}: {key} = {got} differs from the head dimension {head_dim}: kvcli "
                             f"computes full-width rotary and equal K/V heads only")
-    n_ctx = int(_field(reader, f"{a}.context_length", 4096))
+    n_ctx = int(_positive(_field(reader, f"{a}.context_length", 4096), f"{a}.context_length", path))
     eog = _end_of_generation(reader)
     extra = {}
     if arch in ("gemma2", "gemma3"):
@@ -402,6 +402,18 @@ def tensor_bytes_by_type(reader: GGUFFile) -> dict[str, tuple[int, int]]:
         c, b = out.get(t.tensor_type.name, (0, 0))
         out[t.tensor_type.name] = (c + 1, b + int(t.nbytes))
     return out
+
+
+def check_layer_tensors(reader: GGUFFile, config: ModelConfig, path: Path) -> None:
+    """The layers the header declares (block_count) against the layers its tensors hold (blk.N.*), without
+    reading them: what `inspect --no-load` reports must be the model a load would build (which refuses a file
+    missing a layer's tensors)."""
+    held = {int(t.name.split(".")[1]) for t in reader.tensors
+            if t.name.startswith("blk.") and t.name.split(".")[1].isdigit()}
+    if held != set(range(config.num_layers)):
+        gaps = sorted(set(range(config.num_layers)) - held)
+        raise GGUFError(f"{path.name}: incomplete model (block_count says {config.num_layers} layers, its tensors "
+                        f"hold {len(held)}" + (f"; none for layer {gaps[0]}" if gaps else "") + ")")
 
 
 def open_gguf(path: Path) -> GGUFFile:

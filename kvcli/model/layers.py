@@ -250,12 +250,12 @@ class SwiGLU:
         return F.gelu(gate, approximate="tanh").mul_(up)
 
 
-def rotary_table_bytes(config) -> int:
+def rotary_table_bytes(config, positions: int | None = None) -> int:
     """The bytes LlamaModel's rotary tables take for `config`, before anything loads (plan, inspect): cos and
-    signed sin in fp32 for every position of the model's context, one pair per rotary (Gemma 3's local layers
-    have their own)."""
+    signed sin in fp32 for every position a request can reach (`positions`: the engine's --max-model-len, by
+    default the model's context), one pair per rotary (Gemma 3's local layers have their own)."""
     pairs = 1 if config.local_rope_theta is None else 2
-    return pairs * 2 * config.max_position_embeddings * config.head_dim * 4
+    return pairs * 2 * (positions or config.max_position_embeddings) * config.head_dim * 4
 
 
 class Rotary:
@@ -268,9 +268,11 @@ class Rotary:
     kvcli.model.rope: every backend reads these tables, so every rotary scaling reaches all of them."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None,
-                 device: torch.device) -> None:
+                 device: torch.device, rows: int | None = None) -> None:
+        # The frequencies follow the model's context (max_positions: a long-context scaling picks its factors by
+        # it); the tables hold the `rows` positions a request can reach (the engine's max_model_len), not more.
         inv_freq, self.attention_factor = rope.frequencies(head_dim, theta, scaling, max_positions)
-        t = torch.arange(max_positions, dtype=torch.float32)
+        t = torch.arange(rows or max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
         self.half = head_dim // 2
@@ -283,7 +285,7 @@ class Rotary:
 
     @property
     def nbytes(self) -> int:
-        """The tables' bytes (held for every position up to the model's context)."""
+        """The tables' bytes (held for every position a request can reach)."""
         return self.cos.nbytes + self.sin_signed.nbytes
 
     def at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -68,8 +68,12 @@ class DecoderLayer:
 class LlamaModel:
     """Built exactly as `plan` says (kvcli/model/weight_plan.py decides how every weight runs)."""
 
-    def __init__(self, config: ModelConfig, weights: Weights, *, plan: WeightPlan, device: torch.device) -> None:
+    def __init__(self, config: ModelConfig, weights: Weights, *, plan: WeightPlan, device: torch.device,
+                 positions: int | None = None) -> None:
+        """`positions`: how many positions the rotary tables hold (the engine's max_model_len; default the
+        model's context)."""
         self.config = config
+        self.positions = positions or config.max_position_embeddings
         self.plan = plan
         self.dtype = dtype = plan.dtype
         self.device = device
@@ -120,9 +124,11 @@ class LlamaModel:
         else:
             self.lm_head = VocabHead(head, w.to(head.dtype) if isinstance(w, torch.Tensor) else w.dequantize(head.dtype))
         weights.pop("lm_head.weight", None)
-        self.rotary = Rotary(c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling, device)
+        self.rotary = Rotary(c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling, device,
+                             rows=self.positions)
         self.local_rotary = self.rotary if c.local_rope_theta is None else Rotary(
-            c.head_dim, c.max_position_embeddings, c.local_rope_theta, c.local_rope_scaling, device)
+            c.head_dim, c.max_position_embeddings, c.local_rope_theta, c.local_rope_scaling, device,
+            rows=self.positions)
         for i, layer in enumerate(self.layers):
             layer.rotary = self.local_rotary if c.layer_types and c.layer_types[i] == "sliding" else self.rotary
         self.swiglu = SwiGLU(plan.native_swiglu, c.hidden_act)
