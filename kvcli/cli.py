@@ -209,7 +209,8 @@ def profile(
     workload: Annotated[str, typer.Option("--workload", "-w", help="sharegpt (mean 161 prompt / 338 output "
                                           "tokens), alpaca (19 / 58), uniform, or a FILE.jsonl of "
                                           '{"prompt": ..., "max_tokens": N} lines.')] = "sharegpt",
-    num_requests: Annotated[int, typer.Option("--num-requests", "-N", help="Requests in the trace.")] = 64,
+    num_requests: Annotated[int, typer.Option("--num-requests", "-N",
+                                              help="Requests in the trace (at most 100,000).")] = 64,
     request_rate: Annotated[str, typer.Option("--request-rate", help="Poisson arrivals in requests/s "
                                               "(engine steps when simulating); inf = all at once.")] = "inf",
     seed: Annotated[int, typer.Option("--seed", help="Trace seed.")] = 0,

@@ -3,17 +3,16 @@ peak concurrency, throughput, latencies, preemptions. Used by `kvcli profile` an
 
 from __future__ import annotations
 
-import io
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from kvcli.config import SamplingParams
 from kvcli.engine.llm_engine import LLMEngine
 from kvcli.metrics.collector import StepRecord
 from kvcli.metrics.snapshot import SpecSummary, WindowSummary
 from kvcli.metrics.window import window_summary
+from kvcli.view.figure_file import save_figure
 from kvcli.workloads import Trace
 
 CATEGORIES = ("token_bytes", "reserved_bytes", "internal_bytes", "external_bytes")
@@ -170,12 +169,7 @@ def plot_timeline(results: list[ProfileResult], path: str) -> None:
         ax.set_xlabel("engine step")
         ax.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
-    # Drawn in memory first: matplotlib's PNG writer does not report a failed write (a full disk),
-    # so the file is written here, where an OSError reaches the caller.
-    buf = io.BytesIO()
-    fig.savefig(buf, format=Path(path).suffix.lstrip(".").lower() or "png", dpi=110)
-    plt.close(fig)
-    Path(path).write_bytes(buf.getvalue())
+    save_figure(fig, path)
 
 
 def breakdown_rows(results: list[ProfileResult]) -> list[tuple[str, list[str]]]:

@@ -143,6 +143,20 @@ def test_watch_keeps_last_sample_when_server_turns_bad(tmp_path):
     assert "running 5 · waiting 4" in r.stdout  # the final view still shows the last good sample
 
 
+def test_watch_ends_at_its_duration_inside_a_long_interval(vllm_server, tmp_path):
+    """--duration 1 with --interval 30 once slept the whole interval (and a huge interval never ended): the run ends
+    at its duration, with the first sample recorded and no scrape after it."""
+    import time
+
+    rec = tmp_path / "t.json"
+    t0 = time.monotonic()
+    r = runner.invoke(app, ["watch", vllm_server.url, "--duration", "1", "--interval", "30", "--record", str(rec),
+                            "--no-live"])
+    assert r.exit_code == 0, r.output
+    assert time.monotonic() - t0 < 15
+    assert len(json.loads(rec.read_text())["samples"]) == 1
+
+
 def test_watch_unreachable_is_one_line(tmp_path):
     s = _Server("")
     url = s.url

@@ -19,7 +19,13 @@ from kvcli.inputs import InputError, check_outputs, write_text_file
 from kvcli.metrics.snapshot import draft_limit
 from kvcli.model.loader import ModelLoadError, load_config, load_tokenizer, load_weights
 from kvcli.profile import ProfileResult, breakdown_rows, plot_timeline, run_trace
+from kvcli.view.figure_file import check_plot
 from kvcli.workloads import WorkloadError, load as load_trace, prompt_ids
+
+
+# A trace's requests and their prompts' token ids are built before the run and held in memory: ~1 KB and more a
+# request, so tens of millions would exhaust a machine before the first step; a simulated 2,000 take seconds.
+MAX_REQUESTS = 100_000
 
 
 @dataclass(frozen=True)
@@ -63,7 +69,11 @@ def run_profile(a: ProfileArgs, fail: Fail) -> int:
         fail("--compare hf runs the model; it cannot be simulated")
     if a.num_requests <= 0:
         fail(f"--num-requests must be a positive integer (got {a.num_requests})")
+    if a.num_requests > MAX_REQUESTS:
+        fail(f"--num-requests {a.num_requests:,}: at most {MAX_REQUESTS:,} (every prompt's token ids are built before "
+             f"the run and held in memory)")
     workload_file = Path(a.workload) if a.workload and Path(a.workload).is_file() else None
+    check_plot(a.plot_path, fail)
     check_outputs((a.json_path, a.plot_path), fail, inputs=(workload_file,))
     if a.endpoints and (a.compare != "none" or a.simulate):
         fail("--endpoint sends the trace to running servers; it does not combine with --compare or --simulate")

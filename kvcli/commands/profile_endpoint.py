@@ -16,6 +16,7 @@ from kvcli.inputs import InputError, write_text_file
 from kvcli.model.loader import ModelLoadError, load_tokenizer
 from kvcli.profile import percentile
 from kvcli.remote.loadgen import EndpointError, EndpointRun, model_id, run_endpoint
+from kvcli.view.figure_file import save_figure
 from kvcli.workloads import Trace, prompt_ids
 
 MAX_CONCURRENCY = 1024
@@ -126,10 +127,7 @@ def plot_runs(runs: list[EndpointRun], path: str) -> None:
     axes[1].set_xlabel("seconds since the trace began")
     axes[0].legend(fontsize=8)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format=Path(path).suffix.lstrip(".").lower() or "png", dpi=110)
-    plt.close(fig)
-    Path(path).write_bytes(buf.getvalue())
+    save_figure(fig, path)
 
 
 def run_endpoint_profile(endpoints: tuple[str, ...], concurrency: int, trace: Trace, model: str | None, seed: int,

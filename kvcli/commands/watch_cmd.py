@@ -18,6 +18,7 @@ from kvcli.inputs import InputError, check_outputs, write_text_file
 from kvcli.remote.auth import auth_headers, refused_key
 from kvcli.remote.scrape import ScrapeError, ServerSample, parse
 from kvcli.remote.timeline import Timeline, plot_timeline
+from kvcli.view.figure_file import check_plot
 
 if TYPE_CHECKING:  # common imports the engine (torch): watch needs neither
     from kvcli.commands.common import Fail
@@ -42,6 +43,14 @@ def metrics_url(url: str, fail: "Fail") -> str:
         if "://" in url:
             fail(f"{url}: only http:// and https:// URLs can be watched")
         url = "http://" + url
+    import httpx
+
+    try:
+        host = httpx.URL(url).host
+    except httpx.InvalidURL as e:
+        fail(f"{url}: not a URL that can be watched ({e})")
+    if not host:
+        fail(f"{url}: no host to watch")
     return url if url.endswith("/metrics") else url + "/metrics"
 
 
@@ -84,6 +93,7 @@ def run_watch(a: WatchArgs, fail: "Fail") -> int:
         fail(f"--interval must be > 0 seconds (got {a.interval})")
     if a.duration is not None and not a.duration > 0:
         fail(f"--duration must be > 0 seconds (got {a.duration})")
+    check_plot(a.plot, fail)
     check_outputs((a.record, a.plot), fail)
     url = metrics_url(a.url, fail)
     scraper = Scraper(url, timeout=max(1.0, min(5.0, 4 * a.interval)), api_key=a.api_key)
@@ -118,6 +128,9 @@ def run_watch(a: WatchArgs, fail: "Fail") -> int:
             print(log_line(tl), flush=True)
         next_t = time.monotonic() + a.interval
         while not a.once and (deadline is None or time.monotonic() < deadline):
+            if deadline is not None and next_t > deadline:  # --duration ends inside this interval: no more samples
+                time.sleep(max(0.0, deadline - time.monotonic()))
+                break
             time.sleep(max(0.0, next_t - time.monotonic()))
             next_t += a.interval
             if next_t < time.monotonic():  # a slow scrape: skip ticks instead of bursting

@@ -3,10 +3,9 @@
 
 from __future__ import annotations
 
-import io
-from pathlib import Path
 
 from kvcli.metrics.server import Timeline
+from kvcli.view.figure_file import save_figure
 
 __all__ = ["Timeline", "plot_timeline"]
 
@@ -41,7 +40,4 @@ def plot_timeline(tl: Timeline, path: str) -> None:
     axes[2].set_ylabel("generated tok/s")
     axes[2].set_xlabel("seconds")
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format=Path(path).suffix.lstrip(".").lower() or "png", dpi=110)
-    plt.close(fig)
-    Path(path).write_bytes(buf.getvalue())
+    save_figure(fig, path)
