@@ -113,6 +113,22 @@ def test_chat_pipe_two_replies_status_on_stderr_and_save(tmp_path):
     assert "live dashboard on (shown only when stderr is a terminal)" in p.stderr
 
 
+def test_chat_refuses_a_line_that_is_not_text(tmp_path):
+    """Bytes that are not UTF-8, or a NUL, in an input line: a one-line note, nothing sent, the session goes on
+    (continue and perplexity refuse the same bytes in a file); the text once reached the model as U+FFFD."""
+    saved = tmp_path / "chat.json"
+    data = b"bad \xff\xfe bytes\nnul\x00byte\nHello\n/save " + str(saved).encode() + b"\n"
+    p = subprocess.run([*KVCLI, "chat", "--temperature", "0", "--max-tokens", "4"], input=data, capture_output=True,
+                       timeout=RUN_TIMEOUT, cwd=tempfile.gettempdir())
+    err = p.stderr.decode("utf-8", "replace")
+    assert p.returncode == 0 and "Traceback" not in err, err
+    assert "not valid UTF-8 (byte 0xff at character 4): not sent" in err, err
+    assert "a NUL byte in the line, expected text: not sent" in err, err
+    data = json.loads(saved.read_text(encoding="utf-8"))
+    assert [m["content"] for m in data["messages"][::2]] == ["Hello"]
+    assert len(status_lines(err)) == 1
+
+
 def prefix_figures(stderr: str) -> list[tuple[int, int]]:
     """(prefix hit, prefill saved) of each status line."""
     out = []

@@ -91,17 +91,20 @@ def test_perplexity_with_a_window_longer_than_the_text_equals_the_plain_run(tmp_
                    "give one")
 
 
-def test_chat_goes_on_past_the_context_with_the_system_prompt_among_the_sinks():
+@pytest.mark.parametrize("system", [["--system", "You are a terse assistant who answers about the sea and "
+                                                "lighthouses in detail."], []], ids=["--system", "template's own"])
+def test_chat_goes_on_past_the_context_with_the_system_prompt_among_the_sinks(system):
+    """Given or the template's own (SmolLM2's inserts "You are a helpful AI assistant named SmolLM...", 24 tokens
+    with the user header), the system prompt stays among the sinks: --sink-tokens grows to cover it."""
     lines = ["Tell me about lighthouses.", "And the keepers?", "What did they eat?", "How did they sleep?",
              "Which one is the oldest?"]
-    p = subprocess.run([str(Path(sys.executable).with_name("kvcli")), "chat", "--system",
-                        "You are a terse assistant who answers about the sea and lighthouses in detail.",
+    p = subprocess.run([str(Path(sys.executable).with_name("kvcli")), "chat", *system,
                         "--max-model-len", "256", "-n", "60", "--temperature", "0", "--kv-dtype", "fp32"],
                        input="\n".join(lines) + "\n", capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
     status = [line for line in p.stderr.splitlines() if "prompt tokens ·" in line]
     assert len(status) == 5
-    assert "tokens dropped" in status[-1] and "32 sink" in status[-1]  # the system prompt (~30 tokens) in 2 blocks
+    assert "tokens dropped" in status[-1] and "32 sink" in status[-1]  # the system prompt (24-30 tokens) in 2 blocks
     assert int(status[-1].split(" prompt tokens")[0].split()[-1].replace(",", "")) > 256  # past the context
 
 

@@ -45,6 +45,18 @@ HELP = (
 )
 
 
+
+def unreadable_input(line: str) -> str | None:
+    """Why an input line cannot be a message, or None: bytes that are not UTF-8 (read as surrogates, stdin's
+    errors="surrogateescape") or a NUL byte, which `continue` and `perplexity` refuse in a file as well."""
+    bad = next((i for i, ch in enumerate(line) if "\udc80" <= ch <= "\udcff"), None)
+    if bad is not None:
+        return f"not valid UTF-8 (byte {ord(line[bad]) - 0xDC00:#04x} at character {bad})"
+    if "\x00" in line:
+        return "a NUL byte in the line, expected text"
+    return None
+
+
 class SigintLatch:
     """Turns Ctrl-C into a flag for the duration of a reply, so the engine is never interrupted in
     the middle of a step (which could leave a request half-updated)."""
@@ -157,6 +169,10 @@ class ChatRepl:
                 break
             text = line.strip()
             if not text:
+                continue
+            problem = unreadable_input(text)
+            if problem:
+                self.note(f"{problem}: not sent (the conversation is unchanged)")
                 continue
             if text.startswith("/") and not text.startswith("//"):
                 if not self.command(text):

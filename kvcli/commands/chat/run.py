@@ -15,7 +15,8 @@ from kvcli.commands.common import Fail, build_engine
 
 
 def _sinks_cover_the_system_prompt(a: ChatArgs, fail: Fail) -> ChatArgs:
-    """A bounded cache keeps the system prompt among its sinks: --sink-tokens grows to cover it."""
+    """A bounded cache keeps the system prompt (the template's own where none is given) among its sinks:
+    --sink-tokens grows to cover it."""
     from dataclasses import replace
 
     from kvcli.commands.chat.session import Conversation
@@ -37,13 +38,13 @@ def _sinks_cover_the_system_prompt(a: ChatArgs, fail: Fail) -> ChatArgs:
 
 def run_chat(a: ChatArgs, fail: Fail) -> int:
     interactive = isatty(sys.stdin)
-    try:  # bytes that are not UTF-8 become U+FFFD instead of surrogates the tokenizer rejects
-        sys.stdin.reconfigure(errors="replace")
+    try:  # bytes that are not UTF-8 stay visible as surrogates: the REPL refuses such a line (unreadable_input)
+        sys.stdin.reconfigure(errors="surrogateescape")
     except (AttributeError, ValueError, OSError):
         pass
     err = Console(stderr=True, highlight=False)
 
-    if a.options.kv_window is not None and a.system:
+    if a.options.kv_window is not None:
         a = _sinks_cover_the_system_prompt(a, fail)
     try:
         with err.status("loading model…", spinner="dots"):

@@ -126,9 +126,16 @@ class Conversation:
             return 0
 
     def system_tokens(self) -> int:
-        """Prompt tokens of the system prompt as the template renders it (what the sinks must cover)."""
+        """Prompt tokens of the system prompt as the template renders it (what the sinks must cover). Without
+        one, those the template puts before any user text of its own accord (SmolLM2's and Qwen's default system
+        prompt, Llama 3.1's date block): the tokens two one-message conversations share."""
         if not self.system:
-            return 0
+            try:
+                a, b = (list(self.template([{"role": "user", "content": t}], add_generation_prompt=False))
+                        for t in ("a", "z"))
+            except Exception:
+                return 0
+            return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         role = "user" if self.system_inline else "system"
         try:
             return len(self.template([{"role": role, "content": self.system}], add_generation_prompt=False))
