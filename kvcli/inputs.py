@@ -19,8 +19,10 @@ def read_text_file(path: Path) -> str:
         data = path.read_bytes()
     except OSError as e:
         raise InputError(f"{path}: cannot read ({e.strerror})") from None
-    if not data.strip():
+    if not data:
         raise InputError(f"{path}: file is empty")
+    if not data.strip():
+        raise InputError(f"{path}: file holds only whitespace, no text")
     if b"\x00" in data[:8192]:
         raise InputError(f"{path}: looks binary (NUL bytes), expected UTF-8 text")
     try:

@@ -46,8 +46,10 @@ def parse_bytes(text: str, flag: str | None = None) -> int:
         value = float(num)
     except ValueError:
         raise ConfigError(f"{prefix}cannot read {text!r} as a size (e.g. 2GiB, 512MB)") from None
-    if unit not in _UNITS or not value > 0 or not math.isfinite(value):
+    if unit not in _UNITS or not math.isfinite(value):
         raise ConfigError(f"{prefix}cannot read {text!r} as a size (e.g. 2GiB, 512MB)")
+    if not value > 0:
+        raise ConfigError(f"{prefix}a size must be positive (got {text!r})")
     return int(value * _UNITS[unit])
 
 
@@ -61,6 +63,9 @@ def parse_kv_budget(spec: str) -> tuple[int | None, float]:
     if math.isnan(frac):
         raise ConfigError(f"--kv-budget {spec}: must be a size (2GiB, 512MB, bytes) or a fraction in (0, 1]")
     if frac > 1:
+        if math.isfinite(frac) and frac != int(frac):  # 1.5: neither a fraction of memory nor whole bytes
+            raise ConfigError(f"--kv-budget {spec}: a fraction of free memory must be in (0, 1]; a size takes a unit "
+                              f"(2GiB, 512MB) or whole bytes")
         return parse_bytes(spec, "--kv-budget"), 0.0
     if frac <= 0:
         raise ConfigError(f"--kv-budget {spec}: must be a size (2GiB, 512MB, bytes) or a fraction in (0, 1]")

@@ -68,7 +68,7 @@ def files(tmp_path: Path) -> dict[str, Path]:
 
 
 @pytest.mark.parametrize("kind,needle", [
-    ("missing", "no such file"), ("empty", "empty"), ("blank", "empty"), ("binary", "binary"),
+    ("missing", "no such file"), ("empty", "empty"), ("blank", "only whitespace"), ("binary", "binary"),
     ("latin1", "not valid UTF-8"), ("dir", "directory"),
 ])
 def test_bad_input_files(files, tmp_path, kind, needle):

@@ -66,7 +66,14 @@ def paths(tmp_path: Path) -> dict[str, str]:
     folders["LINK"] = tmp_path / "link.txt"
     folders["JSONL"] = tmp_path / "w.jsonl"
     folders["JSONL"].write_text('{"prompt": "ok", "max_tokens": 4}\n')
-    folders["OUTA"] = tmp_path / "a.out"
+    folders["OUTA"] = tmp_path / "a.png"
+    folders["BLANK"] = tmp_path / "blank.txt"
+    folders["BLANK"].write_text("  \n\t\n")
+    folders["BADPLOT"] = tmp_path / "kv.xyz"
+    huge = tmp_path / "huge.json"
+    huge.write_text(json.dumps(dict(PRESETS["smollm2-135m"], num_hidden_layers=2, vocab_size=259,
+                                    max_position_embeddings=2**40)))
+    folders["HUGECTX"] = f"dummy:{huge}"
     return {**{k: str(v) for k, v in folders.items()}, "OK": str(ok), "BADJSONL": str(bad_jsonl),
             "NEGJSONL": str(neg_jsonl), "NOCFG": str(nocfg), "FAKEGGUF": str(fake), "BADCFG": str(badcfg),
             "DIR": str(tmp_path), "EMPTYJSONL": str(empty_jsonl), "LATINJSONL": str(latin_jsonl),
@@ -205,6 +212,21 @@ CASES = [
     (["continue", "OK", "-n", "100", "--max-model-len", "116"], "so 117 tokens; raise --max-model-len, or pass "
                                                                   "--kv-window none"),
     (["plan", "--model", "dummy:nope"], "unknown dummy preset"),
+    # an output longer than the whole context names -n, not the text (a 6-token text was told it was too long)
+    (["continue", "OK", "-n", "100000"], "--max-tokens 100,000 is past the 8,192-token context"),
+    # a plain number above 1 with a fraction is neither a share of memory nor whole bytes
+    (["continue", "OK", "--kv-budget", "1.5"], "a fraction of free memory must be in (0, 1]"),
+    (["plan", "--memory", "0"], "a size must be positive"),
+    (["plan", "--mean-tokens", "100", "--context", "10"], "--mean-tokens 100 is more than --context 10"),
+    (["continue", "BLANK"], "only whitespace"),
+    # a declared context whose rotary tables cannot be held: refused before they are built, naming the flag
+    (["continue", "OK", "--model", "HUGECTX"], "pass --max-model-len"),
+    ([*SIM, "-N", "100001"], "at most 100,000"),
+    # a plot format matplotlib does not write: refused before the run, no file created
+    ([*SIM, "--plot", "BADPLOT"], "a plot cannot be written as .xyz"),
+    (["watch", "http://[::1", "--once", "--no-live", "--plot", "BADPLOT"], "a plot cannot be written as .xyz"),
+    (["watch", "http://[::1", "--once", "--no-live"], "not a URL that can be watched"),
+    (["watch", "http://host:abc", "--once", "--no-live"], "Invalid port"),
 ]
 
 
@@ -217,6 +239,7 @@ def test_bad_input_is_one_line(paths, argv, needle):
         argv = argv[:at] + [*DUMMY, "--no-live"] * (argv[0] == "continue") + DUMMY * (argv[0] == "chat") + argv[at:]
     argv = [paths.get(a, a) for a in argv]
     one_line_error(runner.invoke(app, argv, input=""), needle)
+    assert not Path(paths["BADPLOT"]).exists()  # a refused plot leaves no file behind
 
 
 # Output that cannot be written --------------------------------------------------------------------

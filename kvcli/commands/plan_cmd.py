@@ -105,6 +105,8 @@ def run_plan(a: PlanArgs, fail: Fail) -> int:
     for flag, value in (("--context", context), ("--batch", batch), ("--mean-tokens", mean_tokens)):
         if value is not None and value <= 0:
             fail(f"{flag} must be a positive integer (got {value})")
+    if mean_tokens is not None and context is not None and mean_tokens > context:
+        fail(f"--mean-tokens {mean_tokens:,} is more than --context {context:,}: a request holds at most the context")
     # plan assumes INT4-resident weights (weight_bytes), so the KV dtype the engine picks for them here
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     kv_dtype = a.options.resolve_kv_dtype(device, backend=pick_backend(a.options.attention_backend, device).name,
