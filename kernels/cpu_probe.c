@@ -8,6 +8,8 @@
  *   kvp_int8_peak  the integer dot-product instruction kvcli's int8 GEMM issues, on registers only (no memory):
  *                  512-bit vpdpbusd on AVX-512-VNNI (64 multiply-adds each), 256-bit vpmaddubsw on AVX2 (32, the
  *                  16-bit sums added as the GEMM adds them); twelve independent chains hide the latency.
+ *   kvp_fp32_peak  fp32 fused multiply-adds of the widest vector, on registers (the decode attention's scores and
+ *                  values are such FMAs: the verify-step figure's floor for a row's attention).
  *
  * Each returns a value computed from everything it read or summed (the caller keeps it), so the compiler cannot
  * drop the work. Built by kvcli_kernels/cpu_build.py like the other kernels; SIMD builds only.
@@ -109,6 +111,60 @@ int64_t kvp_int8_peak(int64_t iters, int nthreads, int seed, int64_t *macs_out) 
     }
     *macs_out = iters * CHAINS * DV_MACS * threads;
     return total;
+}
+
+/* Runs iters x CHAINS fp32 fused multiply-adds of the widest vector on every thread (the decode attention's
+ * arithmetic: scores and values are fp32 FMAs); *fmas_out gets the lane multiply-adds done (all threads). Each
+ * chain is acc = acc * m + c with m = 0.5: it settles at 2 c, nothing overflows or goes subnormal. Returns a
+ * fold of the chains, so that nothing is computed away. */
+#if defined(__AVX512F__)
+typedef __m512 fv;
+#define FV_LANES 16
+#define FV_SET1(v) _mm512_set1_ps(v)
+#define FV_FMA(a, b, c) _mm512_fmadd_ps((a), (b), (c))
+#define FV_ADD(a, b) _mm512_add_ps((a), (b))
+static inline double fv_fold(fv v) { return (double)_mm512_reduce_add_ps(v); }
+#else
+typedef __m256 fv;
+#define FV_LANES 8
+#define FV_SET1(v) _mm256_set1_ps(v)
+#define FV_FMA(a, b, c) _mm256_fmadd_ps((a), (b), (c))
+#define FV_ADD(a, b) _mm256_add_ps((a), (b))
+static inline double fv_fold(fv v) {
+    float lane[8];
+    double s = 0;
+    _mm256_storeu_ps(lane, v);
+    for (int i = 0; i < 8; i++) s += lane[i];
+    return s;
+}
+#endif
+
+double kvp_fp32_peak(int64_t iters, int nthreads, int seed, int64_t *fmas_out) {
+    double total = 0;
+    int64_t threads = 0;
+#pragma omp parallel num_threads(nthreads) reduction(+ : total, threads)
+    {
+        threads += 1;
+        const fv m = FV_SET1(0.5f), c = FV_SET1((float)(seed & 0xFF) + 1.0f);
+        fv acc[CHAINS];
+        for (int k = 0; k < CHAINS; k++) acc[k] = FV_SET1((float)k);
+        for (int64_t i = 0; i < iters; i++)
+            for (int k = 0; k < CHAINS; k++) acc[k] = FV_FMA(acc[k], m, c);
+        fv sum = acc[0];
+        for (int k = 1; k < CHAINS; k++) sum = FV_ADD(sum, acc[k]);
+        total += fv_fold(sum);
+    }
+    *fmas_out = iters * CHAINS * FV_LANES * threads;
+    return total;
+}
+
+/* which instruction kvp_fp32_peak times */
+const char *kvp_fp32_peak_what(void) {
+#if defined(__AVX512F__)
+    return "512-bit vfmadd";
+#else
+    return "256-bit vfmadd";
+#endif
 }
 
 /* the load width kvp_read uses, in bytes (its checksum folds lanes of 8 bytes of one such vector) */

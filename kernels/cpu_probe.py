@@ -26,6 +26,10 @@ def load(isa: str, cache_dir: str) -> ctypes.CDLL | None:
         lib.kvp_read_width.restype = ctypes.c_int
         lib.kvp_int8_peak_what.argtypes = []
         lib.kvp_int8_peak_what.restype = ctypes.c_char_p
+        lib.kvp_fp32_peak.argtypes = [i64, ctypes.c_int, ctypes.c_int, ptr]
+        lib.kvp_fp32_peak.restype = ctypes.c_double
+        lib.kvp_fp32_peak_what.argtypes = []
+        lib.kvp_fp32_peak_what.restype = ctypes.c_char_p
         lib._kvp_declared = True
     return lib
 
@@ -48,3 +52,15 @@ def int8_peak_pass(lib: ctypes.CDLL, iters: int, threads: int, seed: int = 0x010
 
 def int8_peak_instruction(lib: ctypes.CDLL) -> str:
     return lib.kvp_int8_peak_what().decode()
+
+
+def fp32_peak_pass(lib: ctypes.CDLL, iters: int, threads: int, seed: int = 1) -> tuple[float, int, float]:
+    """One run of the register-only fp32 FMA loop: (seconds, lane multiply-adds done, fold of the chains)."""
+    fmas = ctypes.c_int64(0)
+    t = time.perf_counter()
+    check = lib.kvp_fp32_peak(iters, threads, seed, ctypes.byref(fmas))
+    return time.perf_counter() - t, fmas.value, check
+
+
+def fp32_peak_instruction(lib: ctypes.CDLL) -> str:
+    return lib.kvp_fp32_peak_what().decode()

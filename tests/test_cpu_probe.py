@@ -59,3 +59,18 @@ def test_int8_peak_runs_every_instruction(lib, threads):
         per_thread, lane_macs = 8 * sum(range(chains)) + chains * 8 * 3 * iters, 32
     assert check == threads * per_thread
     assert macs == iters * chains * lane_macs * threads
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fp32_peak_runs_every_instruction(lib, threads):
+    from kvcli_kernels.cpu_probe import fp32_peak_instruction, fp32_peak_pass
+
+    chains = 12
+    lanes = 16 if "512-bit" in fp32_peak_instruction(lib) else 8
+    # chain k starts at k and runs acc = acc / 2 + c (c = 1 + (seed & 0xFF)): after i steps 2c + (k - 2c) / 2^i
+    for iters, seed in ((1, 1), (3, 5), (60, 2)):
+        _, fmas, check = fp32_peak_pass(lib, iters, threads, seed)
+        c = 1.0 + (seed & 0xFF)
+        want = threads * lanes * sum(2 * c + (k - 2 * c) / 2 ** iters for k in range(chains))
+        assert check == pytest.approx(want, rel=1e-6)
+        assert fmas == iters * chains * lanes * threads

@@ -110,6 +110,20 @@ def int8_peak(passes: int = 5) -> tuple[float, str] | None:
     return max(macs / seconds for seconds, macs, _ in runs), f"int8 {int8_peak_instruction(lib)} on registers"
 
 
+def fp32_peak(passes: int = 5) -> tuple[float, str] | None:
+    """(fp32 multiply-adds per second, what) of the widest vector FMA, on registers on every thread
+    (kernels/cpu_probe.c); None where the probe is not built."""
+    import torch
+
+    lib = _probe()
+    if lib is None:
+        return None
+    from kvcli_kernels.cpu_probe import fp32_peak_instruction, fp32_peak_pass
+
+    runs = [fp32_peak_pass(lib, 1 << 22, torch.get_num_threads()) for _ in range(passes)]
+    return max(fmas / seconds for seconds, fmas, _ in runs), f"fp32 {fp32_peak_instruction(lib)} on registers"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvcli.bench roofline", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -12,11 +12,12 @@ acceptance) is taken for each n in turn within a round, --rounds rounds, medians
 to the 1-row step.
 
 The last column is the floor the arithmetic sets: the 1-row step plus, for each further row, its linears' and
-vocabulary projection's int8 products at the int8 dot-product instruction's peak, measured on registers in the same
-run (kernels/cpu_probe.c): one product per multiply-add for weights rounded at one activation level (Q4_0 / Q4_1
-forms where the int8 GEMM takes them: the route's one_level; outlier blocks' second level not counted), two for the
-others (two int8 levels of every activation). A step cannot be cheaper than that with these numerics on this CPU,
-whatever the rest of it costs.
+vocabulary projection's int8 products at the int8 dot-product instruction's peak, and its attention's fp32
+multiply-adds (scores and values over the context's keys, every q head of every layer) at the fp32 FMA's peak, both
+measured on registers in the same run (kernels/cpu_probe.c): one int8 product per multiply-add for weights rounded at
+one activation level (Q4_0 / Q4_1 forms where the int8 GEMM takes them: the route's one_level; outlier blocks'
+second level not counted), two for the others (two int8 levels of every activation). A step cannot be cheaper than
+that with these numerics on this CPU, whatever the rest of it costs (conversions, softmax, norms not counted).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import statistics
 import time
 
 from kvcli.bench.harness import busy_note, load1, sample_text
-from kvcli.bench.roofline import int8_peak
+from kvcli.bench.roofline import fp32_peak, int8_peak
 
 
 class GivenGuesses:
@@ -101,11 +102,26 @@ def main(argv: list[str] | None = None) -> int:
               if lin.mode == "int8dot-cpu" and lin.plan.route.one_level)
     products = 2 * row_macs - one  # the vocabulary projection: two levels
     peak = int8_peak() if eng.linear_mode == "int8dot-cpu" else None
-    row_floor_ms = None if peak is None else products / peak[0] * 1e3
-    if row_floor_ms is not None:
+    fp32 = fp32_peak() if peak is not None else None
+    linear_ms = None if peak is None else products / peak[0] * 1e3
+
+    def attention_fmas(context: int) -> int:
+        """A row's decode attention over `context` keys: scores and values, one fp32 FMA per key and dimension
+        each, for every q head of every layer (the rows' own few keys left out)."""
+        return 2 * cfg.num_layers * cfg.num_heads * context * cfg.head_dim
+
+    def row_floor_ms(context: int) -> float | None:
+        if linear_ms is None or fp32 is None:
+            return None
+        return linear_ms + attention_fmas(context) / fp32[0] * 1e3
+
+    if linear_ms is not None and fp32 is not None:
         print(f"a row's multiply-adds: {row_macs / 1e6:.1f} M, {one / 1e6:.1f} M of them at one int8 level, the rest "
-              f"two: {products / 1e6:.1f} M int8 products; {peak[1]}: {peak[0] / 1e12:.3f} TMAC/s on every thread, so "
-              f"at least {row_floor_ms:.2f} ms a row")
+              f"two: {products / 1e6:.1f} M int8 products; {peak[1]}: {peak[0] / 1e12:.3f} TMAC/s on every thread: "
+              f"{linear_ms:.2f} ms a row")
+        print(f"a row's attention: {', '.join(f'{attention_fmas(c) / 1e6:.1f} M' for c in contexts)} fp32 FMAs at "
+              f"{', '.join(map(str, contexts))} keys; {fp32[1]}: {fp32[0] / 1e9:.1f} G/s on every thread: "
+              f"{', '.join(f'{attention_fmas(c) / fp32[0] * 1e3:.2f} ms' for c in contexts)} a row")
     print()
     print("| context | query rows | step ms | vs 1 row | floor vs 1 row |")
     print("|---:|---:|---:|---:|---:|")
@@ -113,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         base = statistics.median(samples[(c, rows[0])])
         for n in rows:
             ms = statistics.median(samples[(c, n)])
-            floor = "n/a" if row_floor_ms is None else f"{1 + (n - rows[0]) * row_floor_ms / base:.2f}x"
+            floor_ms = row_floor_ms(c)
+            floor = "n/a" if floor_ms is None else f"{1 + (n - rows[0]) * floor_ms / base:.2f}x"
             print(f"| {c} | {n} | {ms:.2f} | {ms / base:.2f}x | {floor} |")
     for c in contexts:
         if 6 in rows and 1 in rows:
