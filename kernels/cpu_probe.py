@@ -42,12 +42,18 @@ def read_pass(lib: ctypes.CDLL, buf: torch.Tensor, threads: int) -> tuple[float,
     return time.perf_counter() - t, done.value, check
 
 
+def _peak_pass(fn, iters: int, threads: int, seed: int) -> tuple[float, int, int | float]:
+    """One run of a register-only peak loop `fn` (kvp_int8_peak, kvp_fp32_peak): (seconds, multiply-adds done, the
+    fold it returns)."""
+    done = ctypes.c_int64(0)
+    t = time.perf_counter()
+    check = fn(iters, threads, seed, ctypes.byref(done))
+    return time.perf_counter() - t, done.value, check
+
+
 def int8_peak_pass(lib: ctypes.CDLL, iters: int, threads: int, seed: int = 0x01010101) -> tuple[float, int, int]:
     """One run of the register-only dot-product loop: (seconds, multiply-adds done, fold of the sums)."""
-    macs = ctypes.c_int64(0)
-    t = time.perf_counter()
-    check = lib.kvp_int8_peak(iters, threads, seed, ctypes.byref(macs))
-    return time.perf_counter() - t, macs.value, check
+    return _peak_pass(lib.kvp_int8_peak, iters, threads, seed)
 
 
 def int8_peak_instruction(lib: ctypes.CDLL) -> str:
@@ -56,10 +62,7 @@ def int8_peak_instruction(lib: ctypes.CDLL) -> str:
 
 def fp32_peak_pass(lib: ctypes.CDLL, iters: int, threads: int, seed: int = 1) -> tuple[float, int, float]:
     """One run of the register-only fp32 FMA loop: (seconds, lane multiply-adds done, fold of the chains)."""
-    fmas = ctypes.c_int64(0)
-    t = time.perf_counter()
-    check = lib.kvp_fp32_peak(iters, threads, seed, ctypes.byref(fmas))
-    return time.perf_counter() - t, fmas.value, check
+    return _peak_pass(lib.kvp_fp32_peak, iters, threads, seed)
 
 
 def fp32_peak_instruction(lib: ctypes.CDLL) -> str:
