@@ -227,6 +227,10 @@ CASES = [
     (["watch", "http://[::1", "--once", "--no-live", "--plot", "BADPLOT"], "a plot cannot be written as .xyz"),
     (["watch", "http://[::1", "--once", "--no-live"], "not a URL that can be watched"),
     (["watch", "http://host:abc", "--once", "--no-live"], "Invalid port"),
+    # an origin no browser sends would leave CORS off without a word
+    (["serve", "--port", "0", "--allowed-origins", ":::"], "an origin is scheme://host[:port]"),
+    (["serve", "--port", "0", "--allowed-origins", "https://ok.example,https://app.example/"],
+     "--allowed-origins https://app.example/:"),
 ]
 
 

@@ -109,6 +109,24 @@ def _window_note(engine) -> str:
             f"/metrics: kvcli:kv_tokens_dropped_total)")
 
 
+def check_origins(origins: tuple[str, ...], fail: Fail) -> None:
+    """--allowed-origins: '*' or what a browser sends as Origin (scheme://host[:port], http or https, no path);
+    anything else would never match a request, so CORS would stay off without a word."""
+    from urllib.parse import urlsplit
+
+    for o in origins:
+        if o == "*":
+            continue
+        try:
+            u = urlsplit(o)
+            ok = u.scheme in ("http", "https") and bool(u.hostname) and u.path == "" and not (u.query or u.fragment)
+            u.port  # noqa: B018  (raises on a port that is not a number)
+        except ValueError:
+            ok = False
+        if not ok:
+            fail(f"--allowed-origins {o}: an origin is scheme://host[:port] (e.g. https://app.example), or '*'")
+
+
 def run_serve(a: ServeArgs, fail: Fail) -> int:
     import uvicorn
 
@@ -118,6 +136,7 @@ def run_serve(a: ServeArgs, fail: Fail) -> int:
     from kvcli.server.metrics import ServerMetrics
     from kvcli.server.worker import EngineWorker
 
+    check_origins(a.allowed_origins, fail)
     sock = bind(a.host, a.port, fail)
     engine = build_engine(a.model, a.quant, a.options, fail)
     if engine.tokenizer is None:
