@@ -494,17 +494,23 @@ static inline __attribute__((always_inline)) __m512 lanes16(const float *q, cons
     return half ? _mm512_zextps256_ps512(_mm256_loadu_ps(q)) : _mm512_loadu_ps(q);
 }
 
+/* Heads per pass over a tile's K / V rows in the 16-lane form: 4 for a plain decode row (a GQA group of up to 4
+ * heads, as the 8-lane form), up to 6 for a query group's rows (speculative verification: 6 rows x 3 heads on
+ * SmolLM2), where each K and V row was converted once per 4 heads: 6 heads' V accumulators (6 x 4 registers for a
+ * head_dim of 64) and the row's 4 still fit the 32 registers. Per head the arithmetic is the same either way. */
+#define HEADS512 6
+
 /* scores256's 16-lane form; a head_dim of 8 mod 16 ends with a half vector. */
 static inline __attribute__((always_inline)) void scores512(const int GJ, const float *q, int64_t D, const int dt,
                                                             const kva_tile *tl, const int *nv, const float cap, float *s,
                                                             const kva_tile *next) {
-    __m512 part[4][16];
+    __m512 part[HEADS512][16];
     const int64_t row = D * elem_size(dt);
     for (int c = 0; c < tl->n; c += 16) {
         for (int u = 0; u < 16; u++) {
             const char *kr = tl->k[c + u];
             prefetch_key(next, c + u, row);
-            __m512 acc[4];
+            __m512 acc[HEADS512];
             for (int j = 0; j < GJ; j++) acc[j] = _mm512_setzero_ps();
             int64_t i = 0;
             for (; i + 16 <= D; i += 16) {
@@ -537,7 +543,7 @@ static inline __attribute__((always_inline)) void scores512(const int GJ, const 
 static inline __attribute__((always_inline)) void v_chunk512(const int GJ, const int NC, const int half, float *acc,
                                                              const float *p, const float *corr, const kva_tile *tl,
                                                              const int dt, int64_t D, int64_t i) {
-    __m512 a[4][4];
+    __m512 a[HEADS512][4];
     for (int j = 0; j < GJ; j++)
         for (int c = 0; c < NC; c++) a[j][c] = _mm512_mul_ps(lanes16(acc + j * D + i + 16 * c, half), _mm512_set1_ps(corr[j]));
     for (int u = 0; u < tl->n; u++) {
@@ -572,8 +578,11 @@ static inline __attribute__((always_inline)) void tile_update512(const float *q,
                                                                  float *m, float *l, float *acc, const kva_tile *next) {
     float s[MAX_QG * TILE] __attribute__((aligned(64))), p[MAX_QG * TILE] __attribute__((aligned(64))), corr[MAX_QG];
     const int n16 = (tl->n + 15) & ~15;
-    for (int64_t j0 = 0; j0 < G; j0 += 4) {
-        switch (G - j0 < 4 ? G - j0 : 4) { /* constant head counts: the accumulators stay in registers */
+    const int64_t step = G > 4 ? HEADS512 : 4; /* a query group's heads: each K / V row converted once per 6 */
+    for (int64_t j0 = 0; j0 < G; j0 += step) {
+        switch (G - j0 < step ? G - j0 : step) { /* constant head counts: the accumulators stay in registers */
+        case 6: scores512(6, q + j0 * D, D, dt, tl, nv + j0, cap, s + j0 * TILE, j0 ? NULL : next); break;
+        case 5: scores512(5, q + j0 * D, D, dt, tl, nv + j0, cap, s + j0 * TILE, j0 ? NULL : next); break;
         case 4: scores512(4, q + j0 * D, D, dt, tl, nv + j0, cap, s + j0 * TILE, j0 ? NULL : next); break;
         case 3: scores512(3, q + j0 * D, D, dt, tl, nv + j0, cap, s + j0 * TILE, j0 ? NULL : next); break;
         case 2: scores512(2, q + j0 * D, D, dt, tl, nv + j0, cap, s + j0 * TILE, j0 ? NULL : next); break;
@@ -600,8 +609,10 @@ static inline __attribute__((always_inline)) void tile_update512(const float *q,
         l[j] = l[j] * corr[j] + _mm512_reduce_add_ps(vsum);
         m[j] = m_new;
     }
-    for (int64_t j0 = 0; j0 < G; j0 += 4) {
-        switch (G - j0 < 4 ? G - j0 : 4) {
+    for (int64_t j0 = 0; j0 < G; j0 += step) {
+        switch (G - j0 < step ? G - j0 : step) {
+        case 6: v_accumulate512(6, acc + j0 * D, p + j0 * TILE, corr + j0, tl, dt, D); break;
+        case 5: v_accumulate512(5, acc + j0 * D, p + j0 * TILE, corr + j0, tl, dt, D); break;
         case 4: v_accumulate512(4, acc + j0 * D, p + j0 * TILE, corr + j0, tl, dt, D); break;
         case 3: v_accumulate512(3, acc + j0 * D, p + j0 * TILE, corr + j0, tl, dt, D); break;
         case 2: v_accumulate512(2, acc + j0 * D, p + j0 * TILE, corr + j0, tl, dt, D); break;

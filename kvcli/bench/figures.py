@@ -199,6 +199,10 @@ FIGURES: dict[str, Figure] = {f.name: f for f in [
     Figure("ab-verify-step", "ab:main", "before/after: the verify-step figure at c5dfea2 (a verification's rows read "
            "the KV once each) and in this tree (once per request), interleaved",
            ("--before", "c5dfea2", "verify-step", "--rounds", "3", "--", "--rounds", "5"), in_make_figures=False),
+    # A query group's heads in passes of up to 6, not 4 (cpu_attention.c HEADS512): 7beb56e is the tree before.
+    Figure("ab-verify-heads6", "ab:main", "before/after: the verify-step figure at 7beb56e (a query group's K / V "
+           "rows converted once per 4 heads) and in this tree (once per 6), interleaved",
+           ("--before", "7beb56e", "verify-step", "--rounds", "4", "--", "--rounds", "9"), in_make_figures=False),
     Figure("triton-matrix", "script:bash scripts/triton_matrix.sh", "kernel tests under older Triton releases",
            in_make_figures=False),
     Figure("gpu-check-dry-run", "script:python3 scripts/gpu_check.py --dry-run",
