@@ -374,6 +374,20 @@ def test_echo_with_logprobs_scores_the_prompt(server, int4_llm):
     assert tail["token_logprobs"] == pytest.approx(lp["token_logprobs"][-1:], abs=1e-6)
 
 
+def test_logprobs_zero_gives_each_token_its_own(server):
+    """logprobs 0 (completions): each token's log probability with no alternatives, as vLLM and the README say; it
+    once came back null, 0 read as False. With echo the prompt's are scored too."""
+    body = {"prompt": "The keeper wrote in his log that", "max_tokens": 3, "temperature": 0, "ignore_eos": True,
+            "logprobs": 0}
+    lp = post(server, "/v1/completions", body).json()["choices"][0]["logprobs"]
+    assert lp is not None and len(lp["tokens"]) == 3 and all(x <= 0 for x in lp["token_logprobs"])
+    assert lp["top_logprobs"] == [None, None, None] or all(not t for t in lp["top_logprobs"])
+    one = post(server, "/v1/completions", {**body, "logprobs": 1}).json()["choices"][0]["logprobs"]
+    assert lp["token_logprobs"] == pytest.approx(one["token_logprobs"], abs=1e-6)
+    echoed = post(server, "/v1/completions", {**body, "echo": True}).json()["choices"][0]["logprobs"]
+    assert echoed is not None and echoed["token_logprobs"][0] is None and len(echoed["tokens"]) > 3
+
+
 def test_a_batch_of_prompts(server):
     """prompt as a list (strings or token ids): choice i * n + j is sample j of prompt i, each what the prompt
     alone gives; usage counts every prompt once."""

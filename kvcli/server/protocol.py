@@ -116,7 +116,8 @@ class CompletionRequest(_Sampling):
                  f"logprobs: the number of top tokens to return, 0..{MAX_LOGPROBS}, or null")]
 
     def logprob_count(self) -> int | None:
-        return None if self.logprobs in (None, False) else int(self.logprobs)
+        # `is`, not `in (None, False)`: 0 == False, and logprobs 0 asks for each token's log probability alone
+        return None if self.logprobs is None or self.logprobs is False else int(self.logprobs)
 
     def prompt_logprob_count(self) -> int | None:
         """echo with logprobs: the prompt's tokens are reported too, each given those before it."""
