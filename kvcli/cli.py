@@ -303,8 +303,8 @@ def serve(
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API, with Prometheus metrics.
 
-    Endpoints: POST /v1/completions and /v1/chat/completions (stream: true for server-sent events),
-    GET /v1/models, /health, and /metrics (vLLM's metric names, plus kvcli: ones for the KV memory
+    Endpoints: POST /v1/completions, /v1/chat/completions and /v1/responses (stream: true for server-sent
+    events), GET /v1/models, /health, and /metrics (vLLM's metric names, plus kvcli: ones for the KV memory
     breakdown and the contiguous what-if; `kvcli watch URL` shows them live). One engine thread runs
     every request through the paged KV cache with continuous batching; a client that disconnects
     frees its request's blocks. Ctrl-C or SIGTERM stops the server."""
@@ -375,8 +375,9 @@ def watch(
 @engine_flags("block_size", "model")
 def plan(
     context: Annotated[int, typer.Option("--context", "-c", help="Tokens per request (prompt + output).")] = 8192,
-    batch: Annotated[Optional[int], typer.Option("--batch", "-b", help="Concurrent requests to check.",
-                                                 show_default=False)] = None,
+    batch: Annotated[Optional[int], typer.Option("--batch", "-b", help="Concurrent requests to check: the exit "
+                                                 "status is 2 when neither layout holds them (0 when one does). "
+                                                 "Default: none checked.", show_default=False)] = None,
     memory: Annotated[Optional[str], typer.Option("--memory", help="Device memory, e.g. 24GiB. Default: this "
                                                   "GPU's, else 24GiB.", show_default=False)] = None,
     mean_tokens: Annotated[Optional[int], typer.Option("--mean-tokens", help="Average tokens a request "

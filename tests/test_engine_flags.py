@@ -172,3 +172,13 @@ def test_defaults_build_the_same_options_as_before(monkeypatch):
     assert seen["profile"].options == EngineOptions(max_model_len=2048, max_num_seqs=256)
     assert seen["profile"].quant == "auto" and seen["profile"].model is None
     assert seen["ppl"].options == EngineOptions(prefix_caching=False)
+
+
+def test_model_help_names_every_dummy_preset():
+    """--model's help lists the dummy: presets by hand (engine_flags does not import torch, which kvcli.config
+    does); a preset added without it once went unlisted (gemma-3-4b, gemma-3-270m, gemma-2-2b)."""
+    from kvcli.commands.engine_flags import FLAGS
+    from kvcli.config import PRESETS
+
+    text = FLAGS["model"].option.help
+    assert all(name in text for name in PRESETS), [name for name in PRESETS if name not in text]

@@ -112,7 +112,8 @@ def _flags(*flags: Flag) -> dict[str, Flag]:
 FLAGS: Mapping[str, Flag] = MappingProxyType(_flags(
     Flag("model", Optional[str], typer.Option(
         "--model", "-m", help="A .gguf file, a Hugging Face checkpoint folder, or dummy:NAME "
-        "(smollm2-135m, llama-2-7b, llama-2-13b, llama-3-8b, mistral-7b, qwen2-0.5b, or a config.json). "
+        "(smollm2-135m, llama-2-7b, llama-2-13b, llama-3-8b, mistral-7b, gemma-3-4b, gemma-3-270m, gemma-2-2b, "
+        "qwen2-0.5b, or a config.json). "
         "Default: the bundled SmolLM2-135M-Instruct Q4_1.", show_default=False), None),
     Flag("quant", Quant, typer.Option(
         "--quant", help="For Hugging Face checkpoints: nf4 (bitsandbytes), int4 (kvcli's group-wise "
@@ -182,7 +183,8 @@ FLAGS: Mapping[str, Flag] = MappingProxyType(_flags(
         "--kv-window", help="Bound each request's KV: keep its first --sink-tokens tokens and its last W tokens, "
         "giving the blocks between back to the pool, so a text longer than the context streams through (rotary "
         "positions stay inside the context: kept keys are re-rotated as blocks drop). A number of tokens, auto "
-        "(the context less the sink blocks and a margin) or none (a text must fit the context).",
+        "(the context less the sink blocks and a margin) or none (a text must fit the context). Default: auto on "
+        "chat (a conversation past the context goes on), none on serve, perplexity and profile.",
         show_default=False), None, "kv_window"),
     Flag("sink_tokens", int, typer.Option(
         "--sink-tokens", help="With --kv-window: the first tokens always kept (attention sinks, StreamingLLM); "
