@@ -45,7 +45,6 @@ HELP = (
 )
 
 
-
 def unreadable_input(line: str) -> str | None:
     """Why an input line cannot be a message, or None: bytes that are not UTF-8 (read as surrogates, stdin's
     errors="surrogateescape") or a NUL byte, which `continue` and `perplexity` refuse in a file as well."""
