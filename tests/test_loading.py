@@ -46,12 +46,12 @@ def tokenizer_files(tmp_path_factory, gguf_path):
     return d
 
 
-def make_checkpoint(tmp_path, tokenizer_files, arch: str, dtype=torch.float32):
+def make_checkpoint(tmp_path, tokenizer_files, arch: str, dtype=torch.float32, **shape):
     import shutil
 
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = AutoConfig.for_model(arch, **TINY)
+    cfg = AutoConfig.for_model(arch, **{**TINY, **shape})
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg).to(dtype).eval()
     with torch.no_grad():  # non-trivial norms and biases so that every weight matters
@@ -119,6 +119,30 @@ def test_checkpoint_quantized_int4_and_nf4(tmp_path, tokenizer_files):
         got = logits_through_engine(llm.engine, ids, chunk=64)[-1]
         corr = torch.corrcoef(torch.stack([got, want]))[0, 1].item()
         assert corr > 0.9, f"{quant}: correlation {corr:.3f}"
+
+
+@pytest.mark.slow
+def test_int4_keeps_a_linear_dense_whose_width_is_not_a_multiple_of_its_group(tmp_path, tokenizer_files):
+    """An intermediate size of 176 (and o_proj's 7 x 112 = 784 on a Mistral-like shape) is no multiple of int4's group
+    of 32: the default quantization once stopped the load with a traceback (--dequantize too). Those linears stay
+    dense, with a note; the rest are int4; the model runs, its dense down_proj as exact as quant='none'."""
+    from kvcli.model.loader import load_weights
+
+    path, ref = make_checkpoint(tmp_path, tokenizer_files, "llama", intermediate_size=176)
+    loaded = load_weights(str(path), quant="int4")
+    downs = [n for n in loaded.weights if n.endswith("down_proj.weight")]
+    assert downs and all(isinstance(loaded.weights[n], torch.Tensor) for n in downs)
+    assert all(isinstance(loaded.weights[n], QuantTensor) for n in loaded.weights if n.endswith("up_proj.weight"))
+    assert any("kept dense" in note and "down_proj" in note and "176" in note for note in loaded.notes), loaded.notes
+    llm = LLM(str(path), quant="int4", kv_budget="16MiB")
+    assert "dense" in llm.engine.linear_mode
+    ids = list(range(300, 364))
+    got = logits_through_engine(llm.engine, ids, chunk=64)[-1]
+    with torch.no_grad():
+        want = ref(torch.tensor([ids])).logits[0, -1]
+    assert torch.corrcoef(torch.stack([got, want]))[0, 1].item() > 0.9
+    out = llm.generate([ids], SamplingParams(max_tokens=3, ignore_eos=True))[0]
+    assert len(out.token_ids) == 3
 
 
 def test_checkpoint_errors(tmp_path):

