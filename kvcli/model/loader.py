@@ -282,10 +282,6 @@ def _load_prequantized(path: Path, config: ModelConfig, raw: dict[str, torch.Ten
     notes = []
     if quant != "auto":
         notes.append(f"--quant {quant} does not apply: {path.name} is already quantized ({label})")
-    if unpacked:
-        kinds = sorted({n.rsplit(".", 2)[-2] for n in unpacked})
-        notes.append(f"{len(unpacked)} linears ({', '.join(kinds)}) kept dense: their input width is not a multiple "
-                     f"of int4's group of {Q4_GROUP} ({raw[unpacked[0]].shape[1]:,} in {unpacked[0]})")
     try:
         tok = load_dir_tokenizer(path, config.eos_token_ids)
     except Exception as e:
