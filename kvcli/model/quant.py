@@ -213,7 +213,10 @@ def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
     return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
 
 
-def quantize_q4(w: torch.Tensor, group_size: int = 32) -> QuantTensor:
+Q4_GROUP = 32  # quantize_q4's default group: kvcli's int4 of a dense folder (one scale and min per 32 weights)
+
+
+def quantize_q4(w: torch.Tensor, group_size: int = Q4_GROUP) -> QuantTensor:
     """Asymmetric group-wise INT4 (Q4_1 style) of a dense [N, K] weight; lossy by nature."""
     n, k = w.shape
     if k % group_size:

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-
 from kvcli.metrics.server import Timeline
 from kvcli.view.figure_file import save_figure
 
