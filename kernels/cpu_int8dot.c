@@ -100,6 +100,7 @@ typedef struct {
     int one_level;       /* activations at one level outside outlier blocks (4-bit codes, one scale per 32) */
     const uint8_t *flag; /* one level: [M, K / 32] the block keeps its second level */
     const int32_t *lv;   /* one level: [M, K / 32, 2] offset x sum(q1), offset x sum(q2) */
+    const struct one_rec *rec; /* one level, 2+ rows on AVX-512: the same per block, rows side by side (one_rec) */
 } kvq_args;
 
 static inline float f16_to_f32(uint16_t h) {
@@ -716,6 +717,103 @@ static inline __attribute__((always_inline)) void one_level_tile16(const kvq_arg
     }
 }
 
+/* The small-row loop's view of a row's block: both levels' codes and what the sums need, for the rows of a group of
+ * ONE_LEVEL_M side by side per block (rec[m0 nb + b R + r] for rows m0 + r of a group of R), so that a block's rows
+ * sit at fixed offsets from one pointer. Read in place (one_level_block16 with qx, dx, sx, lv and flag apart), a
+ * 6-row block took ~370 instructions, a third of them address arithmetic and reloads of spilled row pointers, for
+ * its 48 dot products (objdump, 2026-12-07). */
+typedef struct one_rec {
+    int8_t q[2 * QK];
+    float dx, sx;
+    int32_t lv0, lv1, flag, pad[3];
+} one_rec;
+
+/* A group kind known at compile time (kind >= 0: the forms one level takes, form_ok), or -1: read at run time. */
+static inline __attribute__((always_inline)) __m256 groups8_as(const kvq_groups *q, const int kind, __m256 scale_v,
+                                                               int64_t g, int64_t b, int64_t nb) {
+    if (kind == KVQ_F16) return load_f16x8((const uint16_t *)q->v + (g * nb + b) * 8);
+    if (kind == KVQ_F32) return _mm256_loadu_ps((const float *)q->v + (g * nb + b) * 8);
+    if (kind == KVQ_NONE) return _mm256_setzero_ps();
+    return groups8(q, scale_v, g, b, nb);
+}
+
+/* one_level_block16 on records (x: the block's first row's): every operation per lane the same, in the same order. */
+static inline __attribute__((always_inline)) void one_level_rec16(const kvq_args *a, const int R, const int SK,
+                                                                  const int MK, int64_t g, int64_t b,
+                                                                  const one_rec *x, __m512 *f, __m512 *f2) {
+    const int64_t nb = a->K / QK;
+    const __m256 z = _mm256_setzero_ps();
+    const __m256 d0 = groups8_as(&a->scale, SK, z, g, b, nb), d1 = groups8_as(&a->scale, SK, z, g + 1, b, nb);
+    const __m512 dw = join8(d0, d1);
+    const int mins = MK < 0 ? a->mins.kind != KVQ_NONE : MK != KVQ_NONE;
+    const __m512 mw = mins ? join8(groups8_as(&a->mins, MK, d0, g, b, nb), groups8_as(&a->mins, MK, d1, g + 1, b, nb))
+                           : _mm512_setzero_ps();
+    const uint8_t *c0 = a->codes + (g * nb + b) * 128, *c1 = c0 + nb * 128;
+    prefetch_lines(c0 + PREFETCH_BLOCKS * 128, 128);
+    prefetch_lines(c1 + PREFETCH_BLOCKS * 128, 128);
+    __m512i w[8];
+    unpack_nibbles16(c0, c1, w);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) {
+        const one_rec *xr = x + r;
+        f[r] = _mm512_fmadd_ps(one_level_sum16(w, xr->q, xr->lv0), _mm512_mul_ps(dw, _mm512_set1_ps(xr->dx)), f[r]);
+        if (mins) f[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xr->sx), f[r]);
+        if (xr->flag) /* an outlier block: its second level */
+            f2[r] = _mm512_fmadd_ps(one_level_sum16(w, xr->q + QK, xr->lv1),
+                                    _mm512_mul_ps(dw, _mm512_set1_ps(xr->dx * (1.0f / 256.0f))), f2[r]);
+    }
+}
+
+static inline __attribute__((always_inline)) void one_level_rtile16(const kvq_args *a, const int R, const int SK,
+                                                                    const int MK, int64_t g, int64_t m0) {
+    const int64_t nb = a->K / QK;
+    const one_rec *x = a->rec + m0 * nb;
+    for (int64_t b0 = 0; b0 < nb; b0 += ONE_LEVEL_KC / QK) {
+        const int64_t b1 = b0 + ONE_LEVEL_KC / QK < nb ? b0 + ONE_LEVEL_KC / QK : nb;
+        __m512 f[ONE_LEVEL_M], f2[ONE_LEVEL_M];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) f[r] = f2[r] = _mm512_setzero_ps();
+        for (int64_t b = b0; b < b1; b++) one_level_rec16(a, R, SK, MK, g, b, x + b * R, f, f2);
+        one_level_store16(a, R, g, m0, b0, f, f2);
+    }
+}
+
+/* Groups g0 .. g1 - 1 (an even count) in pairs against rows m0 .. m0 + R - 1 of the records, 2 <= R <= ONE_LEVEL_M:
+ * one loop per row count and per scale / min kind of Q4_0 and Q4_1 (fp16 scales, no mins or fp16 ones), the kinds
+ * read at run time for the others. */
+#define REC_ROWS(SK, MK)                                                          \
+    for (int64_t g = g0; g + 1 < g1; g += 2) switch (R) {                         \
+        case 8: one_level_rtile16(a, 8, SK, MK, g, m0); break;                    \
+        case 7: one_level_rtile16(a, 7, SK, MK, g, m0); break;                    \
+        case 6: one_level_rtile16(a, 6, SK, MK, g, m0); break;                    \
+        case 5: one_level_rtile16(a, 5, SK, MK, g, m0); break;                    \
+        case 4: one_level_rtile16(a, 4, SK, MK, g, m0); break;                    \
+        case 3: one_level_rtile16(a, 3, SK, MK, g, m0); break;                    \
+        default: one_level_rtile16(a, 2, SK, MK, g, m0);                          \
+        }
+static __attribute__((noinline)) void rec_q4_0(const kvq_args *a, int64_t g0, int64_t g1, int64_t m0, int64_t R) {
+    REC_ROWS(KVQ_F16, KVQ_NONE)
+}
+static __attribute__((noinline)) void rec_q4_1(const kvq_args *a, int64_t g0, int64_t g1, int64_t m0, int64_t R) {
+    REC_ROWS(KVQ_F16, KVQ_F16)
+}
+static __attribute__((noinline)) void rec_any(const kvq_args *a, int64_t g0, int64_t g1, int64_t m0, int64_t R) {
+    REC_ROWS(-1, -1)
+}
+#undef REC_ROWS
+
+/* Row m's blocks into its group's records (kvq_linear, once its row is quantized). */
+static void fill_recs(const kvq_args *a, int64_t m) {
+    const int64_t nb = a->K / QK, m0 = m - m % ONE_LEVEL_M, r = m - m0;
+    const int64_t R = a->M - m0 < ONE_LEVEL_M ? a->M - m0 : ONE_LEVEL_M;
+    one_rec *x = (one_rec *)a->rec + m0 * nb + r;
+    for (int64_t b = 0; b < nb; b++, x += R) {
+        const int64_t xi = m * nb + b;
+        memcpy(x->q, a->qx + 2 * xi * QK, 2 * QK);
+        x->dx = a->dx[xi], x->sx = a->sx[xi], x->lv0 = a->lv[2 * xi], x->lv1 = a->lv[2 * xi + 1], x->flag = a->flag[xi];
+    }
+}
+
 /* One row (a decode step) against two pairs of groups far apart, g and h, block by block: each thread then
  * reads two weight streams at once, which kept more lines in flight than one stream at twice the pace
  * (docs/kernels.md). Each column's sums are one_level_tile16's, in the same order. */
@@ -822,22 +920,21 @@ static __attribute__((noinline)) void tiles_q4_one(const kvq_args *a, int64_t g0
 #endif
 #ifdef ONE_LEVEL_512
 /* Groups g0 .. g1 - 1 in pairs against rows m0 .. m0 + R - 1 (R <= ONE_LEVEL_M); an odd last group by the
- * 8-column loop. */
+ * 8-column loop. One row (a decode step's odd last pair) reads its blocks in place; more rows read their records,
+ * which kvq_linear builds for every call of 2+ rows that comes here. */
 static __attribute__((noinline)) void tiles_q4_one16(const kvq_args *a, int64_t g0, int64_t g1, int64_t m0, int64_t R) {
-    int64_t g = g0;
-    for (; g + 1 < g1; g += 2) switch (R) {
-        case 8: one_level_tile16(a, 8, g, m0); break;
-        case 7: one_level_tile16(a, 7, g, m0); break;
-        case 6: one_level_tile16(a, 6, g, m0); break;
-        case 5: one_level_tile16(a, 5, g, m0); break;
-        case 4: one_level_tile16(a, 4, g, m0); break;
-        case 3: one_level_tile16(a, 3, g, m0); break;
-        case 2: one_level_tile16(a, 2, g, m0); break;
-        default: one_level_tile16(a, 1, g, m0);
-        }
-    if (g < g1)
+    const int64_t g2 = g0 + (g1 - g0) / 2 * 2;
+    if (R == 1)
+        for (int64_t g = g0; g < g2; g += 2) one_level_tile16(a, 1, g, m0);
+    else if (a->scale.kind == KVQ_F16 && a->mins.kind == KVQ_NONE)
+        rec_q4_0(a, g0, g2, m0, R);
+    else if (a->scale.kind == KVQ_F16 && a->mins.kind == KVQ_F16)
+        rec_q4_1(a, g0, g2, m0, R);
+    else
+        rec_any(a, g0, g2, m0, R);
+    if (g2 < g1)
         for (int64_t r0 = 0; r0 < R; r0 += TILE_M)
-            tiles_q4_one(a, g, g + 1, m0 + r0, R - r0 < TILE_M ? R - r0 : TILE_M);
+            tiles_q4_one(a, g2, g1, m0 + r0, R - r0 < TILE_M ? R - r0 : TILE_M);
 }
 #endif
 
@@ -1245,8 +1342,15 @@ int kvq_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, int b
     const size_t b_xs = need_xs ? scratch_align(sizeof(int32_t) * (size_t)(2 * Mp * nb)) : 0;
     const size_t b_flag = one_level ? scratch_align((size_t)(Mp * nb)) : 0;
     const size_t b_lv = one_level ? scratch_align(sizeof(int32_t) * (size_t)(2 * Mp * nb)) : 0;
+#ifdef ONE_LEVEL_512
+    const int recs = one_level && !amx && M >= 2; /* the small-row loop's records (one_rec) */
+    const size_t b_rec = recs ? scratch_align(sizeof(struct one_rec) * (size_t)(M * nb)) : 0;
+#else
+    const int recs = 0;
+    const size_t b_rec = 0;
+#endif
     int fresh;
-    char *buf = (char *)scratch_take(b_qx + b_f * (amx ? 3 : 2) + b_xs + b_flag + b_lv, &fresh);
+    char *buf = (char *)scratch_take(b_qx + b_f * (amx ? 3 : 2) + b_xs + b_flag + b_lv + b_rec, &fresh);
     if (!buf) return -1;
     int8_t *qx = (int8_t *)buf;
     float *dx = (float *)(buf + b_qx), *sx = (float *)(buf + b_qx + b_f);
@@ -1260,6 +1364,7 @@ int kvq_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, int b
     if (Mp > M) memset(qx + 2 * M * K, 0, (size_t)(2 * (Mp - M) * K));
     kvq_args a = form;
     a.qx = qx, a.dx = dx, a.sx = sx, a.xs = xs, a.dxs = dxs, a.flag = flag, a.lv = lv;
+    a.rec = recs ? (const struct one_rec *)(buf + b_qx + b_f * (amx ? 3 : 2) + b_xs + b_flag + b_lv) : NULL;
     int failed = 0;
     /* below ~64k weights a second thread costs more to wake than it saves */
     const int nt = N * K < (1 << 16) ? 1 : nthreads;
@@ -1292,6 +1397,9 @@ int kvq_linear(const float *x, int64_t M, int64_t K, const uint8_t *codes, int b
             quantize_row(x + m * K, K, qx + 2 * m * K, dx + m * nb, sx + m * nb, xs ? xs + 2 * m * nb : NULL,
                          one_level ? IG_OUTLIER : 0.0f, offset, flag ? flag + m * nb : NULL, lv ? lv + 2 * m * nb : NULL);
             for (int64_t b = 0; dxs && b < nb; b++) dxs[m * nb + b] = dx[m * nb + b] / 256.0f;
+#ifdef ONE_LEVEL_512
+            if (a.rec) fill_recs(&a, m);
+#endif
         }
         if (amx) { /* (after the loop's implicit barrier: x is quantized) */
 #ifdef KVQ_AMX
