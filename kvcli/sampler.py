@@ -58,6 +58,15 @@ def argmax(logits: torch.Tensor) -> int:
     return int(torch.argmax(logits))
 
 
+def argmax_rows(logits: torch.Tensor) -> list[int]:
+    """torch.argmax(logits, dim=-1) for [rows, vocab] logits, as a list: argmax's choice per row (the first maximum,
+    NaN counting as the maximum). A contiguous fp32 CPU batch goes through NumPy, as a row does: torch's kernel
+    took ~0.2-0.4 ms for a 6-row verification's 6 x 49k logits against NumPy's ~16 us (2-core Xeon)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 and logits.is_contiguous():
+        return logits.numpy().argmax(-1).tolist()
+    return torch.argmax(logits, dim=-1).tolist()
+
+
 def probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution a non-greedy `sample` draws from: temperature, then top-k, then top-p."""
     x = logits / params.temperature

@@ -10,7 +10,7 @@ import torch
 
 from kvcli.config import PRESETS, SamplingParams
 from kvcli.llm import LLM
-from kvcli.sampler import argmax, sample
+from kvcli.sampler import argmax, argmax_rows, sample
 
 
 def test_greedy_top_k_top_p_on_known_logits():
@@ -42,6 +42,21 @@ def test_greedy_fast_path_picks_what_torch_argmax_picks():
     assert argmax(strided) == int(torch.argmax(strided))
     half = torch.randn(100, generator=g).bfloat16()  # not fp32: torch's own kernel
     assert argmax(half) == int(torch.argmax(half))
+
+
+def test_greedy_rows_pick_what_torch_argmax_picks():
+    """A verification's rows (spec_decode/acceptance.py): argmax_rows is torch.argmax(dim=-1) row for row, ties,
+    NaN and infinities included, for a contiguous fp32 batch (NumPy) and the others (torch)."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(7, 49152, generator=g)
+    x[1, [7, 30000, 49151]] = 40.0
+    x[2, [9, 20]] = float("nan")
+    x[3, :] = float("-inf")
+    x[3, [5, 6]] = float("inf")
+    x[4, :] = 0.0
+    x[4, 3] = -0.0
+    for t in (x, x[2:5], x[:, ::2], x.bfloat16(), x[:1]):
+        assert argmax_rows(t) == torch.argmax(t, dim=-1).tolist()
 
 
 @pytest.mark.parametrize("bad", [dict(max_tokens=0), dict(temperature=-0.1), dict(top_p=0), dict(top_p=1.1),

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from kvcli.config import SamplingParams
-from kvcli.sampler import probs, sample
+from kvcli.sampler import argmax_rows, probs, sample
 
 
 def accept(logits: torch.Tensor, guesses: Sequence[int], params: SamplingParams,
@@ -24,7 +24,7 @@ def accept(logits: torch.Tensor, guesses: Sequence[int], params: SamplingParams,
     """logits: [len(guesses) + 1, vocab]. Returns the accepted guesses then one token of the model's."""
     k = len(guesses)
     if params.greedy:
-        targets = torch.argmax(logits, dim=-1).tolist()
+        targets = argmax_rows(logits)
         out: list[int] = []
         for i in range(k):
             out.append(targets[i])
