@@ -60,11 +60,19 @@ def test_truncated_or_foreign_file_is_a_clear_error(tmp_path, gguf_path) -> None
 
 
 def test_bundled_tokenizer_matches_transformers(gguf_path) -> None:
+    """transformers' conversion of the GGUF, with SmolLM2's own pre-tokenizer (its tokenizer.json: every digit
+    alone, then ByteLevel; llama.cpp's `smollm` does the same): the conversion itself ignores tokenizer.ggml.pre
+    and splits "  4" as " " + " 4" (tests/conformance checks kvcli against llama.cpp on such text)."""
+    from tokenizers import pre_tokenizers
     from transformers import AutoTokenizer
 
     ours = load_gguf_tokenizer(gguf_path, (2,))
     assert isinstance(ours, BPETokenizer)  # built directly, not through transformers
     ref = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    assert read_gguf(gguf_path).metadata["tokenizer.ggml.pre"] == "smollm"
+    ref.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)])
     n = 0
     for text in _texts():
         ids = ours.encode(text)
@@ -92,6 +100,34 @@ def test_pre_tokenizer_families_match_transformers(gguf_path, pre) -> None:
     assert ours is not None
     for text in _texts()[4:]:
         assert ours.encode(text, add_special_tokens=False).ids == ref.encode(text, add_special_tokens=False).ids, text
+
+
+def test_numbers_are_split_off_first_under_smollms_rules(gguf_path) -> None:
+    """llama.cpp's ids for the bundled file (llama_tokenize, parse_special false; 2026-12-07, llama.cpp 0.3.36):
+    every number character is a piece of its own before GPT-2's pattern runs, so the spaces before it stay one
+    piece; under `gpt-2` rules the same file's vocabulary splits them as GPT-2 does."""
+    tok = load_gguf_tokenizer(gguf_path, (2,))
+    assert tok.encode("  4") == [256, 36] and tok.encode("\n\n2") == [1116, 34] and tok.encode(" ²") == [216, 19133]
+    gpt2 = build_bpe_tokenizer(dict(read_gguf(gguf_path).metadata, **{"tokenizer.ggml.pre": "gpt-2"}))
+    assert gpt2.encode("  4", add_special_tokens=False).ids == [216, 216, 36]
+
+
+def test_phi3_specials_strip_ascii_whitespace_only(tmp_path) -> None:
+    """A Phi-3 file's special tokens take the whitespace beside them as C's isspace() sees it (llama.cpp): a
+    no-break or ideographic space stays text (llama.cpp's ids for the conformance suite's spm-phi3 file)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).with_name("conformance")))
+    from tiny_gguf import BY_NAME, write
+
+    from kvcli.model.loader import load_tokenizer
+
+    tok = load_tokenizer(str(write(BY_NAME["spm-phi3"], tmp_path / "phi3.gguf")))
+    assert tok.encode("<|end|>\xa0") == [5, 603, 203, 169]
+    assert tok.encode("<|end|> \t\n") == [5]
+    no_prefix = load_tokenizer(str(write(BY_NAME["spm-no-prefix"], tmp_path / "np.gguf")))
+    for text in (" x", "  hi", " ", "x y"):  # no space prefix: a first space is the text's own, kept in decoding
+        assert no_prefix.decode(no_prefix.encode(text)) == text
 
 
 def test_other_tokenizer_models_fall_back(gguf_path) -> None:

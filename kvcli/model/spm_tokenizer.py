@@ -29,6 +29,9 @@ from kvcli.model.gguf_loader import EOG_TEXTS
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6  # llama.cpp's token types
 # Token texts llama.cpp makes control tokens whatever the file's type says (llama_vocab::impl::load: the
 # end-of-generation set, end of turn / message, fill-in-the-middle markers).
+# What llama.cpp's lstrip / rstrip take off beside such a token: isspace() of each byte, C locale (ASCII only:
+# not U+00A0, U+3000 or the other Unicode spaces str.strip() would take).
+C_SPACE = " \t\n\v\f\r"
 CONTROL_LOOKING = EOG_TEXTS | frozenset({
     "<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>", "<|code_prefix|>",
     "<|prefix|>", "<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>", "▁<SUF>",
@@ -49,6 +52,7 @@ class SPMEncoder:
         scores = list(meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens))
         types = list(meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens))
         self.scores = [float(s) for s in scores]
+        self.tokens, self.types = tokens, [int(t) for t in types]
         self.to_id: dict[bytes, int] = {}
         for i, t in enumerate(tokens):  # a repeated text maps to its last id, as llama.cpp's map does
             self.to_id[t.encode("utf-8")] = i
@@ -72,6 +76,14 @@ class SPMEncoder:
             for t in ("<unk>", "<s>", "<|endoftext|>"):
                 self.rstrip.discard(by_text.get(t, -1))
 
+    def opens_with_space(self, ids: list[int]) -> bool:
+        """Whether the text of `ids` starts with a space: the first token that decodes to text (control and
+        unknown tokens are skipped) starts with U+2581 or is the byte 0x20."""
+        for i in ids:
+            if 0 <= i < len(self.tokens) and self.types[i] not in (CONTROL, UNKNOWN):
+                return self.tokens[i].startswith("\u2581") or self.tokens[i] in ("<0x20>", " ")
+        return False
+
     # -- 1. special tokens ---------------------------------------------------------------------------
     def _fragments(self, text: str, parse_special: bool) -> list[str | int]:
         parts: list[str | int] = [text] if text else []
@@ -92,13 +104,13 @@ class SPMEncoder:
                         break
                     left = rest[:at]
                     if tid in self.lstrip:
-                        left = left.rstrip()
+                        left = left.rstrip(C_SPACE)
                     if left:
                         out.append(left)
                     out.append(tid)
                     rest = rest[at + len(tok_text):]
                     if tid in self.rstrip:
-                        rest = rest.lstrip()
+                        rest = rest.lstrip(C_SPACE)
             parts = out
         return parts
 

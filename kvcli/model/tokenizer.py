@@ -173,12 +173,26 @@ class SPMTokenizer:
         self.spm = SPMEncoder(meta)
         self.eos_token_ids = hf.eos_token_ids
         self.bos_prefix = gguf_bos_prefix(meta)
+        self._strips: bool | None = None
 
     def encode(self, text: str, parse_special: bool = True) -> list[int]:
         return self.spm.encode(text, parse_special)
 
     def decode(self, ids: list[int]) -> str:
-        return self.hf.decode(ids)
+        """llama_detokenize's text: the leading space the encoder adds (add_space_prefix) is taken off, and
+        only then; transformers' decoder for such a file takes a first space off either way."""
+        text = self.hf.decode(ids)
+        if not self.spm.add_space_prefix and self._decoder_strips_space() and self.spm.opens_with_space(ids):
+            text = " " + text
+        return text
+
+    def _decoder_strips_space(self) -> bool:
+        """Whether transformers' decoder drops the first space of a text (asked once, of a token that opens with
+        one: U+2581 alone or the first such token)."""
+        if self._strips is None:
+            probe = next((i for i in range(len(self.spm.tokens)) if self.spm.opens_with_space([i])), None)
+            self._strips = probe is not None and not self.hf.decode([probe]).startswith(" ")
+        return self._strips
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         text = self.hf.render_chat(messages, add_generation_prompt)

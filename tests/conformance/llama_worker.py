@@ -6,8 +6,9 @@ scripts/build_llama_cpp_python.sh builds (llama-cpp-python; never imports kvcli)
 It loads the GGUF through llama.cpp's C API with an F32 KV cache and flash attention off (so the only
 rounding left is the weights' own), evaluates `tokens` in one batch from an empty cache with logits for
 every row, saves them as float32 [len(tokens), n_vocab] to logits_out, then decodes N greedy tokens after
-them, and tokenizes each text (no BOS added; special tokens such as <|im_start|> parsed as the control tokens they name unless "parse_special" is false, as kvcli's encode does). Prints one JSON line:
-{"greedy": [...], "tokenized": [[...], ...], "n_vocab": V, "llama_cpp_version": ...}, or exits non-zero
+them, and tokenizes each text (no BOS added; special tokens such as <|im_start|> parsed as the control tokens they name unless "parse_special" is false, as kvcli's encode does), and detokenizes those ids again
+(llama_detokenize, remove_special and unparse_special false). Prints one JSON line:
+{"greedy": [...], "tokenized": [[...], ...], "detokenized": [str, ...], "n_vocab": V, "llama_cpp_version": ...}, or exits non-zero
 with one line on stderr ("load failed: ..." when llama.cpp refuses the file).
 """
 
@@ -46,6 +47,14 @@ def main() -> int:
             return 4
         tokenized.append([int(buf[i]) for i in range(n)])
     out["tokenized"] = tokenized
+    detokenized = []
+    for ids in tokenized:
+        buf = (L.llama_token * max(len(ids), 1))(*ids)
+        cap = 16 * len(ids) + 16
+        text = ctypes.create_string_buffer(cap)
+        n = L.llama_detokenize(vocab, buf, len(ids), text, cap, False, False)
+        detokenized.append(text.raw[:n].decode("utf-8", "replace") if n >= 0 else None)
+    out["detokenized"] = detokenized
 
     tokens = job.get("tokens") or []
     if tokens:

@@ -105,22 +105,27 @@ def test_variant_matches_llama_cpp(variant: Variant, llama_cpp, tokens, tmp_path
 
 def test_tokenizers_agree_on_multilingual_text(llama_cpp, tmp_path):
     """The bundled tokenizer read by kvcli and by llama.cpp from the same GGUF: the same ids for English,
-    Chinese, code, emoji, accents, Greek and Cyrillic, runs of spaces and tabs, and each line alone."""
+    Chinese, code, emoji, accents, Greek and Cyrillic, runs of spaces and tabs, each line alone, and numbers after
+    spaces and in other scripts (DIGIT_TEXTS)."""
     from kvcli.model.loader import load_tokenizer
 
     path = write(VARIANTS[0], tmp_path / "tok.gguf")
     texts = [TEXT, *TEXT.splitlines(keepends=True), " leading space", "trailing space ", "a\n\n\nb", "   ",
-             "<|im_start|>user\nhi<|im_end|>"]
+             "<|im_start|>user\nhi<|im_end|>", *DIGIT_TEXTS]
     _, ref = run_llama_cpp(llama_cpp, path, [], texts=texts, tmp=tmp_path)
     tok = load_tokenizer(None)
     for text, want in zip(texts, ref["tokenized"]):
         assert tok.encode(text) == want, f"{text!r}: kvcli {tok.encode(text)} llama.cpp {want}"
 
 
+# Numbers after spaces and newlines, in other scripts and forms: SmolLM's pre-tokenizer splits every number
+# character off first (llama.cpp's SMOLLM group), so "  4" is "  " + "4", not " " + " 4".
+DIGIT_TEXTS = ["  4", "\n\n2", " ²", "x 12345 y", "pi is 3.14159, e is 2.718", "Ⅻ ① ٣٤ ५ ½", "v1.2.3-rc4\n  10\t20"]
 SPM_TEXTS = [TEXT, *TEXT.splitlines(keepends=True), " leading space", "  two leading", "trailing space ", "a\n\n\nb",
              "   ", "", "x", "<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n", "<s>bos inside</s> text",
              "<|user|>\n  hi <|end|>\n<|assistant|>", "unknown <unk> token", "tab\tand\r\nCRLF 123 3.14 1e-9",
-             "Ελληνικά και русский", "🌊🔥 emoji ✓ and ☃", "mixed中文English混合"]
+             "Ελληνικά και русский", "🌊🔥 emoji ✓ and ☃", "mixed中文English混合", "<|end|>\xa0x", "<|end|>\u3000 y",
+             "<start_of_turn>\u3000x", " x", "  hi", " "]
 
 
 @pytest.mark.parametrize("variant", [v for v in VARIANTS if v.vocab == "spm" or v.name == "bpe-llama3"], ids=_ids)
@@ -128,14 +133,17 @@ def test_file_tokenizers_agree_on_multilingual_text(variant: Variant, llama_cpp,
     """A sentencepiece vocabulary read by kvcli and by llama.cpp from the same GGUF (with the space prefix, without
     it, and a Phi-3 file's whitespace-stripping special tokens), and a byte-level one under Llama 3's rules: the
     same ids for every script, byte fallback (emoji, Greek, Cyrillic are outside the sentencepiece vocabulary),
-    runs of spaces, text between special tokens."""
+    runs of spaces, text between special tokens (Phi-3's take ASCII whitespace only beside them, as C's isspace);
+    and a sentencepiece file's ids decode to llama.cpp's text (a file without the space prefix keeps a first space)."""
     from kvcli.model.loader import load_tokenizer
 
     path = write(variant, tmp_path / f"{variant.name}.gguf")
     _, ref = run_llama_cpp(llama_cpp, path, [], texts=SPM_TEXTS, tmp=tmp_path)
     tok = load_tokenizer(str(path))
-    for text, want in zip(SPM_TEXTS, ref["tokenized"]):
+    for text, want, text_back in zip(SPM_TEXTS, ref["tokenized"], ref["detokenized"]):
         assert tok.encode(text) == want, f"{text!r}: kvcli {tok.encode(text)} llama.cpp {want}"
+        if variant.vocab == "spm" and "<" not in text:  # (special tokens: kvcli's decode skips control tokens)
+            assert tok.decode(want) == text_back, f"{want}: kvcli {tok.decode(want)!r} llama.cpp {text_back!r}"
 
 
 def test_a_wrongly_computed_variant_is_caught(llama_cpp, tokens, tmp_path, monkeypatch):
