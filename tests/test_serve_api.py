@@ -171,6 +171,29 @@ def test_null_max_tokens_is_the_default_not_the_context(server):
     assert r["usage"]["completion_tokens"] == 16
 
 
+def test_a_request_past_what_the_kv_pool_holds_is_refused_not_cut_short():
+    """An 8 MB pool holds 320 tokens of one request while the context is 8,192: a prompt plus max_tokens past 320
+    would end "length" early wherever it ran (a helper's sweep saw 120 of 300 tokens, HTTP 200). It is refused
+    with the pool's size; one that fits runs to its max_tokens; a null max_tokens takes what the pool leaves."""
+    s = ServeProcess("--kv-budget", "8MB", "--max-num-seqs", "2")
+    url = s.wait_ready()
+    try:
+        assert "the KV pool holds 320 tokens of one request, fewer than max_model_len 8,192" in "".join(s.lines)
+        prompt = "word " * 200
+        r = post(url, "/v1/completions", {"prompt": prompt, "max_tokens": 300, "temperature": 0})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["code"] == "context_length_exceeded" and err["param"] == "max_tokens"
+        assert "holds at most 320 tokens of one request (--kv-budget)" in err["message"]
+        n = post(url, "/v1/completions", {"prompt": prompt, "max_tokens": 1}).json()["usage"]["prompt_tokens"]
+        ok = post(url, "/v1/completions", {"prompt": prompt, "max_tokens": 320 - n, "temperature": 0,
+                                           "ignore_eos": True}).json()
+        assert ok["usage"]["completion_tokens"] == 320 - n and ok["choices"][0]["finish_reason"] == "length"
+        chat = post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 400}]})
+        assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages"
+    finally:
+        assert s.stop() == 0 and "Traceback" not in "".join(s.lines), "".join(s.lines)
+
+
 def test_queue_limit_429(server):
     """4 running + 2 waiting: the 7th request at once gets 429; the others complete."""
     body = {"prompt": "Once upon a time", "max_tokens": 60, "ignore_eos": True}

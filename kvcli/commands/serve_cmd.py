@@ -149,8 +149,10 @@ def run_serve(a: ServeArgs, fail: Fail) -> int:
     metrics = ServerMetrics(name, engine.max_model_len, lambda: worker_ref[0].latest(), cache_info)
     worker = EngineWorker(engine, metrics)
     worker_ref.append(worker)
+    capacity = engine.request_capacity
     info = ServerInfo(name, engine.max_model_len, int(time.time()), engine.config.vocab_size,
-                      engine.options.block_size, bool(engine.options.prefix_caching and engine.kv.supports_sharing))
+                      engine.options.block_size, bool(engine.options.prefix_caching and engine.kv.supports_sharing),
+                      capacity if capacity < engine.max_model_len else None)
     host, port = sock.getsockname()[:2]
     loopback = is_loopback(host)
     hosts = ((*LOOPBACK_NAMES, *a.allowed_hosts) if loopback else (a.allowed_hosts or None))
@@ -164,6 +166,10 @@ def run_serve(a: ServeArgs, fail: Fail) -> int:
     print(f"kvcli serve: {name} · {engine.num_blocks:,} KV blocks x {engine.options.block_size} tokens "
           f"({engine.kv_pool_bytes / 2**20:,.1f} MiB, {str(engine.kv_dtype).removeprefix('torch.')}) · "
           f"max_model_len {engine.max_model_len:,}" + _window_note(engine), file=sys.stderr)
+    if capacity < engine.max_model_len:
+        print(f"kvcli: note: the KV pool holds {capacity:,} tokens of one request, fewer than max_model_len "
+              f"{engine.max_model_len:,}: a longer prompt plus max_tokens is refused (raise --kv-budget or lower "
+              "--max-model-len)", file=sys.stderr)
     if not has_chat_template(engine.tokenizer):
         print("kvcli: note: " + NO_CHAT_TEMPLATE.format(what="/v1/chat/completions conversations"), file=sys.stderr)
     if not loopback and not a.api_key:

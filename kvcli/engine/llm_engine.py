@@ -495,6 +495,21 @@ class LLMEngine:
         return self.model.weight_bytes() if self.model is not None else {}
 
     @property
+    def request_capacity(self) -> int:
+        """The most tokens one request can reach with the pool to itself (at most max_model_len): a request whose
+        prompt plus max_tokens is longer cannot finish, whatever else runs; the scheduler would cut it short with
+        finish reason "length". The KV layout's own admission rule decides (a bounded cache's window, a sliding
+        window's blocks, contiguous regions)."""
+        lo, hi = 0, self.max_model_len
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.kv.blocks_to_admit(mid, mid) <= self.kv.num_blocks:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    @property
     def kv_pool_bytes(self) -> int:
         """The KV cache's memory: the usable blocks and the null block."""
         return (self.num_blocks + 1) * self.bytes_per_block

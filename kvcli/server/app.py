@@ -44,6 +44,7 @@ class ServerInfo:
     vocab_size: int
     block_size: int = 16
     prefix_caching: bool = False
+    request_capacity: int | None = None  # the most tokens one request reaches in the KV pool, when below max_model_len
 
 
 @dataclass(frozen=True)
@@ -210,16 +211,26 @@ def create_app(worker: EngineWorker, tokenizer: Tokenizer, info: ServerInfo, met
     def sampling(body: CompletionRequest | ChatCompletionRequest | ResponsesRequest, prompt_len: int,
                  max_tokens: int | None, default: int) -> SamplingParams:
         room = info.max_model_len - prompt_len
+        prompt_param = ("messages" if isinstance(body, ChatCompletionRequest)
+                        else "input" if isinstance(body, ResponsesRequest) else "prompt")
         if room <= 0:
-            raise too_long(prompt_len, "messages" if isinstance(body, ChatCompletionRequest)
-                           else "input" if isinstance(body, ResponsesRequest) else "prompt")
-        if max_tokens is None:
-            max_tokens = min(room, limits.max_tokens_default or default)
-        elif max_tokens > room:
+            raise too_long(prompt_len, prompt_param)
+        if max_tokens is not None and max_tokens > room:
             raise ApiError(400, f"This model's maximum context length is {info.max_model_len} tokens. However, "
                                 f"you requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
                                 f"{max_tokens} for the completion). Please reduce the prompt or max_tokens.",
                            "context_length_exceeded", "max_tokens")
+        pool = info.request_capacity
+        if pool is not None:  # past what the KV pool holds, a request would be cut short ("length") wherever it ran
+            want = max_tokens or 1
+            if prompt_len + want > pool:
+                raise ApiError(400, f"This server's KV cache holds at most {pool} tokens of one request "
+                                    f"(--kv-budget); you requested {prompt_len + want} tokens ({prompt_len} in the "
+                                    f"prompt, {want} for the completion).", "context_length_exceeded",
+                               "max_tokens" if max_tokens and prompt_len < pool else prompt_param)
+            room = min(room, pool - prompt_len)
+        if max_tokens is None:
+            max_tokens = min(room, limits.max_tokens_default or default)
         n = getattr(body, "n", None) or 1
         if n > limits.max_num_seqs:
             raise ApiError(400, f"n is {n}; this server runs at most {limits.max_num_seqs} sequences at once "
