@@ -32,6 +32,11 @@ class Tmux:
         self._tmux("send-keys", "-t", self.name, "-l", text)
         self.send("Enter")
 
+    def paste(self, text: str) -> None:
+        """`text` as a terminal paste delivers it (tmux's paste-buffer: newlines arrive as carriage returns)."""
+        self._tmux("set-buffer", "-b", "kvcli-paste", text)
+        self._tmux("paste-buffer", "-d", "-b", "kvcli-paste", "-t", self.name)
+
     def screen(self) -> str:
         return self._tmux("capture-pane", "-p", "-J", "-t", self.name, "-S", f"-{self.history}")
 

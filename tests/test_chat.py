@@ -247,6 +247,36 @@ def test_chat_in_a_terminal_stream_blocks_ctrl_c_quit():
         t.close()
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="needs the tmux binary for a real terminal "
+                    "(apt-get install -y tmux)")
+def test_chat_a_pasted_block_is_one_message(tmp_path):
+    """Three pasted lines are one message (a terminal sends each pasted newline as Enter); a pasted last line
+    without its newline waits in the editor for Enter, and goes with the rest."""
+    cmd = shlex.join([*KVCLI, "chat", "--temperature", "0", "--max-tokens", "8"])
+    t = Tmux(f"{cmd}; echo KVCLI_EXIT=$?; sleep 120")
+    try:
+        t.wait(at_prompt, "the first prompt", timeout=180)
+        t.paste("Line one of my paste.\nLine two: summarize.\nLine three end.\n")
+        t.wait(lambda s: len(status_lines(s)) == 1 and at_prompt(s), "one reply")
+        t.paste("Another paste,\nits last line unfinished")
+        time.sleep(1.0)
+        assert len(status_lines(t.screen())) == 1  # nothing sent before Enter
+        t.send("Enter")
+        t.wait(lambda s: len(status_lines(s)) == 2 and at_prompt(s), "the second reply")
+        t.type_line(f"/save {tmp_path / 'chat.json'}")
+        t.wait(lambda s: (tmp_path / "chat.json").exists() and at_prompt(s), "the transcript")
+        users = [m["content"] for m in json.loads((tmp_path / "chat.json").read_text())["messages"]
+                 if m["role"] == "user"]
+        assert users == ["Line one of my paste.\nLine two: summarize.\nLine three end.",
+                         "Another paste,\nits last line unfinished"], users
+        t.type_line("/quit")
+        screen = t.wait(lambda s: "KVCLI_EXIT=" in s, "the exit", timeout=60)
+        assert "KVCLI_EXIT=0" in screen and "kvcli chat: 2 turns" in screen and "Traceback" not in screen, screen
+    finally:
+        t.close()
+
+
 def saw_dashboard(s: str) -> bool:
     return "KV blocks" in s and "KV fragmentation" in s and "throughput & latency" in s
 

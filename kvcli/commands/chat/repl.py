@@ -2,8 +2,10 @@
 handling, and everything printed.
 
 Streams: replies go to stdout, everything else (banner, status lines, notices, /stats, /blocks, the
-dashboard) to stderr. With stdin not a terminal each input line is one user message (or slash
-command), every message gets its reply followed by a newline (an empty line when it could not be
+dashboard) to stderr. In a terminal a message is a line, or the lines of a paste: lines already waiting
+when one is entered came with it (a terminal without bracketed paste sends a pasted newline as Enter),
+and a pasted last line without its newline stays in the editor until Enter. With stdin not a terminal
+each input line is one user message (or slash command), every message gets its reply followed by a newline (an empty line when it could not be
 sent), and the exit code at EOF is 0, so `printf 'Hi\\n' | kvcli chat` scripts.
 
 Ctrl-C while a reply streams stops that reply only: the request is aborted between engine steps
@@ -16,6 +18,7 @@ summary and exit code 130.
 from __future__ import annotations
 
 import json
+import select
 import signal
 import sys
 import time
@@ -105,6 +108,15 @@ def ranges(ids: list[int]) -> str:
     return ", ".join(out)
 
 
+def input_waiting(seconds: float = 0.02) -> bool:
+    """Whether more typed input is already waiting on stdin: within 20 ms of an Enter that is a paste (or
+    text sent with it), never a person typing the next line."""
+    try:
+        return bool(select.select([sys.stdin], [], [], seconds)[0])
+    except (OSError, ValueError):
+        return False
+
+
 class ChatRepl:
     def __init__(self, engine, a: ChatArgs, err: Console, interactive: bool) -> None:
         self.engine = engine
@@ -128,17 +140,25 @@ class ChatRepl:
 
     # --- reading input --------------------------------------------------------------------------------
     def read(self) -> str | None:
-        """One line, or None at EOF. KeyboardInterrupt propagates."""
+        """One message, or None at EOF: a line, or in a terminal the lines of a paste. KeyboardInterrupt
+        propagates."""
         if not self.interactive:
             line = sys.stdin.readline()
             return None if line == "" else line.rstrip("\r\n")
         try:
             if isatty(sys.stdout):
-                return input(self._prompt_text())
-            self.err.print(PROMPT, end="", markup=False, highlight=False)  # keep a redirected stdout clean
-            return input()
+                line = input(self._prompt_text())
+            else:
+                self.err.print(PROMPT, end="", markup=False, highlight=False)  # keep a redirected stdout clean
+                line = input()
         except EOFError:
             return None
+        while input_waiting():  # a paste's next lines, already there when its first was entered
+            try:
+                line += "\n" + input()
+            except EOFError:
+                break
+        return line
 
     def _prompt_text(self) -> str:
         if "readline" in sys.modules and self.err.is_terminal and not self.err.no_color:
@@ -173,7 +193,7 @@ class ChatRepl:
             if problem:
                 self.note(f"{problem}: not sent (the conversation is unchanged)")
                 continue
-            if text.startswith("/") and not text.startswith("//"):
+            if text.startswith("/") and not text.startswith("//") and "\n" not in text:
                 if not self.command(text):
                     break
                 continue
