@@ -275,6 +275,12 @@ def test_refusals_are_openai_shaped(server, path, body, param, code, needle):
     assert needle in err["message"]
 
 
+@pytest.mark.parametrize("stop", ["", [""], ["</answer>", ""]])
+def test_an_empty_stop_string_is_refused_alone_or_in_a_list(server, stop):
+    r = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "stop": stop})
+    assert r.status_code == 400 and "stop strings must be non-empty" in r.json()["error"]["message"], r.text
+
+
 def test_temperature_nan_is_not_finite(server):
     r = post(server, "/v1/completions", '{"prompt": "hi", "temperature": NaN}')
     assert r.status_code == 400 and "finite number" in r.json()["error"]["message"]

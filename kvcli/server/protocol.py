@@ -95,7 +95,7 @@ class _Sampling(_Strict):
     def stop_list(self) -> tuple[str, ...]:
         if self.stop is None:
             return ()
-        return (self.stop,) if isinstance(self.stop, str) else tuple(s for s in self.stop if s)
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)  # "" in a list: refused as alone
 
 
 class CompletionRequest(_Sampling):

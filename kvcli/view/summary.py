@@ -12,7 +12,8 @@ def summary_table(s: Snapshot, title: str = "kvcli summary") -> Table:
     t = Table(title=title, show_header=False, title_justify="left", box=None, padding=(0, 2))
     t.add_column(style="bold")
     t.add_column()
-    t.add_row("prompt tokens", f"{s.prompt_tokens:,}")
+    hits = f" computed, {s.prefix_hit_tokens:,} found in the prefix cache" if s.prefix_hit_tokens else ""
+    t.add_row("prompt tokens", f"{s.prompt_tokens:,}{hits}")
     t.add_row("generated tokens", f"{s.generated_tokens:,}")
     t.add_row("prefill", f"{s.prefill_tok_s:,.1f} tok/s ({s.prefill_seconds:.2f} s)")
     t.add_row("decode", f"{s.decode_tok_s:,.1f} tok/s ({s.decode_seconds:.2f} s)")
