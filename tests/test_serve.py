@@ -116,6 +116,13 @@ def test_completion_stream_equals_whole(server):
     chunks = [e for e in events[:-2]]
     assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert all(c["usage"] is None for c in chunks)
+    # vLLM's continuous_usage_stats: the usage so far on every chunk, rising to the total
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    events = sse(post(server, "/v1/completions", {**body, "stream": True, "stream_options": opts}).text)
+    counts = [e["usage"]["completion_tokens"] for e in events[:-1]]
+    assert counts == sorted(counts) and counts[-1] == 12 and counts[0] < 12
+    assert all(e["usage"]["prompt_tokens"] == whole["usage"]["prompt_tokens"] for e in events[:-1])
     # Token ids as the prompt (what profile --endpoint sends) give the same text.
     from kvcli.model.loader import load_tokenizer
 

@@ -87,6 +87,17 @@ def test_post_needs_json(server, ctype):
     assert r.status_code == 200
 
 
+def test_wrong_methods_get_405_with_allow_and_health_answers_head(server):
+    """A POST to a GET route is a 405 naming the allowed methods (not a 415 for its body: only the routes that
+    take a body check it), a GET to a POST route likewise; /health answers HEAD as load balancers send it."""
+    r = httpx.post(f"{server}/v1/models", content=b"x", headers=auth())
+    assert r.status_code == 405 and r.headers["allow"] == "GET" and r.json()["error"]["code"] == "method_not_allowed"
+    r = httpx.get(f"{server}/v1/completions", headers=auth())
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
+    assert httpx.post(f"{server}/v1/models", content=b"x").status_code == 401  # the key first, as before
+    assert httpx.head(f"{server}/health").status_code == 200
+
+
 def test_cors_only_for_allowed_origins(server):
     pre = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"}
     ok = httpx.options(f"{server}/v1/completions", headers={"Origin": ORIGIN, **pre})

@@ -174,9 +174,11 @@ def create_app(worker: EngineWorker, tokenizer: Tokenizer, info: ServerInfo, met
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return error_response(exc.status_code, str(exc.detail), code)
+        r = error_response(exc.status_code, str(exc.detail), code)
+        r.headers.update(exc.headers or {})  # a 405's Allow
+        return r
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         if not worker.alive:
             return error_response(503, f"engine is not running ({worker.error or 'shut down'})", "engine_unavailable")
@@ -392,6 +394,9 @@ def create_app(worker: EngineWorker, tokenizer: Tokenizer, info: ServerInfo, met
                                  "choices": choices, "usage": usage(prompt_tokens, count, cached())})
 
         include_usage = body.stream_options is not None and bool(body.stream_options.include_usage)
+        # vLLM's continuous_usage_stats: with include_usage, every chunk carries the usage so far
+        continuous = include_usage and bool(body.stream_options.continuous_usage_stats)
+        so_far = [0]  # completion tokens streamed (body_iter counts them)
         kind = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(i: int, text: str | None, reason: str | None, role: bool = False, lp=None) -> dict:
@@ -401,8 +406,8 @@ def create_app(worker: EngineWorker, tokenizer: Tokenizer, info: ServerInfo, met
             else:
                 c = {"index": i, "text": text or "", "logprobs": lp, "finish_reason": reason}
             out = {**head, "object": kind, "choices": [c]}
-            if include_usage:
-                out["usage"] = None  # as OpenAI: null on every chunk but the last
+            if include_usage:  # as OpenAI: null on every chunk but the last
+                out["usage"] = usage(prompt_tokens, so_far[0], cached()) if continuous else None
             return out
 
         async def body_iter() -> AsyncIterator[str]:
@@ -420,6 +425,7 @@ def create_app(worker: EngineWorker, tokenizer: Tokenizer, info: ServerInfo, met
                 try:
                     async for c, p, out in every_event():
                         count += len(out.new_token_ids)
+                        so_far[0] = count
                         if echo_later and out.prompt_logprobs is not None:
                             yield sse(chunk(c, echoes[p], None, lp=fmt.format(prompt_items(prompts[p], out))))
                         if fmt is not None and out.logprobs is not None:  # every token, its text or not
@@ -645,8 +651,9 @@ def build_app(worker: EngineWorker, tokenizer: Tokenizer, info: ServerInfo, metr
               limits: ServeLimits = ServeLimits(), security: Security = Security()):
     """The routes behind the Host check, CORS (with allowed origins only) and the Guard."""
     app = create_app(worker, tokenizer, info, metrics, limits)
+    posts = [r.path for r in app.routes if "POST" in getattr(r, "methods", ())]
     inner = Guard(app, api_key=security.api_key, metrics_need_key=security.metrics_need_key,
-                  max_body_bytes=limits.max_request_bytes)
+                  max_body_bytes=limits.max_request_bytes, body_paths=posts)
     if security.allowed_origins:
         from starlette.middleware.cors import CORSMiddleware
 

@@ -6,7 +6,8 @@ streams). In order:
    `--allowed-hosts`; elsewhere only `--allowed-hosts` when given. Otherwise 421.
 2. The API key (`--api-key` / KVCLI_API_KEY): `Authorization: Bearer KEY` on every /v1 route (and on
    /metrics with `--metrics-need-key`), compared in constant time. /health is always open. Otherwise 401.
-3. POST bodies: `Content-Type: application/json` (a cross-site `text/plain` POST needs no CORS
+3. POST bodies of the routes that take one (`body_paths`; a POST elsewhere goes on to the router's 404 / 405):
+   `Content-Type: application/json` (a cross-site `text/plain` POST needs no CORS
    preflight, so a web page could send one) else 415; at most `max_body_bytes` (a declared
    Content-Length over it is refused before a byte is read, a chunked body as soon as it passes) else
    413. The body is read here and handed on whole.
@@ -71,8 +72,10 @@ class HostCheck:
 
 
 class Guard:
-    def __init__(self, app: ASGIApp, *, api_key: str | None, metrics_need_key: bool, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, *, api_key: str | None, metrics_need_key: bool, max_body_bytes: int,
+                 body_paths: Iterable[str]) -> None:
         self.app = app
+        self.body_paths = frozenset(body_paths)
         self.key = None if not api_key else api_key.encode()
         self.metrics_need_key = metrics_need_key
         self.max_body = max_body_bytes
@@ -97,7 +100,7 @@ class Guard:
                 await send_error(send, 401, f"API key {why}: send the server's key as 'Authorization: Bearer KEY'",
                                  "invalid_api_key", extra_headers=[(b"www-authenticate", b"Bearer")])
                 return
-        if scope["method"] != "POST":
+        if scope["method"] != "POST" or scope["path"] not in self.body_paths:
             await self.app(scope, receive, send)
             return
         ctype = headers.get(b"content-type", b"").split(b";")[0].strip().lower()

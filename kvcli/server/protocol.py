@@ -33,7 +33,7 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool | None = False
-    continuous_usage_stats: bool | None = None  # vLLM's; accepted, usage comes once at the end
+    continuous_usage_stats: bool | None = None  # vLLM's: with include_usage, the usage so far on every chunk
 
 
 class ResponseFormat(_Strict):
