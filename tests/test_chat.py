@@ -277,6 +277,35 @@ def test_chat_a_pasted_block_is_one_message(tmp_path):
         t.close()
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="needs the tmux binary for a real terminal "
+                    "(apt-get install -y tmux)")
+def test_chat_keys_typed_during_a_reply_wait_for_the_prompt():
+    """Keys typed while a reply streams are not echoed into it; they show at the next prompt, and Enter sends
+    them (the terminal's echo is off while the reply streams, back on after)."""
+    cmd = shlex.join([*KVCLI, "chat", "--temperature", "0", "--max-tokens", "300"])
+    t = Tmux(f"{cmd}; echo KVCLI_EXIT=$?; sleep 120")
+    try:
+        t.wait(at_prompt, "the first prompt", timeout=180)
+        t.type_line("Write a long story about a lighthouse keeper.")
+
+        def streaming(s: str) -> bool:
+            body = [line for line in after(s, "you> Write a long story") if line.strip() and "thinking" not in line]
+            return any(re.search(r"[A-Za-z]{3}", line) for line in body)
+
+        t.wait(streaming, "the reply to start streaming", timeout=120)
+        t.send("-l", "/stats")
+        screen = t.wait(lambda s: len(status_lines(s)) == 1 and "you> /stats" in s, "the typed-ahead keys at the prompt")
+        assert screen.count("/stats") == 1, screen  # not in the reply too
+        t.send("Enter")
+        t.wait(lambda s: "conversation: 1 turn" in s and at_prompt(s), "/stats run")
+        t.type_line("/quit")
+        screen = t.wait(lambda s: "KVCLI_EXIT=" in s, "the exit", timeout=60)
+        assert "KVCLI_EXIT=0" in screen and "Traceback" not in screen, screen
+    finally:
+        t.close()
+
+
 def saw_dashboard(s: str) -> bool:
     return "KV blocks" in s and "KV fragmentation" in s and "throughput & latency" in s
 

@@ -22,6 +22,7 @@ import select
 import signal
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from rich.console import Console
@@ -57,6 +58,34 @@ def unreadable_input(line: str) -> str | None:
     if "\x00" in line:
         return "a NUL byte in the line, expected text"
     return None
+
+
+@contextmanager
+def keys_unechoed(active: bool):
+    """While a reply streams, keys typed ahead are not echoed into it: the terminal keeps them (echo off, the
+    line discipline otherwise as it was: Ctrl-C still signals) and the next prompt's line editor shows them."""
+    try:
+        import termios
+    except ImportError:  # not a POSIX terminal
+        active = False
+    fd, old = None, None
+    if active:
+        try:
+            fd = sys.stdin.fileno()
+            old = termios.tcgetattr(fd)
+            new = list(old)
+            new[3] &= ~termios.ECHO  # lflag
+            termios.tcsetattr(fd, termios.TCSANOW, new)  # TCSANOW: what was typed stays
+        except (termios.error, OSError, ValueError):
+            old = None
+    try:
+        yield
+    finally:
+        if old is not None:
+            try:
+                termios.tcsetattr(fd, termios.TCSANOW, old)
+            except (termios.error, OSError):
+                pass
 
 
 class SigintLatch:
@@ -326,7 +355,7 @@ class ChatRepl:
                 if self.interactive and self.err.is_terminal and view.dash is None:
                     spinner = self.err.status("[dim]thinking…[/dim]", spinner="dots")
                     spinner.start()
-                with view:
+                with view, keys_unechoed(self.interactive and isatty(sys.stdin)):
                     while not req.finished and not latch.hit:
                         outs = e.step()
                         if not req.finished:
