@@ -203,10 +203,12 @@ FIGURES: dict[str, Figure] = {f.name: f for f in [
     Figure("ab-verify-heads6", "ab:main", "before/after: the verify-step figure at 7beb56e (a query group's K / V "
            "rows converted once per 4 heads) and in this tree (once per 6), interleaved",
            ("--before", "7beb56e", "verify-step", "--rounds", "4", "--", "--rounds", "9"), in_make_figures=False),
-    # The small-row loop on records (cpu_int8dot.c one_rec): f9b421f is the tree before.
+    # The small-row loop on records (cpu_int8dot.c one_rec) and greedy verification's argmax through NumPy
+    # (sampler.argmax_rows): f9b421f is the tree before both.
     Figure("ab-verify-recs", "ab:main", "before/after: the verify-step figure at f9b421f (the small-row loop reading "
-           "each row's blocks in place) and in this tree (from records side by side), interleaved",
-           ("--before", "f9b421f", "verify-step", "--rounds", "4", "--", "--rounds", "9"), in_make_figures=False),
+           "each row's blocks in place, torch's argmax over a verification's rows) and in this tree (records side "
+           "by side, NumPy's argmax), interleaved",
+           ("--before", "f9b421f", "verify-step", "--rounds", "6", "--", "--rounds", "9"), in_make_figures=False),
     Figure("triton-matrix", "script:bash scripts/triton_matrix.sh", "kernel tests under older Triton releases",
            in_make_figures=False),
     Figure("gpu-check-dry-run", "script:python3 scripts/gpu_check.py --dry-run",
