@@ -69,3 +69,17 @@ def test_continue_dashboard_on_a_terminal(tmp_path):
         subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
     assert "KV blocks" in seen and "KV fragmentation" in seen and "memory" in seen, seen
     assert "Traceback" not in seen
+
+
+def test_continue_log_lines_start_their_own_line_when_stdout_shares_stderr():
+    """--no-live with stdout and stderr joined (a terminal, `2>&1`): the status lines on stderr, the last one
+    printed as the run ends, start a line of their own instead of running on from the continuation's unfinished
+    line; stdout alone holds only the continuation."""
+    args = [*KVCLI, "continue", str(REPO / "samples" / "keepers-log.txt"), "-n", "12", "--no-live"]
+    joined = subprocess.run(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    assert joined.returncode == 0, joined.stdout
+    lines = joined.stdout.splitlines()
+    status = [i for i, line in enumerate(lines) if re.search(r"step \d+ · running \d+ waiting", line)]
+    assert status and all(lines[i].startswith("step ") for i in status), joined.stdout
+    apart = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    assert "step " not in apart.stdout and apart.stdout.endswith("\n") and apart.stdout.count("\n") >= 1

@@ -23,7 +23,7 @@ from kvcli.metrics.snapshot import Snapshot
 from kvcli.metrics.window import WindowTracker, with_window
 from kvcli.view.dashboard import LiveDashboard
 from kvcli.model.tokenizer import document_ids
-from kvcli.view.plain_log import human_bytes
+from kvcli.view.plain_log import human_bytes, same_destination
 from kvcli.view.summary import snapshot_dict, summary_table
 
 
@@ -110,6 +110,8 @@ def run_continue(a: ContinueArgs, fail: Fail) -> int:
     view = None if a.json_out else _LiveView(engine, err, len(prompt), live=a.live and err.is_terminal)
     by_line = view is not None and view.dash.use_live and sys.stdout.isatty()  # stdout shares the terminal
     stream = _Stream(quiet=a.json_out, above=view.dash if by_line else None)
+    if view is not None and not by_line and same_destination(sys.stdout, sys.stderr):
+        view.dash.end_text_line = stream.end_line  # log lines on stderr never land inside a line of the text
     t0 = time.perf_counter()
     try:
         with (view.dash if view else nullcontext()):
@@ -233,6 +235,12 @@ class _Stream:
         self.held: list[str] = []  # the unfinished line's pieces, under the dashboard
         self.quiet = quiet
         self.above = above
+        self.mid_line = False  # written straight to stdout: the last piece did not end its line
+
+    def end_line(self) -> bool:
+        """Whether stdout is mid-line (a line of stderr then needs a newline first); the line counts as ended."""
+        was, self.mid_line = self.mid_line, False
+        return was
 
     def emit(self, text: str) -> None:
         if not text:
@@ -243,6 +251,7 @@ class _Stream:
         if self.above is None:
             sys.stdout.write(text)
             sys.stdout.flush()
+            self.mid_line = not text.endswith("\n")
             return
         if "\n" not in text:
             self.held.append(text)

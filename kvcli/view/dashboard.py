@@ -299,6 +299,9 @@ class LiveDashboard:
         self._draw = threading.Lock()  # one draw at a time: see the class docstring
         self._stop = threading.Event()
         self._refresher: threading.Thread | None = None
+        # Plain log lines: where streamed text shares their destination, a callable that says whether that text
+        # is mid-line now (and counts the line as ended), so that a log line starts a line of its own.
+        self.end_text_line: Callable[[], bool] | None = None
 
     @property
     def latest(self) -> Snapshot | None:
@@ -314,6 +317,8 @@ class LiveDashboard:
     def _log(self, s: Snapshot) -> None:
         self._last_log = self._clock()
         self._logged = s
+        if self.end_text_line is not None and self.end_text_line():
+            self.console.print()
         self.console.print(format_log_line(s), markup=False, highlight=False, soft_wrap=True)
 
     def _map_rows(self, s: Snapshot) -> int:

@@ -4,6 +4,7 @@ statistic formatters that the dashboard shares with it so both show the same val
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterable, Sequence
 
 from kvcli.metrics.snapshot import KVBreakdown, Snapshot
@@ -18,6 +19,15 @@ def human_bytes(n: float | None) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+def same_destination(a, b) -> bool:
+    """Whether two streams write to one place (a terminal, a file or pipe that `2>&1` joined): lines written to
+    one then show inside the other's."""
+    try:
+        return os.path.samestat(os.fstat(a.fileno()), os.fstat(b.fileno()))
+    except (AttributeError, OSError, ValueError):
+        return False
 
 
 def pct(fraction: float) -> str:
