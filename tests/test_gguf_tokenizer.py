@@ -112,6 +112,17 @@ def test_numbers_are_split_off_first_under_smollms_rules(gguf_path) -> None:
     assert gpt2.encode("  4", add_special_tokens=False).ids == [216, 216, 36]
 
 
+def test_characters_the_vocabulary_lacks_are_dropped_without_joining_their_neighbours(gguf_path) -> None:
+    """llama.cpp's ids (as above): U+0004 and U+001D have no byte token in the bundled vocabulary; llama.cpp drops
+    them and merges nothing across them, where `tokenizers` alone merged '.' + '.' into '..' ([950])."""
+    from kvcli.model.gguf_tokenizer import absent_chars
+
+    tok = load_gguf_tokenizer(gguf_path, (2,))
+    assert tok.encode(".\x04.") == [30, 30] and tok.encode(" \x1d\u200d") == [216, 321, 231]
+    assert absent_chars(set()) is None and absent_chars({0x85}) is None  # (continuation bytes: not listed)
+    assert absent_chars({0x04, 0xC3, 0xF4}) == "[\\x{4}\\x{C0}-\\x{FF}\\x{100000}-\\x{10FFFF}]"
+
+
 def test_phi3_specials_strip_ascii_whitespace_only(tmp_path) -> None:
     """A Phi-3 file's special tokens take the whitespace beside them as C's isspace() sees it (llama.cpp): a
     no-break or ideographic space stays text (llama.cpp's ids for the conformance suite's spm-phi3 file)."""

@@ -21,6 +21,7 @@ _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 GPT2_REGEX = None  # ByteLevel's built-in GPT-2 pattern (only as the last)
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"  # the same, spelled out
 # Every number character alone first, then GPT-2's pattern: SmolLM's tokenizer.json (Digits with individual_digits,
 # then ByteLevel) and llama.cpp's STARCODER / REFACT / SMOLLM group. So "  4" is "  " + "4", where GPT-2's pattern
 # alone gives " " + " 4" (the bundled model's samples: 0.2-0.4 % more tokens).
@@ -35,6 +36,31 @@ PRE_TOKENIZER_SPLITS: dict[str, tuple[str | None, ...]] = {
 # (llama_vocab's ignore_merges: the Llama 3 family), as their tokenizer.json files ask of `tokenizers`.
 IGNORE_MERGES = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3"})
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp token types
+
+
+def absent_chars(missing: set[int]) -> str | None:
+    """A regex class of the characters whose UTF-8 holds a byte the vocabulary has no token for (SmolLM's lacks
+    0x04, 0x06, 0x13, 0x14, 0x16, 0x1D and the lead bytes 0xF1-0xF4: U+40000 and up), or None: none, or a missing
+    continuation byte (0x80-0xBF), whose characters this does not list. llama.cpp drops such a character and merges
+    nothing across it ('.' U+0004 '.' is two '.' tokens); `tokenizers` drops it before merging ('..'), so each one
+    is cut out as a piece of its own first."""
+    ranges: list[tuple[int, int]] = []
+    for b in sorted(missing):
+        if 0x80 <= b <= 0xBF:
+            return None
+        if b < 0x80:
+            ranges.append((b, b))
+        elif 0xC2 <= b <= 0xDF:
+            ranges.append(((b & 0x1F) << 6, ((b & 0x1F) << 6) | 0x3F))
+        elif 0xE0 <= b <= 0xEF:
+            lo, hi = max((b & 0x0F) << 12, 0x800), ((b & 0x0F) << 12) | 0xFFF
+            ranges.append((lo, 0xD7FF if b == 0xED else hi))  # (0xED's upper half: the surrogates)
+        elif 0xF0 <= b <= 0xF4:
+            ranges.append((max((b & 0x07) << 18, 0x10000), min(((b & 0x07) << 18) | 0x3FFFF, 0x10FFFF)))
+        # 0xC0, 0xC1, 0xF5-0xFF: in no UTF-8 text
+    if not ranges:
+        return None
+    return "[" + "".join(f"\\x{{{lo:X}}}" if lo == hi else f"\\x{{{lo:X}}}-\\x{{{hi:X}}}" for lo, hi in ranges) + "]"
 
 
 @lru_cache(maxsize=1)
@@ -72,10 +98,13 @@ def build_bpe_tokenizer(meta: dict[str, Any]):
     merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
     pre = meta.get("tokenizer.ggml.pre", "gpt-2")
     tk = Tokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False, ignore_merges=pre in IGNORE_MERGES))
-    *splits, last = PRE_TOKENIZER_SPLITS[pre]
-    steps = [pre_tokenizers.Split(Regex(p), behavior="isolated") for p in (*splits, last) if p is not None]
+    patterns = list(PRE_TOKENIZER_SPLITS[pre])
+    gap = absent_chars({b for b, c in spelling.items() if c not in vocab})
+    if gap is not None:  # after the family's patterns, which see the text as llama.cpp's regex does
+        patterns = [_GPT2_SPLIT if p is GPT2_REGEX else p for p in patterns] + [gap]
+    steps = [pre_tokenizers.Split(Regex(p), behavior="isolated") for p in patterns if p is not GPT2_REGEX]
     # ByteLevel maps each piece's bytes to the vocabulary's alphabet, splitting by GPT-2's pattern where that is last
-    steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=last is GPT2_REGEX))
+    steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=patterns[-1] is GPT2_REGEX))
     tk.pre_tokenizer = steps[0] if len(steps) == 1 else pre_tokenizers.Sequence(steps)
     tk.decoder = decoders.ByteLevel()
     # Control tokens match whole and are special (skipped when decoding); a "control" token spelled
