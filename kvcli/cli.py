@@ -386,6 +386,8 @@ def plan(
                                                        show_default=False)] = None,
     kv_dtype: Annotated[str, typer.Option("--kv-dtype", help="KV cache format to plan for: fp16, bf16, fp32, "
                                           "int8 or fp8 (scales included).")] = "fp16",
+    json_out: Annotated[bool, typer.Option("--json", help="Print only a JSON report on stdout (the same numbers, "
+                                           "in bytes; the exit status as without).")] = False,
     engine: EngineFlags = NO_FLAGS,
 ) -> None:
     """Will it fit? Weight and KV memory arithmetic from a model's config.
@@ -395,7 +397,7 @@ def plan(
     from kvcli.commands.plan_cmd import PlanArgs, run_plan
 
     args = PlanArgs(model=engine.model, context=context, batch=batch, memory=memory, mean_tokens=mean_tokens,
-                    options=engine.options(fail, kv_dtype=kv_dtype))
+                    options=engine.options(fail, kv_dtype=kv_dtype), json_out=json_out)
     code = run_plan(args, fail)
     if code:
         raise typer.Exit(code)

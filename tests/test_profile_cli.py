@@ -101,6 +101,22 @@ def test_plan_numbers():
     one_line_error(runner.invoke(app, ["plan", "--model", "dummy:nope"]), "unknown dummy preset")
 
 
+def test_plan_json_holds_the_tables_numbers_and_its_exit_status():
+    args = ["plan", "--model", "dummy:llama-2-7b", "--context", "4096", "--memory", "24GiB", "--json"]
+    r = runner.invoke(app, [*args, "--batch", "16"])
+    assert r.exit_code == 0, r.stderr
+    d = json.loads(r.stdout)  # nothing but the report on stdout
+    assert d["kv_bytes_per_token"] == 512 * 1024 and d["kv_bytes_per_request"] == 2 * 2**30
+    assert d["rotary_table_bytes"] == 4 * 2**20 and d["mean_tokens"] == 1024 and d["mean_tokens_assumed"]
+    assert (d["fit"]["requests_contiguous"], d["fit"]["requests_paged"]) == (8, 35)  # as test_plan_numbers
+    assert d["batch_fits"] == {"contiguous": False, "paged": True} and d["exit_status"] == 0
+    assert [f["kv_dtype"] for f in d["per_kv_dtype"]] == ["fp32", "fp16", "bf16", "int8", "fp8"]
+    r = runner.invoke(app, [*args, "--batch", "64"])
+    assert r.exit_code == 2 and json.loads(r.stdout)["batch_fits"] == {"contiguous": False, "paged": False}
+    r = runner.invoke(app, [*args[:-2], "1GiB", "--json"])  # the weights alone exceed it
+    assert r.exit_code == 1 and json.loads(r.stdout)["fit"] is None
+
+
 def test_plan_states_its_paged_assumption():
     out = plan_text()
     assert "each holds ~1,024 tokens on average (assumed: context / 4; set --mean-tokens)" in out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +46,7 @@ class PlanArgs:
     memory: str | None
     mean_tokens: int | None
     options: EngineOptions  # block size and KV dtype, validated like every other command's
+    json_out: bool = False
 
 
 @dataclass(frozen=True)
@@ -131,6 +133,35 @@ def run_plan(a: PlanArgs, fail: Fail) -> int:
     tables = rotary_table_bytes(config)
     kv_budget = int(mem * USABLE) - w_total - tables
     dtype_name = str(kv_dtype).removeprefix("torch.")
+    step = EngineOptions.max_num_batched_tokens
+    held, held_note = None, None  # what the paged layout holds of one request where layers slide
+    if sliding_window_of(config):  # every layer slides: the paged layout gives back what is before the window
+        held_tokens = paged_kv_held(config, dtype_name, context, block_size, step) // per_tok
+        held = per_tok * held_tokens
+        held_note = (f"{held_tokens:,} tokens at most: the blocks before the {sliding_window_of(config):,}-token "
+                     "window go back")
+        mean = min(mean, held_tokens)
+    elif kv_groups_of(config).hybrid:  # some layers slide: their groups' tables hold only the window
+        held = paged_kv_held(config, dtype_name, context, block_size, step)
+        windowed = sum(len(g.layers) for g in kv_groups_of(config).groups if g.window)
+        held_note = (f"{held / max(per_tok * context, 1):.2f}x: the {windowed} windowed layers keep their own block "
+                     "tables and hold only their window")
+    fit = kv_fit(config, dtype_name, kv_budget, context, mean, block_size) if kv_budget > 0 else None
+    fits = {} if fit is None or batch is None else {"contiguous": batch <= fit.requests_contiguous,
+                                                    "paged": batch <= fit.requests_paged}
+    code = 1 if fit is None else 0 if batch is None or any(fits.values()) else 2
+    if a.json_out:
+        print(json.dumps({
+            "model": config.name, "memory_bytes": mem, "kv_dtype": dtype_name, "block_size": block_size,
+            "weight_bytes": w_total, "weights": weights, "rotary_table_bytes": tables,
+            "kv_bytes_per_token": per_tok, "context": context, "kv_bytes_per_request": per_tok * context,
+            "kv_bytes_held_paged": held, "kv_budget_bytes": max(kv_budget, 0), "mean_tokens": mean,
+            "mean_tokens_assumed": mean_tokens is None, "batch": batch, "batch_fits": fits or None,
+            "fit": None if fit is None else fit.as_dict(),
+            "per_kv_dtype": [f.as_dict() for f in kv_fits(config, kv_budget, context, mean, block_size)]
+            if fit is not None else [],
+            "exit_status": code}, indent=2))
+        return code
     t = Table(title=f"kvcli plan · {config.name} · {human_bytes(mem)} memory · KV {dtype_name} · "
                     f"block {block_size}", title_justify="left", show_header=False)
     t.add_column(style="bold")
@@ -142,33 +173,21 @@ def run_plan(a: PlanArgs, fail: Fail) -> int:
     t.add_row("KV per token", human_bytes(per_tok),
               f"2 x {config.num_layers} layers x {config.num_kv_heads} KV heads x {config.head_dim}")
     t.add_row("KV per request", human_bytes(per_tok * context), f"at --context {context:,}")
-    step = EngineOptions.max_num_batched_tokens
-    if sliding_window_of(config):  # every layer slides: the paged layout gives back what is before the window
-        held = paged_kv_held(config, dtype_name, context, block_size, step) // per_tok
-        t.add_row("  held, paged", human_bytes(per_tok * held),
-                  f"{held:,} tokens at most: the blocks before the {sliding_window_of(config):,}-token window go back")
-        mean = min(mean, held)
-    elif kv_groups_of(config).hybrid:  # some layers slide: their groups' tables hold only the window
-        held = paged_kv_held(config, dtype_name, context, block_size, step)
-        windowed = sum(len(g.layers) for g in kv_groups_of(config).groups if g.window)
-        t.add_row("  held, paged", human_bytes(held),
-                  f"{held / max(per_tok * context, 1):.2f}x: the {windowed} windowed layers keep their own block "
-                  f"tables and hold only their window")
-    if kv_budget <= 0:
+    if held is not None:
+        t.add_row("  held, paged", human_bytes(held), held_note)
+    if fit is None:
         t.add_row("KV budget", "none", f"the weights and tables alone exceed {USABLE:.0%} of memory")
         Console().print(t)
-        return 1
+        return code
     t.add_row("KV budget", human_bytes(kv_budget), f"{USABLE:.0%} of memory minus weights and tables")
-    fit = kv_fit(config, dtype_name, kv_budget, context, mean, block_size)
     t.add_row("tokens that fit", f"{fit.tokens_fit:,}", "")
-    contiguous, paged = fit.requests_contiguous, fit.requests_paged
-    t.add_row("requests, contiguous", f"{contiguous:,}", f"each preallocates {context:,} tokens")
+    t.add_row("requests, contiguous", f"{fit.requests_contiguous:,}", f"each preallocates {context:,} tokens")
     assumed = "--mean-tokens" if mean_tokens else "assumed: context / 4; set --mean-tokens"
-    t.add_row("requests, paged", f"{paged:,}", f"each holds ~{mean:,} tokens on average ({assumed}) in blocks")
-    if batch is not None:
-        for name, fits in (("contiguous", contiguous), ("paged", paged)):
-            verdict = "fits" if batch <= fits else f"does not fit ({fits:,} max)"
-            t.add_row(f"--batch {batch} {name}", verdict, "")
+    t.add_row("requests, paged", f"{fit.requests_paged:,}", f"each holds ~{mean:,} tokens on average ({assumed}) in "
+                                                            "blocks")
+    for name, ok in fits.items():
+        most = fit.requests_contiguous if name == "contiguous" else fit.requests_paged
+        t.add_row(f"--batch {batch} {name}", "fits" if ok else f"does not fit ({most:,} max)", "")
     Console().print(t)
     Console().print(kv_dtype_table(config, kv_budget, context, mean, block_size, dtype_name))
-    return 0 if batch is None or batch <= max(paged, contiguous) else 2
+    return code
