@@ -246,8 +246,8 @@ class ChatRepl:
         if name in ("/help", "/?"):
             for cmd, what in HELP:
                 self.err.print(f"  [bold]{escape(cmd):<11}[/bold] {escape(what)}", highlight=False)
-            self.err.print("  [dim]a line starting with // sends a message that starts with /; "
-                           "Ctrl-C stops a reply; Ctrl-D quits[/dim]", highlight=False)
+            self.err.print("  [dim]a line starting with // sends a message that starts with /; a pasted block of "
+                           "lines is one message; Ctrl-C stops a reply; Ctrl-D quits[/dim]", highlight=False)
         elif name == "/stats":
             self.stats()
         elif name == "/blocks":
