@@ -665,21 +665,41 @@ static inline __attribute__((always_inline)) void unpack_nibbles16(const uint8_t
     }
 }
 
+/* A group kind known at compile time (kind >= 0: the forms one level takes, form_ok), or -1: read at run time. */
+static inline __attribute__((always_inline)) __m256 groups8_as(const kvq_groups *q, const int kind, __m256 scale_v,
+                                                               int64_t g, int64_t b, int64_t nb) {
+    if (kind == KVQ_F16) return load_f16x8((const uint16_t *)q->v + (g * nb + b) * 8);
+    if (kind == KVQ_F32) return _mm256_loadu_ps((const float *)q->v + (g * nb + b) * 8);
+    if (kind == KVQ_NONE) return _mm256_setzero_ps();
+    return groups8(q, scale_v, g, b, nb);
+}
+
+/* Block b of groups g, g + 1 (scale and min kinds SK, MK as groups8_as takes them): its scales and mins as 16
+ * lanes, its codes unpacked; the cache lines PREFETCH_BLOCKS blocks on asked for. Returns whether it has mins. */
+static inline __attribute__((always_inline)) int block16_weights(const kvq_args *a, const int SK, const int MK,
+                                                                 int64_t g, int64_t b, __m512 *dw, __m512 *mw,
+                                                                 __m512i w[8]) {
+    const int64_t nb = a->K / QK;
+    const int mins = MK < 0 ? a->mins.kind != KVQ_NONE : MK != KVQ_NONE;
+    const __m256 z = _mm256_setzero_ps();
+    const __m256 d0 = groups8_as(&a->scale, SK, z, g, b, nb), d1 = groups8_as(&a->scale, SK, z, g + 1, b, nb);
+    *dw = join8(d0, d1);
+    *mw = mins ? join8(groups8_as(&a->mins, MK, d0, g, b, nb), groups8_as(&a->mins, MK, d1, g + 1, b, nb))
+               : _mm512_setzero_ps();
+    const uint8_t *c0 = a->codes + (g * nb + b) * 128, *c1 = c0 + nb * 128;
+    prefetch_lines(c0 + PREFETCH_BLOCKS * 128, 128);
+    prefetch_lines(c1 + PREFETCH_BLOCKS * 128, 128);
+    unpack_nibbles16(c0, c1, w);
+    return mins;
+}
+
 /* Block b of groups g, g + 1 against rows m0 .. m0 + R - 1: f / f2 (the outlier blocks' second level) += their sums. */
 static inline __attribute__((always_inline)) void one_level_block16(const kvq_args *a, const int R, int64_t g,
                                                                     int64_t m0, int64_t b, __m512 *f, __m512 *f2) {
     const int64_t nb = a->K / QK;
-    const int mins = a->mins.kind != KVQ_NONE;
-    const __m256 z = _mm256_setzero_ps();
-    const __m256 d0 = groups8(&a->scale, z, g, b, nb), d1 = groups8(&a->scale, z, g + 1, b, nb);
-    const __m512 dw = join8(d0, d1);
-    const __m512 mw = mins ? join8(groups8(&a->mins, d0, g, b, nb), groups8(&a->mins, d1, g + 1, b, nb))
-                           : _mm512_setzero_ps();
-    const uint8_t *c0 = a->codes + (g * nb + b) * 128, *c1 = c0 + nb * 128;
-    prefetch_lines(c0 + PREFETCH_BLOCKS * 128, 128);
-    prefetch_lines(c1 + PREFETCH_BLOCKS * 128, 128);
+    __m512 dw, mw;
     __m512i w[8];
-    unpack_nibbles16(c0, c1, w);
+    const int mins = block16_weights(a, -1, -1, g, b, &dw, &mw, w);
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++) {
         const int64_t xi = (m0 + r) * nb + b;
@@ -728,31 +748,13 @@ typedef struct one_rec {
     int32_t lv0, lv1, flag, pad[3];
 } one_rec;
 
-/* A group kind known at compile time (kind >= 0: the forms one level takes, form_ok), or -1: read at run time. */
-static inline __attribute__((always_inline)) __m256 groups8_as(const kvq_groups *q, const int kind, __m256 scale_v,
-                                                               int64_t g, int64_t b, int64_t nb) {
-    if (kind == KVQ_F16) return load_f16x8((const uint16_t *)q->v + (g * nb + b) * 8);
-    if (kind == KVQ_F32) return _mm256_loadu_ps((const float *)q->v + (g * nb + b) * 8);
-    if (kind == KVQ_NONE) return _mm256_setzero_ps();
-    return groups8(q, scale_v, g, b, nb);
-}
-
 /* one_level_block16 on records (x: the block's first row's): every operation per lane the same, in the same order. */
 static inline __attribute__((always_inline)) void one_level_rec16(const kvq_args *a, const int R, const int SK,
                                                                   const int MK, int64_t g, int64_t b,
                                                                   const one_rec *x, __m512 *f, __m512 *f2) {
-    const int64_t nb = a->K / QK;
-    const __m256 z = _mm256_setzero_ps();
-    const __m256 d0 = groups8_as(&a->scale, SK, z, g, b, nb), d1 = groups8_as(&a->scale, SK, z, g + 1, b, nb);
-    const __m512 dw = join8(d0, d1);
-    const int mins = MK < 0 ? a->mins.kind != KVQ_NONE : MK != KVQ_NONE;
-    const __m512 mw = mins ? join8(groups8_as(&a->mins, MK, d0, g, b, nb), groups8_as(&a->mins, MK, d1, g + 1, b, nb))
-                           : _mm512_setzero_ps();
-    const uint8_t *c0 = a->codes + (g * nb + b) * 128, *c1 = c0 + nb * 128;
-    prefetch_lines(c0 + PREFETCH_BLOCKS * 128, 128);
-    prefetch_lines(c1 + PREFETCH_BLOCKS * 128, 128);
+    __m512 dw, mw;
     __m512i w[8];
-    unpack_nibbles16(c0, c1, w);
+    const int mins = block16_weights(a, SK, MK, g, b, &dw, &mw, w);
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++) {
         const one_rec *xr = x + r;
