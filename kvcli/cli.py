@@ -374,7 +374,9 @@ def watch(
 @app.command("plan")
 @engine_flags("block_size", "model")
 def plan(
-    context: Annotated[int, typer.Option("--context", "-c", help="Tokens per request (prompt + output).")] = 8192,
+    context: Annotated[Optional[int], typer.Option("--context", "-c", help="Tokens per request (prompt + output). "
+                                                   "Default: the model's context length.",
+                                                   show_default=False)] = None,
     batch: Annotated[Optional[int], typer.Option("--batch", "-b", help="Concurrent requests to check: the exit "
                                                  "status is 2 when neither layout holds them (0 when one does). "
                                                  "Default: none checked.", show_default=False)] = None,

@@ -115,6 +115,8 @@ def test_plan_json_holds_the_tables_numbers_and_its_exit_status():
     assert r.exit_code == 2 and json.loads(r.stdout)["batch_fits"] == {"contiguous": False, "paged": False}
     r = runner.invoke(app, [*args[:-2], "1GiB", "--json"])  # the weights alone exceed it
     assert r.exit_code == 1 and json.loads(r.stdout)["fit"] is None
+    r = runner.invoke(app, ["plan", "--model", "dummy:llama-2-7b", "--json"])  # --context: the model's, 4,096
+    assert r.exit_code == 0 and json.loads(r.stdout)["context"] == 4096 and "exceeds" not in r.stderr
 
 
 def test_plan_states_its_paged_assumption():

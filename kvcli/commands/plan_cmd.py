@@ -41,7 +41,7 @@ def weight_bytes(config) -> dict[str, int]:
 @dataclass(frozen=True)
 class PlanArgs:
     model: str | None
-    context: int
+    context: int | None  # None: the model's context length
     batch: int | None
     memory: str | None
     mean_tokens: int | None
@@ -123,6 +123,11 @@ def run_plan(a: PlanArgs, fail: Fail) -> int:
             mem = 24 * 2**30
     except (ModelLoadError, ConfigError) as e:
         fail(str(e))
+    if context is None:
+        context = config.max_position_embeddings
+        if mean_tokens is not None and mean_tokens > context:
+            fail(f"--mean-tokens {mean_tokens:,} is more than the model's {context:,}-token context: a request holds "
+                 "at most the context")
     if context > config.max_position_embeddings:
         Console(stderr=True).print(f"[yellow]note: --context {context} exceeds the model's "
                                    f"{config.max_position_embeddings}-token limit[/yellow]")
