@@ -204,8 +204,7 @@ HF_KEYS_READ = frozenset({
 _GEMMA_KEYS = frozenset({"query_pre_attn_scalar", "final_logit_softcapping", "attn_logit_softcapping",
                          "hidden_activation", "sliding_window_pattern", "_sliding_window_pattern",
                          "use_bidirectional_attention"})
-# cache_implementation ("hybrid") names transformers' cache class for generate(), not what is computed.
-HF_KEYS_READ_BY = {"gemma3": _GEMMA_KEYS | {"rope_local_base_freq"}, "gemma2": _GEMMA_KEYS | {"cache_implementation"}}
+HF_KEYS_READ_BY = {"gemma3": _GEMMA_KEYS | {"rope_local_base_freq"}, "gemma2": _GEMMA_KEYS}
 # Bookkeeping, training-only (dropout, initialisation) and generation defaults that transformers keeps on
 # every config; pretraining_tp splits Llama's matmuls into slices of the same sums.
 HF_KEYS_INERT = frozenset({
@@ -220,6 +219,12 @@ HF_KEYS_INERT = frozenset({
     "encoder_no_repeat_ngram_size", "bad_words_ids", "num_return_sequences", "output_scores",
     "return_dict_in_generate", "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values",
     "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens",
+    # what real checkpoints carry besides (SmolLM2's own config, Unsloth's fine-tunes, transformers 4.4x's saves):
+    # markers, the attention implementation and cache class transformers picks, training switches, lengths the
+    # tokenizer or a trainer used (the context is max_position_embeddings)
+    "is_llama_config", "unsloth_version", "unsloth_fixed", "_attn_implementation_autoset", "attn_implementation",
+    "_attn_implementation", "cache_implementation", "gradient_checkpointing", "model_max_length", "max_seq_len",
+    "rope_interleaved",  # false only: true is refused below
 })
 
 
@@ -237,6 +242,8 @@ def _check_hf_keys(cfg: dict, arch: str) -> None:
         raise ValueError(f"hidden_act {act!r}: kvcli computes the {arch} MLP with silu (SwiGLU)")
     if cfg.get("mlp_bias"):
         raise ValueError("mlp_bias = true (biases on the MLP projections) is not computed by kvcli")
+    if cfg.get("rope_interleaved"):
+        raise ValueError("rope_interleaved = true (rotary over interleaved pairs) is not computed by kvcli")
 
 
 def _in_checkpoint_dtype(x: float, cfg: dict) -> float:

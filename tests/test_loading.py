@@ -311,3 +311,52 @@ def test_tiny_gguf_linears_match_a_dense_reference(tmp_path, arch, qtype):
             err = (got - want).abs().max().item() / want.abs().max().item()
             # (the file's unquantized output.weight runs as a bf16 GEMM on both: most of int8dot's error)
             assert err < (1e-2 if mode == "int8dot-cpu" else 2e-2), (arch, qtype, err)
+
+
+def test_folders_people_have_load_and_broken_ones_are_refused_in_one_line(tmp_path, tokenizer_files):
+    """A helper's sweep of Hugging Face folders (2026-12-07): what real checkpoints carry loads (SmolLM2's own
+    config fields, Unsloth's, Gemma 3's cache_implementation, a stale or adapter safetensors beside the weights,
+    Mistral's consolidated copy); a config whose sizes the tensors do not have (memory corruption before), tokens
+    past the embedding table (an IndexError), a missing shard or no tokenizer files are one-line refusals."""
+    import shutil
+
+    from kvcli.model.loader import ModelLoadError, load_weights
+    from kvcli.options import ConfigError
+
+    folder, _ = make_checkpoint(tmp_path, tokenizer_files, "llama")
+    cfg = json.loads((folder / "config.json").read_text())
+
+    def variant(name: str, **changes) -> str:
+        d = tmp_path / name
+        shutil.copytree(folder, d)
+        (d / "config.json").write_text(json.dumps({**cfg, **changes}))
+        return str(d)
+
+    inert = variant("inert", is_llama_config=True, rope_interleaved=False, unsloth_version="2025.1",
+                    unsloth_fixed=True, _attn_implementation_autoset=True, cache_implementation="hybrid",
+                    model_max_length=512, gradient_checkpointing=False)
+    from safetensors.torch import save_file
+
+    save_file({"base_model.model.lm_head.lora_A.weight": torch.zeros(8, 64)},  # a LoRA adapter: not applied
+              str(tmp_path / "inert" / "adapter_model.safetensors"))
+    save_file({"layers.0.attention.wq.weight": torch.zeros(64, 64)},  # Mistral's own names for the same weights
+              str(tmp_path / "inert" / "consolidated.safetensors"))
+    loaded = load_weights(inert, quant="none")
+    assert set(loaded.weights) == set(load_weights(str(folder), quant="none").weights)  # the extra files not read
+    with pytest.raises(ModelLoadError, match="rope_interleaved = true"):
+        load_weights(variant("interleaved", rope_interleaved=True))
+    for name, change, needle in (("hidden", dict(hidden_size=128), r"has shape \[49152, 64\] where config.json's "
+                                 r"sizes make it \[49152, 128\]"),
+                                 ("kv", dict(num_key_value_heads=4), r"k_proj.weight has shape \[32, 64\]"),
+                                 ("ffn", dict(intermediate_size=256), r"has shape"),
+                                 ("layers", dict(num_hidden_layers=1), "hold layer 1 .* num_hidden_layers is 1")):
+        with pytest.raises(ModelLoadError, match=needle):
+            load_weights(variant(name, **change))
+    notok = variant("notok")
+    for f in tokenizer_files.iterdir():
+        (tmp_path / "notok" / f.name).unlink()
+    with pytest.raises(ModelLoadError, match="no tokenizer files"):
+        load_weights(notok)
+    llm = LLM(variant("smallvocab", vocab_size=49152), quant="none", kv_budget="4MiB")
+    with pytest.raises(ConfigError, match="token id 49152 .* outside the model's 49,152-token vocabulary"):
+        llm.engine.add_request([1, 2, 49152], SamplingParams(max_tokens=1))

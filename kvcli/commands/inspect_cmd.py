@@ -20,7 +20,7 @@ from kvcli.config import ModelConfig
 from kvcli.kvcache.block_manager import sliding_window_of
 from kvcli.kvcache.kv_groups import kv_groups_of
 from kvcli.model.layers import rotary_table_bytes
-from kvcli.model.loader import ModelLoadError, bundled_gguf_path, load_config
+from kvcli.model.loader import ModelLoadError, bundled_gguf_path, load_config, weight_files
 from kvcli.options import ConfigError, EngineOptions
 from kvcli.view.plain_log import human_bytes
 
@@ -130,7 +130,7 @@ def _safetensors_groups(path: Path) -> list[TensorGroup]:
     method = _quant_method(path)
     packed_suffixes = SUFFIXES.get(method or "", ())
     groups: dict[str, list[int]] = {}
-    for f in sorted(path.glob("*.safetensors")):
+    for f in weight_files(path):
         with safe_open(str(f), "pt") as st:
             for key in st.keys():
                 sl = st.get_slice(key)

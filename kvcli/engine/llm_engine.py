@@ -362,6 +362,7 @@ class LLMEngine:
             ids = list(prompt)
         if not ids:
             raise ConfigError("empty prompt")
+        self._check_vocabulary(ids)
         if len(ids) >= self.max_model_len and self.retention is None:
             raise ConfigError(f"prompt has {len(ids)} tokens; the context holds {self.max_model_len}")
         if params.n > 1 and not self.kv.supports_sharing:
@@ -443,6 +444,7 @@ class LLMEngine:
             raise RuntimeError("score() needs an idle engine")
         if not 1 <= first_scored < len(token_ids):
             raise ConfigError(f"nothing to score: {len(token_ids)} tokens, scoring from {first_scored}")
+        self._check_vocabulary(token_ids)
         if len(token_ids) > self.max_model_len and self.retention is None:
             raise ConfigError(f"{len(token_ids)} tokens do not fit the {self.max_model_len}-token context")
         if self.retention is not None:
@@ -493,6 +495,21 @@ class LLMEngine:
 
     def weight_bytes(self) -> dict[str, int]:
         return self.model.weight_bytes() if self.model is not None else {}
+
+    def _check_vocabulary(self, ids: Sequence[int]) -> None:
+        """Token ids the model has embeddings for: a tokenizer with tokens added past the embedding table (added
+        without resizing it) gives ids the model cannot read."""
+        top, low = max(ids), min(ids)
+        if top >= self.config.vocab_size or low < 0:
+            bad = top if top >= self.config.vocab_size else low
+            what = ""
+            if self.tokenizer is not None:
+                try:
+                    what = f" ({self.tokenizer.decode([bad])!r})"
+                except Exception:
+                    what = ""
+            raise ConfigError(f"token id {bad}{what} is outside the model's {self.config.vocab_size:,}-token vocabulary "
+                              "(its tokenizer has tokens the model has no embeddings for)")
 
     @property
     def request_capacity(self) -> int:

@@ -160,6 +160,69 @@ def _with_generation_eos(config: ModelConfig, path: Path) -> ModelConfig:
     return replace(config, eos_token_ids=tuple(dict.fromkeys(ids)))
 
 
+# A dense layer tensor's shape from the config: (rows, cols) of a linear, (n,) of a bias or norm.
+def _layer_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+    h, d, f, q, kv = c.hidden_size, c.head_dim, c.intermediate_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    return {"self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h), "self_attn.v_proj.weight": (kv, h),
+            "self_attn.o_proj.weight": (h, q), "mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h),
+            "mlp.down_proj.weight": (h, f), "self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
+            "self_attn.v_proj.bias": (kv,), "self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,),
+            "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+            "pre_feedforward_layernorm.weight": (h,), "post_feedforward_layernorm.weight": (h,)}
+
+
+def check_hf_shapes(config: ModelConfig, raw: dict[str, torch.Tensor], where: str, linears: bool = True) -> None:
+    """Every tensor of the folder at the shape its config.json gives it, and no layer past num_hidden_layers: the
+    model and its C kernels take their sizes from the config, so a mismatch (a hidden_size the weights do not have)
+    read past the weights (a double free, a crash) or computed garbage without a word. Refused in one line, as
+    transformers refuses such a folder. linears False: a pre-quantized folder's packed linears are not checked."""
+    c = config
+    top = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size), "lm_head.weight": (c.vocab_size, c.hidden_size),
+           "model.norm.weight": (c.hidden_size,)}
+    layer = _layer_shapes(c)
+    sizes = (f"hidden_size {c.hidden_size}, heads {c.num_heads} x head_dim {c.head_dim}, KV heads {c.num_kv_heads}, "
+             f"intermediate_size {c.intermediate_size}, vocab_size {c.vocab_size}")
+    for name, t in raw.items():
+        want = top.get(name)
+        if want is None and name.startswith("model.layers."):
+            index, _, suffix = name[len("model.layers."):].partition(".")
+            if index.isdigit() and int(index) >= c.num_layers:
+                raise ModelLoadError(f"{where}: the weights hold layer {index} ({name}) but config.json's "
+                                     f"num_hidden_layers is {c.num_layers}")
+            want = layer.get(suffix)
+            if not linears and suffix.endswith("proj.weight"):
+                want = None
+        if want is not None and tuple(t.shape) != want:
+            raise ModelLoadError(f"{where}: {name} has shape {list(t.shape)} where config.json's sizes make it "
+                                 f"{list(want)} ({sizes})")
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The folder's weight files as transformers picks them: the shards model.safetensors.index.json names (each
+    must be there), else model.safetensors, else every *.safetensors but an adapter's (adapter_model.safetensors,
+    not applied) and Mistral's consolidated copy of the same weights under its own names."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(read_json_object(index)["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise ModelLoadError(f"{index}: not a safetensors index (no weight_map of tensor names to files)") from None
+        missing = [f for f in shards if not (path / f).is_file()]
+        if missing:
+            raise ModelLoadError(f"{path}: {missing[0]} is missing ({len(missing)} of the {len(shards)} shards "
+                                 f"{index.name} names)")
+        return [path / f for f in shards]
+    if (path / "model.safetensors").is_file():
+        return [path / "model.safetensors"]
+    files = [f for f in sorted(path.glob("*.safetensors"))
+             if f.name != "adapter_model.safetensors" and not f.name.startswith("consolidated")]
+    if not files:
+        bins = any(path.glob("*.bin"))
+        raise ModelLoadError(f"{path}: no *.safetensors weights" + (" (PyTorch .bin weights are not read: convert "
+                                                                    "them to safetensors)" if bins else ""))
+    return files
+
+
 def _load_hf_dir(path: Path, quant: str) -> LoadedWeights:
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
@@ -169,9 +232,7 @@ def _load_hf_dir(path: Path, quant: str) -> LoadedWeights:
         config = _with_generation_eos(ModelConfig.from_hf_dict(cfg, name=path.name), path)
     except ValueError as e:
         raise ModelLoadError(f"{cfg_file}: {e}") from None
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(f"{path}: no *.safetensors weights")
+    files = weight_files(path)
     from safetensors.torch import load_file
 
     raw: dict[str, torch.Tensor] = {}
@@ -184,6 +245,7 @@ def _load_hf_dir(path: Path, quant: str) -> LoadedWeights:
         split_fused(config, raw, path.name)  # Phi-3's qkv_proj / gate_up_proj
     except ValueError as e:
         raise ModelLoadError(str(e)) from None
+    check_hf_shapes(config, raw, path.name, linears=_quantization_config(path, cfg) is None)
     if config.architecture in ("gemma2", "gemma3"):  # GemmaRMSNorm scales by (1 + weight): folded once, as llama.cpp's converter
         for name in [n for n in raw if n.endswith("norm.weight")]:
             raw[name] = raw[name].float() + 1.0
@@ -232,10 +294,7 @@ def _load_hf_dir(path: Path, quant: str) -> LoadedWeights:
         kinds = sorted({n.rsplit(".", 2)[-2] for n in unpacked})
         notes.append(f"{len(unpacked)} linears ({', '.join(kinds)}) kept dense: their input width is not a multiple "
                      f"of int4's group of {Q4_GROUP} ({raw[unpacked[0]].shape[1]:,} in {unpacked[0]})")
-    try:
-        tok = load_dir_tokenizer(path, config.eos_token_ids)
-    except Exception as e:
-        raise ModelLoadError(f"{path}: cannot load its tokenizer ({type(e).__name__}: {e})") from None
+    tok = _dir_tokenizer(path, config)
     return LoadedWeights(config, weights, tok, str(path), formats, dense_linears="nf4" if quant == "nf4" else "keep",
                          notes=notes)
 
@@ -280,10 +339,7 @@ def _load_prequantized(path: Path, config: ModelConfig, raw: dict[str, torch.Ten
     notes = []
     if quant != "auto":
         notes.append(f"--quant {quant} does not apply: {path.name} is already quantized ({label})")
-    try:
-        tok = load_dir_tokenizer(path, config.eos_token_ids)
-    except Exception as e:
-        raise ModelLoadError(f"{path}: cannot load its tokenizer ({type(e).__name__}: {e})") from None
+    tok = _dir_tokenizer(path, config)
     return LoadedWeights(config, weights, tok, str(path), formats, dense_linears=dense_linears, notes=notes)
 
 
@@ -332,9 +388,28 @@ def load_tokenizer(spec: str | None) -> Tokenizer:
         return ByteTokenizer()
     path = bundled_gguf_path() if not spec or spec == "bundled" else Path(spec).expanduser()
     config = load_config(spec)
+    if path.is_dir():
+        return _dir_tokenizer(path, config)
     try:
-        if path.is_dir():
-            return load_dir_tokenizer(path, config.eos_token_ids)
         return load_gguf_tokenizer(path, config.eos_token_ids)
     except Exception as e:
-        raise ModelLoadError(f"{path}: cannot load its tokenizer ({type(e).__name__}: {e})") from None
+        raise ModelLoadError(f"{path}: cannot load its tokenizer ({type(e).__name__}: {first_line(e)})") from None
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [""])[0]
+
+
+def _dir_tokenizer(path: Path, config: ModelConfig):
+    """A folder's tokenizer, or one line saying why not (transformers' own message runs to several, and for a
+    folder with no tokenizer files at all points at sentencepiece)."""
+    if not any((path / f).is_file() for f in TOKENIZER_FILES):
+        raise ModelLoadError(f"{path}: no tokenizer files ({', '.join(TOKENIZER_FILES)}): copy the model's "
+                             "tokenizer next to its weights")
+    try:
+        return load_dir_tokenizer(path, config.eos_token_ids)
+    except Exception as e:
+        raise ModelLoadError(f"{path}: cannot load its tokenizer ({type(e).__name__}: {first_line(e)})") from None

@@ -70,8 +70,22 @@ NO_CHAT_TEMPLATE = ("this model has no chat template: {what} go to it as plain '
 
 
 def has_chat_template(tokenizer: Tokenizer) -> bool:
-    """Whether chat turns go through the model's own template (else plain_chat_text's lines)."""
-    return tokenizer.render_chat([{"role": "user", "content": "x"}]) is not None
+    """Whether chat turns go through the model's own template (else plain_chat_text's lines). A template that
+    fails to render counts: each use reports its error (chat_template_error)."""
+    try:
+        return tokenizer.render_chat([{"role": "user", "content": "x"}]) is not None
+    except Exception:
+        return True
+
+
+def chat_template_error(tokenizer: Tokenizer) -> str | None:
+    """Why the model's chat template cannot render one plain user message (a Jinja syntax error, a template that
+    raises), in one line; None when it renders or there is none."""
+    try:
+        tokenizer.render_chat([{"role": "user", "content": "x"}])
+    except Exception as e:
+        return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+    return None
 
 
 def plain_chat_text(messages: list[dict], add_generation_prompt: bool = True) -> str:
