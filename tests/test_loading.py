@@ -357,6 +357,12 @@ def test_folders_people_have_load_and_broken_ones_are_refused_in_one_line(tmp_pa
         (tmp_path / "notok" / f.name).unlink()
     with pytest.raises(ModelLoadError, match="no tokenizer files"):
         load_weights(notok)
+    # tie_word_embeddings with the file's own lm_head: transformers (5.x) computes with the file's, so does kvcli
+    tied = variant("tied", tie_word_embeddings=True)
+    ids = list(range(5, 40))
+    want = logits_through_engine(LLM(str(folder), quant="none", kv_budget="4MiB").engine, ids, 64)
+    got = logits_through_engine(LLM(tied, quant="none", kv_budget="4MiB").engine, ids, 64)
+    assert torch.equal(got, want)
     llm = LLM(variant("smallvocab", vocab_size=49152), quant="none", kv_budget="4MiB")
     with pytest.raises(ConfigError, match="token id 49152 .* outside the model's 49,152-token vocabulary"):
         llm.engine.add_request([1, 2, 49152], SamplingParams(max_tokens=1))

@@ -435,7 +435,9 @@ def plan_model(config, weights: dict, *, tier: str, dtype: torch.dtype, device: 
             projs.append(ProjectionPlan(proj, plans, bias))
         layers.append(tuple(projs))
 
-    tied = config.tie_word_embeddings or "lm_head.weight" not in weights
+    # The file's own lm_head when it has one, tie_word_embeddings or not (transformers 5 keeps a checkpoint's
+    # lm_head.weight too; a file saved tied holds none, or the same values)
+    tied = "lm_head.weight" not in weights
     table = weights["model.embed_tokens.weight"] if tied else weights["lm_head.weight"]
     if tier == "cpu" and isinstance(table, QuantTensor) and native.int8dot and int8dot_takes(table):
         route = int8dot_route(caps, row_invariant)
