@@ -23,8 +23,9 @@ def read_text_file(path: Path) -> str:
         raise InputError(f"{path}: file is empty")
     if not data.strip():
         raise InputError(f"{path}: file holds only whitespace, no text")
-    if b"\x00" in data[:8192]:
-        raise InputError(f"{path}: looks binary (NUL bytes), expected UTF-8 text")
+    nul = data.find(b"\x00")  # anywhere: a NUL past the first page is as binary as one in it
+    if nul >= 0:
+        raise InputError(f"{path}: looks binary (a NUL byte at {nul:,}), expected UTF-8 text")
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -39,11 +40,14 @@ def check_writable(path: Path) -> None:
     parent = path.parent if str(path.parent) else Path(".")
     if not parent.is_dir():
         raise InputError(f"{path}: folder {parent} does not exist")
+    existed = path.exists()
     try:
         with open(path, "a", encoding="utf-8"):
             pass
     except OSError as e:
         raise InputError(f"{path}: cannot write ({e.strerror})") from None
+    if not existed:  # the probe leaves nothing behind: a run that fails before writing creates no empty file
+        path.unlink(missing_ok=True)
 
 
 def same_file(a: Path, b: Path) -> bool:

@@ -54,6 +54,7 @@ def files(tmp_path: Path) -> dict[str, Path]:
         "empty": tmp_path / "empty.txt",
         "blank": tmp_path / "blank.txt",
         "binary": tmp_path / "blob.bin",
+        "late_nul": tmp_path / "late.txt",
         "latin1": tmp_path / "latin1.txt",
         "dir": tmp_path / "folder",
         "ok": tmp_path / "ok.txt",
@@ -61,6 +62,7 @@ def files(tmp_path: Path) -> dict[str, Path]:
     f["empty"].write_bytes(b"")
     f["blank"].write_text("  \n\n")
     f["binary"].write_bytes(bytes(range(256)) * 4)
+    f["late_nul"].write_bytes(b"plain text " * 1000 + b"\x00" + b"more text")  # past the first 8 KiB
     f["latin1"].write_bytes("caf\xe9 au lait".encode("latin-1"))
     f["dir"].mkdir()
     f["ok"].write_text("Once upon a time")
@@ -69,7 +71,7 @@ def files(tmp_path: Path) -> dict[str, Path]:
 
 @pytest.mark.parametrize("kind,needle", [
     ("missing", "no such file"), ("empty", "empty"), ("blank", "only whitespace"), ("binary", "binary"),
-    ("latin1", "not valid UTF-8"), ("dir", "directory"),
+    ("late_nul", "a NUL byte at 11,000"), ("latin1", "not valid UTF-8"), ("dir", "directory"),
 ])
 def test_bad_input_files(files, tmp_path, kind, needle):
     path = files.get(kind, tmp_path / "nope.txt")
@@ -91,6 +93,15 @@ def test_bad_input_files(files, tmp_path, kind, needle):
 ])
 def test_bad_flags(files, args, needle):
     one_line_error(runner.invoke(app, ["continue", str(files["ok"]), *args]), needle)
+
+
+def test_a_failed_run_leaves_no_empty_output_file(files, tmp_path):
+    """-o is checked writable before the run; a run refused after that check (here: a budget too small for the
+    text) creates no empty file."""
+    out = tmp_path / "out.txt"
+    one_line_error(runner.invoke(app, ["continue", str(files["ok"]), "-o", str(out), "--kv-budget", "1KiB"]),
+                   "--kv-budget")
+    assert not out.exists()
 
 
 def test_corrupt_gguf(files, tmp_path):
