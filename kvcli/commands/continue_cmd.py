@@ -86,7 +86,7 @@ def run_continue(a: ContinueArgs, fail: Fail) -> int:
 
     with err.status("loading model…", spinner="dots"):
         engine = build_engine(a.model, a.quant, a.options, fail)
-    ids = document_ids(engine.tokenizer, text)
+    ids = document_ids(engine.tokenizer, text, literal=True)  # a document: special spellings are its text
     if len(ids) + params.max_tokens <= engine.max_model_len:
         engine.unbounded_for_kv_groups()  # Gemma: per-group tables hold less than the bounded cache's one table
     try:

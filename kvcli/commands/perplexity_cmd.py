@@ -36,7 +36,7 @@ def run_perplexity(a: PerplexityArgs, fail: Fail) -> int:
         fail(str(e))
     with err.status("loading model…", spinner="dots"):
         engine = build_engine(a.model, a.quant, a.options, fail)
-    ids = document_ids(engine.tokenizer, text)
+    ids = document_ids(engine.tokenizer, text, literal=True)  # as llama.cpp's perplexity reads a document
     if engine.retention is not None and (a.window or a.stride):
         fail("--window/--stride (windowed recomputation) and --kv-window (one stream through a bounded cache) "
              "are two ways to score a long text: give one")

@@ -60,9 +60,28 @@ def with_bos(tokenizer: Tokenizer, ids: list[int]) -> list[int]:
     return ids if not prefix or ids[:len(prefix)] == prefix else prefix + ids
 
 
-def document_ids(tokenizer: Tokenizer, text: str) -> list[int]:
-    """A text the model reads from its start (continue, perplexity, an engine text prompt)."""
-    return with_bos(tokenizer, tokenizer.encode(text))
+def document_ids(tokenizer: Tokenizer, text: str, literal: bool = False) -> list[int]:
+    """A text the model reads from its start (continue, perplexity, an engine text prompt). literal: special-token
+    spellings in it (<|endoftext|>, <|im_start|>) are text, as llama.cpp's perplexity tokenizes a document
+    (parse_special false); else they are the tokens they name, as a hand-written prompt means them."""
+    return with_bos(tokenizer, encode_literal(tokenizer, text) if literal else tokenizer.encode(text))
+
+
+def encode_literal(tokenizer: Tokenizer, text: str) -> list[int]:
+    """The text's ids with special-token spellings read as plain text (llama_tokenize, parse_special false)."""
+    if isinstance(tokenizer, SPMTokenizer):  # llama.cpp's encoder takes the choice itself
+        return tokenizer.encode(text, parse_special=False)
+    core = tokenizer.core() if hasattr(tokenizer, "core") else None
+    if core is None:
+        return tokenizer.encode(text)
+    literal = getattr(tokenizer, "_literal_core", None)
+    if literal is None:  # a private copy: the setting is per object, and the shared one keeps parsing
+        from tokenizers import Tokenizer as CoreTokenizer
+
+        literal = CoreTokenizer.from_str(core.to_str())
+        literal.encode_special_tokens = True
+        tokenizer._literal_core = literal
+    return list(literal.encode(text, add_special_tokens=False).ids)
 
 
 NO_CHAT_TEMPLATE = ("this model has no chat template: {what} go to it as plain 'user: ...' / 'assistant: ...' lines, "

@@ -185,3 +185,27 @@ def test_spm_text_spelling_a_control_token_stays_text_unless_parsed(llama_cpp, t
     for text, ids in zip(texts, want):
         assert tok.encode(text, parse_special=False) == ids, text
     assert tok.encode(texts[1], parse_special=False) != tok.encode(texts[1])  # control text differs when parsed
+
+
+def test_a_document_spelling_special_tokens_reads_them_as_text(llama_cpp, tmp_path):
+    """continue and perplexity read a document as llama.cpp's perplexity does (parse_special false): a novel that
+    writes <|endoftext|> or <|im_start|> gets their spelling's tokens, not an end-of-text id in its middle."""
+    import json
+    import subprocess
+
+    from engines import WORKER
+
+    from kvcli.model.loader import load_tokenizer
+    from kvcli.model.tokenizer import document_ids
+
+    path = write(VARIANTS[0], tmp_path / "tok.gguf")
+    texts = ["x<|im_start|>user\n<|endoftext|>y", "The end.<|endoftext|>\n\nChapter 2  1984", "plain text, no specials"]
+    job = {"model": str(path), "tokens": [], "texts": texts, "greedy": 0, "parse_special": False,
+           "logits_out": str(tmp_path / "x.npy"), "threads": 1}
+    p = subprocess.run([str(llama_cpp), str(WORKER)], input=json.dumps(job), capture_output=True, text=True,
+                       timeout=300, check=True)
+    want = json.loads(p.stdout.strip().splitlines()[-1])["tokenized"]
+    tok = load_tokenizer(None)
+    for text, ids in zip(texts, want):
+        assert document_ids(tok, text, literal=True) == ids, text
+    assert 0 in document_ids(tok, texts[0])  # a prompt (not literal) still means the token it spells
