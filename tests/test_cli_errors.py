@@ -214,6 +214,8 @@ CASES = [
     (["plan", "--model", "dummy:nope"], "unknown dummy preset"),
     # an output longer than the whole context names -n, not the text (a 6-token text was told it was too long)
     (["continue", "OK", "-n", "100000"], "--max-tokens 100,000 is past the 8,192-token context"),
+    # ... and at the model's own context, raising --max-model-len cannot help: a window that slides can
+    (["continue", "OK", "-n", "9000"], "(e.g. --kv-window 2048) that slides on while it generates"),
     # a plain number above 1 with a fraction is neither a share of memory nor whole bytes
     (["continue", "OK", "--kv-budget", "1.5"], "a fraction of free memory must be in (0, 1]"),
     (["plan", "--memory", "0"], "a size must be positive"),

@@ -247,11 +247,12 @@ class LLMEngine:
             room = max(options.kv_window_margin, options.block_size)
             if options.kv_window_margin >= self.max_model_len > r.sink_slots + options.block_size:
                 # the output alone is past a context that would hold a shorter one
+                longer = (", or raise --max-model-len" if self.max_model_len < c.max_position_embeddings else "")
                 raise ConfigError(f"--max-tokens {options.kv_window_margin:,} is past the {self.max_model_len:,}-token "
-                                  f"context: the bounded cache keeps room for the whole output beside {r.sink_slots} "
-                                  f"sink slots and a window of at least 1, so at most "
-                                  f"{max(0, self.max_model_len - r.sink_slots - 1):,}; lower -n or raise "
-                                  f"--max-model-len")
+                                  f"context: the automatic window keeps room for the whole output beside "
+                                  f"{r.sink_slots} sink slots and a window of at least 1, so at most "
+                                  f"{max(0, self.max_model_len - r.sink_slots - 1):,}; lower -n, or give a window "
+                                  f"(e.g. --kv-window 2048) that slides on while it generates{longer}")
             raise ConfigError(f"a {self.max_model_len:,}-token context is too short to stream a text past it: the "
                               f"bounded cache needs {r.sink_slots} sink slots (--sink-tokens {options.sink_tokens} "
                               f"in whole blocks) + room for generation ({room:,}: --max-tokens, at least one block) "
