@@ -171,3 +171,11 @@ def test_budget_too_small_for_the_prompt(tmp_path):
     r = runner.invoke(app, ["continue", str(long), "--model", "dummy:smollm2-135m", "--kv-budget", "1474560",
                             "--no-live"])
     one_line_error(r, "KV blocks")
+
+
+def test_perplexity_past_the_pool_says_what_fits_and_what_to_change(tmp_path):
+    long = tmp_path / "long.txt"
+    long.write_text("word " * 400)
+    r = runner.invoke(app, ["perplexity", str(long), "--kv-budget", "1MiB"])
+    one_line_error(r, "the KV pool holds 16 tokens of one sequence, not 401")  # 1 MiB: 2 blocks, one the null
+    assert "--window / --stride" in r.stderr and "--kv-window" in r.stderr

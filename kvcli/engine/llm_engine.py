@@ -453,7 +453,7 @@ class LLMEngine:
         req = f"score{next(self._ids)}"
         sched = self.scheduler
         if not sched.admit_scoring(req, len(token_ids)):
-            raise ConfigError(f"--kv-budget: the KV pool cannot hold {len(token_ids)} tokens")
+            raise ConfigError(self._pool_too_small(len(token_ids)))
         targets = torch.tensor(token_ids[1:], dtype=torch.int64)
         nll = []
         pos = 0
@@ -461,7 +461,7 @@ class LLMEngine:
             while pos < len(token_ids):
                 step = sched.schedule_scoring(req, token_ids, pos)
                 if step is None:
-                    raise ConfigError(f"--kv-budget: the KV pool cannot hold {len(token_ids)} tokens")
+                    raise ConfigError(self._pool_too_small(len(token_ids)))
                 n = len(step.chunks[0].token_ids)
                 t0 = time.perf_counter()
                 logits = self.runner.execute(step, all_logits=True).logits
@@ -513,6 +513,11 @@ class LLMEngine:
                     what = ""
             raise ConfigError(f"token id {bad}{what} is outside the model's {self.config.vocab_size:,}-token vocabulary "
                               "(its tokenizer has tokens the model has no embeddings for)")
+
+    def _pool_too_small(self, tokens: int) -> str:
+        """perplexity's refusal when its text does not fit the pool: how much does, and what to change."""
+        return (f"--kv-budget: the KV pool holds {self.request_capacity:,} tokens of one sequence, not {tokens:,}: "
+                "raise --kv-budget, or score in windows (--window / --stride) or through a bounded cache (--kv-window)")
 
     @property
     def request_capacity(self) -> int:
