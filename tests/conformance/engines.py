@@ -28,12 +28,13 @@ class LlamaCppError(RuntimeError):
 
 
 def run_llama_cpp(py: Path, model: Path, tokens: list[int], texts: list[str] = (), greedy: int = 0,
-                  tmp: Path | None = None) -> tuple[np.ndarray | None, dict]:
+                  tmp: Path | None = None, parse_special: bool = True) -> tuple[np.ndarray | None, dict]:
     """llama.cpp's logits for every position of `tokens` (float32 [n, vocab]), its greedy continuation and its
-    tokenization of `texts`. Raises LlamaCppError with llama.cpp's own last line when it refuses the file."""
+    tokenization of `texts` (special-token spellings parsed unless parse_special is false). Raises LlamaCppError
+    with llama.cpp's own last line when it refuses the file."""
     logits_out = (tmp or model.parent) / f"{model.stem}.llama.npy"
     job = {"model": str(model), "tokens": list(tokens), "texts": list(texts), "greedy": greedy,
-           "logits_out": str(logits_out), "threads": min(2, os.cpu_count() or 1)}
+           "logits_out": str(logits_out), "threads": min(2, os.cpu_count() or 1), "parse_special": parse_special}
     p = subprocess.run([str(py), str(WORKER)], input=json.dumps(job), capture_output=True, text=True, timeout=300)
     if p.returncode:
         lines = [ln for ln in (p.stderr or "").splitlines() if ln.strip()]

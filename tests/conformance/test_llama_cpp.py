@@ -167,20 +167,11 @@ def test_a_wrongly_computed_variant_is_caught(llama_cpp, tokens, tmp_path, monke
 def test_spm_text_spelling_a_control_token_stays_text_unless_parsed(llama_cpp, tmp_path):
     """parse_special false (serve's default for prompts): a sentencepiece file's control-token text is encoded as
     text, its user-defined tokens still match, as llama.cpp's llama_tokenize(parse_special = false) does."""
-    import json
-    import subprocess
-
-    from engines import WORKER
-
     from kvcli.model.loader import load_tokenizer
 
     path = write(next(v for v in VARIANTS if v.name == "spm"), tmp_path / "spm.gguf")
     texts = ["<s>bos inside</s> text", "<|user|>\nhi<|end|>", "<start_of_turn>user\nhi<end_of_turn>"]
-    job = {"model": str(path), "tokens": [], "texts": texts, "greedy": 0, "parse_special": False,
-           "logits_out": str(tmp_path / "x.npy"), "threads": 1}
-    p = subprocess.run([str(llama_cpp), str(WORKER)], input=json.dumps(job), capture_output=True, text=True,
-                       timeout=300, check=True)
-    want = json.loads(p.stdout.strip().splitlines()[-1])["tokenized"]
+    want = run_llama_cpp(llama_cpp, path, [], texts=texts, tmp=tmp_path, parse_special=False)[1]["tokenized"]
     tok = load_tokenizer(str(path))
     for text, ids in zip(texts, want):
         assert tok.encode(text, parse_special=False) == ids, text
@@ -190,21 +181,12 @@ def test_spm_text_spelling_a_control_token_stays_text_unless_parsed(llama_cpp, t
 def test_a_document_spelling_special_tokens_reads_them_as_text(llama_cpp, tmp_path):
     """continue and perplexity read a document as llama.cpp's perplexity does (parse_special false): a novel that
     writes <|endoftext|> or <|im_start|> gets their spelling's tokens, not an end-of-text id in its middle."""
-    import json
-    import subprocess
-
-    from engines import WORKER
-
     from kvcli.model.loader import load_tokenizer
     from kvcli.model.tokenizer import document_ids
 
     path = write(VARIANTS[0], tmp_path / "tok.gguf")
     texts = ["x<|im_start|>user\n<|endoftext|>y", "The end.<|endoftext|>\n\nChapter 2  1984", "plain text, no specials"]
-    job = {"model": str(path), "tokens": [], "texts": texts, "greedy": 0, "parse_special": False,
-           "logits_out": str(tmp_path / "x.npy"), "threads": 1}
-    p = subprocess.run([str(llama_cpp), str(WORKER)], input=json.dumps(job), capture_output=True, text=True,
-                       timeout=300, check=True)
-    want = json.loads(p.stdout.strip().splitlines()[-1])["tokenized"]
+    want = run_llama_cpp(llama_cpp, path, [], texts=texts, tmp=tmp_path, parse_special=False)[1]["tokenized"]
     tok = load_tokenizer(None)
     for text, ids in zip(texts, want):
         assert document_ids(tok, text, literal=True) == ids, text
