@@ -97,13 +97,13 @@ def has_chat_template(tokenizer: Tokenizer) -> bool:
         return True
 
 
-def chat_template_error(tokenizer: Tokenizer) -> str | None:
+def chat_template_error(tokenizer: Tokenizer) -> Exception | None:
     """Why the model's chat template cannot render one plain user message (a Jinja syntax error, a template that
-    raises), in one line; None when it renders or there is none."""
+    raises); None when it renders or there is none."""
     try:
         tokenizer.render_chat([{"role": "user", "content": "x"}])
     except Exception as e:
-        return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+        return e
     return None
 
 

@@ -12,6 +12,7 @@ from rich.markup import escape
 from kvcli.commands.chat.repl import ChatRepl, isatty
 from kvcli.commands.chat.session import ChatArgs
 from kvcli.commands.common import Fail, build_engine
+from kvcli.model.loader import first_line
 from kvcli.model.tokenizer import chat_template_error
 
 
@@ -56,8 +57,9 @@ def run_chat(a: ChatArgs, fail: Fail) -> int:
     if engine.tokenizer is None:
         fail("this model has no tokenizer, so it cannot chat")
     broken = chat_template_error(engine.tokenizer)
-    if broken:
-        fail(f"this model's chat template cannot render a user message ({broken})")
+    if broken is not None:
+        fail(f"this model's chat template cannot render a user message ({type(broken).__name__}: "
+             f"{first_line(broken)})")
     if a.params.max_tokens >= engine.max_model_len:
         fail(f"--max-tokens {a.params.max_tokens} leaves no room for the conversation in the "
              f"{engine.max_model_len:,}-token context (lower --max-tokens or raise --max-model-len)")
