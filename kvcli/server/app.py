@@ -396,7 +396,7 @@ def create_app(worker: EngineWorker, tokenizer: Tokenizer, info: ServerInfo, met
         include_usage = body.stream_options is not None and bool(body.stream_options.include_usage)
         # vLLM's continuous_usage_stats: with include_usage, every chunk carries the usage so far
         continuous = include_usage and bool(body.stream_options.continuous_usage_stats)
-        so_far = [0]  # completion tokens streamed (body_iter counts them)
+        streamed_tokens = [0]  # completion tokens so far (body_iter counts them; chunk reads them)
         kind = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(i: int, text: str | None, reason: str | None, role: bool = False, lp=None) -> dict:
@@ -407,11 +407,11 @@ def create_app(worker: EngineWorker, tokenizer: Tokenizer, info: ServerInfo, met
                 c = {"index": i, "text": text or "", "logprobs": lp, "finish_reason": reason}
             out = {**head, "object": kind, "choices": [c]}
             if include_usage:  # as OpenAI: null on every chunk but the last
-                out["usage"] = usage(prompt_tokens, so_far[0], cached()) if continuous else None
+                out["usage"] = usage(prompt_tokens, streamed_tokens[0], cached()) if continuous else None
             return out
 
         async def body_iter() -> AsyncIterator[str]:
-            count, open_ = 0, set(range(total))
+            open_ = set(range(total))
             streamed = [len(echoes[c // n]) for c in range(total)]  # text offsets continue after the echo
             # echo with logprobs: a choice's echo waits for its prompt's log probabilities (its first output)
             echo_later = fmt is not None and any(echoes)
@@ -424,8 +424,7 @@ def create_app(worker: EngineWorker, tokenizer: Tokenizer, info: ServerInfo, met
                         yield sse(chunk(c, echoes[c // n], None))
                 try:
                     async for c, p, out in every_event():
-                        count += len(out.new_token_ids)
-                        so_far[0] = count
+                        streamed_tokens[0] += len(out.new_token_ids)
                         if echo_later and out.prompt_logprobs is not None:
                             yield sse(chunk(c, echoes[p], None, lp=fmt.format(prompt_items(prompts[p], out))))
                         if fmt is not None and out.logprobs is not None:  # every token, its text or not
@@ -442,7 +441,7 @@ def create_app(worker: EngineWorker, tokenizer: Tokenizer, info: ServerInfo, met
                         yield sse(chunk(c, None, "length"))
                 if include_usage:
                     yield sse({**head, "object": kind, "choices": [],
-                               "usage": usage(prompt_tokens, count, cached())})
+                               "usage": usage(prompt_tokens, streamed_tokens[0], cached())})
                 yield "data: [DONE]\n\n"
             except ClientGone:
                 return

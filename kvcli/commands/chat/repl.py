@@ -5,8 +5,9 @@ Streams: replies go to stdout, everything else (banner, status lines, notices, /
 dashboard) to stderr. In a terminal a message is a line, or the lines of a paste: lines already waiting
 when one is entered came with it (a terminal without bracketed paste sends a pasted newline as Enter),
 and a pasted last line without its newline stays in the editor until Enter. With stdin not a terminal
-each input line is one user message (or slash command), every message gets its reply followed by a newline (an empty line when it could not be
-sent), and the exit code at EOF is 0, so `printf 'Hi\\n' | kvcli chat` scripts.
+each input line is one user message (or slash command), every message gets its reply followed by a
+newline (an empty line when it could not be sent), and the exit code at EOF is 0, so
+`printf 'Hi\\n' | kvcli chat` scripts.
 
 Ctrl-C while a reply streams stops that reply only: the request is aborted between engine steps
 (never inside one), the partial reply, as shown, stays in the conversation marked as interrupted, or
