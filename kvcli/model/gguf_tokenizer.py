@@ -20,14 +20,13 @@ _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-GPT2_REGEX = None  # ByteLevel's built-in GPT-2 pattern (only as the last)
-_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"  # the same, spelled out
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"  # ByteLevel's own
 # Every number character alone first, then GPT-2's pattern: SmolLM's tokenizer.json (Digits with individual_digits,
 # then ByteLevel) and llama.cpp's STARCODER / REFACT / SMOLLM group. So "  4" is "  " + "4", where GPT-2's pattern
 # alone gives " " + " 4" (the bundled model's samples: 0.2-0.4 % more tokens).
-_DIGITS_THEN_GPT2 = (r"\p{N}", GPT2_REGEX)
-PRE_TOKENIZER_SPLITS: dict[str, tuple[str | None, ...]] = {
-    "gpt-2": (GPT2_REGEX,), "gpt2": (GPT2_REGEX,),
+_DIGITS_THEN_GPT2 = (r"\p{N}", _GPT2_SPLIT)
+PRE_TOKENIZER_SPLITS: dict[str, tuple[str, ...]] = {
+    "gpt-2": (_GPT2_SPLIT,), "gpt2": (_GPT2_SPLIT,),
     **dict.fromkeys(("smollm", "starcoder", "refact"), _DIGITS_THEN_GPT2),
     **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "dbrx", "falcon3"), (_LLAMA3_SPLIT,)),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), (_QWEN2_SPLIT,)),
@@ -101,11 +100,10 @@ def build_bpe_tokenizer(meta: dict[str, Any]):
     patterns = list(PRE_TOKENIZER_SPLITS[pre])
     gap = absent_chars({b for b, c in spelling.items() if c not in vocab})
     if gap is not None:  # after the family's patterns, which see the text as llama.cpp's regex does
-        patterns = [_GPT2_SPLIT if p is GPT2_REGEX else p for p in patterns] + [gap]
-    steps = [pre_tokenizers.Split(Regex(p), behavior="isolated") for p in patterns if p is not GPT2_REGEX]
-    # ByteLevel maps each piece's bytes to the vocabulary's alphabet, splitting by GPT-2's pattern where that is last
-    steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=patterns[-1] is GPT2_REGEX))
-    tk.pre_tokenizer = steps[0] if len(steps) == 1 else pre_tokenizers.Sequence(steps)
+        patterns.append(gap)
+    # each pattern in turn, then ByteLevel maps each piece's bytes to the vocabulary's alphabet
+    tk.pre_tokenizer = pre_tokenizers.Sequence([*(pre_tokenizers.Split(Regex(p), behavior="isolated") for p in patterns),
+                                                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tk.decoder = decoders.ByteLevel()
     # Control tokens match whole and are special (skipped when decoding); a "control" token spelled
     # outside the byte alphabet is a mislabel that would grow the vocabulary, so it is left out.
