@@ -153,3 +153,58 @@ def test_perplexity_matches_transformers(exact_llm, hf_model, sample_text):
     assert strided.windows == 2 and strided.tokens_scored == ref_nll.numel() == 1299
     assert abs(strided.perplexity / ref_nll.mean().exp().item() - 1) < 1e-3
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+def streaming_nll(hf_model, ids: list[int], sinks: int, window: int, block: int, chunk: int) -> torch.Tensor:
+    """StreamingLLM in transformers, by the retention rule of kvcli/kvcache/retention.py written out again: chunks
+    of `chunk` tokens at compact cache positions; before a chunk, whole blocks of the window that the chunk would
+    push to W + block tokens or more leave the cache (only computed ones), and the kept window keys turn back by
+    the dropped count (R(-d), rotate-half). NLL of ids[1:], float64."""
+    from transformers.cache_utils import DynamicCache
+
+    sink_slots = -(-sinks // block) * block
+    cache, cached, nll = DynamicCache(), 0, []
+    with torch.no_grad():
+        for pos in range(0, len(ids), chunk):
+            part = ids[pos:pos + chunk]
+            window_part = cached + len(part) - sink_slots
+            drop = 0
+            if window_part >= window + block:
+                drop = min((window_part - window) // block, (cached - sink_slots) // block) * block
+            if drop > 0:
+                cos, sin = hf_model.model.rotary_emb(torch.zeros(1), torch.tensor([[-drop]]))
+                for layer in cache.layers:
+                    k = torch.cat([layer.keys[:, :, :sink_slots], layer.keys[:, :, sink_slots + drop:]], dim=2)
+                    v = torch.cat([layer.values[:, :, :sink_slots], layer.values[:, :, sink_slots + drop:]], dim=2)
+                    w = k[:, :, sink_slots:]
+                    half = w.shape[-1] // 2
+                    k[:, :, sink_slots:] = w * cos + torch.cat([-w[..., half:], w[..., :half]], dim=-1) * sin
+                    layer.keys, layer.values = k, v
+                cached -= drop
+            out = hf_model(input_ids=torch.tensor([part]), position_ids=torch.arange(cached, cached + len(part))[None],
+                           cache=cache, use_cache=True)
+            cache, cached = out.past_key_values, cached + len(part)
+            nll.append(-torch.log_softmax(out.logits[0].double(), -1)[:-1 if pos + chunk >= len(ids) else None])
+    rows = torch.cat(nll)
+    return rows.gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+
+@pytest.mark.parametrize(("sinks", "window", "chunk"), [(4, 64, 24), (0, 48, 16)])
+def test_a_bounded_cache_matches_streaming_llm_in_transformers(hf_model, sample_text, sinks, window, chunk):
+    """Past the window every layer's K/V were computed over a context that has since left the cache: the
+    whole model's likelihoods under kvcli's bounded cache (drops, re-rotations, sinks at their own positions)
+    equal transformers running the same rule, where layer 0's keys alone (test_kv_retention) cannot tell."""
+    from kvcli.llm import LLM
+
+    llm = LLM(dequantize=True, kv_window=window, sink_tokens=sinks, kv_dtype="fp32", max_num_batched_tokens=chunk,
+              kv_budget="32MiB")
+    ids = llm.engine.tokenizer.encode(sample_text)[:400]
+    ours = llm.engine.score(ids)
+    assert llm.engine.kv.dropped_total >= 400 - 16 - window - 16
+    ref = streaming_nll(hf_model, ids, sinks, window, llm.engine.options.block_size, chunk)
+    err = (ours - ref).abs()
+    assert err.max().item() < 1e-3, f"max NLL error {err.max().item():.2e} at token {int(err.argmax()) + 1}"
+    with torch.no_grad():  # the whole context gives other likelihoods past the window: the test can tell them apart
+        plain = -torch.log_softmax(hf_model(torch.tensor([ids])).logits[0, :-1].double(), -1)
+    plain = plain.gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    assert (plain[window + 32:] - ref[window + 32:]).abs().max().item() > 0.05
