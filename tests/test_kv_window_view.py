@@ -75,24 +75,26 @@ def test_block_map_marks_recycled_blocks_free_and_held_again():
 
 
 def test_tracker_marks_exactly_the_blocks_the_window_gave_back():
-    e = windowed_engine("64MiB")  # a big pool: nothing is handed out twice
+    e = windowed_engine("64MiB")
     tracker = WindowTracker(e)
     req = e.add_request(list(range(1, 300)), SamplingParams(max_tokens=50, ignore_eos=True))
-    held: list[int] = []  # every block the request held, in the order it first held them
+    given_back: set[int] = set()  # blocks that left the request's table while it ran
     last: list[int] = []
+    sink = None
     while e.has_unfinished():
         e.step()
         tracker.observe()
-        table = e.kv.block_table(req.req_id)
+        table = list(e.kv.block_table(req.req_id))
         if table:
-            last = list(table)
-        held += [b for b in table if b not in held]
-    given_back = set(held) - set(last)
-    assert given_back and held[0] in last  # the sink block never left
+            given_back |= set(last) - set(table)
+            sink = table[0] if sink is None else sink
+            assert table[0] == sink  # the sink block never leaves
+            last = table
+    assert given_back
     assert tracker.recycled == given_back
     dropped = e.scheduler.dropped_tokens(req)
     assert dropped == expected_dropped(299 + 50 - 1, 48) == e.kv.dropped_total
-    assert e.kv.recycled_blocks == len(given_back) == dropped // BS
+    assert e.kv.recycled_blocks == dropped // BS
 
 
 def test_a_small_pool_shows_the_window_reusing_its_recycled_blocks():
@@ -128,9 +130,10 @@ def test_kv_panel_log_line_and_summary_show_the_window():
     dash = text_of(render_dashboard(s, width=120, map_rows=4))
     assert "bounded KV: S 4 (16 sink slots) + W 48 · ≤ 79 tokens/request" in dash
     assert "272 tokens dropped · 17 blocks recycled" in dash
-    # Of the 17 given back, the 2 written before the first drop stay in the prefix index (░, with the sink);
-    # the request's last blocks went back when it finished: free, not recycled.
-    assert f"░ cached-free 3   {RECYCLED} recycled 15   · free 163" in dash
+    # Of the 17 given back, the 2 written before the first drop stay in the prefix index (░, with the sink); the
+    # window took the others straight back (a block with nothing indexed goes out again first), so the whole run
+    # touched 6 of the 181 blocks: the last 3 shown recycled, 175 never used.
+    assert f"░ cached-free 3   {RECYCLED} recycled 3   · free 175" in dash
     assert "272 tokens dropped, 17 blocks recycled" in format_log_line(s)
     summary = text_of(summary_table(s))
     assert "272 tokens dropped, 17 blocks recycled" in summary

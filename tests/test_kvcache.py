@@ -19,13 +19,18 @@ from kvcli.profile import run_trace
 from kvcli.workloads import prompt_ids, synthetic
 
 
-def test_pool_allocates_fifo_and_detects_double_free():
+def test_pool_reuses_blocks_with_nothing_indexed_first_and_detects_double_free():
     pool = BlockPool(5)
-    a = pool.allocate(2)
-    assert a == [1, 2] and pool.num_free == 3  # block 0 is the null block, never handed out
-    pool.free(a)  # to the back of the queue, tail first: 3, 4, 5, 2, 1
-    # the queue decides which blocks leave (block 1, freed last, stays), the table gets them in ascending order
-    assert pool.allocate(4) == [2, 3, 4, 5] and pool.allocate(1) == [1]
+    a = pool.allocate(3)
+    assert a == [1, 2, 3] and pool.num_free == 2  # block 0 is the null block, never handed out
+    pool.register(1, 11, (7,))
+    pool.free(a)  # tail first; 3 and 2 hold nothing indexed: to the front; 1 is a cached prefix: to the back
+    assert pool.num_cached_free == 1
+    # a block with nothing to keep goes out again before any fresh block (the pool's untouched memory) ...
+    assert pool.allocate(1) == [2]
+    # ... and the cached prefix last (LRU); the table gets the queue's choice in ascending order
+    assert pool.allocate(3) == [3, 4, 5] and pool.lookup(11, (7,)) == 1
+    assert pool.allocate(1) == [1] and pool.lookup(11, (7,)) is None  # evicted when handed out
     assert NULL_BLOCK not in pool.take_new_blocks()
     with pytest.raises(NoFreeBlocksError):
         pool.allocate(1)

@@ -2,9 +2,14 @@
 
 A block is `block_size` token slots in every layer's K and V pool. Ids run 1..num_blocks: block 0
 is the null block (kvcache/interface.py), which pads block tables and is never handed out. Blocks are handed out from the
-front of the free queue and returned to its back. A freed block that holds a full, hashed block of
-tokens stays in the index ("cached-free") until it is handed out again, so a later request with the
-same prefix can take it back instead of recomputing it; the least recently freed goes first (LRU).
+front of the free queue. A freed block that holds a full, hashed block of tokens goes to the queue's back and
+stays in the index ("cached-free") until it is handed out again, so a later request with the same prefix can
+take it back instead of recomputing it; the least recently freed goes first (LRU). A freed block with nothing
+indexed (a partial tail, a block a bounded cache dropped, any block with prefix caching off) goes to the front:
+it is handed out again before any cached prefix is evicted, and before any block never touched yet, so the pool
+memory a process touches follows what it holds at once, not the pool's size (the pool is allocated
+uninitialised: on the CPU its pages become resident only when first written; under a plain FIFO a 256-token
+window streaming a long text walked the whole pool a block at a time and made all of it resident).
 
 The blocks of one allocation are handed out in ascending id order: which blocks leave the queue is the
 queue's (LRU) decision, where each lands in the request's table is not, and ascending ids are ascending
@@ -107,6 +112,8 @@ class BlockPool:
             b.ref_cnt -= 1
             if b.ref_cnt == 0:
                 self._free[bid] = None
+                if b.block_hash is None:  # nothing to keep: handed out again first (see the module docstring)
+                    self._free.move_to_end(bid, last=False)
             else:
                 self.extra_refs -= 1
 
