@@ -53,6 +53,12 @@ def test_continue_says_what_it_keeps_and_the_old_error_stays(tmp_path):
                                        "--kv-window", "none", "--no-live"]), "--truncate head")
     one_line_error(runner.invoke(app, ["continue", str(text), "-n", "3", "--max-model-len", "512",
                                        "--kv-window", "600", "--no-live"]), "must fit the 512-token context")
+    # a pool too small for the window: said in the flags that change it, not in the engine's request ids
+    err = one_line_error(runner.invoke(app, ["continue", str(text), "-n", "3", "--kv-window", "256", "--kv-budget",
+                                             "2MiB", "--no-live"]), "raise --kv-budget or lower --kv-window")
+    assert "r0" not in err and "holds 4 blocks of 16 tokens" in err and "--kv-window 256 needs 18" in err
+    one_line_error(runner.invoke(app, ["continue", str(text), "-n", "3", "--truncate", "head", "--kv-budget",
+                                       "2MiB", "--no-live"]), "shorten the prompt or ask for fewer tokens")
     r = runner.invoke(app, ["continue", str(text), "-n", "3", "--max-model-len", "512", "--truncate", "head",
                             "--json"])
     assert r.exit_code == 0 and json.loads(r.stdout)["truncated"] and json.loads(r.stdout)["kv_window"] is None

@@ -244,7 +244,7 @@ def test_simulated_windowed_requests_hold_only_their_window(preempt):
     # Kept whole, one prompt alone needs 63 blocks of the 24: refused at once.
     keep = LLMEngine(None, opts, config=cfg)
     keep.kv.sliding_window = 0
-    with pytest.raises(KVBudgetTooSmall, match="needs 63 KV blocks"):
+    with pytest.raises(KVBudgetTooSmall, match="holds 24 blocks of 16 tokens; this request needs 63 "):
         keep.add_request(list(range(1, 1000)), SamplingParams(max_tokens=300, ignore_eos=True))
 
 

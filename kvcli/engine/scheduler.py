@@ -140,9 +140,7 @@ class Scheduler:
         once its prompt is computed."""
         need = self.kv.blocks_to_admit(req.num_prompt_tokens + 1, self.final_tokens(req))
         if need > self.kv.num_blocks:
-            raise KVBudgetTooSmall(
-                f"request {req.req_id} needs {need:,} KV blocks of {self.kv.block_size} tokens; the pool holds "
-                f"{self.kv.num_blocks:,} (raise --kv-budget, shorten the prompt or lower --max-model-len)")
+            raise KVBudgetTooSmall(self._too_big(need))
         if forks and not self.kv.supports_sharing:
             raise ValueError(f"n > 1 shares the prompt's blocks, which the {self.kv.name} layout cannot do")
         for r in (req, *forks):
@@ -152,6 +150,17 @@ class Scheduler:
         if forks:
             self._forks[req.req_id] = list(forks)
         self.waiting.append(req)
+
+    def _too_big(self, need: int) -> str:
+        """Why a request can never run here, in the terms of the flags that change it (the request's id is
+        no help: continue and chat have one text, serve answers the request itself)."""
+        have = f"the KV pool holds {self.kv.num_blocks:,} blocks of {self.kv.block_size} tokens"
+        r = self.retention
+        if r is not None:
+            return (f"{have}; a request under --kv-window {r.window:,} needs {need:,} (its sink blocks, its window "
+                    f"and a block of room): raise --kv-budget or lower --kv-window")
+        return (f"{have}; this request needs {need:,} (its prompt and the tokens asked for): raise --kv-budget, "
+                f"shorten the prompt or ask for fewer tokens")
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -273,8 +282,8 @@ class Scheduler:
             out.key_shifts.extend(self.kv.take_shifts())
         out.new_blocks.extend(self.kv.take_new_blocks())
         if not out.chunks and not self.running and (self.waiting or self.swapped):
-            req = (self.waiting or self.swapped)[0]
-            raise KVBudgetTooSmall(f"request {req.req_id} cannot get KV blocks even with the pool empty")
+            raise KVBudgetTooSmall(f"a request cannot get KV blocks even with the pool empty ({self.kv.num_blocks:,} "
+                                   f"blocks of {self.kv.block_size} tokens): raise --kv-budget")
         return out
 
     def _propose(self, req: Request, room: int) -> list[int]:
