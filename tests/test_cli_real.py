@@ -80,6 +80,9 @@ def test_continue_log_lines_start_their_own_line_when_stdout_shares_stderr():
     assert joined.returncode == 0, joined.stdout
     lines = joined.stdout.splitlines()
     status = [i for i, line in enumerate(lines) if re.search(r"step \d+ · running \d+ waiting", line)]
-    assert status and all(lines[i].startswith("step ") for i in status), joined.stdout
+    assert status and all(lines[i].startswith(("step ", "prefill ")) for i in status), joined.stdout
+    # the first one comes while the prompt is prefilled, and says how far it has got
+    assert re.match(r"prefill [\d,]+ of [\d,]+ tokens · step 1 · ", lines[status[0]]), lines[status[0]]
+    assert lines[status[-1]].startswith("step ")  # the last one after it: no prefill to report
     apart = subprocess.run(args, capture_output=True, text=True, timeout=600)
     assert "step " not in apart.stdout and apart.stdout.endswith("\n") and apart.stdout.count("\n") >= 1

@@ -224,6 +224,14 @@ class _PrefillDashboard(LiveDashboard):
         body = super().renderable()
         return Group(self.progress.get_renderable(), body) if self.prefilling else body
 
+    def log_line(self, s) -> str:
+        """The plain log's line, led while the prompt is prefilled by how far it has got (what the bar shows)."""
+        line = super().log_line(s)
+        if not self.prefilling:
+            return line
+        task = self.progress.tasks[0]
+        return f"prefill {int(task.completed):,} of {int(task.total):,} tokens · {line}"
+
 
 class _Stream:
     """The continuation as it streams: every piece kept, and written to stdout as it comes or, under

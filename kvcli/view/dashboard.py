@@ -259,7 +259,7 @@ class LiveDashboard:
 
     On a terminal (and with `live=True`) a rich Live on stderr redraws the latest snapshot
     `refresh_per_second` times a second from its own thread; `update` never renders. Otherwise
-    one `format_log_line` is printed at most every `log_interval_s` seconds, plus the last
+    one `log_line` (format_log_line's) is printed at most every `log_interval_s` seconds, plus the last
     snapshot on exit. Text meant to scroll above the panels goes through `print_above`.
 
     Every draw, the refresh thread's and `print_above`'s, holds one lock from cursor positioning to
@@ -319,7 +319,11 @@ class LiveDashboard:
         self._logged = s
         if self.end_text_line is not None and self.end_text_line():
             self.console.print()
-        self.console.print(format_log_line(s), markup=False, highlight=False, soft_wrap=True)
+        self.console.print(self.log_line(s), markup=False, highlight=False, soft_wrap=True)
+
+    def log_line(self, s: Snapshot) -> str:
+        """One plain log line for a snapshot (a command's view may say more)."""
+        return format_log_line(s)
 
     def _map_rows(self, s: Snapshot) -> int:
         # A bounded cache adds its line to the KV panel, and a legend row for its two states.
