@@ -123,6 +123,13 @@ class ModelConfig:
 
     @staticmethod
     def _from_hf_fields(cfg: dict, name: str, model_type: str) -> "ModelConfig":
+        towers = [k for k in ("vision_config", "audio_config") if isinstance(cfg.get(k), dict)]
+        if towers and isinstance(cfg.get("text_config"), dict):
+            archs = cfg.get("architectures")
+            what = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else model_type
+            raise ValueError(
+                f"{what} is a multimodal checkpoint (text_config with {' and '.join(towers)}): kvcli runs text-only "
+                "models; give it the language model alone (llama.cpp's convert_hf_to_gguf.py writes it as a GGUF)")
         arch = HF_MODEL_TYPES.get(model_type)
         if arch is None:
             raise ValueError(
