@@ -167,10 +167,10 @@ def test_gguf_with_unsupported_architecture(files, tmp_path):
 def test_budget_too_small_for_the_prompt(tmp_path):
     long = tmp_path / "long.txt"
     long.write_text("word " * 400)  # ~2,000 byte-level tokens for a dummy model
-    # Two blocks of 16 tokens (fp32 SmolLM2 shapes: 737,280 B per block) cannot hold the prompt.
+    # A few blocks of 16 tokens (fp32 SmolLM2 shapes: 737,280 B per block) cannot hold the prompt.
     r = runner.invoke(app, ["continue", str(long), "--model", "dummy:smollm2-135m", "--kv-budget", "1474560",
                             "--no-live"])
-    one_line_error(r, "KV blocks")
+    one_line_error(r, "raise --kv-budget")
 
 
 def test_perplexity_past_the_pool_says_what_fits_and_what_to_change(tmp_path):
