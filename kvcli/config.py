@@ -124,7 +124,9 @@ class ModelConfig:
     @staticmethod
     def _from_hf_fields(cfg: dict, name: str, model_type: str) -> "ModelConfig":
         towers = [k for k in ("vision_config", "audio_config") if isinstance(cfg.get(k), dict)]
-        if towers and isinstance(cfg.get("text_config"), dict):
+        if model_type == "gemma3" and isinstance(cfg.get("text_config"), dict):
+            cfg, model_type = gemma3_language_model(cfg), "gemma3_text"
+        elif towers and isinstance(cfg.get("text_config"), dict):
             archs = cfg.get("architectures")
             what = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else model_type
             raise ValueError(
@@ -251,6 +253,38 @@ def _check_hf_keys(cfg: dict, arch: str) -> None:
         raise ValueError("mlp_bias = true (biases on the MLP projections) is not computed by kvcli")
     if cfg.get("rope_interleaved"):
         raise ValueError("rope_interleaved = true (rotary over interleaved pairs) is not computed by kvcli")
+
+
+# transformers' Gemma3TextConfig defaults: a published image-text Gemma 3 (Gemma3ForConditionalGeneration) writes in
+# its text_config only what differs from them (gemma-3-4b-it: hidden and MLP sizes, layers, rope_scaling, window).
+GEMMA3_TEXT_DEFAULTS = dict(
+    vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+    num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh", max_position_embeddings=131072,
+    rms_norm_eps=1e-6, rope_theta=1_000_000.0, rope_local_base_freq=10000.0, query_pre_attn_scalar=256,
+    sliding_window=4096, sliding_window_pattern=6, final_logit_softcapping=None, attn_logit_softcapping=None,
+    attention_bias=False, bos_token_id=2, eos_token_id=1, pad_token_id=0, tie_word_embeddings=True)
+# What an image-text Gemma 3's config holds beside text_config, none of it read for text: the image tokens' ids and
+# count, the vision tower's config (its weights are not loaded).
+GEMMA3_MULTIMODAL_KEYS = frozenset({"vision_config", "boi_token_index", "eoi_token_index", "image_token_index",
+                                    "image_token_id", "mm_tokens_per_image", "initializer_range", "architectures",
+                                    "model_type", "transformers_version", "torch_dtype", "dtype", "eos_token_id",
+                                    "bos_token_id", "pad_token_id", "text_config", "tie_word_embeddings",
+                                    "_name_or_path", "auto_map"})
+
+
+def gemma3_language_model(cfg: dict) -> dict:
+    """The text model of an image-text Gemma 3 config (Gemma3ForConditionalGeneration): text_config over
+    Gemma3TextConfig's defaults, with the checkpoint's dtype and token ids where text_config lacks them. kvcli runs
+    it on text alone, as transformers does for input without images (the vision tower is not loaded)."""
+    extra = sorted(set(cfg) - GEMMA3_MULTIMODAL_KEYS)
+    if extra:
+        raise ValueError(f"config.json field {extra[0]} of an image-text Gemma 3 is not read by kvcli and may change "
+                         f"what the model computes; refusing the folder rather than computing a different model")
+    text = {**GEMMA3_TEXT_DEFAULTS, **cfg["text_config"], "model_type": "gemma3_text"}
+    for key in ("torch_dtype", "dtype", "eos_token_id", "bos_token_id", "pad_token_id", "tie_word_embeddings"):
+        if key in cfg and key not in cfg["text_config"]:
+            text[key] = cfg[key]
+    return text
 
 
 def _in_checkpoint_dtype(x: float, cfg: dict) -> float:

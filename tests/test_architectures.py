@@ -118,6 +118,88 @@ def test_gemma3_matches_transformers(gemma3, backend):
     assert compare(path, ref, backend) < 1e-4  # 40 tokens: the sliding layers drop keys from position 8 on
 
 
+@pytest.fixture(scope="module")
+def gemma3_image_text(tmp_path_factory, gguf_path):
+    """A tiny random image-text Gemma 3 (Gemma3ForConditionalGeneration, as Gemma 3 4B and up are published): the
+    text model of the gemma3 fixture beside a one-layer SigLIP tower and its projector."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    out = tmp_path_factory.mktemp("gemma3-image-text")
+    text = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2, head_dim=16, sliding_window=8,
+                query_pre_attn_scalar=24, rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                                              "rope_theta": 1e6},
+                                                           "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    cfg = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=49151,
+                       boi_token_index=49149, eoi_token_index=49150, attn_implementation="eager")
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(-0.5, 0.5)
+    save_folder(out, gguf_path, model)
+    return out, model
+
+
+@pytest.mark.parametrize("backend", ["torch", "invariant"])
+def test_an_image_text_gemma3_runs_its_text_model(gemma3_image_text, backend):
+    """Its language model's tensors are read under their text-model names and the vision tower is not loaded;
+    on text the logits are transformers' Gemma3ForConditionalGeneration's."""
+    path, ref = gemma3_image_text
+    engine = LLM(str(path), quant="none", kv_budget="4MiB").engine
+    c = engine.config
+    assert c.architecture == "gemma3" and c.layer_types == ("sliding",) * 5 + ("full",) and c.local_window == 8
+    assert compare(path, ref, backend) < 1e-4
+    if backend == "torch":  # inspect counts the image model's tensors apart, outside the file's weights
+        import json
+
+        from typer.testing import CliRunner
+
+        from kvcli.cli import app
+
+        r = CliRunner().invoke(app, ["inspect", str(path), "--json", "--no-load"])
+        assert r.exit_code == 0, r.output
+        d = json.loads(r.stdout)
+        kinds = {g["type"]: g for g in d["tensors"]}
+        assert kinds["not loaded (the image model)"]["count"] > 0
+        assert d["file_tensor_bytes"] == kinds["F32"]["bytes"] == sum(
+            p.numel() * 4 for n, p in ref.named_parameters() if "language_model" in n)
+
+
+def test_an_image_text_gemma3_config_takes_transformers_defaults(tmp_path):
+    """A published image-text config writes in text_config only what differs from Gemma3TextConfig's defaults
+    (gemma-3-4b-it's, below): kvcli reads the rest as transformers does."""
+    import json
+
+    from transformers import Gemma3Config
+
+    from kvcli.model.loader import load_config
+
+    text = {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text", "num_hidden_layers": 34,
+            "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024}
+    cfg = {"architectures": ["Gemma3ForConditionalGeneration"], "boi_token_index": 255999, "eoi_token_index": 256000,
+           "eos_token_id": [1, 106], "image_token_index": 262144, "initializer_range": 0.02, "mm_tokens_per_image": 256,
+           "model_type": "gemma3", "text_config": text, "torch_dtype": "bfloat16", "transformers_version": "4.50.0.dev0",
+           "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
+                             "model_type": "siglip_vision_model", "num_attention_heads": 16, "num_hidden_layers": 27,
+                             "patch_size": 14, "vision_use_head": False}}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    c = load_config(str(tmp_path))
+    t = Gemma3Config(**{k: v for k, v in cfg.items() if k != "architectures"}).text_config
+    assert (c.vocab_size, c.hidden_size, c.intermediate_size, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim) \
+        == (t.vocab_size, t.hidden_size, t.intermediate_size, t.num_hidden_layers, t.num_attention_heads,
+            t.num_key_value_heads, t.head_dim)
+    assert c.max_position_embeddings == t.max_position_embeddings and c.local_window == t.sliding_window
+    assert c.layer_types == tuple("sliding" if x == "sliding_attention" else "full" for x in t.layer_types)
+    full, local = t.rope_parameters["full_attention"], t.rope_parameters["sliding_attention"]
+    assert c.rope_theta == full["rope_theta"] and c.rope_scaling["factor"] == 8.0
+    assert c.local_rope_theta == local["rope_theta"] and c.query_scale == t.query_pre_attn_scalar ** -0.5
+    assert c.eos_token_ids == (1, 106) and c.tie_word_embeddings
+
+
 def test_gemma3_with_every_layer_global_is_caught(gemma3):
     """The comparison has teeth: the same engine with the windows ignored is far off past the window."""
     from dataclasses import replace

@@ -379,12 +379,12 @@ def test_plan_and_simulation_refuse_a_folder_quantized_as_kvcli_cannot_read(tmp_
 
 
 def test_a_multimodal_folder_is_refused_as_such(tmp_path):
-    """An image-text checkpoint (Gemma 3 4B and up as published, LLaVA-style folders) says what it is, not that its
-    text_config field is unread."""
-    cfg = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
-           "text_config": {"model_type": "gemma3_text", "hidden_size": 64, "num_hidden_layers": 2},
-           "vision_config": {"model_type": "siglip_vision_model"}}
+    """An image-text checkpoint kvcli does not run the text model of (a LLaVA-style folder; an image-text Gemma 3 it
+    does: tests/test_architectures.py) says what it is, not that its text_config field is unread."""
+    cfg = {"architectures": ["LlavaForConditionalGeneration"], "model_type": "llava",
+           "text_config": {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2},
+           "vision_config": {"model_type": "clip_vision_model"}}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     for args in (["plan", "-m", str(tmp_path)], ["inspect", str(tmp_path)]):
-        err = one_line_error(runner.invoke(app, args), "Gemma3ForConditionalGeneration is a multimodal checkpoint")
+        err = one_line_error(runner.invoke(app, args), "LlavaForConditionalGeneration is a multimodal checkpoint")
         assert "text-only" in err and "text_config =" not in err

@@ -16,11 +16,11 @@ from rich.table import Table
 
 from kvcli.commands.common import Fail
 from kvcli.commands.plan_cmd import USABLE, KVFit, kv_fits, paged_kv_held
-from kvcli.config import ModelConfig
+from kvcli.config import ModelConfig, read_json_object
 from kvcli.kvcache.block_manager import sliding_window_of
 from kvcli.kvcache.kv_groups import kv_groups_of
 from kvcli.model.layers import rotary_table_bytes
-from kvcli.model.loader import ModelLoadError, bundled_gguf_path, load_config, weight_files
+from kvcli.model.loader import ModelLoadError, bundled_gguf_path, language_model_name, load_config, weight_files
 from kvcli.options import ConfigError, EngineOptions
 from kvcli.view.plain_log import human_bytes
 
@@ -120,6 +120,9 @@ def _quant_method(path: Path) -> str | None:
     return str(qc.get("quant_method")) if isinstance(qc, dict) else None
 
 
+NOT_LOADED = "not loaded (the image model)"  # an image-text Gemma 3's vision tower and projector
+
+
 def _safetensors_groups(path: Path) -> list[TensorGroup]:
     """Storage dtype -> count and bytes over a checkpoint folder's safetensors files (headers only).
     In a pre-quantized folder the tensors of its quantized layers are grouped apart, e.g. "awq:I32"."""
@@ -129,13 +132,16 @@ def _safetensors_groups(path: Path) -> list[TensorGroup]:
 
     method = _quant_method(path)
     packed_suffixes = SUFFIXES.get(method or "", ())
+    image_text = "text_config" in read_json_object(path / "config.json")  # load_config accepted it: Gemma 3
     groups: dict[str, list[int]] = {}
     for f in weight_files(path):
         with safe_open(str(f), "pt") as st:
             for key in st.keys():
                 sl = st.get_slice(key)
                 dtype = str(sl.get_dtype())
-                if key.rsplit(".", 1)[-1] in packed_suffixes:
+                if image_text and language_model_name(key) is None:
+                    dtype = NOT_LOADED
+                elif key.rsplit(".", 1)[-1] in packed_suffixes:
                     dtype = f"{method}:{dtype}"
                 n = 1
                 for d in sl.get_shape():
@@ -163,7 +169,7 @@ def inspect_model(spec: str | None, options: EngineOptions, load: bool, context:
         layers=config.num_layers, heads=config.num_heads, kv_heads=config.num_kv_heads, head_dim=config.head_dim,
         hidden_size=config.hidden_size, intermediate_size=config.intermediate_size, vocab_size=config.vocab_size,
         context_length=config.max_position_embeddings, tensors=groups, sliding_window=config.sliding_window,
-        file_tensor_bytes=sum(g.bytes for g in groups), device=str(device))
+        file_tensor_bytes=sum(g.bytes for g in groups if g.type != NOT_LOADED), device=str(device))
     if config.layer_types is not None:
         n_sliding = sum(t == "sliding" for t in config.layer_types)
         n_full = config.num_layers - n_sliding

@@ -227,6 +227,16 @@ def weight_files(path: Path) -> list[Path]:
     return files
 
 
+def language_model_name(key: str) -> str | None:
+    """An image-text checkpoint's tensor under the text model's name (model.language_model.* as transformers 5
+    saves it, language_model.model.* as Google's Gemma 3 folders hold it), or None: the vision tower and the
+    multimodal projector, not loaded."""
+    for prefix in ("model.language_model.", "language_model.model."):
+        if key.startswith(prefix):
+            return "model." + key[len(prefix):]
+    return "lm_head.weight" if key in ("lm_head.weight", "language_model.lm_head.weight") else None
+
+
 def _load_hf_dir(path: Path, quant: str) -> LoadedWeights:
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
@@ -237,14 +247,21 @@ def _load_hf_dir(path: Path, quant: str) -> LoadedWeights:
     except ValueError as e:
         raise ModelLoadError(f"{cfg_file}: {e}") from None
     files = weight_files(path)
-    from safetensors.torch import load_file
+    from safetensors import safe_open
 
+    rename = language_model_name if "text_config" in cfg else None  # an image-text Gemma 3 (config.py)
     raw: dict[str, torch.Tensor] = {}
     for f in files:
         try:
-            raw.update(load_file(str(f)))
+            with safe_open(str(f), framework="pt") as st:
+                for key in st.keys():
+                    name = key if rename is None else rename(key)
+                    if name is not None:
+                        raw[name] = st.get_tensor(key)
         except Exception as e:
             raise ModelLoadError(f"{f.name}: not a readable safetensors file ({e})") from None
+    if rename is not None and not raw:
+        raise ModelLoadError(f"{path.name}: no language-model tensors (model.language_model.* or language_model.*)")
     try:
         split_fused(config, raw, path.name)  # Phi-3's qkv_proj / gate_up_proj
     except ValueError as e:
