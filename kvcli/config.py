@@ -124,14 +124,16 @@ class ModelConfig:
     @staticmethod
     def _from_hf_fields(cfg: dict, name: str, model_type: str) -> "ModelConfig":
         towers = [k for k in ("vision_config", "audio_config") if isinstance(cfg.get(k), dict)]
-        if model_type == "gemma3" and isinstance(cfg.get("text_config"), dict):
-            cfg, model_type = gemma3_language_model(cfg), "gemma3_text"
+        if model_type in IMAGE_TEXT and isinstance(cfg.get("text_config"), dict) and towers == ["vision_config"]:
+            cfg = language_model_config(cfg, model_type)
+            model_type = str(cfg.get("model_type") or "").lower()
         elif towers and isinstance(cfg.get("text_config"), dict):
             archs = cfg.get("architectures")
             what = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else model_type
             raise ValueError(
                 f"{what} is a multimodal checkpoint (text_config with {' and '.join(towers)}): kvcli runs text-only "
-                "models; give it the language model alone (llama.cpp's convert_hf_to_gguf.py writes it as a GGUF)")
+                f"models, and the text model of image-text {', '.join(IMAGE_TEXT)} folders; give it the language model "
+                "alone (llama.cpp's convert_hf_to_gguf.py writes it as a GGUF)")
         arch = HF_MODEL_TYPES.get(model_type)
         if arch is None:
             raise ValueError(
@@ -263,26 +265,43 @@ GEMMA3_TEXT_DEFAULTS = dict(
     rms_norm_eps=1e-6, rope_theta=1_000_000.0, rope_local_base_freq=10000.0, query_pre_attn_scalar=256,
     sliding_window=4096, sliding_window_pattern=6, final_logit_softcapping=None, attn_logit_softcapping=None,
     attention_bias=False, bos_token_id=2, eos_token_id=1, pad_token_id=0, tie_word_embeddings=True)
-# What an image-text Gemma 3's config holds beside text_config, none of it read for text: the image tokens' ids and
-# count, the vision tower's config (its weights are not loaded).
-GEMMA3_MULTIMODAL_KEYS = frozenset({"vision_config", "boi_token_index", "eoi_token_index", "image_token_index",
-                                    "image_token_id", "mm_tokens_per_image", "initializer_range", "architectures",
-                                    "model_type", "transformers_version", "torch_dtype", "dtype", "eos_token_id",
-                                    "bos_token_id", "pad_token_id", "text_config", "tie_word_embeddings",
-                                    "_name_or_path", "auto_map"})
+# What an image-text folder's config holds beside text_config, none of it read for text: the image tokens' ids and
+# count, how image features are projected and merged, the vision tower's config (its weights are not loaded).
+_IMAGE_TEXT_KEYS = frozenset({"vision_config", "text_config", "architectures", "model_type", "transformers_version",
+                              "torch_dtype", "dtype", "eos_token_id", "bos_token_id", "pad_token_id",
+                              "tie_word_embeddings", "_name_or_path", "initializer_range", "image_token_index",
+                              "image_token_id"})
+# model_type -> (its own keys beside those, text_config's defaults or None (every field given), text model types)
+IMAGE_TEXT = {
+    "gemma3": (frozenset({"boi_token_index", "eoi_token_index", "mm_tokens_per_image"}), GEMMA3_TEXT_DEFAULTS,
+               ("gemma3_text",)),
+    "llava": (frozenset({"image_seq_length", "multimodal_projector_bias", "projector_hidden_act", "vision_feature_layer",
+                         "vision_feature_select_strategy", "ignore_index"}), None, ("llama", "mistral", "qwen2")),
+    "mistral3": (frozenset({"multimodal_projector_bias", "projector_hidden_act", "spatial_merge_size",
+                            "vision_feature_layer"}), None, ("mistral", "llama")),
+}
 
 
-def gemma3_language_model(cfg: dict) -> dict:
-    """The text model of an image-text Gemma 3 config (Gemma3ForConditionalGeneration): text_config over
-    Gemma3TextConfig's defaults, with the checkpoint's dtype and token ids where text_config lacks them. kvcli runs
-    it on text alone, as transformers does for input without images (the vision tower is not loaded)."""
-    extra = sorted(set(cfg) - GEMMA3_MULTIMODAL_KEYS)
+def language_model_config(cfg: dict, model_type: str) -> dict:
+    """The text model of an image-text config (Gemma3ForConditionalGeneration, LLaVA, Mistral 3): text_config (over
+    Gemma3TextConfig's defaults for Gemma 3, whose published configs write only what differs), with the checkpoint's
+    dtype and token ids where text_config lacks them. kvcli runs it on text alone, as transformers does for input
+    without images: the same layers, the vision tower and projector not loaded (model/loader.py)."""
+    own, defaults, text_types = IMAGE_TEXT[model_type]
+    extra = sorted(set(cfg) - _IMAGE_TEXT_KEYS - own)
     if extra:
-        raise ValueError(f"config.json field {extra[0]} of an image-text Gemma 3 is not read by kvcli and may change "
-                         f"what the model computes; refusing the folder rather than computing a different model")
-    text = {**GEMMA3_TEXT_DEFAULTS, **cfg["text_config"], "model_type": "gemma3_text"}
+        raise ValueError(f"config.json field {extra[0]} of an image-text {model_type} folder is not read by kvcli and "
+                         f"may change what the model computes; refusing the folder rather than computing a different "
+                         f"model")
+    tc = cfg["text_config"]
+    text = {**(defaults or {}), **tc}
+    if defaults is not None:
+        text.setdefault("model_type", text_types[0])
+    if str(text.get("model_type", "")).lower() not in text_types:
+        raise ValueError(f"an image-text {model_type} folder whose text model is {text.get('model_type')!r}: kvcli "
+                         f"runs the text model of {model_type} folders of {', '.join(text_types)}")
     for key in ("torch_dtype", "dtype", "eos_token_id", "bos_token_id", "pad_token_id", "tie_word_embeddings"):
-        if key in cfg and key not in cfg["text_config"]:
+        if key in cfg and key not in tc:
             text[key] = cfg[key]
     return text
 

@@ -379,12 +379,19 @@ def test_plan_and_simulation_refuse_a_folder_quantized_as_kvcli_cannot_read(tmp_
 
 
 def test_a_multimodal_folder_is_refused_as_such(tmp_path):
-    """An image-text checkpoint kvcli does not run the text model of (a LLaVA-style folder; an image-text Gemma 3 it
-    does: tests/test_architectures.py) says what it is, not that its text_config field is unread."""
-    cfg = {"architectures": ["LlavaForConditionalGeneration"], "model_type": "llava",
-           "text_config": {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2},
-           "vision_config": {"model_type": "clip_vision_model"}}
+    """An image-text checkpoint kvcli does not run the text model of (Llama 3.2 Vision's cross-attention layers; the
+    text models of image-text Gemma 3, LLaVA and Mistral 3 folders it runs: tests/test_architectures.py) says what
+    it is, not that its text_config field is unread."""
+    cfg = {"architectures": ["MllamaForConditionalGeneration"], "model_type": "mllama",
+           "text_config": {"model_type": "mllama_text_model", "hidden_size": 64, "num_hidden_layers": 2,
+                           "cross_attention_layers": [1]},
+           "vision_config": {"model_type": "mllama_vision_model"}}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     for args in (["plan", "-m", str(tmp_path)], ["inspect", str(tmp_path)]):
-        err = one_line_error(runner.invoke(app, args), "LlavaForConditionalGeneration is a multimodal checkpoint")
+        err = one_line_error(runner.invoke(app, args), "MllamaForConditionalGeneration is a multimodal checkpoint")
         assert "text-only" in err and "text_config =" not in err
+    # an image-text family kvcli reads, with a key it does not know beside text_config: refused, naming it
+    cfg = {"architectures": ["LlavaForConditionalGeneration"], "model_type": "llava", "image_grid_pinpoints": [[336, 672]],
+           "text_config": {"model_type": "llama"}, "vision_config": {"model_type": "clip_vision_model"}}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    one_line_error(runner.invoke(app, ["plan", "-m", str(tmp_path)]), "field image_grid_pinpoints of an image-text llava")
