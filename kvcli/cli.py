@@ -80,8 +80,8 @@ ClientApiKey = Annotated[Optional[str], typer.Option(
 
 
 @app.command("continue")
-@engine_flags("model", "block_size", "kv_budget", "quant", "dequantize", "device", "attention_backend", "cuda_graphs",
-              "max_model_len", "max_batch_tokens", "kv_dtype", "prefix_cache", *SPECULATION, *RETENTION,
+@engine_flags("model", "block_size", "kv_budget", "quant", "dequantize", "device", "threads", "attention_backend",
+              "cuda_graphs", "max_model_len", "max_batch_tokens", "kv_dtype", "prefix_cache", *SPECULATION, *RETENTION,
               kv_window=FLAGS["kv_window"].but(help="Bound the KV: keep the first --sink-tokens tokens and the last "
               "W, so a text longer than the context streams through (kept keys re-rotated as blocks drop; the "
               "model sees only positions inside its context) and generation is bounded only by --max-tokens. "
@@ -142,8 +142,8 @@ def _continue_window(engine: EngineFlags, truncate: str, max_tokens: int) -> dic
 
 
 @app.command("chat")
-@engine_flags("model", "block_size", "kv_budget", "quant", "dequantize", "device", "attention_backend", "cuda_graphs",
-              "max_model_len", "kv_dtype", "prefix_cache", *SPECULATION, *RETENTION)
+@engine_flags("model", "block_size", "kv_budget", "quant", "dequantize", "device", "threads", "attention_backend",
+              "cuda_graphs", "max_model_len", "kv_dtype", "prefix_cache", *SPECULATION, *RETENTION)
 def chat(
     system: Annotated[Optional[str], typer.Option("--system", "-s", help="System prompt.",
                                                   show_default=False)] = None,
@@ -202,8 +202,9 @@ MaxLenProfile = FLAGS["max_model_len"].but(type=int, default=2048, show_default=
 
 @app.command("profile")
 @engine_flags("model", "block_size", "kv_budget", "max_model_len", "max_batch_tokens", "max_num_seqs",
-              "kv_layout", "reserve", "preempt", "quant", "dequantize", "device", "attention_backend", "cuda_graphs",
-              "prefix_cache", *SPECULATION, *RETENTION, kv_layout=KVLayoutProfile, max_model_len=MaxLenProfile,
+              "kv_layout", "reserve", "preempt", "quant", "dequantize", "device", "threads", "attention_backend",
+              "cuda_graphs", "prefix_cache", *SPECULATION, *RETENTION, kv_layout=KVLayoutProfile,
+              max_model_len=MaxLenProfile,
               max_num_seqs=256)
 def profile(
     workload: Annotated[str, typer.Option("--workload", "-w", help="sharegpt (mean 161 prompt / 338 output "
@@ -265,7 +266,7 @@ def profile(
 
 @app.command("serve")
 @engine_flags("model", "block_size", "kv_budget", "kv_dtype", "max_model_len", "max_batch_tokens", "max_num_seqs",
-              "kv_layout", "preempt", "quant", "dequantize", "device", "attention_backend", "cuda_graphs",
+              "kv_layout", "preempt", "quant", "dequantize", "device", "threads", "attention_backend", "cuda_graphs",
               "prefix_cache", *SPECULATION, *RETENTION)
 def serve(
     host: Annotated[str, typer.Option("--host", help="Address to listen on. Loopback by default; 0.0.0.0 "
@@ -431,8 +432,8 @@ def inspect(
 
 
 @app.command("perplexity")
-@engine_flags("model", "block_size", "kv_budget", "kv_dtype", "quant", "dequantize", "device", "attention_backend",
-              "max_model_len", "max_batch_tokens", *RETENTION)
+@engine_flags("model", "block_size", "kv_budget", "kv_dtype", "quant", "dequantize", "device", "threads",
+              "attention_backend", "max_model_len", "max_batch_tokens", *RETENTION)
 def perplexity(
     file: Annotated[Path, typer.Argument(help="UTF-8 text to score.", show_default=False)],
     window: Annotated[Optional[int], typer.Option("--window", help="Tokens per window. Default: the context "

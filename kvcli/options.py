@@ -110,6 +110,17 @@ def parse_kv_window(value: "int | str | None") -> "int | str | None":
     return n if n > 0 else _bad_window(value)
 
 
+def parse_threads(value: "int | str") -> "int | str":
+    """`--threads`: auto, or a positive number of CPU threads."""
+    if value == "auto":
+        return value
+    n = value if isinstance(value, int) and not isinstance(value, bool) else \
+        int(value) if isinstance(value, str) and value.strip().isdigit() else 0
+    if n < 1:
+        raise ConfigError(f"--threads must be auto or a positive number of CPU threads (got {value!r})")
+    return n
+
+
 def _bad_window(value: object):
     raise ConfigError(f"--kv-window must be a positive number of tokens, auto or none (got {value!r})")
 
@@ -164,6 +175,9 @@ class EngineOptions:
     kv_window_margin: int = 0  # room kept for generation under kv_window="auto" (continue: --max-tokens)
     # Decode steps replayed from CUDA graphs (runner/cuda_graphs.py): CUDA with the Triton backend only.
     cuda_graphs: bool = True
+    # CPU threads for the kernels (runner/threads.py): "auto" = torch's count, fewer while that decodes faster
+    # (another process holding a core); a number fixes it.
+    threads: int | str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size not in SUPPORTED_BLOCK_SIZES:
@@ -192,6 +206,7 @@ class EngineOptions:
         if self.ngram_max < self.ngram_min:
             raise ConfigError(f"--ngram-max ({self.ngram_max}) must be at least --ngram-min ({self.ngram_min})")
         object.__setattr__(self, "kv_window", parse_kv_window(self.kv_window))
+        object.__setattr__(self, "threads", parse_threads(self.threads))
         if isinstance(self.sink_tokens, bool) or not isinstance(self.sink_tokens, int) or self.sink_tokens < 0:
             raise ConfigError(f"--sink-tokens must be a whole number >= 0 (got {self.sink_tokens!r})")
         if isinstance(self.kv_window_margin, bool) or not isinstance(self.kv_window_margin, int) \

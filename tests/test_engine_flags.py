@@ -63,6 +63,10 @@ for _cmd in ("chat", "continue", "profile", "serve"):
 for _cmd in ("chat", "continue", "profile", "serve"):
     FLAGS_BEFORE[_cmd] |= {'--draft-length'}
 
+# CPU threads, fixed or tuned by timing decode steps (runner/threads.py), on the commands that build an engine.
+for _cmd in ("chat", "continue", "perplexity", "profile", "serve"):
+    FLAGS_BEFORE[_cmd] |= {'--threads'}
+
 # The engine flags' defaults per command, as declared before (enums by value).
 DEFAULTS_BEFORE = {
     "chat": {'--model': None, '--block-size': 16, '--kv-budget': None, '--quant': 'auto', '--dequantize': False,

@@ -186,6 +186,11 @@ FLAGS: Mapping[str, Flag] = MappingProxyType(_flags(
         "(the context less the sink blocks and a margin) or none (a text must fit the context). Default: auto on "
         "chat (a conversation past the context goes on), none on serve, perplexity and profile.",
         show_default=False), None, "kv_window"),
+    Flag("threads", str, typer.Option(
+        "--threads", help="CPU threads for the kernels: a number, or auto (every core torch uses, and fewer while "
+        "that decodes faster: when another process holds a core, each step waits on the thread sharing it; the "
+        "engine times decode steps at the other count every few seconds and keeps the faster)."), "auto",
+        "threads"),
     Flag("sink_tokens", int, typer.Option(
         "--sink-tokens", help="With --kv-window: the first tokens always kept (attention sinks, StreamingLLM); "
         "rounded up to whole KV blocks."), 4, "sink_tokens"),

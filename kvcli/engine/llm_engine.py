@@ -36,6 +36,7 @@ from kvcli.options import ConfigError, EngineOptions, parse_kv_budget, parse_kv_
 from kvcli.runner.cuda_graphs import DecodeGraphs
 from kvcli.runner.model_runner import ModelRunner
 from kvcli.runner.simulated_runner import SimulatedRunner
+from kvcli.runner.threads import ThreadTuner
 from kvcli.spec_decode.backoff import AdaptiveBackoff
 from kvcli.spec_decode.draft_length import DraftLength
 from kvcli.spec_decode.prompt_lookup import PromptLookupProposer
@@ -145,6 +146,11 @@ class LLMEngine:
             native_attention=native_attention_available)
 
         self._build_kv()
+        # CPU threads (runner/threads.py): --threads N set once; auto tuned by timing decode steps.
+        self.threads = ThreadTuner.for_option(options.threads) if self.device.type == "cpu" and not self.simulated \
+            else ThreadTuner(torch.get_num_threads(), tune=False)
+        if self.threads.current != torch.get_num_threads():
+            torch.set_num_threads(self.threads.current)
         self.output = OutputProcessor(self.tokenizer)  # detokenizers and output text, per request
         self._ids = itertools.count()
         # Run counters (the engine's own statistics, published through stats()).
@@ -401,6 +407,9 @@ class LLMEngine:
     # --- one iteration ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
+        threads = self.threads.threads_for_step()
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
         t0 = time.perf_counter()
         result = self.runner.execute(out)
         decode_only = True
@@ -417,6 +426,7 @@ class LLMEngine:
         if stopped:
             self.scheduler.finish_requests(stopped, "stop")
         dt = time.perf_counter() - t0
+        self.threads.observe(decode_only and out.num_tokens > 0, out.num_tokens, len(out.chunks), dt)
         if decode_only:
             self.decode_seconds += dt
             self.decode_tokens += len(new_tokens)
