@@ -26,6 +26,18 @@ def save_folder(out, gguf_path, model) -> None:
     model.save_pretrained(str(out))
 
 
+def gemma_folder(out, gguf_path, model):
+    """A Gemma model (built by the caller under seed 0) with its norm weights away from 0 (transformers adds 1, so a
+    skipped +1 shows), saved: (folder, model)."""
+    model.eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(-0.5, 0.5)
+    save_folder(out, gguf_path, model)
+    return out, model
+
+
 def compare(path, ref, backend: str, n: int = 40) -> float:
     llm = LLM(str(path), quant="none", attention_backend=backend, block_size=8, kv_budget="4MiB",
               max_num_batched_tokens=7)
@@ -135,13 +147,7 @@ def gemma3_image_text(tmp_path_factory, gguf_path):
     cfg = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=49151,
                        boi_token_index=49149, eoi_token_index=49150, attn_implementation="eager")
     torch.manual_seed(0)
-    model = Gemma3ForConditionalGeneration(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(-0.5, 0.5)
-    save_folder(out, gguf_path, model)
-    return out, model
+    return gemma_folder(out, gguf_path, Gemma3ForConditionalGeneration(cfg))
 
 
 @pytest.mark.parametrize("backend", ["torch", "invariant"])
@@ -262,13 +268,7 @@ def gemma2(tmp_path_factory, gguf_path):
                        final_logit_softcapping=5.0, pad_token_id=0, bos_token_id=1, eos_token_id=2,
                        attn_implementation="eager")
     torch.manual_seed(0)
-    model = Gemma2ForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(-0.5, 0.5)
-    save_folder(out, gguf_path, model)
-    return out, model
+    return gemma_folder(out, gguf_path, Gemma2ForCausalLM(cfg))
 
 
 @pytest.mark.parametrize("backend", ["torch", "invariant"])
