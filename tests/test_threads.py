@@ -10,6 +10,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from cli_helpers import one_line_error
@@ -44,6 +45,21 @@ def test_the_faster_count_is_kept_and_checked_again():
     assert t.current == 4 and t.switches == 2
 
 
+def test_the_first_pair_comes_early_the_next_ones_each_period():
+    t = ThreadTuner(2, first_s=0.05, period_s=1.0, probe_steps=2)
+    steps = 0
+    while t._phase == "run":
+        t.observe(True, 1, 1, 0.01)
+        steps += 1
+    assert steps == 5  # 0.05 s of 10 ms steps, then the pair
+    run_pair(t, 0.01, 0.02)
+    steps = 0
+    while t._phase == "run":
+        t.observe(True, 1, 1, 0.01)
+        steps += 1
+    assert steps == 100 and t.pairs == 1
+
+
 def test_a_step_of_another_kind_starts_the_pair_over():
     t = ThreadTuner(2, period_s=0.05, probe_steps=3)
     while t._phase == "run":
@@ -75,10 +91,23 @@ def test_bad_counts_are_refused(bad):
     assert EngineOptions(threads="6").threads == 6 and EngineOptions().threads == "auto"
 
 
-def test_the_flag_is_checked_before_the_load(tmp_path):
+def test_the_flag_is_checked_before_the_load_and_the_count_reported(tmp_path):
+    import json
+
     text = tmp_path / "t.txt"
     text.write_text("Once upon a time")
     one_line_error(CliRunner().invoke(app, ["continue", str(text), "--threads", "none"]), "--threads")
+    saved = torch.get_num_threads()  # (the engine sets torch's count for the whole process: put back after)
+    try:
+        r = CliRunner().invoke(app, ["continue", str(text), "-n", "3", "--threads", "1", "--json"])
+        assert r.exit_code == 0, r.output
+        m = json.loads(r.stdout)["metrics"]
+        assert (m["cpu_threads"], m["thread_switches"]) == (1, 0) and torch.get_num_threads() == 1
+        r = CliRunner().invoke(app, ["continue", str(text), "-n", "3", "--threads", "1", "--no-live"])
+        assert r.exit_code == 0 and "CPU threads" in r.stderr
+        assert r.stderr.split("CPU threads")[1].split()[0] == "1"
+    finally:
+        torch.set_num_threads(saved)
 
 
 BUSY_CORE = textwrap.dedent("""
@@ -116,3 +145,17 @@ def test_with_a_core_busy_auto_goes_to_one_thread_and_decodes_faster():
     assert auto[0] == 1 and auto[1] >= 1, auto
     assert fixed[0] == 2 and fixed[1] == 0
     assert auto[2] > 1.2 * fixed[2], (auto, fixed)
+
+
+def test_the_invariant_backend_keeps_its_count():
+    """Its promise is text that depends on the tokens alone; the attention's split of the keys follows the count."""
+    from kvcli.llm import LLM
+
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert LLM(kv_budget="16MiB").engine.threads.tune
+        e = LLM(kv_budget="16MiB", attention_backend="invariant").engine
+        assert not e.threads.tune and e.threads.current == 2
+    finally:
+        torch.set_num_threads(saved)

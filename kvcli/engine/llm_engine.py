@@ -147,8 +147,8 @@ class LLMEngine:
 
         self._build_kv()
         # CPU threads (runner/threads.py): --threads N set once; auto tuned by timing decode steps.
-        self.threads = ThreadTuner.for_option(options.threads) if self.device.type == "cpu" and not self.simulated \
-            else ThreadTuner(torch.get_num_threads(), tune=False)
+        self.threads = ThreadTuner.for_option(options.threads, may_tune=self.backend.name != "invariant") \
+            if self.device.type == "cpu" and not self.simulated else ThreadTuner(torch.get_num_threads(), tune=False)
         if self.threads.current != torch.get_num_threads():
             torch.set_num_threads(self.threads.current)
         self.output = OutputProcessor(self.tokenizer)  # detokenizers and output text, per request
@@ -550,9 +550,12 @@ class LLMEngine:
         return (self.num_blocks + 1) * self.bytes_per_block
 
     def stats(self) -> RunStats:
+        on_cpu = self.device.type == "cpu" and not self.simulated
         return RunStats(step=self.step_count, prompt_tokens=self.prompt_tokens,
                         generated_tokens=self.generated_tokens, decode_tokens=self.decode_tokens,
-                        prefill_seconds=self.prefill_seconds, decode_seconds=self.decode_seconds)
+                        prefill_seconds=self.prefill_seconds, decode_seconds=self.decode_seconds,
+                        cpu_threads=self.threads.current if on_cpu else 0, threads_auto=self.threads.tune,
+                        thread_switches=self.threads.switches)
 
     def snapshot(self, memory: MemorySnapshot | None = None, *, block_map: bool = False) -> Snapshot:
         """The one record views read; the block map and a memory probe only when asked for."""

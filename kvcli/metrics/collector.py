@@ -91,7 +91,8 @@ class MetricsCollector:
             kv_dtype=f.kv_dtype, max_model_len=f.max_model_len,
             weight_bytes=dict(f.weight_bytes), prefill_seconds=run.prefill_seconds,
             decode_seconds=run.decode_seconds, decode_tokens=run.decode_tokens, spec=self.spec_summary(spec),
-            token_kv_bytes=f.token_bytes)
+            token_kv_bytes=f.token_bytes, cpu_threads=run.cpu_threads, threads_auto=run.threads_auto,
+            thread_switches=run.thread_switches)
 
     def spec_summary(self, sp: SpecStats) -> SpecSummary:
         if not sp.enabled:

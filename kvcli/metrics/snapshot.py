@@ -173,6 +173,9 @@ class Snapshot:
     spec: SpecSummary = field(default_factory=lambda: SpecSummary())
     window: WindowSummary | None = None  # None: every request keeps all its KV (no --kv-window)
     token_kv_bytes: int = 0  # one token's K/V over every layer (0: a block's bytes over its slots)
+    cpu_threads: int = 0  # the kernels' CPU threads at the end (0: not on the CPU)
+    threads_auto: bool = False  # --threads auto (the count tuned by timing decode steps)
+    thread_switches: int = 0
 
     @property
     def prefix_hit_rate(self) -> float:

@@ -59,6 +59,9 @@ class RunStats:
     decode_tokens: int  # tokens sampled in decode-only steps
     prefill_seconds: float
     decode_seconds: float
+    cpu_threads: int = 0  # the kernels' CPU threads now (runner/threads.py; 0: not on the CPU)
+    threads_auto: bool = False  # --threads auto: tuned by timing decode steps
+    thread_switches: int = 0  # times the tuner changed the count
 
 
 @dataclass(frozen=True)

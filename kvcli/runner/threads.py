@@ -7,16 +7,19 @@ core kept busy by a shell loop, the bundled model decoded at 103-117 tok/s on 2 
 (ad hoc, 2026-12-07; 348-351 against 237 with both cores free). So under `--threads auto` the engine tries the
 other count now and then and keeps whichever runs faster:
 
-- after every `period_s` seconds of decode steps, `probe_steps` decode steps at the current count are timed,
-  then as many at the other one: half the current count, or the full count when fewer run now;
+- after the first `first_s` seconds of decode steps, and then after every `period_s`, `probe_steps` decode steps at
+  the current count are timed, then as many at the other one: half the current count, or the full count when
+  fewer run now;
 - a pair counts only steps that decode (no prompt in them) with the same rows and requests as its first step;
   any other step starts the pair over, at the current count;
 - the other count is taken when its mean step time is below `margin` times the current count's.
 
-On an idle machine a probe costs its few slower steps every period (6 steps at 1 thread every 2 s of decode at
-~350 tok/s: about 0.3 % of the decode time). `--threads N` fixes the count and probes nothing. Which count a
+On an idle machine a probe costs its few slower steps every period (4 steps at 1 thread every 2 s of decode at
+~350 tok/s: about 0.2 % of the decode time). `--threads N` fixes the count and probes nothing. The engine sets the
+count through torch.set_num_threads before each step: for the whole process, as torch's setting is. Which count a
 decision took does not change greedy text on the default backend beyond what batching already may (the
-attention splits its keys by the thread count); the invariant backend's rows do not depend on it.
+attention splits its keys by the thread count); under the invariant backend, whose promise is text that depends on
+nothing but the tokens, auto keeps torch's count and never probes.
 """
 
 from __future__ import annotations
@@ -30,11 +33,13 @@ import torch
 class ThreadTuner:
     full: int  # the most threads: torch's count when the engine was built (--threads auto)
     tune: bool = True  # False: --threads N, never changed
+    first_s: float = 0.2
     period_s: float = 2.0
-    probe_steps: int = 6
+    probe_steps: int = 4
     margin: float = 0.85
     current: int = field(init=False)
     switches: int = field(default=0, init=False)  # decisions that changed the count (for the summary, tests)
+    pairs: int = field(default=0, init=False)  # pairs completed
     _decode_s: float = field(default=0.0, init=False)  # decode time since the last pair
     _phase: str = field(default="run", init=False)  # run | ref | probe
     _shape: tuple[int, int] | None = field(default=None, init=False)
@@ -45,10 +50,10 @@ class ThreadTuner:
         self.current = self.full
 
     @classmethod
-    def for_option(cls, threads: int | str) -> "ThreadTuner":
-        """From EngineOptions.threads: "auto" (torch's count now, tuned) or a fixed count (set now)."""
+    def for_option(cls, threads: int | str, may_tune: bool = True) -> "ThreadTuner":
+        """From EngineOptions.threads: "auto" (torch's count now, tuned where `may_tune`) or a fixed count."""
         if threads == "auto":
-            return cls(torch.get_num_threads(), tune=torch.get_num_threads() > 1)
+            return cls(torch.get_num_threads(), tune=may_tune and torch.get_num_threads() > 1)
         return cls(int(threads), tune=False)
 
     @property
@@ -69,13 +74,14 @@ class ThreadTuner:
             return
         if self._phase == "run":
             self._decode_s += seconds
-            if self._decode_s >= self.period_s:
+            if self._decode_s >= (self.period_s if self.pairs else self.first_s):
                 self._phase, self._shape, self._ref, self._probe = "ref", shape, [], []
             return
         (self._ref if self._phase == "ref" else self._probe).append(seconds)
         if self._phase == "ref" and len(self._ref) == self.probe_steps:
             self._phase = "probe"
         elif self._phase == "probe" and len(self._probe) == self.probe_steps:
+            self.pairs += 1
             if sum(self._probe) < self.margin * sum(self._ref):
                 self.current, self.switches = self.other, self.switches + 1
             self._decode_s, self._phase, self._shape = 0.0, "run", None

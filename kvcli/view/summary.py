@@ -17,6 +17,11 @@ def summary_table(s: Snapshot, title: str = "kvcli summary") -> Table:
     t.add_row("generated tokens", f"{s.generated_tokens:,}")
     t.add_row("prefill", f"{s.prefill_tok_s:,.1f} tok/s ({s.prefill_seconds:.2f} s)")
     t.add_row("decode", f"{s.decode_tok_s:,.1f} tok/s ({s.decode_seconds:.2f} s)")
+    if s.cpu_threads:
+        how = "" if not s.threads_auto else " (--threads auto" + (
+            f"; changed {s.thread_switches} time{'s' if s.thread_switches > 1 else ''} as decode steps timed faster"
+            if s.thread_switches else "") + ")"
+        t.add_row("CPU threads", f"{s.cpu_threads}{how}")
     t.add_row("KV blocks used (peak)", f"{s.peak_blocks_used:,} of {s.num_blocks:,} x {s.block_size} tokens")
     t.add_row("KV bytes used (peak)", f"{human_bytes(s.peak_kv_bytes)} of a {human_bytes(s.kv_pool_bytes)} pool "
               f"({s.kv_dtype}, {s.kv_bytes_per_token:,} B/token)")
@@ -48,6 +53,8 @@ def snapshot_dict(s: Snapshot) -> dict:
         "decode_seconds": round(s.decode_seconds, 4),
         "prefill_tok_s": round(s.prefill_tok_s, 2),
         "decode_tok_s": round(s.decode_tok_s, 2),
+        "cpu_threads": s.cpu_threads,
+        "thread_switches": s.thread_switches,
         "kv": {
             "block_size": s.block_size,
             "num_blocks": s.num_blocks,
