@@ -74,6 +74,8 @@ FIGURES: dict[str, Figure] = {f.name: f for f in [
     Figure("kv-dtype", "kv_dtype:main", "every --kv-dtype: perplexity, bytes, decode at 4k, agreement"),
     Figure("kv-decode", "kv_dtype:decode", "decode at 4k per --kv-dtype, interleaved rounds, thread CPU time"),
     Figure("kv-int4", "kv_int4:main", "what an int4 KV cache would cost in perplexity at 4k (not shipped)"),
+    Figure("threads", "threads:main", "--threads auto against fixed counts, idle and with one core kept busy by "
+           "another process (the bundled model, batch 1)", in_make_figures=False),
     Figure("attention-order", "attention_order:main", "decode attention alone on the 1B shape's heads at 8k: K/V "
            "from memory vs hot in L2, by the order of the request's blocks (ascending, descending, random)",
            in_make_figures=False),

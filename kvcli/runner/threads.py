@@ -2,10 +2,10 @@
 
 kvcli's C kernels and torch's CPU ops split each call over `torch.get_num_threads()` threads, and each call waits
 for its slowest thread. When another process holds one of the cores, the thread sharing it runs in time slices
-and every one of a decode step's few hundred parallel regions waits for its slice: on a 2-core Xeon with one
-core kept busy by a shell loop, the bundled model decoded at 103-117 tok/s on 2 threads against 233-245 on 1
-(ad hoc, 2026-12-07; 348-351 against 237 with both cores free). So under `--threads auto` the engine tries the
-other count now and then and keeps whichever runs faster:
+and every one of a decode step's few hundred parallel regions waits for its slice: on a 2-core Xeon beside one
+spinning process, the bundled model decoded at 5.5 tok/s on 2 threads against 312 on 1 (428 against 296 with both
+cores free; `python -m kvcli.bench threads`, docs/results/threads.txt, 2026-12-07). So under `--threads auto` the
+engine tries the other count now and then and keeps whichever runs faster:
 
 - after the first `first_s` seconds of decode steps, and then after every `period_s`, `probe_steps` decode steps at
   the current count are timed, then as many at the other one: half the current count, or the full count when
@@ -15,7 +15,8 @@ other count now and then and keeps whichever runs faster:
 - the other count is taken when its mean step time is below `margin` times the current count's.
 
 On an idle machine a probe costs its few slower steps every period (4 steps at 1 thread every 2 s of decode at
-~350 tok/s: about 0.2 % of the decode time). `--threads N` fixes the count and probes nothing. The engine sets the
+~400 tok/s: about 0.3 % of the decode time; in the same figure auto ran 1.01x a fixed 2 threads idle, and 245 tok/s
+beside the spinning process, where its first pair came after the slow start at 2 threads). `--threads N` fixes the count and probes nothing. The engine sets the
 count through torch.set_num_threads before each step: for the whole process, as torch's setting is. Which count a
 decision took does not change greedy text on the default backend beyond what batching already may (the
 attention splits its keys by the thread count); under the invariant backend, whose promise is text that depends on
