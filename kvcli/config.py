@@ -279,14 +279,19 @@ IMAGE_TEXT = {
                          "vision_feature_select_strategy", "ignore_index"}), None, ("llama", "mistral", "qwen2")),
     "mistral3": (frozenset({"multimodal_projector_bias", "projector_hidden_act", "spatial_merge_size",
                             "vision_feature_layer"}), None, ("mistral", "llama")),
+    # LLaVA-NeXT: LLaVA's keys and the grid an image is tiled into (its image_newline tensor is not loaded)
+    "llava_next": (frozenset({"image_seq_length", "multimodal_projector_bias", "projector_hidden_act",
+                              "vision_feature_layer", "vision_feature_select_strategy", "ignore_index",
+                              "image_grid_pinpoints", "use_image_newline_parameter"}), None,
+                   ("llama", "mistral", "qwen2")),
 }
 
 
 def language_model_config(cfg: dict, model_type: str) -> dict:
-    """The text model of an image-text config (Gemma3ForConditionalGeneration, LLaVA, Mistral 3): text_config (over
-    Gemma3TextConfig's defaults for Gemma 3, whose published configs write only what differs), with the checkpoint's
-    dtype and token ids where text_config lacks them. kvcli runs it on text alone, as transformers does for input
-    without images: the same layers, the vision tower and projector not loaded (model/loader.py)."""
+    """The text model of an image-text config (Gemma3ForConditionalGeneration, LLaVA(-NeXT), Mistral 3):
+    text_config (over Gemma3TextConfig's defaults for Gemma 3, whose published configs write only what differs), with
+    the checkpoint's dtype and token ids where text_config lacks them. kvcli runs it on text alone, as transformers
+    does for input without images: the same layers, the vision tower and projector not loaded (model/loader.py)."""
     own, defaults, text_types = IMAGE_TEXT[model_type]
     extra = sorted(set(cfg) - _IMAGE_TEXT_KEYS - own)
     if extra:

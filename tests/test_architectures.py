@@ -207,32 +207,36 @@ def test_an_image_text_gemma3_config_takes_transformers_defaults(tmp_path):
 
 
 def image_text_folder(out, gguf_path, kind: str):
-    """A tiny random LLaVA (llama text model, CLIP tower) or Mistral 3 (mistral text model with head_dim unlike
-    hidden / heads, Pixtral tower), saved by transformers."""
-    from transformers import LlavaConfig, LlavaForConditionalGeneration, Mistral3Config, Mistral3ForConditionalGeneration
+    """A tiny random LLaVA or LLaVA-NeXT (llama text model, CLIP tower; NeXT: its image grid and newline tensor) or
+    Mistral 3 (mistral text model with head_dim unlike hidden / heads, Pixtral tower), saved by transformers."""
+    import transformers
 
-    if kind == "llava":
-        cfg = LlavaConfig(text_config={**BASE, "model_type": "llama"}, image_token_index=49151,
-                          vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64,
-                                             num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14))
-        cls = LlavaForConditionalGeneration
+    clip = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                num_attention_heads=2, image_size=28, patch_size=14)
+    if kind in ("llava", "llava_next"):
+        name = "Llava" if kind == "llava" else "LlavaNext"
+        extra = {} if kind == "llava" else {"image_grid_pinpoints": [[28, 28], [28, 56]]}
+        cfg = getattr(transformers, f"{name}Config")(text_config={**BASE, "model_type": "llama"}, vision_config=clip,
+                                                     image_token_index=49151, **extra)
+        cls = getattr(transformers, f"{name}ForConditionalGeneration")
     else:
-        cfg = Mistral3Config(text_config={**BASE, "model_type": "mistral", "head_dim": 32, "sliding_window": None},
-                             image_token_index=49151,
-                             vision_config=dict(model_type="pixtral", hidden_size=32, intermediate_size=64, head_dim=16,
-                                                num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14))
-        cls = Mistral3ForConditionalGeneration
+        cfg = transformers.Mistral3Config(
+            text_config={**BASE, "model_type": "mistral", "head_dim": 32, "sliding_window": None},
+            image_token_index=49151,
+            vision_config=dict(model_type="pixtral", hidden_size=32, intermediate_size=64, head_dim=16,
+                               num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14))
+        cls = transformers.Mistral3ForConditionalGeneration
     torch.manual_seed(0)
     model = cls(cfg).eval()
     save_folder(out, gguf_path, model)
     return out, model
 
 
-@pytest.mark.parametrize("kind", ["llava", "mistral3"])
+@pytest.mark.parametrize("kind", ["llava", "llava_next", "mistral3"])
 def test_an_image_text_llava_or_mistral3_runs_its_text_model(tmp_path, gguf_path, kind):
     path, ref = image_text_folder(tmp_path, gguf_path, kind)
     c = LLM(str(path), quant="none", kv_budget="4MiB").engine.config
-    assert c.architecture == ("llama" if kind == "llava" else "mistral") and c.num_layers == 2
+    assert c.architecture == ("mistral" if kind == "mistral3" else "llama") and c.num_layers == 2
     assert compare(path, ref, "torch") < 1e-4
 
 
