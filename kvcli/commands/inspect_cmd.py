@@ -20,7 +20,7 @@ from kvcli.config import ModelConfig, read_json_object
 from kvcli.kvcache.block_manager import sliding_window_of
 from kvcli.kvcache.kv_groups import kv_groups_of
 from kvcli.model.layers import rotary_table_bytes
-from kvcli.model.loader import ModelLoadError, bundled_gguf_path, language_model_name, load_config, weight_files
+from kvcli.model.loader import ModelLoadError, bundled_gguf_path, load_config, tensor_names, weight_files
 from kvcli.options import ConfigError, EngineOptions
 from kvcli.view.plain_log import human_bytes
 
@@ -120,7 +120,7 @@ def _quant_method(path: Path) -> str | None:
     return str(qc.get("quant_method")) if isinstance(qc, dict) else None
 
 
-NOT_LOADED = "not loaded (the image model)"  # an image-text Gemma 3's vision tower and projector
+NOT_LOADED = "not loaded (the image model)"  # an image-text folder's vision tower and projector
 
 
 def _safetensors_groups(path: Path) -> list[TensorGroup]:
@@ -132,14 +132,14 @@ def _safetensors_groups(path: Path) -> list[TensorGroup]:
 
     method = _quant_method(path)
     packed_suffixes = SUFFIXES.get(method or "", ())
-    image_text = "text_config" in read_json_object(path / "config.json")  # load_config accepted it: Gemma 3
+    rename = tensor_names(read_json_object(path / "config.json"))  # (load_config has accepted it)
     groups: dict[str, list[int]] = {}
     for f in weight_files(path):
         with safe_open(str(f), "pt") as st:
             for key in st.keys():
                 sl = st.get_slice(key)
                 dtype = str(sl.get_dtype())
-                if image_text and language_model_name(key) is None:
+                if rename(key) is None:
                     dtype = NOT_LOADED
                 elif key.rsplit(".", 1)[-1] in packed_suffixes:
                     dtype = f"{method}:{dtype}"

@@ -149,8 +149,7 @@ class LLMEngine:
         # CPU threads (runner/threads.py): --threads N set once; auto tuned by timing decode steps.
         self.threads = ThreadTuner.for_option(options.threads, may_tune=self.backend.name != "invariant") \
             if self.device.type == "cpu" and not self.simulated else ThreadTuner(torch.get_num_threads(), tune=False)
-        if self.threads.current != torch.get_num_threads():
-            torch.set_num_threads(self.threads.current)
+        self.threads.apply()
         self.output = OutputProcessor(self.tokenizer)  # detokenizers and output text, per request
         self._ids = itertools.count()
         # Run counters (the engine's own statistics, published through stats()).
@@ -407,9 +406,7 @@ class LLMEngine:
     # --- one iteration ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
-        threads = self.threads.threads_for_step()
-        if threads != torch.get_num_threads():
-            torch.set_num_threads(threads)
+        self.threads.apply()
         t0 = time.perf_counter()
         result = self.runner.execute(out)
         decode_only = True

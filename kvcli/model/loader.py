@@ -14,7 +14,7 @@ import importlib.metadata
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -227,6 +227,16 @@ def weight_files(path: Path) -> list[Path]:
     return files
 
 
+def tensor_names(cfg: dict) -> Callable[[str], str | None]:
+    """How a folder's tensor names map to those kvcli loads (None: not loaded): an image-text folder's (a text_config
+    in its config.json, which config.py accepted) through language_model_name, any other folder's as they are."""
+    return language_model_name if "text_config" in cfg else _as_named
+
+
+def _as_named(key: str) -> str:
+    return key
+
+
 def language_model_name(key: str) -> str | None:
     """An image-text checkpoint's tensor under the text model's name (model.language_model.* as transformers 5
     saves it, language_model.model.* as Google's Gemma 3 folders hold it), or None: the vision tower and the
@@ -249,18 +259,18 @@ def _load_hf_dir(path: Path, quant: str) -> LoadedWeights:
     files = weight_files(path)
     from safetensors import safe_open
 
-    rename = language_model_name if "text_config" in cfg else None  # an image-text Gemma 3 (config.py)
+    rename = tensor_names(cfg)
     raw: dict[str, torch.Tensor] = {}
     for f in files:
         try:
             with safe_open(str(f), framework="pt") as st:
                 for key in st.keys():
-                    name = key if rename is None else rename(key)
+                    name = rename(key)
                     if name is not None:
                         raw[name] = st.get_tensor(key)
         except Exception as e:
             raise ModelLoadError(f"{f.name}: not a readable safetensors file ({e})") from None
-    if rename is not None and not raw:
+    if rename is language_model_name and not raw:
         raise ModelLoadError(f"{path.name}: no language-model tensors (model.language_model.* or language_model.*)")
     try:
         split_fused(config, raw, path.name)  # Phi-3's qkv_proj / gate_up_proj

@@ -16,11 +16,11 @@ engine tries the other count now and then and keeps whichever runs faster:
 
 On an idle machine a probe costs its few slower steps every period (4 steps at 1 thread every 2 s of decode at
 ~400 tok/s: about 0.3 % of the decode time; in the same figure auto ran 1.01x a fixed 2 threads idle, and 245 tok/s
-beside the spinning process, where its first pair came after the slow start at 2 threads). `--threads N` fixes the count and probes nothing. The engine sets the
-count through torch.set_num_threads before each step: for the whole process, as torch's setting is. Which count a
-decision took does not change greedy text on the default backend beyond what batching already may (the
-attention splits its keys by the thread count); under the invariant backend, whose promise is text that depends on
-nothing but the tokens, auto keeps torch's count and never probes.
+beside the spinning process, where its first pair came after the slow start at 2 threads). `--threads N` fixes the
+count and probes nothing. The engine sets the count through torch.set_num_threads before each step (`apply`): for
+the whole process, as torch's setting is. Which count a decision took does not change greedy text on the default
+backend beyond what batching already may (the attention splits its keys by the thread count); under the invariant
+backend, whose promise is text that depends on nothing but the tokens, auto keeps torch's count and never probes.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import torch
 @dataclass
 class ThreadTuner:
     full: int  # the most threads: torch's count when the engine was built (--threads auto)
-    tune: bool = True  # False: --threads N, never changed
+    tune: bool = True  # False: never changed (--threads N; the invariant backend; one thread; not the CPU)
     first_s: float = 0.2
     period_s: float = 2.0
     probe_steps: int = 4
@@ -62,8 +62,14 @@ class ThreadTuner:
         return max(1, self.current // 2) if self.current == self.full else self.full
 
     def threads_for_step(self) -> int:
-        """The count the next step runs at (set by the engine before it runs)."""
+        """The count the next step runs at."""
         return self.other if self._phase == "probe" else self.current
+
+    def apply(self) -> None:
+        """Set torch's count (every kernel's) to the next step's, where it differs."""
+        n = self.threads_for_step()
+        if n != torch.get_num_threads():
+            torch.set_num_threads(n)
 
     def observe(self, decode_only: bool, rows: int, requests: int, seconds: float) -> None:
         """After each step: whether it only decoded, its rows and requests, its wall time."""
