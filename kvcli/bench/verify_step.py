@@ -1,4 +1,6 @@
-"""What a speculative verification step costs against a plain decode step, on the bundled model at batch 1.
+"""What a speculative verification step costs against a plain decode step, at batch 1: on the bundled model, or with
+--shape on a random-weight GGUF of a real model's shape (kvcli/bench/shapes.py), where a step reads more weights than
+the CPU's caches hold.
 
 A step of n query rows after a context of C tokens is made the way speculation makes one: prefix caching on,
 the C-token context cached (C a multiple of the block size), then a request of that context plus one token, with
@@ -18,6 +20,8 @@ measured on registers in the same run (kernels/cpu_probe.c): one int8 product pe
 one activation level (Q4_0 / Q4_1 forms where the int8 GEMM takes them: the route's one_level; outlier blocks'
 second level not counted), two for the others (two int8 levels of every activation). A step cannot be cheaper than
 that with these numerics on this CPU, whatever the rest of it costs (conversions, softmax, norms not counted).
+With --shape the 1-row step is bound by reading its weights from memory, which the further rows' arithmetic can
+overlap, so there the floor is the larger of 1 and all n rows' arithmetic at those peaks against the 1-row step.
 """
 
 from __future__ import annotations
@@ -51,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--contexts", default="512,4096")
     ap.add_argument("--rows", default="1,2,4,6,8")
     ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--shape", default=None, help="a random-weight GGUF of this shape (kvcli/bench/shapes.py SHAPES: "
+                    "1b, 3b, 8b) instead of the bundled model")
+    ap.add_argument("--kind", default="Q4_0", help="the shape file's tensor types (kvcli/bench/shapes.py KINDS)")
     a = ap.parse_args(argv)
     from kvcli.config import SamplingParams
     from kvcli.llm import LLM
@@ -58,7 +65,13 @@ def main(argv: list[str] | None = None) -> int:
     contexts = [int(x) for x in a.contexts.split(",")]
     rows = [int(x) for x in a.rows.split(",")]
     k = max(max(rows) - 1, 1)  # the most guesses a step verifies
-    llm = LLM(None, prefix_caching=True, max_model_len=max(contexts) + max(rows) + 16, kv_budget="512MiB",
+    model = None
+    what = "bundled SmolLM2-135M Q4_1"
+    if a.shape is not None:
+        from kvcli.bench.shapes import shape_file
+
+        model, what = str(shape_file(a.shape, a.kind)), f"random-weight {a.shape} shape {a.kind}"
+    llm = LLM(model, prefix_caching=True, max_model_len=max(contexts) + max(rows) + 16, kv_budget="512MiB",
               speculate="ngram", num_speculative_tokens=k, draft_length="fixed")
     eng = llm.engine
     eng.scheduler.proposer = GivenGuesses(k)
@@ -94,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
             for n in rows:
                 samples.setdefault((c, n), []).append(step_ms(c, n))
     print(busy_note(load_before, load1()))
-    print(f"bundled SmolLM2-135M Q4_1, {eng.linear_mode} weights, {eng.kv_dtype.name} KV, batch 1; median of "
+    print(f"{what}, {eng.linear_mode} weights, {eng.kv_dtype.name} KV, batch 1; median of "
           f"{a.rounds} rounds")
     cfg = eng.config
     row_macs = cfg.layer_linear_macs() + cfg.vocab_size * cfg.hidden_size
@@ -115,6 +128,14 @@ def main(argv: list[str] | None = None) -> int:
             return None
         return linear_ms + attention_fmas(context) / fp32[0] * 1e3
 
+    def floor(context: int, n: int, base: float) -> str:
+        row_ms = row_floor_ms(context)
+        if row_ms is None:
+            return "n/a"
+        if a.shape is None:  # the 1-row step is arithmetic: further rows add theirs
+            return f"{1 + (n - rows[0]) * row_ms / base:.2f}x"
+        return f"{max(1.0, n * row_ms / base):.2f}x"  # memory-bound: the rows' arithmetic may overlap the reads
+
     if linear_ms is not None and fp32 is not None:
         print(f"a row's multiply-adds: {row_macs / 1e6:.1f} M, {one / 1e6:.1f} M of them at one int8 level, the rest "
               f"two: {products / 1e6:.1f} M int8 products; {peak[1]}: {peak[0] / 1e12:.3f} TMAC/s on every thread: "
@@ -129,9 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         base = statistics.median(samples[(c, rows[0])])
         for n in rows:
             ms = statistics.median(samples[(c, n)])
-            floor_ms = row_floor_ms(c)
-            floor = "n/a" if floor_ms is None else f"{1 + (n - rows[0]) * floor_ms / base:.2f}x"
-            print(f"| {c} | {n} | {ms:.2f} | {ms / base:.2f}x | {floor} |")
+            print(f"| {c} | {n} | {ms:.2f} | {ms / base:.2f}x | {floor(c, n, base)} |")
     for c in contexts:
         if 6 in rows and 1 in rows:
             r = statistics.median(samples[(c, 6)]) / statistics.median(samples[(c, 1)])
