@@ -38,6 +38,14 @@
 #define PREFETCH_BLOCKS 16 /* how far ahead of its block the loop asks for the weight codes (prefetch_lines) */
 #endif
 #define TILE_M 4  /* x rows per pass over a weight row: its blocks are unpacked once for all of them */
+/* How far ahead of its block the small-row loop (2-8 rows, one_level_rec16) also asks for the weight codes into L2
+ * (prefetch_far). With 2+ rows a block's arithmetic is a few times a 1-row step's, and the line asks
+ * PREFETCH_BLOCKS ahead alone left a core short of lines in flight: on the 1B shape's 64 linears (2-core Xeon with
+ * AMX, 2026-12-08, interleaved runs of the same process, ad hoc) 6 rows took 1.35-1.40x the time of 1 row without
+ * them, 1.16-1.24x with them 12-32 KiB ahead (6 KiB: no change); the 1-row loop gained nothing from them. */
+#ifndef FAR_PREFETCH_BYTES
+#define FAR_PREFETCH_BYTES (16 * 1024)
+#endif
 /* One activation level (see "one level" below): a block keeps its second level past this many times its row's
  * RMS; sums are gathered per ONE_LEVEL_KC k and added to the output once per such chunk (kvq_gemm_i8's panels). */
 #ifndef IG_OUTLIER
@@ -321,6 +329,15 @@ static inline __attribute__((always_inline)) void prefetch_lines(const void *p, 
     if (bytes > 192) _mm_prefetch(c + 192, _MM_HINT_T0);
 }
 
+/* The `bytes` FAR_PREFETCH_BYTES past p towards L2 (prefetch_lines' sizes). */
+static inline __attribute__((always_inline)) void prefetch_far(const void *p, const int bytes) {
+    const char *c = (const char *)p + FAR_PREFETCH_BYTES;
+    _mm_prefetch(c, _MM_HINT_T1);
+    _mm_prefetch(c + 64, _MM_HINT_T1);
+    if (bytes > 128) _mm_prefetch(c + 128, _MM_HINT_T1);
+    if (bytes > 192) _mm_prefetch(c + 192, _MM_HINT_T1);
+}
+
 /* A block's 128 bytes of 4-bit codes (x8 layout) as 8 step vectors of unsigned bytes: chunk s's low nibbles are
  * step s, its high nibbles step s + 4. */
 static inline __attribute__((always_inline)) void unpack_nibbles(const uint8_t *c, __m256i w[8]) {
@@ -399,12 +416,14 @@ static inline __attribute__((always_inline)) void group_block(const kvq_args *a,
     if (bits == 4 || bits == 5 || bits == 6) {
         const uint8_t *c = a->codes + (g * nb + b) * block_bytes(bits);
         prefetch_lines(c + PREFETCH_BLOCKS * block_bytes(bits), block_bytes(bits));
+        if (R > 1) prefetch_far(c, block_bytes(bits));
         unpack_nibbles(c, w);
         if (bits != 4)
             for (int s = 0; s < 8; s++) w[s] = high_bits(w[s], c + 128, bits, s);
     } else { /* bits 8 and 7 */
         const int8_t *c = (const int8_t *)a->codes + (g * nb + b) * 256;
         prefetch_lines(c + PREFETCH_BLOCKS * 256, 256);
+        if (R > 1) prefetch_far(c, 256);
         for (int s = 0; s < 8; s++) w[s] = _mm256_loadu_si256((const __m256i *)(c + 32 * s));
     }
     for (int r = 0; r < R; r++) {
@@ -557,6 +576,7 @@ static inline __attribute__((always_inline)) void one_level_block8(const kvq_arg
     const __m256 mw = mins ? groups8(&a->mins, dw, g, b, nb) : _mm256_setzero_ps();
     const uint8_t *c = a->codes + (g * nb + b) * 128;
     prefetch_lines(c + PREFETCH_BLOCKS * 128, 128);
+    if (R > 1) prefetch_far(c, 128);
     __m256i w[8];
     unpack_nibbles(c, w);
     for (int r = 0; r < R; r++) {
@@ -678,7 +698,7 @@ static inline __attribute__((always_inline)) __m256 groups8_as(const kvq_groups 
  * lanes, its codes unpacked; the cache lines PREFETCH_BLOCKS blocks on asked for. Returns whether it has mins. */
 static inline __attribute__((always_inline)) int block16_weights(const kvq_args *a, const int SK, const int MK,
                                                                  int64_t g, int64_t b, __m512 *dw, __m512 *mw,
-                                                                 __m512i w[8]) {
+                                                                 __m512i w[8], const int far) {
     const int64_t nb = a->K / QK;
     const int mins = MK < 0 ? a->mins.kind != KVQ_NONE : MK != KVQ_NONE;
     const __m256 z = _mm256_setzero_ps();
@@ -689,6 +709,7 @@ static inline __attribute__((always_inline)) int block16_weights(const kvq_args 
     const uint8_t *c0 = a->codes + (g * nb + b) * 128, *c1 = c0 + nb * 128;
     prefetch_lines(c0 + PREFETCH_BLOCKS * 128, 128);
     prefetch_lines(c1 + PREFETCH_BLOCKS * 128, 128);
+    if (far) prefetch_far(c0, 128), prefetch_far(c1, 128);
     unpack_nibbles16(c0, c1, w);
     return mins;
 }
@@ -699,7 +720,7 @@ static inline __attribute__((always_inline)) void one_level_block16(const kvq_ar
     const int64_t nb = a->K / QK;
     __m512 dw, mw;
     __m512i w[8];
-    const int mins = block16_weights(a, -1, -1, g, b, &dw, &mw, w);
+    const int mins = block16_weights(a, -1, -1, g, b, &dw, &mw, w, R > 1);
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++) {
         const int64_t xi = (m0 + r) * nb + b;
@@ -754,7 +775,7 @@ static inline __attribute__((always_inline)) void one_level_rec16(const kvq_args
                                                                   const one_rec *x, __m512 *f, __m512 *f2) {
     __m512 dw, mw;
     __m512i w[8];
-    const int mins = block16_weights(a, SK, MK, g, b, &dw, &mw, w);
+    const int mins = block16_weights(a, SK, MK, g, b, &dw, &mw, w, 1);
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++) {
         const one_rec *xr = x + r;

@@ -111,6 +111,8 @@ FIGURES: dict[str, Figure] = {f.name: f for f in [
            "AVX2 build) (~15 min)", env=AVX2_ENV, in_make_figures=False),
     Figure("verify-step", "verify_step:main", "a step of 1-8 query rows after a cached context against a 1-row "
            "decode step (what speculative verification costs)"),
+    Figure("verify-step-1b", "verify_step:main", "the verify-step figure on the random-weight 1B shape (Q4_0), "
+           "where a step reads its weights from memory", ("--shape", "1b"), in_make_figures=False),
     Figure("roofline-3b", "roofline:main", "the roofline figure on the 3B shape (Q4_0) at 512 and 4k (~15 min)",
            ("--shape", "3b", "--contexts", "512,4096"), in_make_figures=False),
     Figure("roofline-8b", "roofline:main", "the roofline figure on the 8B shape (Q4_K_M) at 512, one round (~10 min; "
@@ -211,6 +213,13 @@ FIGURES: dict[str, Figure] = {f.name: f for f in [
            "each row's blocks in place, torch's argmax over a verification's rows) and in this tree (records side "
            "by side, NumPy's argmax), interleaved",
            ("--before", "f9b421f", "verify-step", "--rounds", "6", "--", "--rounds", "9"), in_make_figures=False),
+    # The small-row loops' weight codes also asked into L2 16 KiB ahead (cpu_int8dot.c prefetch_far): a1d9535 is
+    # the tree before.
+    Figure("ab-verify-far", "ab:main", "before/after: the verify-step figure on the 1B shape at a1d9535 (the "
+           "small-row loops ask for their weights 16 blocks ahead only) and in this tree (16 KiB ahead into L2 as "
+           "well), interleaved",
+           ("--before", "a1d9535", "verify-step", "--rounds", "4", "--", "--shape", "1b", "--rounds", "5"),
+           in_make_figures=False),
     Figure("triton-matrix", "script:bash scripts/triton_matrix.sh", "kernel tests under older Triton releases",
            in_make_figures=False),
     Figure("gpu-check-dry-run", "script:python3 scripts/gpu_check.py --dry-run",
