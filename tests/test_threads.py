@@ -159,3 +159,40 @@ def test_the_invariant_backend_keeps_its_count():
         assert not e.threads.tune and e.threads.current == 2
     finally:
         torch.set_num_threads(saved)
+
+
+def test_the_dashboard_and_metrics_show_the_thread_count():
+    """The live view's throughput panel and serve's /metrics read the count from the snapshot: shown on the
+    CPU, with --threads auto's switches; absent where the kernels run elsewhere (cpu_threads 0)."""
+    import dataclasses
+    import io
+    import re
+
+    from rich.console import Console
+
+    from kvcli.engine.llm_engine import LLMEngine
+    from kvcli.model.loader import load_config
+    from kvcli.server.metrics import ServerMetrics
+    from kvcli.view.dashboard import render_dashboard
+
+    def text_of(renderable) -> str:
+        c = Console(file=io.StringIO(), width=120, no_color=True, force_terminal=False)
+        c.print(renderable)
+        return c.file.getvalue()
+
+    e = LLMEngine(None, EngineOptions(max_model_len=128, kv_budget="16MiB"), config=load_config("dummy:smollm2-135m"))
+    base = e.snapshot()
+    cases = [(dataclasses.replace(base, cpu_threads=2, threads_auto=True, thread_switches=3),
+              "2 (auto · changed 3 times)", 2, 3),
+             (dataclasses.replace(base, cpu_threads=1, threads_auto=True, thread_switches=1), "1 (auto · changed 1 time)",
+              1, 1),
+             (dataclasses.replace(base, cpu_threads=4, threads_auto=False, thread_switches=0), "4", 4, 0)]
+    for s, shown, threads, switches in cases:
+        panel = text_of(render_dashboard(s, width=120, map_rows=4))
+        assert re.search(r"CPU threads\s+" + re.escape(shown) + r"\s", panel), panel
+        text = ServerMetrics("m", 128, lambda s=s: s, {}).exposition().decode()
+        assert re.search(rf'^kvcli:cpu_threads{{model_name="m"}} {threads}\.0$', text, re.M), text
+        assert re.search(rf'^kvcli:cpu_thread_switches_total{{model_name="m"}} {switches}\.0$', text, re.M)
+    off = dataclasses.replace(base, cpu_threads=0)
+    assert "CPU threads" not in text_of(render_dashboard(off, width=120, map_rows=4))
+    assert "kvcli:cpu_thread" not in ServerMetrics("m", 128, lambda: off, {}).exposition().decode()

@@ -145,6 +145,10 @@ class _SnapshotCollector(Collector):
             yield gauge("kvcli:kv_sink_tokens", "Tokens each request keeps from its start (--sink-tokens in whole "
                         "blocks).", w.sink_slots)
             yield gauge("kvcli:kv_request_tokens_peak", "The most KV tokens one request has held.", w.peak_tokens)
+        if s.cpu_threads:  # the CPU's kernels: their thread count now, and how often --threads auto changed it
+            yield gauge("kvcli:cpu_threads", "CPU threads the kernels run on now (--threads).", s.cpu_threads)
+            yield counter("kvcli:cpu_thread_switches", "Times --threads auto changed the kernels' thread count.",
+                          s.thread_switches)
         yield from _breakdown("kvcli:kv", "the live KV layout", s.kv, m)
         if s.contiguous_whatif is not None:
             yield from _breakdown("kvcli:whatif_contiguous", "the running requests under max-length contiguous "

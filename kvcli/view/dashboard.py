@@ -146,7 +146,17 @@ def throughput_panel(s: Snapshot, width: int = 50) -> Panel:
     ]
     if s.spec.method != "none":
         rows.append(("speculation", spec_line(s)))
+    if s.cpu_threads:
+        rows.append(("CPU threads", threads_line(s)))
     return Panel(_kv_table(rows, width - 4), title="throughput & latency", title_align="left")
+
+
+def threads_line(s: Snapshot) -> str:
+    """The kernels' CPU threads now, e.g. '2 (auto · changed 3 times)', '1 (auto)', '2'."""
+    if not s.threads_auto:
+        return f"{s.cpu_threads}"
+    changed = f" · changed {s.thread_switches} time{'s' if s.thread_switches != 1 else ''}" if s.thread_switches else ""
+    return f"{s.cpu_threads} (auto{changed})"
 
 
 def spec_line(s: Snapshot) -> str:
