@@ -220,6 +220,9 @@ FIGURES: dict[str, Figure] = {f.name: f for f in [
            "well), interleaved",
            ("--before", "a1d9535", "verify-step", "--rounds", "4", "--", "--shape", "1b", "--rounds", "5"),
            in_make_figures=False),
+    Figure("ab-verify-far-bundled", "ab:main", "the ab-verify-far comparison on the bundled model (whose weights stay "
+           "in L3)", ("--before", "a1d9535", "verify-step", "--rounds", "3", "--", "--rounds", "5"),
+           in_make_figures=False),
     Figure("triton-matrix", "script:bash scripts/triton_matrix.sh", "kernel tests under older Triton releases",
            in_make_figures=False),
     Figure("gpu-check-dry-run", "script:python3 scripts/gpu_check.py --dry-run",
