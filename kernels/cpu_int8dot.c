@@ -387,11 +387,11 @@ static inline int32_t code_at(const uint8_t *codes, int bits, int64_t blk, int s
  * (fnmadd: the same single rounding of macc - v sx as groups8's negated value in an fmadd). ksub 2: Q6_K's
  * (KVQ_SUB_I8 scales of groups of 16, no mins). */
 #ifdef KVQ_AVX2
-/* Block b of group g (8 weight rows) against rows m0 .. m0 + R - 1 of x: acc / macc (the mins' share) += its sums. */
-static inline __attribute__((always_inline)) void group_block(const kvq_args *a, const int bits, const int g16,
-                                                              const int ksub, const int R, int64_t g, int64_t m0,
-                                                              int64_t b, __m256 *acc, __m256 *macc) {
-    const int64_t nb = a->K / QK, ng = a->K / a->G;
+/* Block b of group g's scales: dw (its first group of 16 where g16), dw2 (the second, else dw), mw its mins. */
+static inline __attribute__((always_inline)) void group_scales(const kvq_args *a, const int g16, const int ksub,
+                                                               int64_t g, int64_t b, __m256 *dw_, __m256 *dw2_,
+                                                               __m256 *mw_) {
+    const int64_t ng = a->K / a->G;
     const int64_t gr = g16 ? 2 * b : ksub ? b : group_of(b, 0, a->G);
     __m256 dw, dw2, mw = _mm256_setzero_ps();
     if (ksub == 2) {
@@ -412,20 +412,37 @@ static inline __attribute__((always_inline)) void group_block(const kvq_args *a,
         mw = a->mins.kind ? groups8(&a->mins, dw, g, gr, ng) : _mm256_setzero_ps();
         dw2 = g16 ? groups8(&a->scale, _mm256_setzero_ps(), g, gr + 1, ng) : dw;
     }
-    __m256i w[8];
+    *dw_ = dw, *dw2_ = dw2, *mw_ = mw;
+}
+
+/* Block b of group g's codes as 8 step vectors (4-8 bits), their lines asked for ahead (far: into L2 as well). */
+static inline __attribute__((always_inline)) void group_codes(const kvq_args *a, const int bits, const int far,
+                                                              int64_t g, int64_t b, __m256i w[8]) {
+    const int64_t nb = a->K / QK;
     if (bits == 4 || bits == 5 || bits == 6) {
         const uint8_t *c = a->codes + (g * nb + b) * block_bytes(bits);
         prefetch_lines(c + PREFETCH_BLOCKS * block_bytes(bits), block_bytes(bits));
-        if (R > 1) prefetch_far(c, block_bytes(bits));
+        if (far) prefetch_far(c, block_bytes(bits));
         unpack_nibbles(c, w);
         if (bits != 4)
             for (int s = 0; s < 8; s++) w[s] = high_bits(w[s], c + 128, bits, s);
     } else { /* bits 8 and 7 */
         const int8_t *c = (const int8_t *)a->codes + (g * nb + b) * 256;
         prefetch_lines(c + PREFETCH_BLOCKS * 256, 256);
-        if (R > 1) prefetch_far(c, 256);
+        if (far) prefetch_far(c, 256);
         for (int s = 0; s < 8; s++) w[s] = _mm256_loadu_si256((const __m256i *)(c + 32 * s));
     }
+}
+
+/* Block b of group g (8 weight rows) against rows m0 .. m0 + R - 1 of x: acc / macc (the mins' share) += its sums. */
+static inline __attribute__((always_inline)) void group_block(const kvq_args *a, const int bits, const int g16,
+                                                              const int ksub, const int R, int64_t g, int64_t m0,
+                                                              int64_t b, __m256 *acc, __m256 *macc) {
+    const int64_t nb = a->K / QK;
+    __m256 dw, dw2, mw;
+    group_scales(a, g16, ksub, g, b, &dw, &dw2, &mw);
+    __m256i w[8];
+    group_codes(a, bits, R > 1, g, b, w);
     for (int r = 0; r < R; r++) {
         const int64_t xi = (m0 + r) * nb + b;
         const int8_t *xq = a->qx + (m0 + r) * 2 * a->K + 2 * b * QK;
@@ -892,6 +909,126 @@ FORM_TILES(tiles_q8g16, TILE_CASES_41, 8, 1, 0) /* 8-bit codes in groups of 16 *
 FORM_TILES(tiles_q8, TILE_CASES, 8, 0, 0)      /* Q8_0 */
 #undef FORM_TILES
 
+#ifdef ONE_LEVEL_512
+/* ---- the two-level forms on 16 columns: group_block for groups g and g + 1 at once -------------------------------
+ * K-quant, Q5 / Q6 / Q8_0 and AWQ / GPTQ-style weights at 2-8 rows (a verification step, a small decode batch) went
+ * through the 8-column loop in passes of TILE_M rows, so a 6-row call unpacked each block twice at half the width. Here
+ * a block pair's scales and codes are group_block's (the same helpers, joined into halves) and each row's sums are its
+ * lanes' (integer sums exact, then the same float operations per lane in the same order): every output bit for bit as
+ * the 8-column loop's. AVX-512 has no vpsignb: 8-bit codes take |w| and x negated where w < 0 by mask (the same
+ * int8 products). */
+static inline __m512i join8i(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
+
+static inline __attribute__((always_inline)) __m512i bcast4_16(const int8_t *p) { return _mm512_set1_epi32(load32(p)); }
+
+static inline __attribute__((always_inline)) void group_block16(const kvq_args *a, const int bits, const int g16,
+                                                                const int ksub, const int R, int64_t g, int64_t m0,
+                                                                int64_t b, __m512 *acc, __m512 *macc) {
+    const int64_t nb = a->K / QK;
+    __m512 dw, dw2, mw;
+    __m512i w[8];
+    {
+        __m256 d0, d20, m0w, d1, d21, m1w;
+        group_scales(a, g16, ksub, g, b, &d0, &d20, &m0w);
+        group_scales(a, g16, ksub, g + 1, b, &d1, &d21, &m1w);
+        dw = join8(d0, d1), dw2 = join8(d20, d21), mw = join8(m0w, m1w);
+        __m256i w0[8], w1[8];
+        group_codes(a, bits, 1, g, b, w0);
+        group_codes(a, bits, 1, g + 1, b, w1);
+        for (int s = 0; s < 8; s++) w[s] = join8i(w0[s], w1[s]);
+    }
+    for (int r = 0; r < R; r++) {
+        const int64_t xi = (m0 + r) * nb + b;
+        const int8_t *xq = a->qx + (m0 + r) * 2 * a->K + 2 * b * QK;
+        const __m512 dxv = _mm512_set1_ps(a->dx[xi] / 256.0f);
+        __m512i i1 = _mm512_setzero_si512(), i2 = _mm512_setzero_si512();
+        int32_t off = 0;
+        if (bits == 4) {
+            for (int st = 0; st < 8; st++) {
+                i1 = _mm512_dpbusd_epi32(i1, w[st], bcast4_16(xq + 4 * st));
+                i2 = _mm512_dpbusd_epi32(i2, w[st], bcast4_16(xq + QK + 4 * st));
+            }
+            if (a->xs) {
+                const int32_t *xs = a->xs + ((m0 + r) * nb + b) * 2;
+                off = a->offset * (xs[0] + xs[1]);
+            }
+        } else if (bits != 8) { /* 5, 6 */
+            const int32_t *xs = a->xs ? a->xs + ((m0 + r) * nb + b) * 2 : NULL;
+            for (int h = 0; h < 2; h++) {
+                for (int st = 4 * h; st < 4 * h + 4; st++) {
+                    i1 = _mm512_dpbusd_epi32(i1, w[st], bcast4_16(xq + 4 * st));
+                    i2 = _mm512_dpbusd_epi32(i2, w[st], bcast4_16(xq + QK + 4 * st));
+                }
+                if (g16 && h == 0) {
+                    const __m512i isum = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(i1, 8), i2),
+                                                          _mm512_set1_epi32(xs ? a->offset * xs[0] : 0));
+                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw, dxv), acc[r]);
+                    i1 = i2 = _mm512_setzero_si512();
+                }
+            }
+            if (xs) off = a->offset * (g16 ? xs[1] : xs[0] + xs[1]);
+        } else {
+            for (int st = 0; st < 8; st++) {
+                if (g16 && st == 4) {
+                    const __m512i isum = _mm512_add_epi32(_mm512_slli_epi32(i1, 8), i2);
+                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw, dxv), acc[r]);
+                    i1 = i2 = _mm512_setzero_si512();
+                }
+                const __m512i u = _mm512_abs_epi8(w[st]);
+                const __mmask64 neg = _mm512_movepi8_mask(w[st]);
+                const __m512i x1 = bcast4_16(xq + 4 * st), x2 = bcast4_16(xq + QK + 4 * st);
+                i1 = _mm512_dpbusd_epi32(i1, u, _mm512_mask_sub_epi8(x1, neg, _mm512_setzero_si512(), x1));
+                i2 = _mm512_dpbusd_epi32(i2, u, _mm512_mask_sub_epi8(x2, neg, _mm512_setzero_si512(), x2));
+            }
+        }
+        __m512i isum = _mm512_add_epi32(_mm512_slli_epi32(i1, 8), i2);
+        if (bits != 8) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(off));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw2, dxv), acc[r]);
+        if (ksub == 1)
+            macc[r] = _mm512_fnmadd_ps(mw, _mm512_set1_ps(a->sx[xi]), macc[r]);
+        else if (a->mins.kind)
+            macc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a->sx[xi]), macc[r]);
+    }
+}
+
+static inline __attribute__((always_inline)) void group_tile16(const kvq_args *a, const int bits, const int g16,
+                                                               const int ksub, const int R, int64_t g, int64_t m0) {
+    const int64_t nb = a->K / QK;
+    __m512 acc[ONE_LEVEL_M], macc[ONE_LEVEL_M];
+    for (int r = 0; r < R; r++) acc[r] = macc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) group_block16(a, bits, g16, ksub, R, g, m0, b, acc, macc);
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(a->y + (m0 + r) * a->ldy + 8 * g, _mm512_add_ps(acc[r], macc[r]));
+}
+
+/* Groups g0 .. g1 - 1 in pairs against rows m0 .. m0 + R - 1 (2 <= R <= ONE_LEVEL_M), one function per form as
+ * FORM_TILES; an odd last group by the form's 8-column loop. */
+#define FORM_TILES16(NAME, TILES8, BITS, G16, KSUB)                                                          \
+    static __attribute__((noinline)) void NAME(const kvq_args *a, int64_t g0, int64_t g1, int64_t m0,     \
+                                               int64_t R) {                                                \
+        const int64_t g2 = g0 + (g1 - g0) / 2 * 2;                                                         \
+        for (int64_t g = g0; g < g2; g += 2) switch (R) {                                                  \
+            case 8: group_tile16(a, BITS, G16, KSUB, 8, g, m0); break;                                     \
+            case 7: group_tile16(a, BITS, G16, KSUB, 7, g, m0); break;                                     \
+            case 6: group_tile16(a, BITS, G16, KSUB, 6, g, m0); break;                                     \
+            case 5: group_tile16(a, BITS, G16, KSUB, 5, g, m0); break;                                     \
+            case 4: group_tile16(a, BITS, G16, KSUB, 4, g, m0); break;                                     \
+            case 3: group_tile16(a, BITS, G16, KSUB, 3, g, m0); break;                                     \
+            default: group_tile16(a, BITS, G16, KSUB, 2, g, m0);                                           \
+            }                                                                                              \
+        if (g2 < g1)                                                                                       \
+            for (int64_t r0 = 0; r0 < R; r0 += TILE_M)                                                     \
+                TILES8(a, g2, g1, m0 + r0, R - r0 < TILE_M ? R - r0 : TILE_M);                             \
+    }
+FORM_TILES16(tiles16_q4k, tiles_q4k, 4, 0, 1)
+FORM_TILES16(tiles16_q4, tiles_q4, 4, 0, 0)
+FORM_TILES16(tiles16_q5k, tiles_q5k, 5, 0, 1)
+FORM_TILES16(tiles16_q5, tiles_q5, 5, 0, 0)
+FORM_TILES16(tiles16_q6k, tiles_q6k, 6, 1, 2)
+FORM_TILES16(tiles16_q8g16, tiles_q8g16, 8, 1, 0)
+FORM_TILES16(tiles16_q8, tiles_q8, 8, 0, 0)
+#undef FORM_TILES16
+#endif
+
 #ifdef KVQ_AVX2
 /* One row (a decode step) against groups g and h far apart, block by block: one_level_two16's two weight streams
  * per thread for the two-level forms. Each column's sums are group_tile's, in the same order. */
@@ -927,6 +1064,10 @@ static int form_of(const kvq_args *a, const int bits) {
     return bits == 4 ? (ksub ? 0 : 1) : bits == 5 ? (ksub ? 2 : 3) : bits == 6 ? 4 : a->G == 16 ? 5 : 6;
 }
 static const tiles_fn FORM_TILES_FNS[7] = {tiles_q4k, tiles_q4, tiles_q5k, tiles_q5, tiles_q6k, tiles_q8g16, tiles_q8};
+#ifdef ONE_LEVEL_512
+static const tiles_fn FORM_TILES16_FNS[7] = {tiles16_q4k, tiles16_q4,    tiles16_q5k, tiles16_q5,
+                                             tiles16_q6k, tiles16_q8g16, tiles16_q8};
+#endif
 #ifdef KVQ_AVX2
 static const two_fn FORM_TWO_FNS[7] = {two_q4k, two_q4, two_q5k, two_q5, two_q6k, two_q8g16, two_q8};
 #endif
@@ -972,6 +1113,14 @@ static void gemm_tile(const kvq_args *a, const int bits, int64_t t) {
     if (a->one_level) {
         for (int64_t m0 = 0; m0 < a->M; m0 += ONE_LEVEL_M)
             tiles_q4_one16(a, g0, g1, m0, a->M - m0 < ONE_LEVEL_M ? a->M - m0 : ONE_LEVEL_M);
+        return;
+    }
+    if (a->M >= 2) { /* the two-level forms' 16-column loop, an odd last row by the 8-column one */
+        const tiles_fn tiles16 = FORM_TILES16_FNS[form_of(a, bits)];
+        for (int64_t m0 = 0; m0 < a->M; m0 += ONE_LEVEL_M) {
+            const int64_t R = a->M - m0 < ONE_LEVEL_M ? a->M - m0 : ONE_LEVEL_M;
+            (R >= 2 ? tiles16 : tiles)(a, g0, g1, m0, R);
+        }
         return;
     }
 #endif

@@ -215,6 +215,24 @@ def test_a_decode_row_is_a_batch_row_bit_for_bit(isa, kind):
             assert torch.equal(lin(x[i:i + 1])[0], full[i]), (kind, n, k, i)
 
 
+@pytest.mark.parametrize("kind", list(WEIGHTS))
+def test_every_small_row_count_gives_each_row_its_own_bits(isa, kind):
+    """2-8 rows go through the 16-column loops on AVX-512 builds (one_level_rec16, group_block16), in passes of up to
+    8 rows with an odd last group on 8 columns: at every row count from 2 to 10 each row's output is its 1-row call's
+    bit for bit."""
+    gen = torch.Generator().manual_seed(31)
+    q = WEIGHTS[kind](136, 256, gen)
+    lin = Int8DotCpu(q)
+    lin.kernel_at_every_row_count()
+    x = torch.randn(10, 256, generator=gen) * (torch.rand(1, 256, generator=gen) + 0.5)
+    x[1::3, 17] = 25.0  # an outlier channel (the one-level forms' second level)
+    alone = [lin(x[i:i + 1])[0] for i in range(10)]
+    for m in range(2, 11):
+        out = lin(x[:m])
+        for i in range(m):
+            assert torch.equal(out[i], alone[i]), (kind, m, i)
+
+
 def test_calls_from_several_threads_keep_their_own_buffers():
     """kvq_linear and kvq_gemm_i8 keep their scratch per calling thread (kernels/cpu_scratch.h): calls running at
     once from several Python threads (ctypes lets go of the GIL) give each caller its own results, bit for bit
