@@ -220,6 +220,11 @@ FIGURES: dict[str, Figure] = {f.name: f for f in [
            "well), interleaved",
            ("--before", "a1d9535", "verify-step", "--rounds", "4", "--", "--shape", "1b", "--rounds", "5"),
            in_make_figures=False),
+    # The two-level forms' 16-column loop for 2-8 rows (cpu_int8dot.c group_block16): 4ab581e is the tree before.
+    Figure("ab-verify-kquant", "ab:main", "before/after: the verify-step figure on the 1B shape in Q4_K_M at 4ab581e "
+           "(2-8 rows of the two-level forms on the 8-column loop, 4 rows a pass) and in this tree (16 columns, 8 rows "
+           "a pass), interleaved", ("--before", "4ab581e", "verify-step", "--rounds", "3", "--", "--shape", "1b",
+                                    "--kind", "Q4_K_M", "--rounds", "5"), in_make_figures=False),
     Figure("ab-verify-far-bundled", "ab:main", "the ab-verify-far comparison on the bundled model (whose weights stay "
            "in L3)", ("--before", "a1d9535", "verify-step", "--rounds", "3", "--", "--rounds", "5"),
            in_make_figures=False),
