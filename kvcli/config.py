@@ -124,7 +124,10 @@ class ModelConfig:
     @staticmethod
     def _from_hf_fields(cfg: dict, name: str, model_type: str) -> "ModelConfig":
         towers = [k for k in ("vision_config", "audio_config") if isinstance(cfg.get(k), dict)]
-        if model_type in IMAGE_TEXT and isinstance(cfg.get("text_config"), dict) and towers == ["vision_config"]:
+        if model_type in QWEN_VL and towers == ["vision_config"]:
+            cfg = qwen_vl_text_config(cfg, model_type)
+            model_type = "qwen2"
+        elif model_type in IMAGE_TEXT and isinstance(cfg.get("text_config"), dict) and towers == ["vision_config"]:
             cfg = language_model_config(cfg, model_type)
             model_type = str(cfg.get("model_type") or "").lower()
         elif towers and isinstance(cfg.get("text_config"), dict):
@@ -132,7 +135,8 @@ class ModelConfig:
             what = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else model_type
             raise ValueError(
                 f"{what} is a multimodal checkpoint (text_config with {' and '.join(towers)}): kvcli runs text-only "
-                f"models, and the text model of image-text {', '.join(IMAGE_TEXT)} folders; give it the language model "
+                f"models, and the text model of image-text {', '.join([*IMAGE_TEXT, *QWEN_VL])} folders; give it the "
+                "language model "
                 "alone (llama.cpp's convert_hf_to_gguf.py writes it as a GGUF)")
         arch = HF_MODEL_TYPES.get(model_type)
         if arch is None:
@@ -308,6 +312,58 @@ def language_model_config(cfg: dict, model_type: str) -> dict:
     for key in ("torch_dtype", "dtype", "eos_token_id", "bos_token_id", "pad_token_id", "tie_word_embeddings"):
         if key in cfg and key not in tc:
             text[key] = cfg[key]
+    return text
+
+
+# Qwen2-VL / Qwen2.5-VL: the text model is Qwen2's but for its rotary, M-RoPE, which takes each frequency's angle at
+# one of three positions (time, height, width; mrope_section gives the frequencies of each) where Qwen2 takes the
+# token's position. For text all three are the token's position (transformers' get_rope_index, llama.cpp's batch), so
+# on text alone M-RoPE is Qwen2's rotary. Published folders hold the text model's fields at the top level beside
+# vision_config, transformers 5 saves them as text_config; the image and video tokens' ids are not read.
+QWEN_VL = ("qwen2_vl", "qwen2_5_vl")
+_QWEN_VL_KEYS = frozenset({"vision_start_token_id", "vision_end_token_id", "vision_token_id", "image_token_id",
+                           "video_token_id"})
+
+
+def qwen_vl_text_config(cfg: dict, model_type: str) -> dict:
+    """A Qwen2-VL / Qwen2.5-VL config's text model as a qwen2 config (QWEN_VL above), its M-RoPE checked to cover
+    the rotary's frequencies and dropped."""
+    if isinstance(cfg.get("text_config"), dict):  # transformers 5's save
+        extra = sorted(set(cfg) - _IMAGE_TEXT_KEYS - _QWEN_VL_KEYS)
+        if extra:
+            raise ValueError(f"config.json field {extra[0]} of an image-text {model_type} folder is not read by kvcli "
+                             f"and may change what the model computes; refusing the folder rather than computing a "
+                             f"different model")
+        text = dict(cfg["text_config"])
+        for key in ("torch_dtype", "dtype", "eos_token_id", "bos_token_id", "pad_token_id", "tie_word_embeddings"):
+            if key in cfg and key not in text:
+                text[key] = cfg[key]
+    else:  # the published form: the text model's fields beside vision_config
+        text = {k: v for k, v in cfg.items() if k != "vision_config" and k not in _QWEN_VL_KEYS}
+    text["model_type"] = "qwen2"
+    for key in ("rope_scaling", "rope_parameters"):
+        rope = text.get(key)
+        if not isinstance(rope, dict):
+            continue
+        kind = rope.get("rope_type") or rope.get("type")
+        if kind not in ("mrope", "default", None):  # the vision-language attention rotates by its sections alone
+            raise ValueError(f"{key} of type {kind!r} in an image-text {model_type} folder is not computed by kvcli")
+        if kind != "mrope" and "mrope_section" not in rope:
+            continue
+        section = rope.get("mrope_section")
+        heads = int(text["num_attention_heads"])
+        head_dim = int(text.get("head_dim") or int(text["hidden_size"]) // heads)
+        if not (isinstance(section, list) and all(isinstance(n, int) and n >= 0 for n in section)
+                and 2 * sum(section) == head_dim):
+            raise ValueError(f"{key}: mrope_section {section!r} does not split the rotary's {head_dim // 2} "
+                             f"frequencies (head_dim {head_dim})")
+        rest = {k: v for k, v in rope.items() if k not in ("rope_type", "type", "mrope_section")}
+        if key == "rope_parameters":  # transformers 5: theta beside the type
+            text[key] = {**rest, "rope_type": "default"}
+        elif rest:
+            raise ValueError(f"rope_scaling {rope!r}: M-RoPE with other scaling is not computed by kvcli")
+        else:
+            text[key] = None
     return text
 
 

@@ -329,3 +329,59 @@ def test_inspect_counts_what_gemma3_windows_would_hold(tmp_path):
     assert rep["kv_groups"].startswith("6 block tables per request, 1 layer each")
     assert rep["kv_request_windowed"] == (5 * 32 + 1024) * per_layer_token
     assert any(how.startswith("yes") for what, how in rep["weight_plan"] if what == "one-call decode")
+
+
+def qwen_vl_folder(out, gguf_path, kind: str, layout: str):
+    """A tiny random Qwen2-VL or Qwen2.5-VL as transformers 5 saves it (text_config; model.* and visual.*), rewritten
+    as the published folders hold it (the text model's fields at the top level beside vision_config, rope_scaling of
+    type mrope) or with transformers 4.52-4.57's tensor names (model.language_model.*, model.visual.*). Its M-RoPE
+    sections split the 8 frequencies of head_dim 16."""
+    import json
+
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    text = {**BASE, "rope_parameters": {"rope_type": "mrope", "mrope_section": [2, 3, 3], "rope_theta": 1e6}}
+    if kind == "qwen2_5_vl":
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                      fullatt_block_indexes=[0])
+        cfg, cls = transformers.Qwen2_5_VLConfig, transformers.Qwen2_5_VLForConditionalGeneration
+    else:
+        vision = dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2)
+        cfg, cls = transformers.Qwen2VLConfig, transformers.Qwen2VLForConditionalGeneration
+    torch.manual_seed(0)
+    model = cls(cfg(text_config=text, vision_config=vision)).eval()
+    with torch.no_grad():  # q/k/v biases away from 0, so a dropped bias shows
+        for layer in model.model.language_model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.uniform_(-0.5, 0.5)
+    save_folder(out, gguf_path, model)
+    if layout == "published":
+        saved = json.loads((out / "config.json").read_text())
+        flat = {k: v for k, v in saved.items() if k != "text_config"}
+        flat.update({k: v for k, v in saved["text_config"].items() if k not in ("model_type", "rope_parameters")})
+        flat.update(rope_theta=1e6, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]})
+        (out / "config.json").write_text(json.dumps(flat))
+    elif layout == "language_model":
+        for f in out.glob("*.safetensors"):
+            tensors = load_file(str(f))
+            assert any(k.startswith("visual.") for k in tensors) and any(k.startswith("model.layers.") for k in tensors)
+            save_file({("model." + k if k.startswith("visual.") else k.replace("model.", "model.language_model.", 1)
+                        if k.startswith("model.") else k): v for k, v in tensors.items()}, str(f),
+                      metadata={"format": "pt"})
+    return out, model
+
+
+@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl"])
+@pytest.mark.parametrize("layout", ["transformers5", "published", "language_model"])
+def test_a_qwen_vl_folder_runs_its_text_model(tmp_path, gguf_path, kind, layout):
+    """On text, M-RoPE's three positions are the token's: the text model is Qwen2 (q/k/v biases, its rotary), in each
+    layout such folders come in; the vision tower is not loaded."""
+    import json
+
+    path, ref = qwen_vl_folder(tmp_path, gguf_path, kind, layout)
+    assert ("text_config" in json.loads((path / "config.json").read_text())) is (layout != "published")
+    c = LLM(str(path), quant="none", kv_budget="4MiB").engine.config
+    assert c.architecture == "qwen2" and c.num_layers == 2 and c.attention_bias and c.rope_scaling is None
+    assert c.rope_theta == 1e6
+    assert compare(path, ref, "torch") < 1e-4

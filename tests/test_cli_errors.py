@@ -395,3 +395,27 @@ def test_a_multimodal_folder_is_refused_as_such(tmp_path):
            "text_config": {"model_type": "llama"}, "vision_config": {"model_type": "clip_vision_model"}}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     one_line_error(runner.invoke(app, ["plan", "-m", str(tmp_path)]), "field image_grid_pinpoints of an image-text llava")
+
+
+def test_a_qwen_vl_folder_with_rotary_kvcli_cannot_match_is_refused(tmp_path):
+    """Qwen2-VL / Qwen2.5-VL: M-RoPE is Qwen2's rotary on text only when its sections cover the rotary's frequencies
+    and nothing else scales it (tests/test_architectures.py runs the ones that do); otherwise one line, naming it."""
+    text = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=1e6)
+    cases = [({"type": "mrope", "mrope_section": [2, 3, 4]}, "mrope_section [2, 3, 4] does not split the rotary's 8"),
+             ({"type": "mrope", "mrope_section": [2, 3, 3], "factor": 2.0}, "M-RoPE with other scaling"),
+             ({"type": "yarn", "factor": 2.0}, "rope_scaling of type 'yarn' in an image-text qwen2_5_vl")]
+    for scaling, needle in cases:
+        cfg = {"architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl", **text,
+               "rope_scaling": scaling, "vision_config": {"depth": 1}, "image_token_id": 151655}
+        (tmp_path / "config.json").write_text(json.dumps(cfg))
+        one_line_error(runner.invoke(app, ["plan", "-m", str(tmp_path)]), needle)
+    cfg = {"model_type": "qwen2_vl", "text_config": {**text, "model_type": "qwen2_vl_text"}, "vision_config": {},
+           "spatial_merge_size": 2}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    one_line_error(runner.invoke(app, ["plan", "-m", str(tmp_path)]), "field spatial_merge_size of an image-text qwen2_vl")
+    cfg["spatial_merge_size"] = None
+    del cfg["spatial_merge_size"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    r = runner.invoke(app, ["plan", "-m", str(tmp_path)])
+    assert r.exit_code == 0, r.output

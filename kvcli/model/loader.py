@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from kvcli.config import ModelConfig, preset_config, read_json_object
+from kvcli.config import QWEN_VL, ModelConfig, preset_config, read_json_object
 from kvcli.model.fused import split_fused
 from kvcli.model.quant import Q4_GROUP, QuantTensor, quantize_q4, quantize_q8, random_q4
 from kvcli.model.tokenizer import ByteTokenizer, Tokenizer, load_dir_tokenizer, load_gguf_tokenizer
@@ -228,12 +228,28 @@ def weight_files(path: Path) -> list[Path]:
 
 
 def tensor_names(cfg: dict) -> Callable[[str], str | None]:
-    """How a folder's tensor names map to those kvcli loads (None: not loaded): an image-text folder's (a text_config
-    in its config.json, which config.py accepted) through language_model_name, any other folder's as they are."""
-    return language_model_name if "text_config" in cfg else _as_named
+    """How a folder's tensor names map to those kvcli loads (None: not loaded): a Qwen2-VL / Qwen2.5-VL folder's
+    through qwen_vl_name, another image-text folder's (a text_config in its config.json, which config.py accepted)
+    through language_model_name, any other folder's as they are."""
+    if str(cfg.get("model_type", "")).lower() in QWEN_VL:
+        return qwen_vl_name
+    if "text_config" in cfg:
+        return language_model_name
+    return _as_named
 
 
 def _as_named(key: str) -> str:
+    return key
+
+
+def qwen_vl_name(key: str) -> str | None:
+    """A Qwen2-VL / Qwen2.5-VL tensor under the text model's name: published folders (and transformers 5's saves) hold
+    the text model as model.* and lm_head.weight beside the vision tower's visual.*, transformers 4.52-4.57 saved
+    model.language_model.* and model.visual.*; None for the vision tower, not loaded."""
+    if key.startswith(("visual.", "model.visual.")):
+        return None
+    if key.startswith("model.language_model."):
+        return "model." + key[len("model.language_model."):]
     return key
 
 
