@@ -342,3 +342,25 @@ def test_inspect_without_loading_refuses_layers_the_tensors_do_not_hold(base, tm
     assert f"block_count says {n + 7} layers, its tensors hold {n}; none for layer {n}" in out.stderr, out.stderr
     ok = subprocess.run([*cli, str(base), "--no-load"], capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0, ok.stderr
+
+
+def test_a_qwen2vl_file_is_qwen2_on_text_and_its_sections_are_checked(tmp_path):
+    """llama.cpp's qwen2vl files (Qwen2-VL / Qwen2.5-VL text models) run as qwen2: on text M-RoPE's positions are the
+    token's in its first three sections (tests/conformance compares logits with llama.cpp); sections that are not
+    a list of counts, or a fourth section in use (its position is not the token's in llama.cpp), are refused in one
+    line."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).with_name("conformance")))
+    from tiny_gguf import BY_NAME, write
+
+    v = BY_NAME["qwen2vl"]
+    c = config_of(write(v, tmp_path / "ok.gguf"))
+    assert c.architecture == "qwen2" and c.attention_bias and c.rope_theta == 1e6 and c.rope_scaling is None
+    for sections, needle in [([2, 3, 3, 1], "a fourth section in use"), ([0, 0, 0, 0], "not all zero"),
+                             ([4, 4], "three or four")]:
+        path = write(replace(v, meta={"rope.dimension_sections": sections}), tmp_path / f"bad{len(sections)}.gguf")
+        with pytest.raises(GGUFError, match=needle) as e:
+            config_of(path)
+        assert "\n" not in str(e.value)

@@ -56,14 +56,19 @@ _ARCH_LAYER_NAMES = {
     # Phi-3: q/k/v fused (or apart), gate and up fused into ffn_up of twice the width (kvcli.model.fused).
     "phi3": {"attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"},
 }
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+ARCHITECTURES = ("llama", "qwen2", "qwen2vl", "qwen3", "phi3", "gemma2", "gemma3")
+# llama.cpp's qwen2vl graph (Qwen2-VL / Qwen2.5-VL text models, whose vision tower is a file of its own) is qwen2's
+# with M-RoPE: each rotary frequency's angle taken at one of up to four positions (rope.dimension_sections), which
+# llama.cpp sets all to the token's position for text, so on text it is qwen2's rotary whatever the sections.
+ARCH_FAMILY = {"qwen2vl": "qwen2"}
 # Keys an architecture's llama.cpp graph ignores: attention.sliding_window everywhere but Gemma 3 (llama.cpp's
 # llama, qwen2 and qwen3 graphs attend to the whole context whatever it says, and it disables Phi-3's window),
 # so those GGUFs attend to the whole context here too (tests/conformance: a window-key variant of each).
 _WINDOW_IGNORED = frozenset({"attention.sliding_window"})
-ARCH_KEYS_IGNORED = {arch: _WINDOW_IGNORED for arch in ("llama", "qwen2", "qwen3", "phi3")}
+ARCH_KEYS_IGNORED = {arch: _WINDOW_IGNORED for arch in ("llama", "qwen2", "qwen2vl", "qwen3", "phi3")}
 # Keys one architecture's graph reads beyond ARCH_KEYS_READ (read_config's _gemma part).
-ARCH_KEYS_EXTRA = {"gemma3": frozenset({"attention.sliding_window_pattern", "rope.freq_base_swa",
+ARCH_KEYS_EXTRA = {"qwen2vl": frozenset({"rope.dimension_sections"}),
+                   "gemma3": frozenset({"attention.sliding_window_pattern", "rope.freq_base_swa",
                                         "final_logit_softcapping"}),
                    "gemma2": frozenset({"attention.sliding_window_pattern", "rope.freq_base_swa",
                                         "final_logit_softcapping", "attn_logit_softcapping"})}
@@ -230,8 +235,18 @@ def _read_config(reader: GGUFFile, path: Path) -> ModelConfig:
     arch = _field(reader, "general.architecture")
     if arch not in ARCHITECTURES:
         raise GGUFError(f"{path.name}: unsupported architecture {arch!r} (kvcli runs {', '.join(ARCHITECTURES)})")
-    a = arch
+    a = arch  # the metadata keys' prefix; arch from here on the family kvcli computes
     _check_keys(reader, arch, path)
+    if a in ARCH_FAMILY:
+        sections = _field(reader, f"{a}.rope.dimension_sections")
+        if sections is not None and not (isinstance(sections, (list, tuple)) and len(sections) >= 3 and all(
+                isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in sections) and sum(sections[:3])):
+            raise GGUFError(f"{path.name}: {a}.rope.dimension_sections must list three or four non-negative "
+                            f"integers, not all zero (got {sections!r})")
+        if sections is not None and any(sections[3:]):  # llama.cpp's fourth position is not the token's on text
+            raise GGUFError(f"{path.name}: {a}.rope.dimension_sections = {list(sections)!r}: M-RoPE with a fourth "
+                            f"section in use is not computed by kvcli")
+        arch = ARCH_FAMILY[a]
     heads = int(_required(reader, f"{a}.attention.head_count", path))
     hidden = int(_required(reader, f"{a}.embedding_length", path))
     if heads <= 0:

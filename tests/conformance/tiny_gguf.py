@@ -71,6 +71,10 @@ VARIANTS = [
     Variant("qwen2", arch="qwen2", bias=True, rope_base=1e6, note="q/k/v biases, neox rotary"),
     Variant("qwen2-window-key", arch="qwen2", bias=True, meta={"attention.sliding_window": 8},
             note="a qwen2 file carrying attention.sliding_window"),
+    Variant("qwen2vl", arch="qwen2vl", bias=True, rope_base=1e6, meta={"rope.dimension_sections": [2, 3, 3, 0]},
+            note="a Qwen2-VL / Qwen2.5-VL text model: M-RoPE, on text qwen2's rotary"),
+    Variant("qwen2vl-sections", arch="qwen2vl", bias=True, meta={"rope.dimension_sections": [1, 1, 3, 0]},
+            note="M-RoPE sections covering 5 of the 8 frequencies (llama.cpp wraps them): on text qwen2's rotary"),
     Variant("qwen3-window-key", arch="qwen3", qk_norm=True, meta={"attention.sliding_window": 8},
             note="a qwen3 file carrying attention.sliding_window"),
     Variant("qwen3", arch="qwen3", qk_norm=True, head_dim=32, rope_base=1e6, note="per-head q/k norms, head_dim 32"),
@@ -147,6 +151,8 @@ def _meta(w, key: str, value) -> None:
         w.add_float32(key, value)
     elif isinstance(value, str):
         w.add_string(key, value)
+    elif isinstance(value, list) and all(isinstance(x, int) for x in value):
+        w.add_array(key, value)  # int32, as llama.cpp's converter writes rope.dimension_sections
     else:
         raise TypeError(f"{key}: {value!r}")
 
