@@ -225,6 +225,9 @@ FIGURES: dict[str, Figure] = {f.name: f for f in [
            "(2-8 rows of the two-level forms on the 8-column loop, 4 rows a pass) and in this tree (16 columns, 8 rows "
            "a pass), interleaved", ("--before", "4ab581e", "verify-step", "--rounds", "3", "--", "--shape", "1b",
                                     "--kind", "Q4_K_M", "--rounds", "5"), in_make_figures=False),
+    Figure("ab-verify-far-avx2", "ab:main", "the ab-verify-far comparison held to AVX2 (its 8-column small-row loops)",
+           ("--before", "a1d9535", "verify-step", "--rounds", "3", "--", "--shape", "1b", "--rounds", "5"), AVX2_ENV,
+           in_make_figures=False),
     Figure("ab-verify-far-bundled", "ab:main", "the ab-verify-far comparison on the bundled model (whose weights stay "
            "in L3)", ("--before", "a1d9535", "verify-step", "--rounds", "3", "--", "--rounds", "5"),
            in_make_figures=False),
