@@ -64,6 +64,7 @@ typedef struct {
     const float *cos, *sin_signed; /* this layer's rotary tables (Gemma 3's local layers), or NULL: the model's */
     const void *step;              /* this layer's attention step (its window), or NULL: the call's */
     const int64_t *slots;          /* this layer's KV slots (its KV group's block table), or NULL: the call's */
+    const float *qkv_bias;         /* added to the q/k/v output (Qwen2's biases, q then k then v), or NULL */
 } kvd_layer;
 
 typedef struct {
@@ -127,6 +128,9 @@ int kvd_decode_layers(const kvd_model *m, const kvd_layer *layers, int64_t n_lay
         const int64_t fail = (l + 1) * 16;
         m->rmsnorm(h, L->attn_norm, x, T, hid, m->eps, nthreads);
         if (linear(m, &L->qkv, x, T, hid, qkv, nthreads)) return fail + 1;
+        if (L->qkv_bias) /* as Linear's y + bias: one fp32 add per element */
+            for (int64_t t = 0; t < T; t++)
+                for (int64_t i = 0; i < nqkv; i++) qkv[t * nqkv + i] += L->qkv_bias[i];
         if (L->q_norm) /* in place, every q head then every k head of each row (kvq_rmsnorm reads a row first) */
             for (int64_t t = 0; t < T; t++) {
                 float *r = qkv + t * nqkv;

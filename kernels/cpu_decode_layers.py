@@ -37,7 +37,7 @@ class Layer(ctypes.Structure):
     _fields_ = [("attn_norm", _ptr), ("ffn_norm", _ptr), ("qkv", Linear), ("o", Linear), ("gate_up", Linear),
                 ("down", Linear), ("k", _ptr), ("v", _ptr), ("ks", _ptr), ("vs", _ptr), ("cache", _ptr),
                 ("q_norm", _ptr), ("k_norm", _ptr), ("attn_post_norm", _ptr), ("ffn_post_norm", _ptr), ("cos", _ptr), ("sin_signed", _ptr), ("step", _ptr),
-                ("slots", _ptr)]
+                ("slots", _ptr), ("qkv_bias", _ptr)]
 
 
 class Model(ctypes.Structure):

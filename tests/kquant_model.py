@@ -62,7 +62,8 @@ def kernel_bytes(type_name: str, n: int, k: int, path: str | None = None) -> int
 def write_tiny_kquant_gguf(path: Path, seed: int = 0, arch: str = "llama", chat_template: str | None = None) -> Path:
     """arch "qwen3" adds per-head q/k norm weights (attn_q_norm / attn_k_norm) to the same layers; "gemma3" also
     norms after attention and MLP, and layer 0 sliding over 8 tokens with layer 1 global; "gemma2" those norms
-    and windows without the q/k norms, with attention scores soft-capped at 1 and logits at 5. chat_template:
+    and windows without the q/k norms, with attention scores soft-capped at 1 and logits at 5; "qwen2" q/k/v biases.
+    chat_template:
     the file's tokenizer.chat_template instead of the bundled model's."""
     import gguf
 
@@ -117,5 +118,8 @@ def write_tiny_kquant_gguf(path: Path, seed: int = 0, arch: str = "llama", chat_
             std = 1.0 / np.sqrt(k)
             data = random_blocks(t, n, k, rng, scale=std / 4) if t == "Q5_K" else encode(normal(n, k, std=std), t)
             add_tensor(w, f"blk.{i}.{name}.weight", data, t)
+        if arch == "qwen2":
+            for name, heads in (("attn_q", HEADS), ("attn_k", KV_HEADS), ("attn_v", KV_HEADS)):
+                add_tensor(w, f"blk.{i}.{name}.bias", normal(heads * HEAD_DIM, std=0.5), "F32")
     finish(w)
     return path

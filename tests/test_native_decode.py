@@ -48,6 +48,14 @@ def kquant_qwen3(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def kquant_qwen2(tmp_path_factory):
+    """The same K-quant layers as a Qwen2: q/k/v biases."""
+    from kquant_model import write_tiny_kquant_gguf
+
+    return _load(str(write_tiny_kquant_gguf(tmp_path_factory.mktemp("kq2") / "tiny-qwen2.gguf", arch="qwen2")))
+
+
+@pytest.fixture(scope="module")
 def kquant_gemma3(tmp_path_factory):
     """The same K-quant layers as a Gemma 3: q/k norms, norms after attention and MLP, GeGLU, scaled
     embeddings, layer 0 sliding over 8 tokens with its own rotary base, layer 1 global."""
@@ -169,6 +177,33 @@ def test_qwen3_qk_norms_in_the_c_loop_equal_the_layer_path_bitwise(kquant_qwen3,
     model.native_decode._plans.clear()
     try:
         skipped, _ = _run(kquant_qwen3, monkeypatch, True)
+    finally:
+        model.native_decode.desc = desc
+        model.native_decode._plans.clear()
+    assert skipped.native_steps >= 10
+    assert not all(torch.equal(a, b) for a, b in zip(skipped.logits, layers.logits))
+
+
+def test_qwen2_biases_in_the_c_loop_equal_the_layer_path_bitwise(kquant_qwen2, monkeypatch):
+    """The C loop adds Qwen2's q/k/v biases after the projection, as Linear does; without them the logits differ
+    (the check has teeth)."""
+    import dataclasses
+
+    model = kquant_qwen2[1]
+    assert model.config.attention_bias and model.native_decode is not None
+    native, eng_a = _run(kquant_qwen2, monkeypatch, True)
+    layers, eng_b = _run(kquant_qwen2, monkeypatch, False)
+    assert native.native_steps >= 10 and len(native.logits) == len(layers.logits)
+    for a, b in zip(native.logits, layers.logits):
+        assert torch.equal(a, b)
+    for la, lb in zip(eng_a.kv_cache.layers, eng_b.kv_cache.layers):
+        assert torch.equal(la.k, lb.k) and torch.equal(la.v, lb.v)
+    desc = model.native_decode.desc
+    model.native_decode.desc = dataclasses.replace(
+        desc, layers=tuple(dataclasses.replace(l, qkv_bias=None) for l in desc.layers))
+    model.native_decode._plans.clear()
+    try:
+        skipped, _ = _run(kquant_qwen2, monkeypatch, True)
     finally:
         model.native_decode.desc = desc
         model.native_decode._plans.clear()

@@ -4,10 +4,13 @@ within 15 % of the llama path's tok/s, INT4 GGUF forms kept packed: resident lay
 Files (random weights of one shape, written once into .cache/arch/, SmolLM2's tokenizer): hidden 768, ffn 2048,
 12 layers, 12 heads / 4 KV heads of 64, Q4_0 linears, Q8_0 tied embedding, as
   llama    the reference
+  qwen2    + q/k/v biases (Qwen2 / 2.5, and the text model of Qwen2-VL / 2.5-VL)
   qwen3    + per-head q/k RMSNorms
   phi3     q/k/v fused into attn_qkv, gate/up into ffn_up (split at load)
   gemma3   + q/k norms, sandwich norms, GeGLU, 5 sliding layers (window 512) per global one, two rotary bases
   gemma2   sandwich norms, GeGLU, every other layer sliding (window 512), attention and final logit soft-caps
+The row "qwen2/layers" is the qwen2 file again with its one-call C decode turned off (every layer's kernels called from
+Python, as before the C loop added q/k/v biases): what the one call is worth on it.
 Method: greedy decode of --new-tokens after a --prompt-tokens prompt, tok/s of the decode steps from the engine's
 counters; rounds alternate between the models (a slow phase of this shared VM weighs on all); each model's ratio
 is the median over rounds of (its tok/s / the llama's in the same round).
@@ -26,7 +29,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 CACHE = REPO / ".cache" / "arch"
 HIDDEN, INTER, LAYERS, HEADS, KV, D = 768, 2048, 12, 12, 4, 64
-ARCHS = ("llama", "qwen3", "phi3", "gemma3", "gemma2")
+ARCHS = ("llama", "qwen2", "qwen3", "phi3", "gemma3", "gemma2")
 
 
 def write(path: Path, arch: str) -> None:
@@ -78,6 +81,8 @@ def write(path: Path, arch: str) -> None:
         else:
             for name, n in (("attn_q", HEADS * D), ("attn_k", KV * D), ("attn_v", KV * D)):
                 ke.add_tensor(w, b + name + ".weight", mat(n, HIDDEN), "Q4_0")
+                if arch == "qwen2":
+                    ke.add_tensor(w, b + name + ".bias", (rng.standard_normal(n) * 0.1).astype(np.float32), "F32")
             ke.add_tensor(w, b + "ffn_gate.weight", mat(INTER, HIDDEN), "Q4_0")
             ke.add_tensor(w, b + "ffn_up.weight", mat(INTER, HIDDEN), "Q4_0")
         ke.add_tensor(w, b + "attn_output.weight", mat(HIDDEN, HEADS * D), "Q4_0")
@@ -112,28 +117,32 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {p.name} in {time.perf_counter() - t:.1f} s")
         files[arch] = p
     llms = {arch: build(p)[0] for arch, p in files.items()}
+    llms["qwen2/layers"] = build(files["qwen2"])[0]
+    llms["qwen2/layers"].engine.model.native_decode = None  # decode steps layer by layer
+    rows = (*ARCHS, "qwen2/layers")
     sample = (REPO / "samples" / "keepers-log.txt").read_text(encoding="utf-8")
     ids = llms["llama"].tokenizer.encode(sample)[: a.prompt_tokens]
     for llm in llms.values():
         decode_tok_s(llm, ids, 4, 0)  # warm-up
-    rounds: dict[str, list[float]] = {arch: [] for arch in ARCHS}
+    rounds: dict[str, list[float]] = {arch: [] for arch in rows}
     for _ in range(a.rounds):
-        for arch in ARCHS:
+        for arch in rows:
             rounds[arch].append(decode_tok_s(llms[arch], ids, a.new_tokens, 1, warm=False))
     print(f"\nshape: hidden {HIDDEN}, ffn {INTER}, {LAYERS} layers, {HEADS}/{KV} heads of {D}; Q4_0 linears, "
           f"Q8_0 tied embedding; {len(ids)}-token prompt, {a.new_tokens} new tokens, {a.rounds} rounds alternating")
-    print(f"{'arch':8} {'decode tok/s (median)':>22} {'vs llama (median ratio)':>24} {'layer linears file':>19} "
+    print(f"{'arch':12} {'decode tok/s (median)':>18} {'vs llama (median ratio)':>24} {'layer linears file':>19} "
           f"{'resident':>9} {'ratio':>6}  one-call C decode")
-    for arch in ARCHS:
+    for arch in rows:
         model = llms[arch].engine.model
         resident = sum(lin.nbytes for l in model.layers for lin in (l.qkv, l.o, l.gate_up, l.down))
-        file_b = layer_file_bytes(files[arch])
+        file_b = layer_file_bytes(files[arch.split("/")[0]])
         ratios = sorted(x / y for x, y in zip(rounds[arch], rounds["llama"]))
         tps = sorted(rounds[arch])[len(rounds[arch]) // 2]
-        native = "yes" if model.plan.native_decode else f"no ({model.plan.native_decode_why})"
-        print(f"{arch:8} {tps:22.1f} {ratios[len(ratios) // 2]:23.3f}x {file_b / 2**20:16.1f} MiB "
+        native = "yes" if model.native_decode is not None else (
+            "off (this row)" if model.plan.native_decode else f"no ({model.plan.native_decode_why})")
+        print(f"{arch:12} {tps:18.1f} {ratios[len(ratios) // 2]:23.3f}x {file_b / 2**20:16.1f} MiB "
               f"{resident / 2**20:5.1f} MiB {resident / file_b:5.3f}  {native}")
-        print(f"{'':8} rounds: {', '.join(f'{x:.1f}' for x in rounds[arch])}")
+        print(f"{'':12} rounds: {', '.join(f'{x:.1f}' for x in rounds[arch])}")
     return 0
 
 

@@ -171,7 +171,7 @@ class LlamaModel:
         layers = tuple(NativeLayer(l.attn_norm.weight, l.ffn_norm.weight, parts(l.qkv), parts(l.o), parts(l.gate_up),
                                    parts(l.down), weight(l.q_norm), weight(l.k_norm), weight(l.attn_post_norm),
                                    weight(l.ffn_post_norm), None if l.rotary is self.rotary else l.rotary.cos,
-                                   None if l.rotary is self.rotary else l.rotary.sin_signed, l.window)
+                                   None if l.rotary is self.rotary else l.rotary.sin_signed, l.window, l.qkv.bias)
                        for l in self.layers)
         return DecodeModel(heads=c.num_heads, kv_heads=c.num_kv_heads, head_dim=c.head_dim, hidden=c.hidden_size,
                            ffn=c.intermediate_size, eps=self.layers[0].attn_norm.eps, cos=self.rotary.cos,

@@ -5,8 +5,9 @@ At batch 1 on 2 cores a SmolLM2 layer's arithmetic is ~0.2 ms, and the Python ar
 (argument conversion, tensor allocation, dispatch checks) took ~30 % of the main thread (perf, 2026-12-01).
 The C loop calls the same kernels with the same arguments in the same order, so logits are the per-op
 path's bit for bit (tests/test_native_decode.py compares them). It applies only where every piece
-already takes kvcli's C kernel: every layer's linears int8dot-cpu without bias (a Linear, or a LinearGroup
-of up to three such parts written side by side, as a Q4_K_M file's q/k/v), native RMSNorm (also Qwen3's
+already takes kvcli's C kernel: every layer's linears int8dot-cpu without bias but q/k/v's (Qwen2's, added after
+the projection as Linear adds it) (a Linear, or a LinearGroup of up to three such parts written side by side, as a
+Q4_K_M file's q/k/v), native RMSNorm (also Qwen3's
 and Gemma 3's per-head q/k norms and Gemma 3's norms after attention and MLP) and SwiGLU or GeGLU, per-layer
 rotary tables and windows (Gemma 3's local layers),
 fp32 compute; per step: every request decodes one token or a few (a speculative verification of 1 + k rows,
@@ -52,6 +53,7 @@ class DecodeLayer:
     cos: torch.Tensor | None = None  # this layer's rotary tables (Gemma 3's local layers), None: the model's
     sin_signed: torch.Tensor | None = None
     window: int = 0  # this layer's sliding window (0: the whole context)
+    qkv_bias: torch.Tensor | None = None  # fp32 [q + k + v features]: Qwen2's q/k/v biases, or None
 
 
 @dataclass(frozen=True)
@@ -163,7 +165,7 @@ class NativeDecode:
                                 cache.k.data_ptr(), cache.v.data_ptr(), *scale_args(cache.k_scale, cache.v_scale)[:2],
                                 ctypes.addressof(view.args),
                                 *(_ptrs(layer.q_norm, layer.k_norm, layer.attn_post_norm, layer.ffn_post_norm,
-                                        layer.cos, layer.sin_signed)), None, None)
+                                        layer.cos, layer.sin_signed)), None, None, *_ptrs(layer.qkv_bias))
         # views hold the cache tensors and the kva_cache structs the layer array points into
         entry = (weakref.ref(kv_cache, lambda _, key=key: self._plans.pop(key, None)), model_args, layers, list(views))
         self._plans[key] = entry

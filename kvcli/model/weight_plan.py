@@ -478,7 +478,7 @@ def _native_decode(plan: WeightPlan, native: Native) -> tuple[bool, str, int | N
         return False, "RMSNorm / SwiGLU kernels not available", None
     for layer in plan.layers:
         for proj in layer:
-            if proj.bias:
+            if proj.bias and proj.name != "qkv":  # (the C loop adds q/k/v's, Qwen2's)
                 return False, f"{proj.name} has a bias", None
             if len(proj.parts) > NATIVE_DECODE_MAX_PARTS:
                 return False, f"{proj.name} has {len(proj.parts)} parts (the C loop holds {NATIVE_DECODE_MAX_PARTS})", None
