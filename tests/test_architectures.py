@@ -385,3 +385,30 @@ def test_a_qwen_vl_folder_runs_its_text_model(tmp_path, gguf_path, kind, layout)
     assert c.architecture == "qwen2" and c.num_layers == 2 and c.attention_bias and c.rope_scaling is None
     assert c.rope_theta == 1e6
     assert compare(path, ref, "torch") < 1e-4
+
+
+def test_llama_attention_bias_reads_every_bias_and_an_unread_tensor_is_refused(tmp_path, gguf_path):
+    """transformers' Llama under attention_bias gives q/k/v and o_proj a bias: all four are computed (the o bias was
+    once left unread, 0.55 relative error); a tensor the model does not read is refused in one line, naming it."""
+    from safetensors.torch import load_file, save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvcli.options import ConfigError
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**BASE, attention_bias=True, attn_implementation="eager")).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                         layer.self_attn.o_proj):
+                proj.bias.uniform_(-0.5, 0.5)
+    save_folder(tmp_path, gguf_path, model)
+    assert compare(tmp_path, model, "torch") < 1e-4
+    f = tmp_path / "model.safetensors"
+    tensors = load_file(str(f))
+    tensors["model.layers.1.mlp.down_proj.lora_B.weight"] = torch.zeros(64, 4)
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match="tensor model.layers.1.mlp.down_proj.lora_B.weight .1 not read in all. is "
+                                          "not read by kvcli") as e:
+        LLM(str(tmp_path), quant="none", kv_budget="4MiB")
+    assert "\n" not in str(e.value)

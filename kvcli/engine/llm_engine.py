@@ -27,7 +27,7 @@ from kvcli.metrics.collector import MetricsCollector
 from kvcli.metrics.memory import keep_step_buffers_in_heap, return_freed_heap
 from kvcli.metrics.snapshot import KVBreakdown, MemorySnapshot, Snapshot, SpecSummary
 from kvcli.metrics.stats import EngineFacts, RequestExtent, RunStats
-from kvcli.model.llama import LlamaModel
+from kvcli.model.llama import LlamaModel, UnreadWeights
 from kvcli.model.loader import LoadedWeights
 from kvcli.model.tokenizer import Tokenizer
 from kvcli.model.weight_plan import plan_loaded
@@ -314,6 +314,8 @@ class LLMEngine:
                                     positions=self.max_model_len)
         except KeyError as e:
             raise ConfigError(f"{loaded.source}: missing weight {e.args[0]}") from None
+        except UnreadWeights as e:
+            raise ConfigError(f"{loaded.source}: {e}") from None
         return_freed_heap()  # the load-time forms the build freed: else RSS stays ~2x the weights
         # What the layers really run: e.g. "int4-cpu+int4x2-cpu" for a Q4_K_M file (Q6_K parts).
         self.linear_mode = self.model.linear_mode

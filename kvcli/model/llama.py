@@ -65,6 +65,10 @@ class DecoderLayer:
     rotary: "Rotary | None" = None  # this layer's rotary (set by LlamaModel: the local or the global one)
 
 
+class UnreadWeights(ValueError):
+    """The checkpoint holds tensors the model did not read: what it computes would not be the checkpoint's model."""
+
+
 class LlamaModel:
     """Built exactly as `plan` says (kvcli/model/weight_plan.py decides how every weight runs)."""
 
@@ -91,10 +95,12 @@ class LlamaModel:
         for i, projs in enumerate(plan.layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
-            bias = None
+            bias = {}
             if c.attention_bias:
-                bias = torch.cat([take(a + "q_proj.bias"), take(a + "k_proj.bias"), take(a + "v_proj.bias")])
-            built = {proj.name: _build(proj, take, bias if proj.name == "qkv" else None, dtype) for proj in projs}
+                bias["qkv"] = torch.cat([take(a + "q_proj.bias"), take(a + "k_proj.bias"), take(a + "v_proj.bias")])
+            if any(proj.name == "o" and proj.bias for proj in projs):
+                bias["o"] = take(a + "o_proj.bias")
+            built = {proj.name: _build(proj, take, bias.get(proj.name), dtype) for proj in projs}
 
             def norm(name: str, on: bool = True) -> RMSNorm | None:
                 return RMSNorm(take(name), c.rms_norm_eps, dtype, plan.native_norms) if on else None
@@ -124,6 +130,11 @@ class LlamaModel:
         else:
             self.lm_head = VocabHead(head, w.to(head.dtype) if isinstance(w, torch.Tensor) else w.dequantize(head.dtype))
         weights.pop("lm_head.weight", None)
+        unread = sorted(n for n in weights if not n.endswith("rotary_emb.inv_freq"))  # (old checkpoints' buffers)
+        if unread:
+            raise UnreadWeights(f"tensor {unread[0]} ({len(unread)} not read in all) is not read by kvcli and may "
+                                f"change what the model computes; refusing the checkpoint rather than computing a "
+                                f"different model")
         self.rotary = Rotary(c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling, device,
                              rows=self.positions)
         self.local_rotary = self.rotary if c.local_rope_theta is None else Rotary(

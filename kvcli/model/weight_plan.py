@@ -424,7 +424,10 @@ def plan_model(config, weights: dict, *, tier: str, dtype: torch.dtype, device: 
         for proj, names in PROJECTIONS:
             full = [f"model.layers.{i}.{n}.weight" for n in names]
             parts = [weights[n] for n in full]
-            bias = proj == "qkv" and bool(config.attention_bias)
+            # q/k/v's by the config (Qwen2 always); o's where the file has one (transformers' Llama, Qwen3 and Gemma
+            # give o_proj a bias under attention_bias, Qwen2 does not)
+            bias = (proj == "qkv" and bool(config.attention_bias)) or (
+                proj == "o" and f"model.layers.{i}.self_attn.o_proj.bias" in weights)
             if tier == "dense" and len(fuse_runs(parts)) > 1:  # one dense matmul after all
                 runs = [list(range(len(parts)))]
             else:
