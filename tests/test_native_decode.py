@@ -157,58 +157,54 @@ def test_linear_groups_of_mixed_forms_equal_the_layer_by_layer_path_bitwise(kqua
         assert torch.equal(la.k, lb.k) and torch.equal(la.v, lb.v)
 
 
+def _c_loop_equals_the_layers(shared, monkeypatch) -> Recorder:
+    """Decode through the C loop and layer by layer: the same logits and KV cache bit for bit. The layer path's
+    record."""
+    native, eng_a = _run(shared, monkeypatch, True)
+    layers, eng_b = _run(shared, monkeypatch, False)
+    assert native.native_steps >= 10 and len(native.logits) == len(layers.logits)
+    for a, b in zip(native.logits, layers.logits):
+        assert torch.equal(a, b)
+    for la, lb in zip(eng_a.kv_cache.layers, eng_b.kv_cache.layers):
+        assert torch.equal(la.k, lb.k) and torch.equal(la.v, lb.v)
+    return layers
+
+
+def _without_it_logits_differ(shared, monkeypatch, layers: Recorder, **stripped) -> None:
+    """The check has teeth: the C loop with `stripped` fields of every layer's description set as given (a
+    piece of the layer left out) gives logits other than the layer path's."""
+    import dataclasses
+
+    model = shared[1]
+    desc = model.native_decode.desc
+    model.native_decode.desc = dataclasses.replace(
+        desc, layers=tuple(dataclasses.replace(l, **stripped) for l in desc.layers))
+    model.native_decode._plans.clear()
+    try:
+        skipped, _ = _run(shared, monkeypatch, True)
+    finally:
+        model.native_decode.desc = desc
+        model.native_decode._plans.clear()
+    assert skipped.native_steps >= 10
+    assert not all(torch.equal(a, b) for a, b in zip(skipped.logits, layers.logits))
+
+
 def test_qwen3_qk_norms_in_the_c_loop_equal_the_layer_path_bitwise(kquant_qwen3, monkeypatch):
     """The C loop norms every q and k head in place before the rotary, as LlamaModel._qk_norm does; with the
     norms skipped in C the logits differ (the check has teeth)."""
     model = kquant_qwen3[1]
     assert model.config.qk_norm and model.native_decode is not None
-    native, eng_a = _run(kquant_qwen3, monkeypatch, True)
-    layers, eng_b = _run(kquant_qwen3, monkeypatch, False)
-    assert native.native_steps >= 10 and len(native.logits) == len(layers.logits)
-    for a, b in zip(native.logits, layers.logits):
-        assert torch.equal(a, b)
-    for la, lb in zip(eng_a.kv_cache.layers, eng_b.kv_cache.layers):
-        assert torch.equal(la.k, lb.k) and torch.equal(la.v, lb.v)
-    desc = model.native_decode.desc
-    import dataclasses
-
-    model.native_decode.desc = dataclasses.replace(
-        desc, layers=tuple(dataclasses.replace(l, q_norm=None, k_norm=None) for l in desc.layers))
-    model.native_decode._plans.clear()
-    try:
-        skipped, _ = _run(kquant_qwen3, monkeypatch, True)
-    finally:
-        model.native_decode.desc = desc
-        model.native_decode._plans.clear()
-    assert skipped.native_steps >= 10
-    assert not all(torch.equal(a, b) for a, b in zip(skipped.logits, layers.logits))
+    layers = _c_loop_equals_the_layers(kquant_qwen3, monkeypatch)
+    _without_it_logits_differ(kquant_qwen3, monkeypatch, layers, q_norm=None, k_norm=None)
 
 
 def test_qwen2_biases_in_the_c_loop_equal_the_layer_path_bitwise(kquant_qwen2, monkeypatch):
     """The C loop adds Qwen2's q/k/v biases after the projection, as Linear does; without them the logits differ
     (the check has teeth)."""
-    import dataclasses
-
     model = kquant_qwen2[1]
     assert model.config.attention_bias and model.native_decode is not None
-    native, eng_a = _run(kquant_qwen2, monkeypatch, True)
-    layers, eng_b = _run(kquant_qwen2, monkeypatch, False)
-    assert native.native_steps >= 10 and len(native.logits) == len(layers.logits)
-    for a, b in zip(native.logits, layers.logits):
-        assert torch.equal(a, b)
-    for la, lb in zip(eng_a.kv_cache.layers, eng_b.kv_cache.layers):
-        assert torch.equal(la.k, lb.k) and torch.equal(la.v, lb.v)
-    desc = model.native_decode.desc
-    model.native_decode.desc = dataclasses.replace(
-        desc, layers=tuple(dataclasses.replace(l, qkv_bias=None) for l in desc.layers))
-    model.native_decode._plans.clear()
-    try:
-        skipped, _ = _run(kquant_qwen2, monkeypatch, True)
-    finally:
-        model.native_decode.desc = desc
-        model.native_decode._plans.clear()
-    assert skipped.native_steps >= 10
-    assert not all(torch.equal(a, b) for a, b in zip(skipped.logits, layers.logits))
+    layers = _c_loop_equals_the_layers(kquant_qwen2, monkeypatch)
+    _without_it_logits_differ(kquant_qwen2, monkeypatch, layers, qkv_bias=None)
 
 
 def test_gemma3_layers_in_the_c_loop_equal_the_layer_path_bitwise(kquant_gemma3, monkeypatch):
@@ -217,13 +213,7 @@ def test_gemma3_layers_in_the_c_loop_equal_the_layer_path_bitwise(kquant_gemma3,
     model = kquant_gemma3[1]
     c = model.config
     assert c.layer_types == ("sliding", "full") and c.local_window == 8 and model.native_decode is not None
-    native, eng_a = _run(kquant_gemma3, monkeypatch, True)
-    layers, eng_b = _run(kquant_gemma3, monkeypatch, False)
-    assert native.native_steps >= 10 and len(native.logits) == len(layers.logits)
-    for a, b in zip(native.logits, layers.logits):
-        assert torch.equal(a, b)
-    for la, lb in zip(eng_a.kv_cache.layers, eng_b.kv_cache.layers):
-        assert torch.equal(la.k, lb.k) and torch.equal(la.v, lb.v)
+    _c_loop_equals_the_layers(kquant_gemma3, monkeypatch)
 
 
 def test_gemma2_softcapped_attention_in_the_c_loop_equals_the_layer_path_bitwise(kquant_gemma2, monkeypatch):
@@ -234,19 +224,13 @@ def test_gemma2_softcapped_attention_in_the_c_loop_equals_the_layer_path_bitwise
     model = kquant_gemma2[1]
     c = model.config
     assert c.attn_logit_softcap == 1.0 and c.layer_types == ("sliding", "full") and model.native_decode is not None
-    native, eng_a = _run(kquant_gemma2, monkeypatch, True)
-    layers, eng_b = _run(kquant_gemma2, monkeypatch, False)
-    assert native.native_steps >= 10 and len(native.logits) == len(layers.logits)
-    for a, b in zip(native.logits, layers.logits):
-        assert torch.equal(a, b)
-    for la, lb in zip(eng_a.kv_cache.layers, eng_b.kv_cache.layers):
-        assert torch.equal(la.k, lb.k) and torch.equal(la.v, lb.v)
+    layers = _c_loop_equals_the_layers(kquant_gemma2, monkeypatch)
     model.config = replace(c, attn_logit_softcap=None)
     try:
         uncapped, _ = _run(kquant_gemma2, monkeypatch, True)
     finally:
         model.config = c
-    assert not all(torch.equal(a, b) for a, b in zip(uncapped.logits, native.logits))
+    assert not all(torch.equal(a, b) for a, b in zip(uncapped.logits, layers.logits))
 
 
 def test_steps_it_leaves_to_the_layers(shared, monkeypatch):
