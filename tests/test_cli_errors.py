@@ -413,7 +413,8 @@ def test_a_qwen_vl_folder_with_rotary_kvcli_cannot_match_is_refused(tmp_path):
     cfg = {"model_type": "qwen2_vl", "text_config": {**text, "model_type": "qwen2_vl_text"}, "vision_config": {},
            "spatial_merge_size": 2}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    one_line_error(runner.invoke(app, ["plan", "-m", str(tmp_path)]), "field spatial_merge_size of an image-text qwen2_vl")
+    one_line_error(runner.invoke(app, ["plan", "-m", str(tmp_path)]),
+                   "field spatial_merge_size of an image-text qwen2_vl")
     cfg["spatial_merge_size"] = None
     del cfg["spatial_merge_size"]
     (tmp_path / "config.json").write_text(json.dumps(cfg))

@@ -184,8 +184,8 @@ def test_the_dashboard_and_metrics_show_the_thread_count():
     base = e.snapshot()
     cases = [(dataclasses.replace(base, cpu_threads=2, threads_auto=True, thread_switches=3),
               "2 (auto · changed 3 times)", 2, 3),
-             (dataclasses.replace(base, cpu_threads=1, threads_auto=True, thread_switches=1), "1 (auto · changed 1 time)",
-              1, 1),
+             (dataclasses.replace(base, cpu_threads=1, threads_auto=True, thread_switches=1),
+              "1 (auto · changed 1 time)", 1, 1),
              (dataclasses.replace(base, cpu_threads=4, threads_auto=False, thread_switches=0), "4", 4, 0)]
     for s, shown, threads, switches in cases:
         panel = text_of(render_dashboard(s, width=120, map_rows=4))

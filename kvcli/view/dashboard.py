@@ -155,7 +155,8 @@ def threads_line(s: Snapshot) -> str:
     """The kernels' CPU threads now, e.g. '2 (auto · changed 3 times)', '1 (auto)', '2'."""
     if not s.threads_auto:
         return f"{s.cpu_threads}"
-    changed = f" · changed {s.thread_switches} time{'s' if s.thread_switches != 1 else ''}" if s.thread_switches else ""
+    n = s.thread_switches
+    changed = f" · changed {n} time{'s' if n != 1 else ''}" if n else ""
     return f"{s.cpu_threads} (auto{changed})"
 
 
