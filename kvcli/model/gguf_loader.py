@@ -43,6 +43,8 @@ _LAYER_NAMES = {
 }
 # Per-architecture layer tensors beyond the llama set.
 _ARCH_LAYER_NAMES = {
+    # llama.cpp's llama graph adds an attention output bias where the file has one (its other graphs refuse it)
+    "llama": {"attn_output.bias": "self_attn.o_proj.bias"},
     "qwen3": {"attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"},
     # Gemma 3: norms after attention and the MLP (weights already + 1, as llama.cpp's converter writes them).
     "gemma3": {"attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",

@@ -35,6 +35,7 @@ class Variant:
     rope_freqs: bool = False  # a rope_freqs.weight tensor (Llama 3.1+ files)
     rope_factors: bool = False  # rope_factors_long/short.weight tensors (Phi-3's longrope, no scaling type)
     bias: bool = False  # q/k/v biases (qwen2)
+    out_bias: bool = False  # an attention output bias (attn_output.bias)
     qk_norm: bool = False  # per-head q/k RMSNorm (qwen3, gemma3)
     vocab: str = "bundled"  # "spm": tests/data/spm-vocab.json, a sentencepiece vocabulary (tokenizer.ggml.model "llama")
     general_name: str = "kvcli conformance file"
@@ -69,6 +70,10 @@ VARIANTS = [
     Variant("window-key", meta={"attention.sliding_window": 8},
             note="a llama file carrying attention.sliding_window"),
     Variant("qwen2", arch="qwen2", bias=True, rope_base=1e6, note="q/k/v biases, neox rotary"),
+    Variant("llama-biases", bias=True, out_bias=True, note="q/k/v and attention output biases in a llama file"),
+    Variant("qwen2-out-bias", arch="qwen2", bias=True, out_bias=True, refused=True,
+            note="an attention output bias in a qwen2 file (llama.cpp's qwen2 graph has none; nor qwen3's, gemma3's or "
+                 "phi3's, checked by hand)"),
     Variant("qwen2-window-key", arch="qwen2", bias=True, meta={"attention.sliding_window": 8},
             note="a qwen2 file carrying attention.sliding_window"),
     Variant("qwen2vl", arch="qwen2vl", bias=True, rope_base=1e6, meta={"rope.dimension_sections": [2, 3, 3, 0]},
@@ -246,6 +251,8 @@ def write(v: Variant, path: Path, seed: int = 0) -> Path:
             add_tensor(w, f"blk.{i}.attn_q.bias", normal(v.heads * d, std=0.5), "F32")
             add_tensor(w, f"blk.{i}.attn_k.bias", normal(v.kv_heads * d, std=0.5), "F32")
             add_tensor(w, f"blk.{i}.attn_v.bias", normal(v.kv_heads * d, std=0.5), "F32")
+        if v.out_bias:
+            add_tensor(w, f"blk.{i}.attn_output.bias", normal(h, std=0.5), "F32")
         if v.arch == "phi3":  # gate and up fused: ffn_up is twice the width, the gate half first
             linear(f"blk.{i}.ffn_up.weight", 2 * v.ffn, h)
         else:
