@@ -111,10 +111,15 @@ class NativeDecode:
         if kinds:  # layers of another window or KV group than the step's (Gemma's local ones): their own step
             from dataclasses import replace
 
+            # one layer of each kind: the plan's checks need a cache, and only its step is taken (a Gemma 3 has
+            # a KV group per pair of local layers: every layer's view for each of them was ~60 look-ups a step)
+            one = {}
+            for g, layer, cache in zip(group_of, d.layers, kv_cache.layers):
+                one.setdefault((g, layer.window), cache)
             steps, slots_of = {}, {}
             for g, w in kinds:
                 gm = meta.for_group(g)
-                other = backend.native_decode_plan(replace(gm, sliding_window=w), kv_cache.layers, d.heads, d.scale)
+                other = backend.native_decode_plan(replace(gm, sliding_window=w), [one[g, w]], d.heads, d.scale)
                 if other is None:
                     return False
                 steps[g, w] = other[0]
