@@ -126,7 +126,7 @@ class ModelConfig:
         towers = [k for k in ("vision_config", "audio_config") if isinstance(cfg.get(k), dict)]
         if model_type in QWEN_VL and towers == ["vision_config"]:
             cfg = qwen_vl_text_config(cfg, model_type)
-            model_type = "qwen2"
+            model_type = QWEN_VL[model_type]
         elif model_type in IMAGE_TEXT and isinstance(cfg.get("text_config"), dict) and towers == ["vision_config"]:
             cfg = language_model_config(cfg, model_type)
             model_type = str(cfg.get("model_type") or "").lower()
@@ -315,19 +315,21 @@ def language_model_config(cfg: dict, model_type: str) -> dict:
     return text
 
 
-# Qwen2-VL / Qwen2.5-VL: the text model is Qwen2's but for its rotary, M-RoPE, which takes each frequency's angle at
-# one of three positions (time, height, width; mrope_section gives the frequencies of each) where Qwen2 takes the
-# token's position. For text all three are the token's position (transformers' get_rope_index, llama.cpp's batch), so
-# on text alone M-RoPE is Qwen2's rotary. Published folders hold the text model's fields at the top level beside
-# vision_config, transformers 5 saves them as text_config; the image and video tokens' ids are not read.
-QWEN_VL = ("qwen2_vl", "qwen2_5_vl")
+# Qwen2-VL / Qwen2.5-VL / Qwen3-VL: the text model is Qwen2's (Qwen3's) but for its rotary, M-RoPE, which takes each
+# frequency's angle at one of three positions (time, height, width; mrope_section gives the frequencies of each, in
+# runs or, Qwen3-VL's mrope_interleaved, in turn) where Qwen2 takes the token's position. For text all three are the
+# token's position (transformers' get_rope_index, llama.cpp's batch), so on text alone M-RoPE is the plain rotary, and
+# Qwen3-VL's deepstack adds image features to early layers only where there is an image. Published Qwen2(.5)-VL
+# folders hold the text model's fields at the top level beside vision_config, transformers 5 saves them (and Qwen3-VL
+# is published) as text_config; the image and video tokens' ids are not read. model_type -> the text model's family.
+QWEN_VL = {"qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3"}
 _QWEN_VL_KEYS = frozenset({"vision_start_token_id", "vision_end_token_id", "vision_token_id", "image_token_id",
                            "video_token_id"})
 
 
 def qwen_vl_text_config(cfg: dict, model_type: str) -> dict:
-    """A Qwen2-VL / Qwen2.5-VL config's text model as a qwen2 config (QWEN_VL above), its M-RoPE checked to cover
-    the rotary's frequencies and dropped."""
+    """A Qwen2-VL / Qwen2.5-VL / Qwen3-VL config's text model as a qwen2 / qwen3 config (QWEN_VL above), its M-RoPE
+    checked to cover the rotary's frequencies and dropped."""
     if isinstance(cfg.get("text_config"), dict):  # transformers 5's save
         extra = sorted(set(cfg) - _IMAGE_TEXT_KEYS - _QWEN_VL_KEYS)
         if extra:
@@ -340,7 +342,7 @@ def qwen_vl_text_config(cfg: dict, model_type: str) -> dict:
                 text[key] = cfg[key]
     else:  # the published form: the text model's fields beside vision_config
         text = {k: v for k, v in cfg.items() if k != "vision_config" and k not in _QWEN_VL_KEYS}
-    text["model_type"] = "qwen2"
+    text["model_type"] = QWEN_VL[model_type]
     for key in ("rope_scaling", "rope_parameters"):
         rope = text.get(key)
         if not isinstance(rope, dict):
@@ -357,7 +359,7 @@ def qwen_vl_text_config(cfg: dict, model_type: str) -> dict:
                 and 2 * sum(section) == head_dim):
             raise ValueError(f"{key}: mrope_section {section!r} does not split the rotary's {head_dim // 2} "
                              f"frequencies (head_dim {head_dim})")
-        rest = {k: v for k, v in rope.items() if k not in ("rope_type", "type", "mrope_section")}
+        rest = {k: v for k, v in rope.items() if k not in ("rope_type", "type", "mrope_section", "mrope_interleaved")}
         if key == "rope_parameters":  # transformers 5: theta beside the type
             text[key] = {**rest, "rope_type": "default"}
         elif rest:

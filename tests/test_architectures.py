@@ -342,7 +342,13 @@ def qwen_vl_folder(out, gguf_path, kind: str, layout: str):
     from safetensors.torch import load_file, save_file
 
     text = {**BASE, "rope_parameters": {"rope_type": "mrope", "mrope_section": [2, 3, 3], "rope_theta": 1e6}}
-    if kind == "qwen2_5_vl":
+    if kind == "qwen3_vl":  # Qwen3's text model (q/k norms, no biases), M-RoPE interleaved, deepstack in the tower
+        text = {**BASE, "head_dim": 16, "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3],
+                                                           "mrope_interleaved": True, "rope_theta": 1e6}}
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                      deepstack_visual_indexes=[0])
+        cfg, cls = transformers.Qwen3VLConfig, transformers.Qwen3VLForConditionalGeneration
+    elif kind == "qwen2_5_vl":
         vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
                       fullatt_block_indexes=[0])
         cfg, cls = transformers.Qwen2_5_VLConfig, transformers.Qwen2_5_VLForConditionalGeneration
@@ -351,8 +357,12 @@ def qwen_vl_folder(out, gguf_path, kind: str, layout: str):
         cfg, cls = transformers.Qwen2VLConfig, transformers.Qwen2VLForConditionalGeneration
     torch.manual_seed(0)
     model = cls(cfg(text_config=text, vision_config=vision)).eval()
-    with torch.no_grad():  # q/k/v biases away from 0, so a dropped bias shows
+    with torch.no_grad():  # q/k/v biases away from 0 (Qwen3: q/k norms away from 1), so a dropped one shows
         for layer in model.model.language_model.layers:
+            if kind == "qwen3_vl":
+                layer.self_attn.q_norm.weight.uniform_(0.5, 2.0)
+                layer.self_attn.k_norm.weight.uniform_(0.5, 2.0)
+                continue
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 proj.bias.uniform_(-0.5, 0.5)
     save_folder(out, gguf_path, model)
@@ -372,8 +382,9 @@ def qwen_vl_folder(out, gguf_path, kind: str, layout: str):
     return out, model
 
 
-@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl"])
-@pytest.mark.parametrize("layout", ["transformers5", "published", "language_model"])
+@pytest.mark.parametrize("kind, layout", [(k, lay) for k in ("qwen2_vl", "qwen2_5_vl")
+                                          for lay in ("transformers5", "published", "language_model")]
+                         + [("qwen3_vl", "transformers5")])
 def test_a_qwen_vl_folder_runs_its_text_model(tmp_path, gguf_path, kind, layout):
     """On text, M-RoPE's three positions are the token's: the text model is Qwen2 (q/k/v biases, its rotary), in each
     layout such folders come in; the vision tower is not loaded."""
@@ -382,7 +393,9 @@ def test_a_qwen_vl_folder_runs_its_text_model(tmp_path, gguf_path, kind, layout)
     path, ref = qwen_vl_folder(tmp_path, gguf_path, kind, layout)
     assert ("text_config" in json.loads((path / "config.json").read_text())) is (layout != "published")
     c = LLM(str(path), quant="none", kv_budget="4MiB").engine.config
-    assert c.architecture == "qwen2" and c.num_layers == 2 and c.attention_bias and c.rope_scaling is None
+    qwen3 = kind == "qwen3_vl"
+    assert c.architecture == ("qwen3" if qwen3 else "qwen2") and c.num_layers == 2 and c.rope_scaling is None
+    assert c.attention_bias is not qwen3 and c.qk_norm is qwen3
     assert c.rope_theta == 1e6
     assert compare(path, ref, "torch") < 1e-4
 

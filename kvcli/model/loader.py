@@ -243,9 +243,10 @@ def _as_named(key: str) -> str:
 
 
 def qwen_vl_name(key: str) -> str | None:
-    """A Qwen2-VL / Qwen2.5-VL tensor under the text model's name: published folders (and transformers 5's saves) hold
-    the text model as model.* and lm_head.weight beside the vision tower's visual.*, transformers 4.52-4.57 saved
-    model.language_model.* and model.visual.*; None for the vision tower, not loaded."""
+    """A Qwen2-VL / Qwen2.5-VL / Qwen3-VL tensor under the text model's name: published Qwen2(.5)-VL folders (and
+    transformers 5's saves of them) hold the text model as model.* and lm_head.weight beside the vision tower's
+    visual.*, transformers 4.52-4.57 saved model.language_model.* and model.visual.*, as Qwen3-VL is published; None
+    for the vision tower, not loaded."""
     if key.startswith(("visual.", "model.visual.")):
         return None
     if key.startswith("model.language_model."):
