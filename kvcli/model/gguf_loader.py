@@ -58,18 +58,21 @@ _ARCH_LAYER_NAMES = {
     # Phi-3: q/k/v fused (or apart), gate and up fused into ffn_up of twice the width (kvcli.model.fused).
     "phi3": {"attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"},
 }
-ARCHITECTURES = ("llama", "qwen2", "qwen2vl", "qwen3", "phi3", "gemma2", "gemma3")
+ARCHITECTURES = ("llama", "qwen2", "qwen2vl", "qwen3", "qwen3vl", "phi3", "gemma2", "gemma3")
 # llama.cpp's qwen2vl graph (Qwen2-VL / Qwen2.5-VL text models, whose vision tower is a file of its own) is qwen2's
 # with M-RoPE: each rotary frequency's angle taken at one of up to four positions (rope.dimension_sections), which
-# llama.cpp sets all to the token's position for text, so on text it is qwen2's rotary whatever the sections.
-ARCH_FAMILY = {"qwen2vl": "qwen2"}
+# llama.cpp sets all to the token's position for text, so on text it is qwen2's rotary whatever the sections; its
+# qwen3vl graph (Qwen3-VL) is qwen3's the same way, its deepstack layers taking image features only from an image's
+# embeddings (n_deepstack_layers: none for text).
+ARCH_FAMILY = {"qwen2vl": "qwen2", "qwen3vl": "qwen3"}
 # Keys an architecture's llama.cpp graph ignores: attention.sliding_window everywhere but Gemma 3 (llama.cpp's
 # llama, qwen2 and qwen3 graphs attend to the whole context whatever it says, and it disables Phi-3's window),
 # so those GGUFs attend to the whole context here too (tests/conformance: a window-key variant of each).
 _WINDOW_IGNORED = frozenset({"attention.sliding_window"})
-ARCH_KEYS_IGNORED = {arch: _WINDOW_IGNORED for arch in ("llama", "qwen2", "qwen2vl", "qwen3", "phi3")}
+ARCH_KEYS_IGNORED = {arch: _WINDOW_IGNORED for arch in ("llama", "qwen2", "qwen2vl", "qwen3", "qwen3vl", "phi3")}
 # Keys one architecture's graph reads beyond ARCH_KEYS_READ (read_config's _gemma part).
 ARCH_KEYS_EXTRA = {"qwen2vl": frozenset({"rope.dimension_sections"}),
+                   "qwen3vl": frozenset({"rope.dimension_sections", "n_deepstack_layers"}),
                    "gemma3": frozenset({"attention.sliding_window_pattern", "rope.freq_base_swa",
                                         "final_logit_softcapping"}),
                    "gemma2": frozenset({"attention.sliding_window_pattern", "rope.freq_base_swa",
