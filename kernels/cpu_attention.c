@@ -621,40 +621,6 @@ static inline __attribute__((always_inline)) void tile_update512(const float *q,
     }
 }
 
-
-/* A tile of a query group (more heads than one pass takes: a verification's rows x the GQA group) whose rows are not
- * fp32: each K and V row converted once into fp32 rows of L1 scratch for every pass, instead of once per pass (four
- * times for 6 rows of the 1B shape's 4-head groups); the values are load16's, so every score and sum is the same.
- * The next tile's rows are asked for here, at their own width, as the passes would have. */
-static inline __attribute__((always_inline)) void tile_update512_groups(const float *q, int64_t G, int64_t D,
-                                                                        const int dt, const kva_tile *tl,
-                                                                        const int *nv, const float cap, float *m,
-                                                                        float *l, float *acc, const kva_tile *next) {
-    if (dt == DT_F32 || G <= HEADS512) {
-        tile_update512(q, G, D, dt, tl, nv, cap, m, l, acc, next);
-        return;
-    }
-    float kf[TILE * MAX_D] __attribute__((aligned(64))), vf[TILE * MAX_D] __attribute__((aligned(64)));
-    kva_tile ft;
-    const int n16 = (tl->n + 15) & ~15;
-    const int64_t row = D * elem_size(dt);
-    for (int u = 0; u < n16; u++) {
-        prefetch_key(next, u, row);
-        int64_t i = 0;
-        for (; i + 16 <= D; i += 16) {
-            _mm512_storeu_ps(kf + u * D + i, load16(tl->k[u], dt, i, 0));
-            _mm512_storeu_ps(vf + u * D + i, load16(tl->v[u], dt, i, 0));
-        }
-        if (i < D) {
-            _mm256_storeu_ps(kf + u * D + i, _mm512_castps512_ps256(load16(tl->k[u], dt, i, 1)));
-            _mm256_storeu_ps(vf + u * D + i, _mm512_castps512_ps256(load16(tl->v[u], dt, i, 1)));
-        }
-        ft.k[u] = (const char *)(kf + u * D), ft.v[u] = (const char *)(vf + u * D);
-        ft.sc[u] = tl->sc[u], ft.wv[u] = tl->wv[u];
-    }
-    ft.n = tl->n;
-    tile_update512(q, G, D, DT_F32, &ft, nv, cap, m, l, acc, NULL);
-}
 #endif
 
 #ifdef KVA_AVX2
@@ -678,7 +644,7 @@ static inline __attribute__((always_inline)) void span_tiles(const kva_args *a, 
         if (next) gather_tile(a, dt, req, h, t + tl->n, t1, &tiles[cur ^ 1]);
         for (int64_t j = 0; j < G; j++) nv[j] = lim[j] - t >= tl->n ? tl->n : lim[j] - t > 0 ? (int)(lim[j] - t) : 0;
 #ifdef KVA_AVX512
-        tile_update512_groups(q, G, D, dt, tl, nv, a->s->softcap, m, l, acc, next);
+        tile_update512(q, G, D, dt, tl, nv, a->s->softcap, m, l, acc, next);
 #else
         tile_update256(q, G, D, dt, tl, nv, a->s->softcap, m, l, acc, next);
 #endif
