@@ -144,6 +144,9 @@ def test_with_a_core_busy_auto_goes_to_one_thread_and_decodes_faster():
     auto, fixed = run("auto"), run("2")
     assert auto[0] == 1 and auto[1] >= 1, auto
     assert fixed[0] == 2 and fixed[1] == 0
+    one = run("1")  # where the busy core does not hold up a second thread, there is no speed for auto to win
+    if fixed[2] >= 0.8 * one[2]:
+        pytest.skip(f"the busy core did not slow 2 threads here ({fixed[2]} tok/s against {one[2]} on 1)")
     assert auto[2] > 1.2 * fixed[2], (auto, fixed)
 
 
