@@ -136,8 +136,7 @@ class ModelConfig:
             raise ValueError(
                 f"{what} is a multimodal checkpoint (text_config with {' and '.join(towers)}): kvcli runs text-only "
                 f"models, and the text model of image-text {', '.join([*IMAGE_TEXT, *QWEN_VL])} folders; give it the "
-                "language model "
-                "alone (llama.cpp's convert_hf_to_gguf.py writes it as a GGUF)")
+                "language model alone (llama.cpp's convert_hf_to_gguf.py writes it as a GGUF)")
         arch = HF_MODEL_TYPES.get(model_type)
         if arch is None:
             raise ValueError(
@@ -297,6 +296,18 @@ def language_model_config(cfg: dict, model_type: str) -> dict:
     the checkpoint's dtype and token ids where text_config lacks them. kvcli runs it on text alone, as transformers
     does for input without images: the same layers, the vision tower and projector not loaded (model/loader.py)."""
     own, defaults, text_types = IMAGE_TEXT[model_type]
+    text = _text_config(cfg, model_type, own, defaults)
+    if defaults is not None:
+        text.setdefault("model_type", text_types[0])
+    if str(text.get("model_type", "")).lower() not in text_types:
+        raise ValueError(f"an image-text {model_type} folder whose text model is {text.get('model_type')!r}: kvcli "
+                         f"runs the text model of {model_type} folders of {', '.join(text_types)}")
+    return text
+
+
+def _text_config(cfg: dict, model_type: str, own: frozenset, defaults: dict | None = None) -> dict:
+    """An image-text config's text_config (over `defaults`), with the checkpoint's dtype and token ids where it lacks
+    them; a top-level key neither image-text's nor the family's `own` is refused, naming it."""
     extra = sorted(set(cfg) - _IMAGE_TEXT_KEYS - own)
     if extra:
         raise ValueError(f"config.json field {extra[0]} of an image-text {model_type} folder is not read by kvcli and "
@@ -304,11 +315,6 @@ def language_model_config(cfg: dict, model_type: str) -> dict:
                          f"model")
     tc = cfg["text_config"]
     text = {**(defaults or {}), **tc}
-    if defaults is not None:
-        text.setdefault("model_type", text_types[0])
-    if str(text.get("model_type", "")).lower() not in text_types:
-        raise ValueError(f"an image-text {model_type} folder whose text model is {text.get('model_type')!r}: kvcli "
-                         f"runs the text model of {model_type} folders of {', '.join(text_types)}")
     for key in ("torch_dtype", "dtype", "eos_token_id", "bos_token_id", "pad_token_id", "tie_word_embeddings"):
         if key in cfg and key not in tc:
             text[key] = cfg[key]
@@ -331,15 +337,7 @@ def qwen_vl_text_config(cfg: dict, model_type: str) -> dict:
     """A Qwen2-VL / Qwen2.5-VL / Qwen3-VL config's text model as a qwen2 / qwen3 config (QWEN_VL above), its M-RoPE
     checked to cover the rotary's frequencies and dropped."""
     if isinstance(cfg.get("text_config"), dict):  # transformers 5's save
-        extra = sorted(set(cfg) - _IMAGE_TEXT_KEYS - _QWEN_VL_KEYS)
-        if extra:
-            raise ValueError(f"config.json field {extra[0]} of an image-text {model_type} folder is not read by kvcli "
-                             f"and may change what the model computes; refusing the folder rather than computing a "
-                             f"different model")
-        text = dict(cfg["text_config"])
-        for key in ("torch_dtype", "dtype", "eos_token_id", "bos_token_id", "pad_token_id", "tie_word_embeddings"):
-            if key in cfg and key not in text:
-                text[key] = cfg[key]
+        text = _text_config(cfg, model_type, _QWEN_VL_KEYS)
     else:  # the published form: the text model's fields beside vision_config
         text = {k: v for k, v in cfg.items() if k != "vision_config" and k not in _QWEN_VL_KEYS}
     text["model_type"] = QWEN_VL[model_type]

@@ -249,9 +249,7 @@ def qwen_vl_name(key: str) -> str | None:
     for the vision tower, not loaded."""
     if key.startswith(("visual.", "model.visual.")):
         return None
-    if key.startswith("model.language_model."):
-        return "model." + key[len("model.language_model."):]
-    return key
+    return language_model_name(key) if key.startswith("model.language_model.") else key
 
 
 def language_model_name(key: str) -> str | None:
